@@ -1,0 +1,236 @@
+"""The Python API: `KVStore` (prefill once, ask many times) and `ChatSession` (multi-turn)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from topk_decode.config import DecodeConfig
+from topk_decode.decode.engine import Conversation, TopKDecoder
+from topk_decode.errors import TopkError
+from topk_decode.model.loading import load_model, load_tokenizer, model_fingerprint
+from topk_decode.prefill.build import LAST_LOGITS, build_cache, parse_dtype, pick_device
+from topk_decode.prefill.documents import PromptFormat
+from topk_decode.store.cache_dir import ContextKV, open_cache
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    """Every token id that ends a turn: the generation config's eos ids and the tokenizer's."""
+    ids: set[int] = set()
+    for src in (getattr(model.generation_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif src:
+            ids.update(int(i) for i in src)
+    return ids
+
+
+class KVStore:
+    """A prefilled context on disk, opened for top-k decoding.
+
+    Use `KVStore.build(docs, out, model)` once, then `KVStore.open(out, k=..., strategy=...)`.
+    """
+
+    def __init__(self, ckv: ContextKV, model, tokenizer, config: DecodeConfig,
+                 progress: Callable[[int, int], None] | None = None) -> None:
+        self.ckv = ckv
+        self.model = model
+        self.tokenizer = tokenizer
+        last = ckv.path / LAST_LOGITS
+        last_logits = torch.from_numpy(np.fromfile(last, dtype=np.float32)) if last.is_file() else None
+        self.decoder = TopKDecoder(model, ckv, config, last_logits=last_logits, progress=progress)
+        self.prompt_format = PromptFormat(**ckv.manifest.get("prompt", {"kind": "raw"}))
+        self.eos_ids = _eos_ids(model, tokenizer)
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def build(cls, docs: str | os.PathLike, out: str | os.PathLike, model: str | os.PathLike | None = None, *,
+              chunk_size: int = 4096, overwrite: bool = False, device: str | None = None,
+              dtype: str | None = None, **open_kwargs) -> "KVStore":
+        """Prefill `docs` with `model` into the cache directory `out`, then open it.
+
+        Args:
+            docs: a documents directory (.txt/.md, recursive) or one file.
+            out: the cache directory to create.
+            model: local HF checkpoint directory (default: the embedded demo model).
+            chunk_size: prefill chunk length.
+            overwrite: replace an existing cache.
+            device, dtype: compute device and dtype for the prefill (and the open).
+            open_kwargs: passed to `KVStore.open` (k, strategy, ...).
+        """
+        if model is None:
+            from topk_decode.demo import default_model_dir
+
+            model = default_model_dir()[0]
+        build_cache(docs, out, model, chunk_size=chunk_size, overwrite=overwrite, device=device, dtype=dtype)
+        return cls.open(out, device=device, dtype=dtype, **open_kwargs)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, k: int = 256, strategy: str = "flat", *,
+             model: str | os.PathLike | None = None, device: str | None = None, dtype: str | None = None,
+             k_per_layer: list[int] | None = None, n_sink: int = 4, n_tail: int = 64,
+             strategy_options: dict | None = None, verify: bool | None = None,
+             progress: Callable[[int, int], None] | None = None) -> "KVStore":
+        """Open a cache for decoding: the model goes to the device, the context KV stays memory-mapped.
+
+        Args:
+            path: the cache directory.
+            k: context tokens retrieved per query head and layer.
+            strategy: selection strategy name ("flat", ...).
+            model: checkpoint directory (default: the one recorded in the cache); its fingerprint must match.
+            device: "cuda" / "cpu" (default: CUDA when available).
+            dtype: compute dtype (default: bf16 on CUDA, fp32 on CPU).
+            k_per_layer: per-layer budgets instead of one k.
+            n_sink, n_tail: first/last context tokens kept in the exact GPU window.
+            strategy_options: options of the strategy.
+            verify: hash every cache file (True), sizes only (False), or auto (None: caches ≤ 2 GiB).
+            progress: callback(done, total) while the strategy builds its indices.
+        """
+        config = DecodeConfig(k=k, k_per_layer=k_per_layer, strategy=strategy,
+                              strategy_options=dict(strategy_options or {}), n_sink=n_sink, n_tail=n_tail)
+        ckv = open_cache(path, verify=verify)
+        config.validate(ckv.n_layers)
+        recorded = ckv.manifest["model"]
+        model_dir = Path(model) if model is not None else Path(recorded["path"])
+        if model is None and not model_dir.exists():
+            raise TopkError(f"the cache's model {model_dir} is not there any more; pass --model DIR")
+        fp = model_fingerprint(model_dir)
+        if fp != recorded["fingerprint"]:
+            raise TopkError(f"model {model_dir} (fingerprint {fp}) is not the model this cache was built with "
+                            f"({recorded['path']}, fingerprint {recorded['fingerprint']})")
+        dev = pick_device(device)
+        return cls(ckv, load_model(model_dir, dev, parse_dtype(dtype)), load_tokenizer(model_dir), config, progress)
+
+    # ---- facts ----------------------------------------------------------------------------------
+    @property
+    def context_ids(self) -> list[int]:
+        """The cached context's token ids."""
+        return self.ckv.tokens
+
+    @property
+    def documents(self) -> list[dict]:
+        """The document table: name and token span of each document."""
+        return self.ckv.manifest["documents"]
+
+    @property
+    def config(self) -> DecodeConfig:
+        return self.decoder.config
+
+    def set_k(self, k: int) -> None:
+        """Change the retrieval budget (all layers) for subsequent steps."""
+        if not isinstance(k, int) or k <= 0:
+            raise TopkError(f"k must be a positive integer, got {k}")
+        self.decoder.config.k, self.decoder.config.k_per_layer = k, None
+
+    def document_of(self, position: int) -> str | None:
+        """Name of the document holding a context position (for citations)."""
+        for d in self.documents:
+            if d["start"] <= position < d["end"]:
+                return d["name"]
+        return None
+
+    # ---- decoding -------------------------------------------------------------------------------
+    def generate_ids(self, prompt_ids: list[int], max_new_tokens: int = 32) -> list[int]:
+        """Greedy continuation of context + prompt_ids (a fresh conversation each call).
+
+        Args:
+            prompt_ids: tokens appended after the cached context.
+            max_new_tokens: at most this many new tokens (stops after an eos token, which is included).
+        """
+        conv = self.decoder.new_conversation()
+        return self.decoder.generate(conv, list(prompt_ids), max_new_tokens, self.eos_ids)
+
+    def ask(self, question: str, max_new_tokens: int = 256, stream: bool = False) -> str | Iterator[str]:
+        """Answer one question about the context (a fresh conversation each call).
+
+        Args:
+            question: the question text; the chat template is applied where the tokenizer has one.
+            max_new_tokens: answer length limit in tokens.
+            stream: return an iterator of text pieces as they are generated.
+        """
+        return self.session().ask(question, max_new_tokens=max_new_tokens, stream=stream)
+
+    def session(self) -> "ChatSession":
+        """A multi-turn conversation with its own GPU window over this shared store."""
+        return ChatSession(self)
+
+    def info(self) -> dict:
+        """Facts about the store (model, sizes, strategy)."""
+        m = self.ckv.manifest
+        return {"path": str(self.ckv.path), "model": m["model"], "n_tokens": self.ckv.n_tokens,
+                "documents": len(m["documents"]), "bytes_on_disk": self.ckv.nbytes(),
+                "strategy": self.config.strategy, "k": self.config.k}
+
+
+class ChatSession:
+    """A conversation over a KVStore: turns accumulate in its own window; `reset()` starts over.
+
+    Args:
+        store: the opened KVStore.
+    """
+
+    def __init__(self, store: KVStore) -> None:
+        self.store = store
+        self.conv: Conversation = store.decoder.new_conversation()
+        self.turns = 0
+
+    @property
+    def stats(self) -> dict:
+        """Per-step timing means and strategy counters of this conversation."""
+        s = self.conv.stats.summary()
+        s["window_tokens"] = self.conv.window.n_new
+        s["strategy_searches"] = self.store.decoder.strategy.stats.searches
+        s["strategy_reused"] = self.store.decoder.strategy.stats.reused
+        return s
+
+    def reset(self) -> None:
+        """Forget the conversation (the context stays)."""
+        self.conv.window.reset()
+        self.conv.pending = []
+        self.conv.strategy_state = self.store.decoder.strategy.new_state()
+        self.turns = 0
+
+    def _question_ids(self, question: str) -> list[int]:
+        text = self.store.prompt_format.question_text(question, first_turn=self.turns == 0)
+        ids = self.store.tokenizer(text, add_special_tokens=False).input_ids
+        # A template's turn separator usually starts with the end-of-turn token the model just emitted.
+        if self.conv.pending and ids and ids[0] == self.conv.pending[0]:
+            self.conv.pending = []
+        return ids
+
+    def ask(self, question: str, max_new_tokens: int = 256, stream: bool = False) -> str | Iterator[str]:
+        """Answer a question, continuing the conversation.
+
+        Args:
+            question: the user's message.
+            max_new_tokens: answer length limit in tokens.
+            stream: return an iterator of text pieces as they are generated.
+        """
+        if not question.strip():
+            raise TopkError("empty question")
+        ids = self._question_ids(question)
+        self.turns += 1
+        pieces = self._stream(ids, max_new_tokens)
+        return pieces if stream else "".join(pieces).strip()
+
+    def _stream(self, prompt_ids: list[int], max_new_tokens: int) -> Iterator[str]:
+        """Generate and detokenize incrementally (byte-level merges can complete later)."""
+        tok, eos = self.store.tokenizer, self.store.eos_ids
+        out: list[int] = []
+        shown = ""
+        for t in self.store.decoder.stream(self.conv, prompt_ids, max_new_tokens, eos):
+            if t in eos:
+                break
+            out.append(t)
+            text = tok.decode(out, skip_special_tokens=True)
+            if text.endswith("\ufffd"):
+                continue
+            yield text[len(shown):]
+            shown = text
+        text = tok.decode(out, skip_special_tokens=True)
+        if len(text) > len(shown):
+            yield text[len(shown):]

@@ -1,0 +1,45 @@
+"""Decode-time configuration: one dataclass, passed explicitly (no globals)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from topk_decode.errors import TopkError
+
+
+@dataclass
+class DecodeConfig:
+    """How a store is decoded.
+
+    Args:
+        k: context tokens retrieved per query head and layer (on top of sinks and tail).
+        k_per_layer: per-layer budgets; overrides `k` when given (length = number of layers).
+        strategy: selection strategy name (see `topk_decode.index.STRATEGIES`).
+        strategy_options: options of that strategy (e.g. {"backend": "torch"} for flat).
+        n_sink: first context tokens kept on the GPU with exact attention (attention sinks).
+        n_tail: last context tokens kept on the GPU with exact attention (e.g. the chat-template
+            prefix of the question and the end of the last document).
+    """
+
+    k: int = 256
+    k_per_layer: list[int] | None = None
+    strategy: str = "flat"
+    strategy_options: dict = field(default_factory=dict)
+    n_sink: int = 4
+    n_tail: int = 64
+
+    def validate(self, n_layers: int) -> None:
+        """Raise TopkError for budgets that make no sense."""
+        if self.k_per_layer is not None:
+            if len(self.k_per_layer) != n_layers:
+                raise TopkError(f"k_per_layer has {len(self.k_per_layer)} entries, the model has {n_layers} layers")
+            if any(k <= 0 for k in self.k_per_layer):
+                raise TopkError("every per-layer k must be a positive integer")
+        elif self.k <= 0:
+            raise TopkError(f"k must be a positive integer, got {self.k}")
+        if self.n_sink < 0 or self.n_tail < 0:
+            raise TopkError("n_sink and n_tail must be ≥ 0")
+
+    def k_for_layer(self, layer: int) -> int:
+        """The retrieval budget of one layer."""
+        return self.k_per_layer[layer] if self.k_per_layer is not None else self.k

@@ -1,0 +1,199 @@
+"""Top-k decoding: the model's blocks on the decode device, the context KV on the CPU.
+
+Per step and layer (batch 1):
+    q, k, v = block projections at the true positions             (decode device)
+    k, v → the exact window                                        (decode device)
+    q → CPU; the strategy picks context ids + exact scores per KV head
+    values[ids] gathered on the CPU → decode device
+    attention = one softmax over retrieved ∪ window                (see merge.py)
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from topk_decode.config import DecodeConfig
+from topk_decode.decode.merge import joint_attention
+from topk_decode.decode.window import Window
+from topk_decode.errors import TopkError, TopkWarning
+from topk_decode.index import get_strategy
+from topk_decode.model.blocks import ModelShape, attention_inputs, final_logits, finish_block, rope
+from topk_decode.store.cache_dir import ContextKV
+
+
+@dataclass
+class StepStats:
+    """Accumulated wall-clock seconds per part of the decode step, and counts."""
+
+    steps: int = 0
+    tokens: int = 0
+    total_s: float = 0.0
+    search_s: float = 0.0
+    gather_s: float = 0.0
+    transfer_s: float = 0.0
+    retrieved: int = 0
+
+    def summary(self) -> dict[str, float]:
+        """Per-step means in milliseconds."""
+        n = max(self.steps, 1)
+        return {
+            "steps": self.steps,
+            "ms_per_step": 1e3 * self.total_s / n,
+            "search_ms": 1e3 * self.search_s / n,
+            "gather_ms": 1e3 * self.gather_s / n,
+            "transfer_ms": 1e3 * self.transfer_s / n,
+            "other_ms": 1e3 * (self.total_s - self.search_s - self.gather_s - self.transfer_s) / n,
+            "retrieved_per_step": self.retrieved / n,
+        }
+
+
+@dataclass
+class Conversation:
+    """One conversation's private state over the shared store: its window and strategy state."""
+
+    window: Window
+    strategy_state: Any
+    pending: list[int] = field(default_factory=list)  # generated but not yet fed back (the last token)
+    stats: StepStats = field(default_factory=StepStats)
+
+
+class TopKDecoder:
+    """Greedy decoding of a model over a prefilled context with top-k retrieval attention.
+
+    Args:
+        model: the HF causal LM, already on `device`.
+        ckv: the opened cache.
+        config: k, strategy, sinks and tail.
+        last_logits: (V,) logits after the last context token (used when the prompt is empty).
+        progress: optional callback(done, total) while the strategy builds its indices.
+    """
+
+    def __init__(self, model, ckv: ContextKV, config: DecodeConfig, last_logits: torch.Tensor | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> None:
+        self.model = model
+        self.ckv = ckv
+        self.shape = ModelShape.from_config(model.config)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        config.validate(self.shape.n_layers)
+        self.config = config
+        n = ckv.n_tokens
+        self.n_sink = min(config.n_sink, n)
+        self.n_tail = min(config.n_tail, n - self.n_sink)
+        self.strategy = get_strategy(config.strategy)(ckv, self.n_sink, n - self.n_tail, config.strategy_options)
+        self.strategy.prepare(progress)
+        self.last_logits = last_logits
+        self.scale = self.shape.head_dim ** -0.5
+        self._warned_positions = False
+        if self.shape.sliding_window and n > self.shape.sliding_window:
+            warnings.warn(f"the model's sliding window ({self.shape.sliding_window}) is shorter than the context "
+                          f"({n} tokens); top-k decoding attends over the whole context", TopkWarning, stacklevel=2)
+
+    def new_conversation(self) -> Conversation:
+        """A fresh conversation: the window starts with the context's sinks and tail."""
+        n = self.ckv.n_tokens
+        keep = list(range(self.n_sink)) + list(range(n - self.n_tail, n))
+        idx = torch.tensor(keep, dtype=torch.int64)
+        init_k = [k.index_select(1, idx).to(self.device, self.dtype) for k in self.ckv.keys]
+        init_v = [v.index_select(1, idx).to(self.device, self.dtype) for v in self.ckv.values]
+        return Conversation(Window(init_k, init_v, n), self.strategy.new_state())
+
+    def _retrieve(self, layer: int, q: torch.Tensor, conv: Conversation):
+        """Context part of one layer's attention: (H, T, K) scores and (H, T, K, D) values, or None."""
+        k = self.config.k_for_layer(layer)
+        if self.strategy.n_searchable == 0:
+            return None, None
+        H, T, D = q.shape
+        hkv, G = self.shape.n_kv_heads, self.shape.group_size
+        st = conv.stats
+        t0 = time.perf_counter()
+        q_cpu = q.float().reshape(hkv, G * T, D).cpu()                          # (Hkv, G·T, D)
+        t1 = time.perf_counter()
+        sel = self.strategy.select(layer, q_cpu, k, conv.strategy_state)
+        t2 = time.perf_counter()
+        K = sel.ids.shape[-1]
+        if K == 0:
+            return None, None
+        n = self.ckv.n_tokens
+        valid = sel.ids >= 0
+        rows = (sel.ids.clamp(min=0) + torch.arange(hkv).view(hkv, 1, 1) * n).reshape(-1)
+        values = self.ckv.values[layer].reshape(hkv * n, D).index_select(0, rows)   # (Hkv·G·T·K, D)
+        scores = sel.scores.masked_fill(~valid, float("-inf"))
+        t3 = time.perf_counter()
+        scores = scores.to(self.device, non_blocking=True).view(H, T, K)
+        values = values.to(self.device, self.dtype, non_blocking=True).view(H, T, K, D)
+        t4 = time.perf_counter()
+        st.search_s += t2 - t1
+        st.gather_s += t3 - t2
+        st.transfer_s += (t1 - t0) + (t4 - t3)
+        st.retrieved += int(valid.sum())
+        return scores, values
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int], conv: Conversation) -> torch.Tensor:
+        """Feed new tokens (after any pending ones) through the model; return the last token's logits (V,)."""
+        ids = conv.pending + list(ids)
+        conv.pending = []
+        if not ids:
+            if conv.window.n_new == 0 and self.last_logits is not None:
+                return self.last_logits
+            raise TopkError("nothing to decode: empty prompt")
+        t_start = time.perf_counter()
+        win = conv.window
+        T = len(ids)
+        pos0 = win.next_position
+        if pos0 + T > self.shape.max_positions and not self._warned_positions:
+            warnings.warn(f"position {pos0 + T} is past the model's maximum positions "
+                          f"({self.shape.max_positions}); answers may degrade", TopkWarning, stacklevel=2)
+            self._warned_positions = True
+        positions = torch.arange(pos0, pos0 + T, device=self.device)
+        x = self.model.model.embed_tokens(torch.tensor([ids], device=self.device))   # (1, T, C)
+        cos, sin = rope(self.model, x, positions)
+        W0 = win.length
+        # query t sees window slots j <= W0 + t (all earlier slots, and itself)
+        visible = torch.arange(W0 + T, device=self.device)[None, :] <= (W0 + torch.arange(T, device=self.device))[:, None]
+        for layer_idx, layer in enumerate(self.model.model.layers):
+            q, k, v = attention_inputs(layer, x, cos, sin, self.shape)           # (1,H,T,D), (1,Hkv,T,D)
+            wk, wv = win.append(layer_idx, k[0], v[0])                           # (Hkv, W0+T, D)
+            ctx_scores, ctx_values = self._retrieve(layer_idx, q[0], conv)
+            out = joint_attention(q[0], wk, wv, visible, ctx_scores, ctx_values, self.scale)  # (H, T, D)
+            x = finish_block(layer, x, out[None])
+        win.advance(T)
+        logits = final_logits(self.model, x[:, -1:])[0]
+        conv.stats.steps += 1
+        conv.stats.tokens += T
+        conv.stats.total_s += time.perf_counter() - t_start
+        return logits
+
+    def stream(self, conv: Conversation, prompt_ids: list[int], max_new_tokens: int,
+               eos_ids: set[int] | None = None) -> Iterator[int]:
+        """Greedy continuation, token by token; the last token stays pending so a next turn continues exactly.
+
+        Args:
+            conv: the conversation (window + strategy state).
+            prompt_ids: tokens appended after whatever the conversation holds.
+            max_new_tokens: at most this many generated tokens.
+            eos_ids: stop after generating one of these (it is yielded, as HF includes it).
+        """
+        eos_ids = eos_ids or set()
+        if max_new_tokens <= 0:
+            return
+        logits = self.forward(prompt_ids, conv)
+        for i in range(max_new_tokens):
+            tok = int(torch.argmax(logits))
+            if tok in eos_ids or i == max_new_tokens - 1:
+                conv.pending = [tok]
+                yield tok
+                return
+            yield tok
+            logits = self.forward([tok], conv)
+
+    def generate(self, conv: Conversation, prompt_ids: list[int], max_new_tokens: int,
+                 eos_ids: set[int] | None = None) -> list[int]:
+        """All of `stream` as a list."""
+        return list(self.stream(conv, prompt_ids, max_new_tokens, eos_ids))

@@ -1,0 +1,108 @@
+"""The one interface every selection strategy implements.
+
+Per decode step and layer, the decoder hands a strategy the step's queries grouped by KV head and
+asks: which context tokens should each query attend to, and with which exact scores q·k? A strategy
+may return a different set per query head (flat), one set shared by a whole layer (TokenSelect), or
+nothing for some heads (DuoAttention streaming heads); it may keep per-conversation state (a
+selection cache) in the object `new_state()` returns.
+
+Only context positions in `[lo, hi)` are searchable: the attention sinks below `lo` and the context
+tail from `hi` on live in the decoder's exact GPU window, and the two sets must stay disjoint.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from topk_decode.store.cache_dir import ContextKV
+
+
+@dataclass
+class Selection:
+    """The answer of a strategy for one layer and one step.
+
+    ids: (Hkv, Q, K) int64 context positions, -1 marks an empty slot (no token).
+    scores: (Hkv, Q, K) float32 exact unscaled q·k of those positions (ignored where ids == -1).
+    Q = G·T (group query heads × new tokens, head-major); K may differ from the requested k.
+    """
+
+    ids: torch.Tensor
+    scores: torch.Tensor
+    searched: bool = True  # False when the answer came from a cache instead of a search
+
+
+@dataclass
+class StrategyStats:
+    """Counters a strategy keeps across steps (shown by `/stats` in chat)."""
+
+    searches: int = 0
+    reused: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class SelectionStrategy(ABC):
+    """Base class: one instance per opened store, shared by all conversations over it.
+
+    Args:
+        ckv: the opened cache (memory-mapped keys/values).
+        lo, hi: the searchable context range [lo, hi).
+        options: strategy-specific options (e.g. nprobe, page size).
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, ckv: ContextKV, lo: int, hi: int, options: dict | None = None) -> None:
+        self.ckv = ckv
+        self.lo, self.hi = lo, hi
+        self.options = dict(options or {})
+        self.stats = StrategyStats()
+
+    @property
+    def n_searchable(self) -> int:
+        """Number of searchable context tokens."""
+        return max(0, self.hi - self.lo)
+
+    def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Build or load whatever the strategy searches (called once, at open)."""
+
+    def new_state(self) -> Any:
+        """Per-conversation state (e.g. TokenSelect's selection cache); None if stateless."""
+        return None
+
+    @abstractmethod
+    def select(self, layer: int, q: torch.Tensor, k: int, state: Any = None) -> Selection:
+        """Pick context tokens for one layer's queries.
+
+        Args:
+            layer: layer index.
+            q: (Hkv, Q, D) float32 CPU queries, post-RoPE, grouped by the KV head they attend with.
+            k: token budget per query head for this layer.
+            state: what `new_state()` returned for this conversation.
+        """
+
+    def all_tokens(self, q: torch.Tensor, layer: int) -> Selection:
+        """The whole searchable range with exact scores: what every strategy returns when k covers it."""
+        keys = self.ckv.keys[layer][:, self.lo:self.hi]                 # (Hkv, M, D)
+        scores = torch.bmm(q, keys.float().transpose(1, 2))             # (Hkv, Q, M)
+        ids = torch.arange(self.lo, self.hi, dtype=torch.int64).expand_as(scores)
+        return Selection(ids=ids, scores=scores)
+
+
+def exact_scores(keys: torch.Tensor, q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Exact q·k for chosen ids of one layer, for strategies whose search does not yield them.
+
+    Args:
+        keys: (Hkv, N, D) the layer's keys.
+        q: (Hkv, Q, D) float32 queries.
+        ids: (Hkv, Q, K) int64, -1 allowed (scored 0; callers mask them).
+    Returns:
+        (Hkv, Q, K) float32.
+    """
+    hkv, n, d = keys.shape
+    flat = ids.clamp(min=0) + torch.arange(hkv).view(hkv, 1, 1) * n
+    k_sel = keys.reshape(hkv * n, d).index_select(0, flat.reshape(-1)).float().view(*ids.shape, d)
+    return torch.einsum("hqd,hqkd->hqk", q, k_sel)

@@ -1,0 +1,111 @@
+"""Offline loading of local Llama / Qwen2 / Mistral checkpoints, and the fingerprint a cache records."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from topk_decode.errors import TopkError
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+# Config fields that do not change the math of the model (and so must not change its fingerprint).
+_FINGERPRINT_IGNORED = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures",
+                        "use_cache", "output_attentions", "output_hidden_states", "return_dict"}
+_SAMPLE_BYTES = 1 << 20
+
+
+def _check_model_dir(path: Path) -> dict:
+    """Read config.json of a checkpoint directory; raise TopkError if it is not a supported model."""
+    if not path.exists():
+        raise TopkError(f"model directory not found: {path}")
+    if not path.is_dir():
+        raise TopkError(f"model path is not a directory: {path}")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise TopkError(f"not a Hugging Face checkpoint (no config.json): {path}")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise TopkError(f"unreadable config.json in {path}: {e}") from None
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise TopkError(
+            f"unsupported model type {model_type!r} in {path} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise TopkError(f"no weights (*.safetensors or *.bin) in model directory {path}")
+    return cfg
+
+
+def model_fingerprint(path: str | os.PathLike) -> str:
+    """A short hash of a checkpoint: its math-relevant config plus samples of every weight file.
+
+    Two checkpoints with the same config but different weights (e.g. two random inits) differ here,
+    because the first and last MiB of each weight file are hashed along with the file sizes.
+
+    Args:
+        path: the checkpoint directory.
+    """
+    path = Path(path)
+    cfg = _check_model_dir(path)
+    h = hashlib.sha256()
+    relevant = {k: v for k, v in sorted(cfg.items()) if k not in _FINGERPRINT_IGNORED}
+    h.update(json.dumps(relevant, sort_keys=True).encode())
+    for f in sorted(list(path.glob("*.safetensors")) + list(path.glob("*.bin"))):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(_SAMPLE_BYTES))
+            if size > 2 * _SAMPLE_BYTES:
+                fh.seek(size - _SAMPLE_BYTES)
+                h.update(fh.read(_SAMPLE_BYTES))
+    return h.hexdigest()[:16]
+
+
+def _quiet_transformers() -> None:
+    """Our own progress bars and errors speak to the user; transformers' loading bars would be noise."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def load_model(path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | None = None):
+    """Load a causal LM from a local checkpoint directory, offline, in eval mode.
+
+    Args:
+        path: the checkpoint directory (config.json + safetensors).
+        device: where the weights go.
+        dtype: weight dtype; default bf16 on CUDA and fp32 on CPU (CPU bf16 matmuls are slow).
+    """
+    from transformers import AutoModelForCausalLM
+
+    _quiet_transformers()
+    path = Path(path)
+    _check_model_dir(path)
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    except Exception as e:  # transformers raises many types for broken checkpoints
+        raise TopkError(f"could not load model from {path}: {str(e).splitlines()[0]}") from None
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """Load the tokenizer saved beside a checkpoint, offline.
+
+    Args:
+        path: the checkpoint directory.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(Path(path), local_files_only=True)
+    except Exception as e:
+        raise TopkError(f"could not load tokenizer from {path}: {str(e).splitlines()[0]}") from None

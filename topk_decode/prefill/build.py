@@ -1,0 +1,109 @@
+"""`topk prefill`: documents → tokens → layer-wise KV → a complete cache directory, or nothing."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from topk_decode.errors import TopkError, TopkWarning
+from topk_decode.model.blocks import ModelShape
+from topk_decode.model.loading import load_model, load_tokenizer, model_fingerprint
+from topk_decode.prefill.documents import collect_documents, layout_context
+from topk_decode.prefill.layerwise import PrefillStats, prefill_layers
+from topk_decode.store.cache_dir import CacheWriter, check_output
+from topk_decode.store.format import dtype_name
+
+LAST_LOGITS = "last_logits.f32"
+
+
+def pick_device(device: str | None = None) -> torch.device:
+    """The requested device, else CUDA when available, else CPU."""
+    if device:
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise TopkError(f"device {device!r} requested but CUDA is not available")
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def parse_dtype(name: str | None) -> torch.dtype | None:
+    """'bf16' / 'fp16' / 'fp32' (or None for the device default) → torch dtype."""
+    table = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+             "fp32": torch.float32, "float32": torch.float32}
+    if name is None:
+        return None
+    if name not in table:
+        raise TopkError(f"unknown dtype {name!r} (use bf16, fp16 or fp32)")
+    return table[name]
+
+
+def build_cache(
+    docs: str | os.PathLike,
+    out: str | os.PathLike,
+    model_dir: str | os.PathLike,
+    chunk_size: int = 4096,
+    overwrite: bool = False,
+    device: str | None = None,
+    dtype: str | None = None,
+    on_start: Callable[[int, int, list[str]], None] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[Path, PrefillStats]:
+    """Prefill documents with a model and write the cache directory atomically.
+
+    Args:
+        docs: a documents directory or one text file.
+        out: the cache directory to create.
+        model_dir: local HF checkpoint directory.
+        chunk_size: prefill chunk length in tokens.
+        overwrite: replace an existing cache at `out` once the new one is complete.
+        device: "cuda", "cpu", ... (default: CUDA when available).
+        dtype: "bf16" / "fp16" / "fp32" (default: bf16 on CUDA, fp32 on CPU).
+        on_start: called as on_start(n_tokens, n_layers, skipped_files) before the heavy work.
+        progress: called with the tokens processed by each chunk of each layer.
+    Returns:
+        the cache path and the prefill statistics.
+    """
+    if chunk_size <= 0:
+        raise TopkError(f"--chunk-size must be positive, got {chunk_size}")
+    out, model_dir = Path(out), Path(model_dir)
+    check_output(out, overwrite)
+    documents, skipped = collect_documents(docs)
+    fingerprint = model_fingerprint(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    layout = layout_context(documents, tokenizer)
+    dev = pick_device(device)
+    model = load_model(model_dir, dev, parse_dtype(dtype))
+    shape = ModelShape.from_config(model.config)
+    n = len(layout.ids)
+    if n > shape.max_positions:
+        warnings.warn(f"the context has {n} tokens, more than the model's maximum positions "
+                      f"({shape.max_positions}); answers may degrade", TopkWarning, stacklevel=2)
+    if on_start is not None:
+        on_start(n, shape.n_layers, skipped)
+    model_dtype = next(model.parameters()).dtype
+    writer = CacheWriter(out, overwrite=overwrite)
+    try:
+        last_logits, stats = prefill_layers(model, layout.ids, writer.write_layer, chunk_size, progress)
+        writer.write_tokens(layout.ids)
+        writer.write_array(LAST_LOGITS, last_logits.float())
+        manifest = {
+            "model": {"path": str(model_dir.resolve()), "fingerprint": fingerprint,
+                      "model_type": shape.model_type, "dtype": dtype_name(model_dtype)},
+            "shape": {"n_layers": shape.n_layers, "n_heads": shape.n_heads, "n_kv_heads": shape.n_kv_heads,
+                      "head_dim": shape.head_dim, "vocab_size": shape.vocab_size},
+            "kv_dtype": dtype_name(model_dtype),
+            "n_tokens": n,
+            "documents": layout.documents,
+            "skipped": skipped,
+            "prompt": layout.prompt.to_dict(),
+            "prefill": {"chunk_size": chunk_size, "device": str(dev), "seconds": round(stats.seconds, 3),
+                        "tokens_per_s": round(stats.tokens_per_s, 1), "peak_device_bytes": stats.peak_device_bytes},
+            "strategies": ["flat"],
+        }
+        return writer.commit(manifest), stats
+    except BaseException:
+        writer.abort()
+        raise
