@@ -21,7 +21,7 @@ from topk_decode.config import DecodeConfig
 from topk_decode.decode.merge import joint_attention
 from topk_decode.decode.window import Window
 from topk_decode.errors import TopkError, TopkWarning
-from topk_decode.index import get_strategy
+from topk_decode.index import Selection, get_strategy
 from topk_decode.model.blocks import ModelShape, attention_inputs, final_logits, finish_block, rope
 from topk_decode.store.cache_dir import ContextKV
 
@@ -60,6 +60,9 @@ class Conversation:
     strategy_state: Any
     pending: list[int] = field(default_factory=list)  # generated but not yet fed back (the last token)
     stats: StepStats = field(default_factory=StepStats)
+    # Called as observer(layer, q, selection, conversation) after every search: q is (Hkv, G·T, D)
+    # fp32 CPU, the window already holds this step's tokens. Used by the evaluation harness.
+    observer: Callable[[int, torch.Tensor, Selection, "Conversation"], None] | None = None
 
 
 class TopKDecoder:
@@ -116,6 +119,8 @@ class TopKDecoder:
         t1 = time.perf_counter()
         sel = self.strategy.select(layer, q_cpu, k, conv.strategy_state)
         t2 = time.perf_counter()
+        if conv.observer is not None:
+            conv.observer(layer, q_cpu, sel, conv)
         K = sel.ids.shape[-1]
         if K == 0:
             return None, None

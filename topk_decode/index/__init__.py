@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from topk_decode.errors import TopkError
-from topk_decode.index.base import Selection, SelectionStrategy, exact_scores
+from topk_decode.index.base import Selection, SelectionStrategy, artifact_dir, artifacts_complete, exact_scores
 from topk_decode.index.flat import FlatStrategy
 
 STRATEGIES: dict[str, type[SelectionStrategy]] = {
@@ -19,4 +19,17 @@ def get_strategy(name: str) -> type[SelectionStrategy]:
         raise TopkError(f"unknown strategy {name!r} (available: {', '.join(sorted(STRATEGIES))})") from None
 
 
-__all__ = ["Selection", "SelectionStrategy", "STRATEGIES", "get_strategy", "exact_scores", "FlatStrategy"]
+def prepare_artifacts(ckv, names: list[str], options: dict | None = None, progress=None) -> None:
+    """Build and save in the cache directory what the named strategies need (`topk prefill --strategy`).
+
+    Args:
+        ckv: the opened cache (`topk_decode.store.open_cache`).
+        names: strategy names.
+        options: strategy options (e.g. {"nlist": 1024}).
+        progress: callback(done, total).
+    """
+    for name in names:
+        get_strategy(name).build_artifacts(ckv, options, progress)
+
+
+__all__ = ["prepare_artifacts", "artifact_dir", "artifacts_complete", "Selection", "SelectionStrategy", "STRATEGIES", "get_strategy", "exact_scores", "FlatStrategy"]

@@ -14,11 +14,22 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 import torch
 
 from topk_decode.store.cache_dir import ContextKV
+
+
+def artifact_dir(cache: Path, name: str) -> Path:
+    """Where strategy `name` keeps its files inside a cache directory."""
+    return Path(cache) / "index" / name
+
+
+def artifacts_complete(cache: Path, name: str) -> bool:
+    """True when strategy `name` finished writing its artifacts in this cache."""
+    return (artifact_dir(cache, name) / "done.json").is_file()
 
 
 @dataclass
@@ -65,6 +76,16 @@ class SelectionStrategy(ABC):
     def n_searchable(self) -> int:
         """Number of searchable context tokens."""
         return max(0, self.hi - self.lo)
+
+    @classmethod
+    def build_artifacts(cls, ckv: ContextKV, options: dict | None = None,
+                        progress: Callable[[int, int], None] | None = None) -> None:
+        """Build and save, under `artifact_dir(ckv.path, cls.name)`, what the strategy needs on disk.
+
+        Called by `topk prefill --strategy NAME` (and by `prepare` on first open when missing).
+        Artifacts cover all N context tokens; `select` restricts itself to [lo, hi). A strategy's
+        artifacts are complete only once `done.json` exists in its directory (written last).
+        """
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Build or load whatever the strategy searches (called once, at open)."""

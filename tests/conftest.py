@@ -1,0 +1,91 @@
+"""Shared fixtures: tiny random-weight checkpoints of each supported family, built once per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from topk_decode.model.tiny import SIMPLE_CHAT_TEMPLATE, make_random_model, make_tokenizer
+
+# Each family / attention layout the exactness tests cover: (family, config overrides).
+MODEL_SPECS = {
+    "llama_gqa": ("llama", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "llama_mha": ("llama", dict(num_attention_heads=4, num_key_value_heads=4)),
+    "qwen2": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2)),  # q/k/v biases
+    "mistral": ("mistral", dict(num_attention_heads=4, num_key_value_heads=1)),
+}
+
+DOC_TEXTS = {
+    "alpha.txt": "The quick brown fox jumps over the lazy dog. Attention sinks keep the softmax stable. " * 12,
+    "notes/beta.md": "# Notes\n\nPrefill runs once and writes the key value cache to disk. " * 10,
+    "gamma.txt": "0123456789 alpha beta gamma delta epsilon zeta eta theta iota kappa lambda. " * 8,
+}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    run_slow = config.getoption("--runslow") or os.environ.get("TOPK_RUN_SLOW") == "1"
+    skip_slow = pytest.mark.skip(reason="slow: use --runslow or TOPK_RUN_SLOW=1")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "slow" in item.keywords and not run_slow:
+            item.add_marker(skip_slow)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """A byte-level BPE tokenizer without a chat template."""
+    d = tmp_path_factory.mktemp("tok")
+    make_tokenizer(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory):
+    """model_factory(name, chat=False, seed=0) → directory of a tiny random checkpoint (cached per args)."""
+    from transformers import AutoTokenizer
+
+    made: dict[tuple, Path] = {}
+
+    def make(name: str = "llama_gqa", chat: bool = False, seed: int = 0) -> Path:
+        key = (name, chat, seed)
+        if key not in made:
+            family, overrides = MODEL_SPECS[name]
+            d = tmp_path_factory.mktemp(f"model-{name}-{'chat' if chat else 'raw'}-{seed}")
+            tok = make_tokenizer(d, chat_template=SIMPLE_CHAT_TEMPLATE if chat else None)
+            tok = AutoTokenizer.from_pretrained(d)
+            make_random_model(d, family, seed=seed, tokenizer=tok, **overrides)
+            made[key] = d
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def docs_dir(tmp_path_factory) -> Path:
+    """A small documents folder: two .txt, one .md in a subfolder, and a file to skip."""
+    d = tmp_path_factory.mktemp("docs")
+    for name, text in DOC_TEXTS.items():
+        (d / name).parent.mkdir(parents=True, exist_ok=True)
+        (d / name).write_text(text)
+    (d / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    return d
+
+
+@pytest.fixture(scope="session")
+def built_cache(tmp_path_factory, model_factory, docs_dir) -> tuple[Path, Path]:
+    """(cache_dir, model_dir): the docs prefilled with the tiny Llama GQA model in fp32 on the CPU."""
+    from topk_decode.prefill.build import build_cache
+
+    model_dir = model_factory("llama_gqa")
+    out = tmp_path_factory.mktemp("caches") / "cache"
+    build_cache(docs_dir, out, model_dir, chunk_size=97, device="cpu")
+    return out, model_dir
