@@ -72,7 +72,7 @@ class KVStore:
     @classmethod
     def open(cls, path: str | os.PathLike, k: int = 256, strategy: str = "flat", *,
              model: str | os.PathLike | None = None, device: str | None = None, dtype: str | None = None,
-             k_per_layer: list[int] | None = None, n_sink: int = 4, n_tail: int = 64,
+             k_per_layer: list[int] | None = None, k_schedule: str = "uniform", n_sink: int = 4, n_tail: int = 64,
              strategy_options: dict | None = None, verify: bool | None = None,
              progress: Callable[[int, int], None] | None = None) -> "KVStore":
         """Open a cache for decoding: the model goes to the device, the context KV stays memory-mapped.
@@ -85,12 +85,13 @@ class KVStore:
             device: "cuda" / "cpu" (default: CUDA when available).
             dtype: compute dtype (default: bf16 on CUDA, fp32 on CPU).
             k_per_layer: per-layer budgets instead of one k.
+            k_schedule: "uniform" or "linear" (k increasing over layers at the same total budget).
             n_sink, n_tail: first/last context tokens kept in the exact GPU window.
             strategy_options: options of the strategy.
             verify: hash every cache file (True), sizes only (False), or auto (None: caches ≤ 2 GiB).
             progress: callback(done, total) while the strategy builds its indices.
         """
-        config = DecodeConfig(k=k, k_per_layer=k_per_layer, strategy=strategy,
+        config = DecodeConfig(k=k, k_per_layer=k_per_layer, k_schedule=k_schedule, strategy=strategy,
                               strategy_options=dict(strategy_options or {}), n_sink=n_sink, n_tail=n_tail)
         ckv = open_cache(path, verify=verify)
         config.validate(ckv.n_layers)

@@ -14,6 +14,7 @@ class DecodeConfig:
     Args:
         k: context tokens retrieved per query head and layer (on top of sinks and tail).
         k_per_layer: per-layer budgets; overrides `k` when given (length = number of layers).
+        k_schedule: "uniform" (k at every layer) or "linear" (increasing with depth, same total k·L).
         strategy: selection strategy name (see `topk_decode.index.STRATEGIES`).
         strategy_options: options of that strategy (e.g. {"backend": "torch"} for flat).
         n_sink: first context tokens kept on the GPU with exact attention (attention sinks).
@@ -23,6 +24,7 @@ class DecodeConfig:
 
     k: int = 256
     k_per_layer: list[int] | None = None
+    k_schedule: str = "uniform"
     strategy: str = "flat"
     strategy_options: dict = field(default_factory=dict)
     n_sink: int = 4
@@ -37,9 +39,20 @@ class DecodeConfig:
                 raise TopkError("every per-layer k must be a positive integer")
         elif self.k <= 0:
             raise TopkError(f"k must be a positive integer, got {self.k}")
+        from topk_decode.index.schedule import SCHEDULES
+
+        if self.k_schedule not in SCHEDULES:
+            raise TopkError(f"unknown k schedule {self.k_schedule!r} (use {' or '.join(SCHEDULES)})")
+        self._n_layers = n_layers  # the schedule needs the depth; k itself may change later (set_k)
         if self.n_sink < 0 or self.n_tail < 0:
             raise TopkError("n_sink and n_tail must be ≥ 0")
 
     def k_for_layer(self, layer: int) -> int:
         """The retrieval budget of one layer."""
-        return self.k_per_layer[layer] if self.k_per_layer is not None else self.k
+        if self.k_per_layer is not None:
+            return self.k_per_layer[layer]
+        if self.k_schedule != "uniform":
+            from topk_decode.index.schedule import k_schedule
+
+            return k_schedule(self.k_schedule, self.k, self._n_layers)[layer]
+        return self.k

@@ -5,9 +5,16 @@ from __future__ import annotations
 from topk_decode.errors import TopkError
 from topk_decode.index.base import Selection, SelectionStrategy, artifact_dir, artifacts_complete, exact_scores
 from topk_decode.index.flat import FlatStrategy
+from topk_decode.index.ann import HnswStrategy, IvfStrategy
+from topk_decode.index.quest import QuestStrategy
+from topk_decode.index.tokenselect import TokenSelectStrategy
 
 STRATEGIES: dict[str, type[SelectionStrategy]] = {
     FlatStrategy.name: FlatStrategy,
+    IvfStrategy.name: IvfStrategy,
+    HnswStrategy.name: HnswStrategy,
+    QuestStrategy.name: QuestStrategy,
+    TokenSelectStrategy.name: TokenSelectStrategy,
 }
 
 

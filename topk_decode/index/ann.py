@@ -1,0 +1,278 @@
+"""ivf and hnsw: approximate maximum-inner-product search with Faiss, one index per (layer, KV head).
+
+Both index all N context keys (ids = context positions) with `METRIC_INNER_PRODUCT`, and restrict
+each search to the searchable range with an `IDSelectorRange(lo, hi)`, so sinks and tail (which
+live in the decoder's exact window) are never returned. Scores are always recomputed exactly from
+the memory-mapped keys (`exact_scores`): the indices may store keys in 16 bits or centred.
+
+Query-aware remedy (attention queries are out of distribution for the keys): with `center=True`
+each head's mean key μ is subtracted before indexing. q·(k − μ) = q·k − q·μ ranks the keys of one
+query exactly as q·k does, but the common component that dominates raw keys no longer drags every
+key into the same few clusters/neighbourhoods. `spherical=True` trains IVF centroids with spherical
+k-means, so probing by q·c ranks clusters by direction rather than by centroid norm.
+See docs/STRATEGIES.md for the measured effect of both.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+import faiss
+import numpy as np
+import torch
+
+from topk_decode.errors import TopkError
+from topk_decode.index.base import Selection, SelectionStrategy, artifact_dir, exact_scores
+from topk_decode.store.cache_dir import ContextKV
+
+DONE = "done.json"
+_SQ_TYPES = {torch.float16: "QT_fp16", torch.bfloat16: "QT_bf16"}
+
+
+# ---- artifact bookkeeping shared by the strategies that save files --------------------------------
+def recorded_options(cache: Path, name: str) -> dict | None:
+    """The build options recorded in `done.json` of strategy `name`, or None when not (fully) built."""
+    path = artifact_dir(cache, name) / DONE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text()).get("options", {})
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def artifacts_match(cache: Path, name: str, wanted: dict) -> bool:
+    """True when the artifacts exist and were built with every option the caller asked for explicitly.
+
+    Args:
+        cache: the cache directory.
+        name: strategy name.
+        wanted: build options the user passed (options left at their default are not compared, so a
+            cache built at prefill with e.g. nlist=4096 opens without repeating it).
+    """
+    rec = recorded_options(cache, name)
+    return rec is not None and all(rec.get(key) == value for key, value in wanted.items())
+
+
+def write_done(cache: Path, name: str, options: dict) -> None:
+    """Mark strategy `name`'s artifacts complete (written last, atomically), recording its build options."""
+    d = artifact_dir(cache, name)
+    tmp = d / (DONE + ".tmp")
+    tmp.write_text(json.dumps({"options": options}, indent=2))
+    os.replace(tmp, d / DONE)
+
+
+def start_artifacts(cache: Path, name: str) -> Path:
+    """Create (or reuse) the artifact directory, removing a stale `done.json` before rewriting files."""
+    d = artifact_dir(cache, name)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / DONE).unlink(missing_ok=True)
+    return d
+
+
+def as_bool(value: Any) -> bool:
+    """An option value from the CLI ("1", "true", "no", ...) or Python as a bool."""
+    if isinstance(value, str):
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise TopkError(f"expected a boolean option value, got {value!r}")
+    return bool(value)
+
+
+def positive_int(options: dict, key: str, default: int) -> int:
+    """Read a positive integer option, raising TopkError on anything else."""
+    raw = options.get(key, default)
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        raise TopkError(f"option {key} must be a positive integer, got {raw!r}") from None
+    if value <= 0:
+        raise TopkError(f"option {key} must be a positive integer, got {raw!r}")
+    return value
+
+
+# ---- the shared Faiss strategy ---------------------------------------------------------------------
+class FaissAnnStrategy(SelectionStrategy):
+    """Common build/load/search of per-(layer, KV head) Faiss ANN indices (subclasses: ivf, hnsw).
+
+    Options (both): center (subtract each head's mean key, default True), threads (parallel head
+    searches, default: CPU cores). Subclasses add their own build and search options.
+    """
+
+    IO_FLAGS: int = 0
+
+    # ---- options ----
+    @classmethod
+    def build_options(cls, ckv: ContextKV, options: dict) -> dict:
+        """All build options, defaults filled in (recorded in done.json)."""
+        return {"center": as_bool(options.get("center", True))}
+
+    @classmethod
+    def new_index(cls, d: int, n: int, dtype: torch.dtype, opts: dict) -> faiss.Index:
+        """An empty index for one head's n keys of dimension d."""
+        raise NotImplementedError
+
+    def search_params(self) -> faiss.SearchParameters:
+        """Per-search parameters (nprobe / efSearch) with the [lo, hi) id selector."""
+        raise NotImplementedError
+
+    def params_for(self, k: int) -> faiss.SearchParameters:
+        """The search parameters for a budget of k (HNSW widens its beam to k)."""
+        return self.params
+
+    # ---- build ----
+    @classmethod
+    def build_artifacts(cls, ckv: ContextKV, options: dict | None = None,
+                        progress: Callable[[int, int], None] | None = None) -> None:
+        opts = cls.build_options(ckv, dict(options or {}))
+        d = start_artifacts(ckv.path, cls.name)
+        L, H, D = ckv.n_layers, ckv.n_kv_heads, ckv.head_dim
+        means = np.zeros((L, H, D), dtype=np.float32)
+        for layer in range(L):
+            for h in range(H):
+                x = ckv.keys[layer][h].float().numpy()                          # (N, D)
+                if opts["center"]:
+                    means[layer, h] = x.mean(axis=0)
+                    x = x - means[layer, h]
+                x = np.ascontiguousarray(x, dtype=np.float32)
+                index = cls.new_index(D, x.shape[0], ckv.dtype, opts)
+                if not index.is_trained:
+                    index.train(x)
+                index.add(x)                                                    # ids 0..N-1 = positions
+                faiss.write_index(index, str(d / f"l{layer:03d}.h{h:02d}.faiss"))
+                if progress:
+                    progress(layer * H + h + 1, L * H)
+        np.save(d / "means.npy", means)
+        write_done(ckv.path, cls.name, opts)
+
+    # ---- open ----
+    def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
+        wanted = {k: v for k, v in self.build_options(self.ckv, self.options).items() if k in self.options}
+        if not artifacts_match(self.ckv.path, self.name, wanted):
+            self.build_artifacts(self.ckv, self.options, progress)
+        d = artifact_dir(self.ckv.path, self.name)
+        self.built = recorded_options(self.ckv.path, self.name)
+        L, H = self.ckv.n_layers, self.ckv.n_kv_heads
+        self.indices = [[faiss.read_index(str(d / f"l{layer:03d}.h{h:02d}.faiss"), self.IO_FLAGS)
+                         for h in range(H)] for layer in range(L)]
+        self.threads = positive_int(self.options, "threads", max(1, os.cpu_count() or 1))
+        self.pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
+        if self.threads > 1:
+            # Faiss parallelises one search over its queries only (G·T of them per head): we run the
+            # heads in parallel ourselves, so each search stays on one OpenMP thread.
+            faiss.omp_set_num_threads(1)
+        # The selector must outlive every search that uses it: keep it on the instance.
+        self.selector = faiss.IDSelectorRange(self.lo, self.hi)
+        self.params = self.search_params()
+
+    def artifact_bytes(self) -> int:
+        """Bytes of this strategy's files in the cache directory."""
+        d = artifact_dir(self.ckv.path, self.name)
+        return sum(p.stat().st_size for p in d.iterdir() if p.is_file())
+
+    # ---- search ----
+    def select(self, layer: int, q: torch.Tensor, k: int, state: Any = None) -> Selection:
+        if k >= self.n_searchable:
+            return self.all_tokens(q, layer)
+        self.stats.searches += 1
+        qn = np.ascontiguousarray(q.numpy(), dtype=np.float32)                  # (Hkv, Q, D)
+        row, params = self.indices[layer], self.params_for(k)
+
+        def one(h: int) -> np.ndarray:
+            return row[h].search(qn[h], k, params=params)[1]                    # (Q, k) ids, -1 = none
+
+        parts = list(self.pool.map(one, range(q.shape[0]))) if self.pool else [one(h) for h in range(q.shape[0])]
+        ids = torch.from_numpy(np.stack(parts))                                 # (Hkv, Q, k)
+        scores = exact_scores(self.ckv.keys[layer], q, ids)                     # (Hkv, Q, k) exact q·k
+        return Selection(ids=ids, scores=scores)
+
+
+class IvfStrategy(FaissAnnStrategy):
+    """Inverted-file index: k-means coarse quantizer, scan the `nprobe` best lists.
+
+    Options:
+        nlist: number of clusters (build; default 4·√N, at most N/39 so k-means has data).
+        nprobe: clusters scanned per query (default max(1, nlist/8)).
+        center, spherical: the query-aware remedies (build; default True, True).
+        threads: parallel head searches.
+    """
+
+    name = "ivf"
+    IO_FLAGS = faiss.IO_FLAG_MMAP  # maps the inverted lists instead of reading them into RAM
+
+    @classmethod
+    def build_options(cls, ckv: ContextKV, options: dict) -> dict:
+        n = ckv.n_tokens
+        default = max(1, min(int(4 * math.sqrt(n)), n // 39))
+        nlist = positive_int(options, "nlist", default)
+        if nlist > n:
+            raise TopkError(f"nlist={nlist} is more than the {n} context tokens")
+        return {"nlist": nlist, "center": as_bool(options.get("center", True)),
+                "spherical": as_bool(options.get("spherical", True))}
+
+    @classmethod
+    def new_index(cls, d: int, n: int, dtype: torch.dtype, opts: dict) -> faiss.Index:
+        quantizer = faiss.IndexFlatIP(d)
+        if dtype in _SQ_TYPES:
+            qtype = getattr(faiss.ScalarQuantizer, _SQ_TYPES[dtype])
+            index = faiss.IndexIVFScalarQuantizer(quantizer, d, opts["nlist"], qtype, faiss.METRIC_INNER_PRODUCT)
+        else:
+            index = faiss.IndexIVFFlat(quantizer, d, opts["nlist"], faiss.METRIC_INNER_PRODUCT)
+        index.cp.spherical = opts["spherical"]
+        index.cp.seed = 1234  # reproducible clusters (the Faiss wrapper keeps `quantizer` referenced)
+        return index
+
+    def search_params(self) -> faiss.SearchParameters:
+        nlist = self.built["nlist"]
+        self.nprobe = min(positive_int(self.options, "nprobe", max(1, nlist // 8)), nlist)
+        return faiss.SearchParametersIVF(nprobe=self.nprobe, sel=self.selector)
+
+
+class HnswStrategy(FaissAnnStrategy):
+    """Hierarchical navigable small-world graph over the keys (inner-product metric).
+
+    Options:
+        M: graph degree (build; default 32).
+        efConstruction: build beam width (build; default 80).
+        efSearch: search beam width (default max(64, k); raised to k when smaller).
+        center: subtract each head's mean key (build; default True).
+        threads: parallel head searches.
+    """
+
+    name = "hnsw"
+    IO_FLAGS = faiss.IO_FLAG_MMAP_IFC  # zero-copy mapping of the stored vectors and graph
+
+    @classmethod
+    def build_options(cls, ckv: ContextKV, options: dict) -> dict:
+        return {"M": positive_int(options, "M", 32), "efConstruction": positive_int(options, "efConstruction", 80),
+                "center": as_bool(options.get("center", True))}
+
+    @classmethod
+    def new_index(cls, d: int, n: int, dtype: torch.dtype, opts: dict) -> faiss.Index:
+        if dtype in _SQ_TYPES:
+            qtype = getattr(faiss.ScalarQuantizer, _SQ_TYPES[dtype])
+            index = faiss.IndexHNSWSQ(d, qtype, opts["M"], faiss.METRIC_INNER_PRODUCT)
+        else:
+            index = faiss.IndexHNSWFlat(d, opts["M"], faiss.METRIC_INNER_PRODUCT)
+        index.hnsw.efConstruction = opts["efConstruction"]
+        return index
+
+    def search_params(self) -> faiss.SearchParameters:
+        self.ef_search = positive_int(self.options, "efSearch", 64)
+        self._params_by_k: dict[int, faiss.SearchParameters] = {}
+        return faiss.SearchParametersHNSW(efSearch=self.ef_search, sel=self.selector)
+
+    def params_for(self, k: int) -> faiss.SearchParameters:
+        if k <= self.ef_search:
+            return self.params
+        # The beam must be at least k wide to return k results; one parameter object per such k.
+        if k not in self._params_by_k:
+            self._params_by_k[k] = faiss.SearchParametersHNSW(efSearch=k, sel=self.selector)
+        return self._params_by_k[k]
