@@ -1,0 +1,112 @@
+"""The merge of retrieved context tokens with the window is one softmax over their union."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from topk_decode.decode.merge import joint_attention, lse_merge, partial_attention
+
+
+def _dense(q, keys, values, visible=None):
+    """Reference: torch SDPA over all keys with GQA expansion.  q (H,T,D), keys/values (Hkv,S,D)."""
+    H, hkv = q.shape[0], keys.shape[0]
+    k = keys.repeat_interleave(H // hkv, dim=0)
+    v = values.repeat_interleave(H // hkv, dim=0)
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=visible)[0]
+
+
+def _split(q, ctx_k, ctx_v):
+    """All context tokens as a 'retrieved' part: raw scores (H,T,N) and values (H,T,N,D)."""
+    H, T, _ = q.shape
+    G = H // ctx_k.shape[0]
+    k = ctx_k.repeat_interleave(G, dim=0)
+    v = ctx_v.repeat_interleave(G, dim=0)
+    scores = torch.einsum("htd,hnd->htn", q, k)
+    return scores, v[:, None].expand(H, T, *v.shape[1:])
+
+
+def test_joint_attention_equals_sdpa_over_context_and_window():
+    torch.manual_seed(0)
+    H, hkv, T, D, N, W = 8, 2, 3, 16, 50, 6
+    q = torch.randn(H, T, D, dtype=torch.float64)
+    ctx_k, ctx_v = torch.randn(hkv, N, D, dtype=torch.float64), torch.randn(hkv, N, D, dtype=torch.float64)
+    win_k, win_v = torch.randn(hkv, W, D, dtype=torch.float64), torch.randn(hkv, W, D, dtype=torch.float64)
+    # causal over the window: the last T window slots are the new tokens
+    visible = torch.arange(W)[None, :] <= (W - T + torch.arange(T))[:, None]          # (T, W)
+    scores, values = _split(q, ctx_k, ctx_v)
+    ours = joint_attention(q, win_k, win_v, visible, scores, values, D ** -0.5)
+    full_mask = torch.cat([torch.ones(T, N, dtype=torch.bool), visible], dim=1)
+    ref = _dense(q, torch.cat([ctx_k, win_k], 1), torch.cat([ctx_v, win_v], 1), full_mask)
+    torch.testing.assert_close(ours.double(), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_lse_merge_of_two_parts_equals_joint_softmax():
+    torch.manual_seed(1)
+    a, b = torch.randn(4, 30) * 3, torch.randn(4, 7) * 3
+    va, vb = torch.randn(4, 30, 5), torch.randn(4, 7, 5)
+    out_a, lse_a = partial_attention(a, va)
+    out_b, lse_b = partial_attention(b, vb)
+    merged, lse = lse_merge(out_a, lse_a, out_b, lse_b)
+    p = torch.softmax(torch.cat([a, b], -1), -1)
+    ref = torch.einsum("hk,hkd->hd", p, torch.cat([va, vb], 1))
+    torch.testing.assert_close(merged, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, torch.logsumexp(torch.cat([a, b], -1), -1))
+
+
+def test_adding_two_separately_normalised_softmaxes_is_not_the_merge():
+    """Guard against the seed paper's Algorithm 1 line 15 read literally."""
+    torch.manual_seed(2)
+    a, b = torch.randn(2, 10), torch.randn(2, 4)
+    va, vb = torch.randn(2, 10, 3), torch.randn(2, 4, 3)
+    out_a, lse_a = partial_attention(a, va)
+    out_b, lse_b = partial_attention(b, vb)
+    merged, _ = lse_merge(out_a, lse_a, out_b, lse_b)
+    assert not torch.allclose(merged, out_a + out_b, atol=1e-3)
+
+
+def test_empty_slots_get_no_weight():
+    torch.manual_seed(3)
+    H, T, D, W = 2, 1, 8, 3
+    q = torch.randn(H, T, D)
+    win_k, win_v = torch.randn(1, W, D), torch.randn(1, W, D)
+    scores = torch.randn(H, T, 5)
+    values = torch.randn(H, T, 5, D)
+    scores_masked = scores.clone()
+    scores_masked[..., 3:] = float("-inf")
+    with_empty = joint_attention(q, win_k, win_v, None, scores_masked, values, D ** -0.5)
+    without = joint_attention(q, win_k, win_v, None, scores[..., :3], values[..., :3, :], D ** -0.5)
+    torch.testing.assert_close(with_empty, without)
+
+
+def test_small_k_reproduces_dense_output_when_attention_is_concentrated():
+    """When a few keys hold nearly all the mass, retrieving just those keys gives the dense output."""
+    torch.manual_seed(4)
+    H, hkv, D, N, W, k = 4, 2, 32, 2000, 4, 8
+    q = torch.randn(H, 1, D)
+    ctx_k = torch.randn(hkv, N, D) * 0.05          # background keys: near-zero logits
+    ctx_v = torch.randn(hkv, N, D)
+    hot = torch.randint(0, N, (hkv, k))
+    G = H // hkv
+    for h in range(hkv):                           # plant keys aligned with the group's queries
+        ctx_k[h, hot[h]] = q[h * G:(h + 1) * G, 0].mean(0) * 8.0
+    win_k, win_v = torch.randn(hkv, W, D) * 0.05, torch.randn(hkv, W, D)
+    dense = _dense(q, torch.cat([ctx_k, win_k], 1), torch.cat([ctx_v, win_v], 1))
+    scores_all = torch.einsum("gqd,gnd->gqn", q.view(hkv, G, D), ctx_k)            # (Hkv, G, N)
+    top = scores_all.topk(k, dim=-1)
+    sel_values = torch.stack([ctx_v[h][top.indices[h]] for h in range(hkv)])       # (Hkv, G, k, D)
+    out = joint_attention(q, win_k, win_v, None, top.values.reshape(H, 1, k),
+                          sel_values.reshape(H, 1, k, D), D ** -0.5)
+    rel = (out - dense).norm() / dense.norm()
+    assert rel < 1e-3, f"relative error {rel:.2e}"
+    # and the same budget misses when attention is spread out (the test is not vacuous)
+    spread_k = torch.randn(hkv, N, D)
+    dense_spread = _dense(q, torch.cat([spread_k, win_k], 1), torch.cat([ctx_v, win_v], 1))
+    s = torch.einsum("gqd,gnd->gqn", q.view(hkv, G, D), spread_k).topk(k, dim=-1)
+    v = torch.stack([ctx_v[h][s.indices[h]] for h in range(hkv)])
+    out_spread = joint_attention(q, win_k, win_v, None, s.values.reshape(H, 1, k), v.reshape(H, 1, k, D),
+                                 D ** -0.5)
+    assert (out_spread - dense_spread).norm() / dense_spread.norm() > 10 * rel
+    assert math.isfinite(float(rel))
