@@ -1,0 +1,77 @@
+"""`topk eval`: task accuracy and fidelity of top-k strategies against dense attention."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Callable
+
+import typer
+
+from topk_decode.cli.common import check_device, console, parse_options, say_note
+from topk_decode.errors import TopkError
+
+
+def parse_list(name: str, text: str, kind: Callable[[str], object]) -> list:
+    """'4096,16384' → [4096, 16384]; a bad item raises TopkError naming the option.
+
+    Args:
+        name: the option name (for the message).
+        text: comma-separated values.
+        kind: int, float or str.
+    """
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise TopkError(f"{name} expects a comma-separated list, got {text!r}")
+    out = []
+    for t in items:
+        try:
+            out.append(kind(t))
+        except ValueError:
+            raise TopkError(f"{name}: {t!r} is not a valid {kind.__name__}") from None
+    return out
+
+
+def eval_command(
+    model: Annotated[Path | None, typer.Option("--model", help="Checkpoint directory (default: the shipped demo model).")] = None,
+    tasks: Annotated[str, typer.Option("--tasks", help="Comma-separated tasks (single_needle, multi_key, multi_value, variable_tracking).")] = "single_needle",
+    lengths: Annotated[str, typer.Option("--lengths", help="Comma-separated context lengths in tokens.")] = "4096",
+    depths: Annotated[str, typer.Option("--depths", help="Comma-separated depths of the asked fact in [0, 1].")] = "0.1,0.5,0.9",
+    seeds: Annotated[int, typer.Option("--seeds", help="Instances per (task, length, depth).")] = 1,
+    first_seed: Annotated[int, typer.Option("--first-seed", help="Seed of the first instance.")] = 0,
+    strategies: Annotated[str, typer.Option("--strategies", help="Comma-separated selection strategies.")] = "flat",
+    k: Annotated[str, typer.Option("--k", help="Comma-separated retrieval budgets per query head and layer.")] = "1,4,16,64,256,1024",
+    out: Annotated[Path | None, typer.Option("--out", help="Write the full results as JSON here.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write PNG plots into this directory (needs matplotlib).")] = None,
+    device: Annotated[str | None, typer.Option("--device", help="cuda, cuda:N or cpu (default: CUDA when available).")] = None,
+    dtype: Annotated[str | None, typer.Option("--dtype", help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU).")] = None,
+    fidelity_steps: Annotated[int, typer.Option("--fidelity-steps", help="Teacher-forced steps measured per run (0: no attention metrics).")] = 8,
+    n_sink: Annotated[int, typer.Option("--n-sink", help="First context tokens kept in the exact window.")] = 4,
+    n_tail: Annotated[int, typer.Option("--n-tail", help="Last context tokens kept in the exact window.")] = 64,
+    opt: Annotated[list[str] | None, typer.Option("--opt", help="Strategy option key=value (repeatable).")] = None,
+    markdown: Annotated[bool, typer.Option("--markdown", help="Also print the tables as markdown.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No per-instance progress lines.")] = False,
+) -> None:
+    """Run dense and each strategy × k on the same seeded task instances: accuracy and fidelity tables."""
+    check_device(device)
+    from topk_decode.eval.harness import EvalConfig, run_eval
+    from topk_decode.eval.report import markdown_tables, print_tables, save_json, write_plots
+
+    cfg = EvalConfig(
+        model=str(model) if model is not None else None,
+        tasks=parse_list("--tasks", tasks, str), lengths=parse_list("--lengths", lengths, int),
+        depths=parse_list("--depths", depths, float), seeds=seeds, first_seed=first_seed,
+        strategies=parse_list("--strategies", strategies, str), ks=parse_list("--k", k, int),
+        fidelity_steps=fidelity_steps, device=device, dtype=dtype, n_sink=n_sink, n_tail=n_tail,
+        strategy_options=parse_options(opt))
+    cfg.validate()   # before loading anything
+    err = console(stderr=True)
+    log = None if quiet else (lambda msg: err.print(msg, markup=False, highlight=False))
+    result = run_eval(cfg, log=log)
+    print_tables(result, console())
+    if markdown:
+        typer.echo(markdown_tables(result))
+    if out is not None:
+        say_note(f"results written to {save_json(result, out)}")
+    if plot is not None:
+        for p in write_plots(result, plot):
+            say_note(f"plot written to {p}")

@@ -1,0 +1,343 @@
+"""`run_eval`: task accuracy and fidelity of top-k decoding against dense attention, same instances.
+
+Per seeded task instance (task × length × depth × seed):
+  1. prefill the context once into a cache directory (`build_cache` on a one-file document, whose
+     layout is exactly `[bos] + tokenize(context)`: checked, not assumed);
+  2. dense reference: the HF model over context + question with its own full KV cache, greedy;
+  3. per strategy (one opened store) and per k: teacher-forced top-k decoding on the dense tokens,
+     with the decoder's observer measuring attention fidelity at every layer and step, and the
+     logits compared with dense (KL, greedy agreement); the answer is checked on the free-running
+     generation (identical to dense when every teacher-forced argmax agreed, else decoded anew).
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from topk_decode.api import KVStore
+from topk_decode.config import DecodeConfig
+from topk_decode.errors import TopkError
+from topk_decode.eval.metrics import FidelityObserver, is_correct, kl_divergence
+from topk_decode.index import STRATEGIES
+from topk_decode.model.loading import load_model, load_tokenizer, model_fingerprint
+from topk_decode.prefill.build import build_cache, parse_dtype, pick_device
+from topk_decode.store.cache_dir import open_cache
+
+
+@dataclass
+class EvalConfig:
+    """What to evaluate.
+
+    Args:
+        model: checkpoint directory (default: the shipped demo model).
+        tasks: task names of `topk_decode.eval.tasks.TASKS`.
+        lengths: context lengths in tokens.
+        depths: depths of the asked fact, in [0, 1].
+        seeds: instances per (task, length, depth), seeded first_seed, first_seed+1, ...
+        first_seed: the first instance seed.
+        strategies: selection strategies to compare with dense.
+        ks: retrieval budgets per query head and layer.
+        fidelity_steps: teacher-forced decode steps measured per run (at least the answer's length
+            is always decoded); 0 turns the per-layer attention metrics off (KL/agreement stay).
+        device, dtype: compute device / dtype for prefill, dense and top-k (default: CUDA+bf16 if
+            available, else CPU+fp32).
+        n_sink, n_tail: exact window of the top-k decoder (as `KVStore.open`).
+        strategy_options: options passed to every strategy.
+        chunk_size: prefill chunk length.
+        work_dir: where the temporary caches go (default: the system temp dir).
+    """
+
+    model: str | None = None
+    tasks: list[str] = field(default_factory=lambda: ["single_needle"])
+    lengths: list[int] = field(default_factory=lambda: [4096])
+    depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])
+    seeds: int = 1
+    first_seed: int = 0
+    strategies: list[str] = field(default_factory=lambda: ["flat"])
+    ks: list[int] = field(default_factory=lambda: [1, 4, 16, 64, 256, 1024])
+    fidelity_steps: int = 8
+    device: str | None = None
+    dtype: str | None = None
+    n_sink: int = 4
+    n_tail: int = 64
+    strategy_options: dict = field(default_factory=dict)
+    chunk_size: int = 4096
+    work_dir: str | None = None
+
+    def validate(self) -> None:
+        """Raise TopkError for settings that make no sense."""
+        from topk_decode.eval.tasks import TASKS
+
+        for t in self.tasks:
+            if t not in TASKS:
+                raise TopkError(f"unknown task {t!r} (available: {', '.join(TASKS)})")
+        for s in self.strategies:
+            if s not in STRATEGIES:
+                raise TopkError(f"unknown strategy {s!r} (available: {', '.join(sorted(STRATEGIES))})")
+        if not self.tasks or not self.lengths or not self.depths or not self.strategies or not self.ks:
+            raise TopkError("tasks, lengths, depths, strategies and k each need at least one value")
+        if any(n <= 0 for n in self.lengths):
+            raise TopkError(f"lengths must be positive, got {self.lengths}")
+        if any(not 0.0 <= d <= 1.0 for d in self.depths):
+            raise TopkError(f"depths must be in [0, 1], got {self.depths}")
+        if any(k <= 0 for k in self.ks):
+            raise TopkError(f"k must be positive integers, got {self.ks}")
+        if self.seeds < 1:
+            raise TopkError(f"--seeds must be at least 1, got {self.seeds}")
+        if self.fidelity_steps < 0:
+            raise TopkError(f"--fidelity-steps must be ≥ 0, got {self.fidelity_steps}")
+
+
+@dataclass
+class RunResult:
+    """One strategy at one k on one instance. Fidelity means are over decode steps (None if unmeasured)."""
+
+    strategy: str
+    k: int
+    generated: str
+    correct: bool
+    steps: int
+    agreement: float          # teacher-forced steps whose argmax equals the dense token / steps
+    kl_mean: float            # nats, mean over steps of KL(dense ‖ top-k) next-token distributions
+    kl_max: float
+    mass_recall: float | None
+    id_recall: float | None
+    output_rel_error: float | None
+    layer_mass_recall: list[float] | None = None
+    head_mass_recall: list[list[float]] | None = None   # (layers, query heads)
+    seconds: float = 0.0
+
+
+@dataclass
+class InstanceResult:
+    """One seeded task instance: its dense reference and every (strategy, k) run."""
+
+    task: str
+    length: int
+    depth: float
+    seed: int
+    answer: str
+    n_context_tokens: int
+    n_prompt_tokens: int
+    dense_generated: str
+    dense_correct: bool
+    prefill_seconds: float
+    dense_seconds: float
+    runs: list[RunResult] = field(default_factory=list)
+
+
+@dataclass
+class EvalResult:
+    """Everything `run_eval` measured, JSON-ready through `to_dict`."""
+
+    config: dict
+    environment: dict
+    instances: list[InstanceResult] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        """Plain dict: config, environment, per-instance results and the aggregated summary."""
+        from topk_decode.eval.report import summarize
+
+        return {"config": self.config, "environment": self.environment, "summary": summarize(self),
+                "instances": [asdict(i) for i in self.instances]}
+
+
+@torch.inference_mode()
+def dense_reference(model, ids: list[int], n_steps: int, eos_ids: set[int]) -> tuple[list[int], torch.Tensor]:
+    """Greedy decoding with the HF model over the full KV (its own DynamicCache), as `model.generate`.
+
+    Args:
+        model: the HF causal LM.
+        ids: context + prompt token ids.
+        n_steps: at most this many generated tokens (stops after an eos token, which is kept).
+        eos_ids: token ids that end generation.
+    Returns:
+        the generated tokens and the (steps, V) fp32 CPU logits each one was chosen from.
+    """
+    dev = next(model.parameters()).device
+    out = model(input_ids=torch.tensor([ids], device=dev), use_cache=True, logits_to_keep=1)
+    tokens: list[int] = []
+    logits: list[torch.Tensor] = []
+    for _ in range(n_steps):
+        step_logits = out.logits[0, -1].float().cpu()                     # (V,)
+        tok = int(torch.argmax(step_logits))
+        tokens.append(tok)
+        logits.append(step_logits)
+        if tok in eos_ids or len(tokens) == n_steps:
+            break
+        out = model(input_ids=torch.tensor([[tok]], device=dev), past_key_values=out.past_key_values,
+                    use_cache=True)
+    return tokens, torch.stack(logits)
+
+
+@dataclass
+class TeacherForced:
+    """Per-step comparison of top-k logits with dense ones on the dense tokens."""
+
+    matches: list[bool]
+    kl_mean: float
+    kl_max: float
+
+
+def teacher_forced(decoder, prompt_ids: list[int], dense_tokens: list[int], dense_logits: torch.Tensor,
+                   observer: Callable | None = None) -> TeacherForced:
+    """Feed the prompt, then the dense tokens, through the top-k decoder; compare every step's logits.
+
+    Args:
+        decoder: the `TopKDecoder` (its k already set).
+        prompt_ids: the question tokens.
+        dense_tokens: the dense reference's generated tokens (fed back one by one).
+        dense_logits: (steps, V) the dense logits each dense token was chosen from.
+        observer: optional `Conversation.observer` (attention fidelity).
+    """
+    conv = decoder.new_conversation()
+    conv.observer = observer
+    logits = decoder.forward(list(prompt_ids), conv)
+    matches: list[bool] = []
+    kls: list[float] = []
+    for i, tok in enumerate(dense_tokens):
+        lf = logits.float().cpu()
+        kls.append(float(kl_divergence(dense_logits[i], lf)))
+        matches.append(int(torch.argmax(lf)) == tok)
+        if i + 1 < len(dense_tokens):
+            logits = decoder.forward([tok], conv)
+    return TeacherForced(matches=matches, kl_mean=sum(kls) / max(len(kls), 1), kl_max=max(kls, default=0.0))
+
+
+def environment(model_dir: Path, trained: bool | None, device: torch.device) -> dict:
+    """Facts needed to reproduce or compare a run: machine, versions, model, date."""
+    import faiss
+    import transformers
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()} {platform.processor() or platform.system()}, "
+                   f"{torch.get_num_threads()} torch threads",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "python": platform.python_version(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "faiss": faiss.__version__,
+        "model": str(model_dir), "model_fingerprint": model_fingerprint(model_dir), "trained_demo_model": trained,
+    }
+
+
+def _answer_steps(tokenizer, answer: str) -> int:
+    """Decode steps enough to produce the answer (its tokens after a space) plus one."""
+    return len(tokenizer(" " + answer, add_special_tokens=False).input_ids) + 1
+
+
+def _context_cache(inst, tokenizer, model_dir: Path, cfg: EvalConfig, tmp: Path) -> tuple[Path, list[int], float]:
+    """Prefill the instance's context into tmp/cache; check the layout is [bos] + tokenize(context)."""
+    doc = tmp / "context.txt"
+    doc.write_text(inst.context, encoding="utf-8")
+    t0 = time.perf_counter()
+    cache, _ = build_cache(doc, tmp / "cache", model_dir, chunk_size=cfg.chunk_size, device=cfg.device,
+                           dtype=cfg.dtype)
+    seconds = time.perf_counter() - t0
+    ids = tokenizer(inst.context, add_special_tokens=False).input_ids
+    bos = getattr(tokenizer, "bos_token_id", None)
+    expected = ([bos] if bos is not None else []) + list(ids)
+    if open_cache(cache, verify=False).tokens != expected:
+        raise TopkError("the prefilled context is not laid out as [bos] + tokenize(context) for this tokenizer "
+                        "(a chat template adds a prefix); evaluate a model without a chat template")
+    return cache, expected, seconds
+
+
+def _run_one(store: KVStore, strategy: str, k: int, prompt_ids: list[int], dense_tokens: list[int],
+             dense_logits: torch.Tensor, answer: str, answer_steps: int, observe: bool) -> RunResult:
+    """Teacher-forced fidelity + free-running correctness of one (strategy, k)."""
+    t0 = time.perf_counter()
+    store.set_k(k)
+    obs = FidelityObserver(store.decoder) if observe else None
+    tf = teacher_forced(store.decoder, prompt_ids, dense_tokens, dense_logits, obs)
+    n_ans = min(answer_steps, len(dense_tokens))
+    if all(tf.matches[:n_ans]):
+        # every step the answer needs chose the dense token from the same inputs: the free-running
+        # generation is the dense one, token for token
+        gen = dense_tokens[:answer_steps]
+    else:
+        gen = store.generate_ids(prompt_ids, answer_steps)
+    text = store.tokenizer.decode(gen, skip_special_tokens=True)
+    fid = obs.result() if obs is not None else None
+    return RunResult(
+        strategy=strategy, k=k, generated=text, correct=is_correct(text, answer), steps=len(tf.matches),
+        agreement=sum(tf.matches) / max(len(tf.matches), 1), kl_mean=tf.kl_mean, kl_max=tf.kl_max,
+        mass_recall=fid.mass_recall if fid else None, id_recall=fid.id_recall if fid else None,
+        output_rel_error=fid.output_rel_error if fid else None,
+        layer_mass_recall=fid.layer_mass_recall if fid else None,
+        head_mass_recall=fid.head_mass_recall if fid else None, seconds=time.perf_counter() - t0)
+
+
+def run_eval(cfg: EvalConfig, log: Callable[[str], None] | None = None) -> EvalResult:
+    """Run dense and every (strategy, k) on the same seeded instances.
+
+    Args:
+        cfg: what to evaluate.
+        log: called with one progress line per instance and run.
+    Returns:
+        the EvalResult (see `EvalResult.to_dict` for the JSON layout).
+    """
+    from topk_decode.eval.tasks import make_instance
+
+    cfg.validate()
+    log = log or (lambda _msg: None)
+    trained: bool | None = None
+    if cfg.model is None:
+        from topk_decode.demo import default_model_dir
+
+        model_dir, trained = default_model_dir()
+        if not trained:
+            log(f"no trained demo model shipped: using random weights at {model_dir} (answers are noise)")
+    else:
+        model_dir = Path(cfg.model)
+    device = pick_device(cfg.device)
+    model = load_model(model_dir, device, parse_dtype(cfg.dtype))
+    tokenizer = load_tokenizer(model_dir)
+    eos = {int(model.generation_config.eos_token_id)} if isinstance(model.generation_config.eos_token_id, int) \
+        else set(model.generation_config.eos_token_id or [])
+    if tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    result = EvalResult(config=asdict(cfg), environment=environment(model_dir, trained, device))
+    ks = sorted(set(cfg.ks))
+    for task in cfg.tasks:
+        for length in cfg.lengths:
+            for depth in cfg.depths:
+                for seed in range(cfg.first_seed, cfg.first_seed + cfg.seeds):
+                    inst = make_instance(task, length, depth, seed, tokenizer)
+                    with tempfile.TemporaryDirectory(prefix="topk-eval-", dir=cfg.work_dir) as tmp:
+                        cache, ctx_ids, prefill_s = _context_cache(inst, tokenizer, model_dir, cfg, Path(tmp))
+                        prompt_ids = tokenizer(inst.question, add_special_tokens=False).input_ids
+                        answer_steps = _answer_steps(tokenizer, inst.answer)
+                        t0 = time.perf_counter()
+                        dense_tokens, dense_logits = dense_reference(
+                            model, ctx_ids + prompt_ids, max(answer_steps, cfg.fidelity_steps), eos)
+                        dense_s = time.perf_counter() - t0
+                        dense_text = tokenizer.decode(dense_tokens[:answer_steps], skip_special_tokens=True)
+                        ir = InstanceResult(task=task, length=length, depth=depth, seed=seed, answer=inst.answer,
+                                            n_context_tokens=len(ctx_ids), n_prompt_tokens=len(prompt_ids),
+                                            dense_generated=dense_text,
+                                            dense_correct=is_correct(dense_text, inst.answer),
+                                            prefill_seconds=prefill_s, dense_seconds=dense_s)
+                        log(f"{task} len={length} depth={depth} seed={seed}: {len(ctx_ids)} tokens, dense "
+                            f"{'correct' if ir.dense_correct else 'wrong'} ({dense_text.strip()!r} vs {inst.answer!r})")
+                        for strategy in cfg.strategies:
+                            dc = DecodeConfig(k=ks[-1], strategy=strategy, strategy_options=dict(cfg.strategy_options),
+                                              n_sink=cfg.n_sink, n_tail=cfg.n_tail)
+                            store = KVStore(open_cache(cache, verify=False), model, tokenizer, dc)
+                            for k in ks:
+                                run = _run_one(store, strategy, k, prompt_ids, dense_tokens, dense_logits,
+                                               inst.answer, answer_steps, cfg.fidelity_steps > 0)
+                                ir.runs.append(run)
+                                mr = "-" if run.mass_recall is None else f"{run.mass_recall:.4f}"
+                                log(f"  {strategy} k={k}: {'correct' if run.correct else 'wrong'}, mass recall {mr}, "
+                                    f"KL {run.kl_mean:.2e}, agreement {run.agreement:.2f}")
+                            del store
+                    result.instances.append(ir)
+    return result

@@ -1,0 +1,196 @@
+"""Aggregating an EvalResult: summary rows, rich tables, markdown, JSON, and PNG plots."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+from topk_decode.errors import TopkError
+
+DENSE = "dense"
+
+
+def _mean(xs: list[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None and not math.isnan(x)]
+    return sum(vals) / len(vals) if vals else None
+
+
+def summarize(result) -> dict:
+    """Aggregate per-instance results.
+
+    Args:
+        result: an `EvalResult`.
+    Returns:
+        {"accuracy": rows per (task, length, depth, method), "fidelity": rows per (length, strategy, k),
+         "layer_mass_recall": {"strategy@k": [per-layer mean]}}; a method is "dense" or "strategy@k".
+    """
+    acc: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
+    fid: dict[tuple, list] = defaultdict(list)
+    layers: dict[str, list[list[float]]] = defaultdict(list)
+    for inst in result.instances:
+        key = (inst.task, inst.length, inst.depth)
+        acc[key + (DENSE, None, None)][0] += int(inst.dense_correct)
+        acc[key + (DENSE, None, None)][1] += 1
+        for r in inst.runs:
+            acc[key + (f"{r.strategy}@{r.k}", r.strategy, r.k)][0] += int(r.correct)
+            acc[key + (f"{r.strategy}@{r.k}", r.strategy, r.k)][1] += 1
+            fid[(inst.length, r.strategy, r.k)].append(r)
+            if r.layer_mass_recall is not None:
+                layers[f"{r.strategy}@{r.k}"].append(r.layer_mass_recall)
+    accuracy = [{"task": t, "length": n, "depth": d, "method": m, "strategy": s, "k": k,
+                 "correct": c, "n": total, "accuracy": c / total}
+                for (t, n, d, m, s, k), (c, total) in acc.items()]
+    fidelity = [{"length": n, "strategy": s, "k": k, "n": len(rs),
+                 "mass_recall": _mean([r.mass_recall for r in rs]), "id_recall": _mean([r.id_recall for r in rs]),
+                 "output_rel_error": _mean([r.output_rel_error for r in rs]),
+                 "kl_mean": _mean([r.kl_mean for r in rs]), "kl_max": max(r.kl_max for r in rs),
+                 "agreement": _mean([r.agreement for r in rs])}
+                for (n, s, k), rs in sorted(fid.items())]
+    layer_means = {m: [_mean([row[i] for row in rows]) for i in range(len(rows[0]))] for m, rows in layers.items()}
+    return {"accuracy": accuracy, "fidelity": fidelity, "layer_mass_recall": layer_means}
+
+
+def save_json(result, path: str | Path) -> Path:
+    """Write `result.to_dict()` as indented JSON (parent directories are created).
+
+    Args:
+        result: an `EvalResult`.
+        path: the output file.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result.to_dict(), indent=1))
+    return path
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def accuracy_table_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
+    """Accuracy as "correct/n" per (task, length, depth) row and method column (dense first)."""
+    methods: list[str] = [DENSE]
+    cells: dict[tuple, dict[str, str]] = defaultdict(dict)
+    order = sorted({(r["method"] != DENSE, r["strategy"] or "", r["k"] or 0, r["method"]) for r in summary["accuracy"]})
+    methods = [m for *_, m in order]
+    for r in summary["accuracy"]:
+        cells[(r["task"], r["length"], r["depth"])][r["method"]] = f"{r['correct']}/{r['n']}"
+    header = ["task", "length", "depth"] + methods
+    rows = [[t, str(n), f"{d:g}"] + [cells[(t, n, d)].get(m, "") for m in methods] for (t, n, d) in sorted(cells)]
+    return header, rows
+
+
+def fidelity_table_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
+    """Fidelity means per (length, strategy, k)."""
+    header = ["length", "strategy", "k", "mass recall", "id recall", "out rel err", "KL mean", "KL max", "agree"]
+    rows = [[str(r["length"]), r["strategy"], str(r["k"]), _fmt(r["mass_recall"], ".4f"), _fmt(r["id_recall"], ".4f"),
+             _fmt(r["output_rel_error"], ".2e"), _fmt(r["kl_mean"], ".2e"), _fmt(r["kl_max"], ".2e"),
+             _fmt(r["agreement"], ".3f")] for r in summary["fidelity"]]
+    return header, rows
+
+
+def print_tables(result, console=None) -> None:
+    """Print the accuracy and fidelity tables with rich.
+
+    Args:
+        result: an `EvalResult`.
+        console: a rich Console (default: a new one on stdout).
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    summary = summarize(result)
+    for title, (header, rows) in (("Task accuracy (correct / instances)", accuracy_table_rows(summary)),
+                                  ("Fidelity vs dense (means over instances, layers, heads, steps)",
+                                   fidelity_table_rows(summary))):
+        table = Table(title=title)
+        for h in header:
+            table.add_column(h, justify="left" if h in ("task", "strategy") else "right", no_wrap=True)
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+
+
+def markdown_tables(result) -> str:
+    """Both tables as GitHub markdown (for docs/EVAL.md)."""
+    summary = summarize(result)
+    out = []
+    for header, rows in (accuracy_table_rows(summary), fidelity_table_rows(summary)):
+        out.append("| " + " | ".join(header) + " |")
+        out.append("|" + "---|" * len(header))
+        out += ["| " + " | ".join(r) + " |" for r in rows]
+        out.append("")
+    return "\n".join(out)
+
+
+def write_plots(result, out_dir: str | Path) -> list[Path]:
+    """PNG plots: accuracy vs k, mass recall vs k (one line per strategy and length), per-layer mass recall.
+
+    Args:
+        result: an `EvalResult`.
+        out_dir: directory for the PNGs (created).
+    Returns:
+        the written files.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise TopkError("--plot needs matplotlib: pip install 'topk-decode[plot]'") from None
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = summarize(result)
+    written = []
+
+    # accuracy vs k, pooled over tasks and depths, per strategy and length; dense as dashed lines
+    pooled: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
+    for r in summary["accuracy"]:
+        key = (r["length"], r["strategy"] or DENSE, r["k"])
+        pooled[key][0] += r["correct"]
+        pooled[key][1] += r["n"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for n in sorted({key[0] for key in pooled}):
+        for s in sorted({key[1] for key in pooled if key[1] != DENSE}):
+            pts = sorted((k, c / t) for (ln, st, k), (c, t) in pooled.items() if ln == n and st == s)
+            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{s}, {n} tokens")
+            if (n, DENSE, None) in pooled:
+                c, t = pooled[(n, DENSE, None)]
+                ax.axhline(c / t, ls="--", color=line.get_color(), label=f"dense, {n} tokens")
+    ax.set(xscale="log", xlabel="k (tokens per query head and layer)", ylabel="accuracy", ylim=(-0.05, 1.05),
+           title="Task accuracy vs k")
+    ax.legend(fontsize=7)
+    written.append(_save(fig, out_dir / "accuracy_vs_k.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for n in sorted({r["length"] for r in summary["fidelity"]}):
+        for s in sorted({r["strategy"] for r in summary["fidelity"]}):
+            pts = [(r["k"], r["mass_recall"]) for r in summary["fidelity"]
+                   if r["length"] == n and r["strategy"] == s and r["mass_recall"] is not None]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{s}, {n} tokens")
+    ax.set(xscale="log", xlabel="k", ylabel="attention-mass recall", title="Attention-mass recall vs k")
+    ax.legend(fontsize=7)
+    written.append(_save(fig, out_dir / "mass_recall_vs_k.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method, vals in sorted(summary["layer_mass_recall"].items(), key=lambda kv: (kv[0].split("@")[0],
+                                                                                      int(kv[0].split("@")[1]))):
+        ax.plot(range(len(vals)), vals, marker="o", label=method)
+    ax.set(xlabel="layer", ylabel="attention-mass recall", title="Per-layer attention-mass recall")
+    ax.legend(fontsize=7)
+    written.append(_save(fig, out_dir / "layer_mass_recall.png"))
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
