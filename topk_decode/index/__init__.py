@@ -8,6 +8,7 @@ from topk_decode.index.flat import FlatStrategy
 from topk_decode.index.ann import HnswStrategy, IvfStrategy
 from topk_decode.index.quest import QuestStrategy
 from topk_decode.index.tokenselect import TokenSelectStrategy
+from topk_decode.index.duo import DuoStrategy
 
 STRATEGIES: dict[str, type[SelectionStrategy]] = {
     FlatStrategy.name: FlatStrategy,
@@ -15,6 +16,7 @@ STRATEGIES: dict[str, type[SelectionStrategy]] = {
     HnswStrategy.name: HnswStrategy,
     QuestStrategy.name: QuestStrategy,
     TokenSelectStrategy.name: TokenSelectStrategy,
+    DuoStrategy.name: DuoStrategy,
 }
 
 

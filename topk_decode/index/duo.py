@@ -1,0 +1,215 @@
+"""duo: DuoAttention's head split — retrieval heads search the whole context, streaming heads none.
+
+Each (layer, KV head) has a gate in [0, 1] (DuoAttention's `full_attention_heads.tsv`, or our own
+`topk calibrate-duo`). Heads whose gate is at or above the `sparsity` quantile of all gates are
+retrieval heads: exact top-k over the context, delegated to the flat strategy's search (the same
+Faiss index types / torch scan, built for these heads only). The others are streaming heads: they
+attend only to the decoder's GPU window — the context's first `n_sink` and last `n_tail` tokens
+plus everything generated since — which is exactly DuoAttention's sinks + recent set. A streaming
+head has no index, no search and no CPU→GPU traffic: its slots come back as -1 (empty).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+import faiss
+import numpy as np
+import torch
+
+from topk_decode.errors import TopkError
+from topk_decode.index.base import Selection, artifact_dir
+from topk_decode.index.flat import FlatStrategy, add_in_blocks, default_threads, new_flat_index
+
+PATTERN_FILE = "full_attention_heads.tsv"
+
+
+def parse_pattern(path: str | Path, n_layers: int, n_kv_heads: int) -> torch.Tensor:
+    """Read a DuoAttention gate table: one row per layer, one tab-separated column per KV head.
+
+    Args:
+        path: the TSV file.
+        n_layers: the model's number of layers (rows expected).
+        n_kv_heads: the model's number of KV heads (columns expected).
+    Returns:
+        (n_layers, n_kv_heads) float32 gates in [0, 1].
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise TopkError(f"duo pattern file not found: {path}")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise TopkError(f"unreadable duo pattern file {path}: {e}") from None
+    rows = [line for line in text.splitlines() if line.strip()]
+    if len(rows) != n_layers:
+        raise TopkError(f"duo pattern {path} has {len(rows)} rows, the model has {n_layers} layers "
+                        f"(one row per layer expected)")
+    gates = []
+    for i, line in enumerate(rows):
+        cells = line.strip().split("\t")
+        if len(cells) != n_kv_heads:
+            raise TopkError(f"duo pattern {path} row {i + 1} has {len(cells)} columns, the model has "
+                            f"{n_kv_heads} KV heads (tab-separated, one column per KV head expected)")
+        try:
+            vals = [float(c) for c in cells]
+        except ValueError:
+            raise TopkError(f"duo pattern {path} row {i + 1} has a non-numeric value: {line.strip()!r}") from None
+        bad = [v for v in vals if not (0.0 <= v <= 1.0)]  # also rejects nan
+        if bad:
+            raise TopkError(f"duo pattern {path} row {i + 1} has value {bad[0]} outside [0, 1]")
+        gates.append(vals)
+    return torch.tensor(gates, dtype=torch.float32)
+
+
+def write_pattern(path: str | Path, gates: torch.Tensor) -> Path:
+    """Write gates in DuoAttention's TSV format (one row per layer, tab-separated KV heads).
+
+    Args:
+        path: the output file (parent directories are created).
+        gates: (n_layers, n_kv_heads) values in [0, 1].
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = ["\t".join(f"{float(g):.6f}" for g in row) for row in gates.detach().cpu()]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def retrieval_mask(gates: torch.Tensor, sparsity: float) -> torch.Tensor:
+    """Which heads are retrieval heads: gate ≥ the `sparsity` quantile of all gates (DuoAttention's rule).
+
+    Args:
+        gates: (n_layers, n_kv_heads) gates.
+        sparsity: fraction of heads to make streaming, in [0, 1]; 0 = all retrieval, 1 = all streaming.
+    Returns:
+        (n_layers, n_kv_heads) bool, True = retrieval head.
+    """
+    if not 0.0 <= sparsity <= 1.0:
+        raise TopkError(f"duo sparsity must be in [0, 1], got {sparsity}")
+    if sparsity <= 0.0:
+        return torch.ones_like(gates, dtype=torch.bool)
+    if sparsity >= 1.0:
+        return torch.zeros_like(gates, dtype=torch.bool)
+    # Linear interpolation between order statistics, as numpy.quantile (DuoAttention's code) does.
+    threshold = torch.quantile(gates.double().flatten(), sparsity)
+    return gates.double() >= threshold
+
+
+class DuoStrategy(FlatStrategy):
+    """Exact top-k for retrieval heads, nothing for streaming heads.
+
+    Options:
+        pattern: path of a `full_attention_heads.tsv` (default: the one in the cache's duo artifacts).
+        sparsity: fraction of KV heads that become streaming heads (default 0.5).
+        backend, threads: as for flat (the retrieval heads' search).
+    """
+
+    name = "duo"
+
+    @classmethod
+    def build_artifacts(cls, ckv, options: dict | None = None,
+                        progress: Callable[[int, int], None] | None = None) -> None:
+        """Validate the `pattern` option against the cache's model and store it in the cache.
+
+        Args:
+            ckv: the opened cache.
+            options: must hold `pattern=PATH` (DuoAttention's file or `topk calibrate-duo` output).
+            progress: unused (copying a small file).
+        """
+        src = (options or {}).get("pattern")
+        if not src:
+            raise TopkError("duo needs a head pattern: pass pattern=PATH (DuoAttention's full_attention_heads.tsv "
+                            "or the output of `topk calibrate-duo`)")
+        parse_pattern(src, ckv.n_layers, ckv.n_kv_heads)
+        out = artifact_dir(ckv.path, cls.name)
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, out / PATTERN_FILE)
+        (out / "done.json").write_text(json.dumps({"pattern": str(src)}))
+
+    def _pattern_path(self) -> Path:
+        given = self.options.get("pattern")
+        if given:
+            return Path(given)
+        stored = artifact_dir(self.ckv.path, self.name) / PATTERN_FILE
+        if stored.is_file():
+            return stored
+        raise TopkError("duo needs a head pattern: pass strategy option pattern=PATH (DuoAttention's "
+                        "full_attention_heads.tsv or `topk calibrate-duo` output)")
+
+    def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
+        try:
+            sparsity = float(self.options.get("sparsity", 0.5))
+        except (TypeError, ValueError):
+            raise TopkError(f"duo sparsity must be a number, got {self.options.get('sparsity')!r}") from None
+        self.gates = parse_pattern(self._pattern_path(), self.ckv.n_layers, self.ckv.n_kv_heads)
+        self.retrieval = retrieval_mask(self.gates, sparsity)                # (L, Hkv) bool
+        self.retrieval_heads = [torch.nonzero(r).flatten().tolist() for r in self.retrieval]
+        n_stream = int((~self.retrieval).sum())
+        self.stats.extra.update(streaming_heads=0, pattern_streaming=n_stream,
+                                pattern_retrieval=int(self.retrieval.sum()))
+        # Flat's search machinery (backend, per-head thread pool) without its all-heads index build.
+        self.backend = self.options.get("backend", "faiss")
+        if self.backend not in ("faiss", "torch"):
+            raise TopkError(f"unknown duo backend {self.backend!r} (use faiss or torch)")
+        self.threads = int(self.options.get("threads") or default_threads())
+        self.pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
+        if self.threads > 1:
+            faiss.omp_set_num_threads(1)  # we parallelise over heads (see flat.py)
+        # Indices only for retrieval heads: a streaming head's memory-mapped keys are never read.
+        self.head_index: dict[tuple[int, int], faiss.Index] = {}
+        if self.backend != "faiss" or self.n_searchable == 0:
+            return
+        todo = [(layer, h) for layer, hs in enumerate(self.retrieval_heads) for h in hs]
+        for i, (layer, h) in enumerate(todo):
+            index = new_flat_index(self.ckv.head_dim, self.ckv.dtype)
+            add_in_blocks(index, self.ckv.keys[layer][h, self.lo:self.hi])
+            self.head_index[(layer, h)] = index
+            if progress:
+                progress(i + 1, len(todo))
+
+    def search_head(self, layer: int, h: int, q: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Exact top-k of one retrieval head (flat's search): (Q, k) scores and searchable-range offsets.
+
+        Args:
+            layer: layer index.
+            h: KV head index (must be a retrieval head).
+            q: (Q, D) float32 queries of the head's group.
+            k: results per query.
+        """
+        if self.backend == "torch":
+            return self._torch_topk(layer, h, q, k)
+        return self.head_index[(layer, h)].search(q.numpy(), k)
+
+    def select(self, layer: int, q: torch.Tensor, k: int, state: Any = None) -> Selection:
+        hkv, Q, _ = q.shape
+        heads = self.retrieval_heads[layer]
+        self.stats.extra["streaming_heads"] += hkv - len(heads)
+        if not heads:
+            # K = 0: the decoder gathers and transfers nothing for this layer.
+            empty = torch.empty((hkv, Q, 0))
+            return Selection(ids=empty.long(), scores=empty, searched=False)
+        covering = k >= self.n_searchable
+        K = self.n_searchable if covering else k
+        ids = torch.full((hkv, Q, K), -1, dtype=torch.int64)
+        scores = torch.zeros((hkv, Q, K), dtype=torch.float32)
+        if covering:
+            # The whole searchable range, exact, for retrieval heads only.
+            idx = torch.tensor(heads)
+            keys = self.ckv.keys[layer].index_select(0, idx)[:, self.lo:self.hi]   # (R, M, D)
+            scores[idx] = torch.bmm(q[idx], keys.float().transpose(1, 2))
+            ids[idx] = torch.arange(self.lo, self.hi, dtype=torch.int64).expand(len(heads), Q, K)
+            return Selection(ids=ids, scores=scores)
+        self.stats.searches += 1
+        parts = self._map(lambda h: self.search_head(layer, h, q[h], k), heads)
+        for h, (s, i) in zip(heads, parts):
+            i = torch.from_numpy(np.asarray(i))
+            scores[h] = torch.from_numpy(np.asarray(s))
+            ids[h] = torch.where(i >= 0, i + self.lo, i)
+        return Selection(ids=ids, scores=scores)
