@@ -1,0 +1,109 @@
+"""The `topk` command line: command registration and the one place where errors become exit codes.
+
+Exit codes: 0 success; 1 internal error (a bug: one line, traceback only with TOPK_DEBUG=1);
+2 bad input or environment (`TopkError`, usage errors); 130 interrupted (Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from typing import Any, Sequence
+
+import typer
+from typer.core import TyperGroup
+
+from topk_decode.cli import chat_cmd, eval_cmd, info_cmd, prefill_cmd
+from topk_decode.cli.common import one_line, say_error, say_warning
+from topk_decode.errors import TopkError, TopkWarning
+
+EXIT_INTERNAL, EXIT_USER, EXIT_INTERRUPTED = 1, 2, 130
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """warnings.showwarning replacement: `warning: <message>` on one line, no source location."""
+    say_warning(message)
+
+
+class TopkGroup(TyperGroup):
+    """The root command: runs the chosen subcommand and turns every failure into one line + exit code.
+
+    Living in the click group (not only in `main()`) means typer's CliRunner sees exactly what a
+    user sees.
+    """
+
+    def invoke(self, ctx: typer.Context) -> Any:
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            warnings.simplefilter("always", TopkWarning)
+            try:
+                return super().invoke(ctx)
+            except (typer.TyperException, typer.Exit, typer.Abort):
+                raise  # usage errors, --help, explicit exits: handled in main()
+            except TopkError as e:
+                say_error(e)
+                raise typer.Exit(EXIT_USER) from None
+            except KeyboardInterrupt:
+                typer.echo("interrupted", err=True)
+                raise typer.Exit(EXIT_INTERRUPTED) from None
+            except Exception as e:  # noqa: BLE001 - the last line of defence against tracebacks
+                if os.environ.get("TOPK_DEBUG") == "1":
+                    raise
+                say_error(f"internal error: {type(e).__name__}: {one_line(e)} (set TOPK_DEBUG=1 for the traceback)")
+                raise typer.Exit(EXIT_INTERNAL) from None
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
+        try:
+            code = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
+                                standalone_mode=False, **extra)
+        except typer.TyperException as e:
+            # Usage errors (bad option value, missing argument) on one line, like every other error.
+            hint = f" (see '{e.ctx.command_path} --help')" if getattr(e, "ctx", None) is not None else ""
+            say_error(f"{e.format_message()}{hint}")
+            code = getattr(e, "exit_code", EXIT_USER)
+        except typer.Abort:
+            typer.echo("interrupted", err=True)
+            code = EXIT_INTERRUPTED
+        code = code if isinstance(code, int) else 0
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+app = typer.Typer(
+    cls=TopkGroup,
+    name="topk",
+    help="Question answering over a million tokens on one GPU: prefill documents once, then chat with top-k decoding.",
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+@app.callback(invoke_without_command=True)
+def _root(ctx: typer.Context) -> None:
+    # Plain `topk` prints the help (typer's no_args_is_help would surface as a usage *error*).
+    if ctx.invoked_subcommand is None:
+        typer.echo(ctx.get_help())
+
+# ---- command registration: one line per command (other modules add theirs here) ---------------
+app.command("prefill")(prefill_cmd.prefill_command)
+app.command("chat")(chat_cmd.chat_command)
+app.command("info")(info_cmd.info_command)
+app.command("eval")(eval_cmd.eval_command)
+app.command("calibrate-duo")(__import__("topk_decode.cli.duo_cmd", fromlist=["_"]).calibrate_duo_command)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the `topk` console script and `python -m topk_decode`.
+
+    Args:
+        argv: arguments (default: sys.argv[1:]).
+    """
+    typer.main.get_command(app).main(args=argv, prog_name="topk")
+
+
+if __name__ == "__main__":
+    main()

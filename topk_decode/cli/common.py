@@ -1,0 +1,126 @@
+"""Helpers shared by the `topk` commands: one-line messages, consoles, option parsing, sizes.
+
+Nothing here imports torch: `topk --help` must stay fast, so every command imports the heavy
+modules inside its function body.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+
+import typer
+
+from topk_decode.errors import TopkError
+
+
+def one_line(text: object) -> str:
+    """A message flattened to one line (tracebacks and multi-line library errors never reach users)."""
+    return " ".join(str(text).split())
+
+
+def say_error(message: object) -> None:
+    """Print `error: <message>` on one line on stderr."""
+    typer.echo(f"error: {one_line(message)}", err=True)
+
+
+def say_warning(message: object) -> None:
+    """Print `warning: <message>` on one line on stderr."""
+    typer.echo(f"warning: {one_line(message)}", err=True)
+
+
+def say_note(message: object) -> None:
+    """Print `note: <message>` on one line on stderr (facts the user should see, not problems)."""
+    typer.echo(f"note: {one_line(message)}", err=True)
+
+
+def console(stderr: bool = False):
+    """A rich console bound to the current stdout/stderr (so test runners that swap them see output).
+
+    Args:
+        stderr: write to stderr (progress bars, status) instead of stdout.
+    """
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    # Outside a terminal rich would wrap at 80 columns and split paths over lines; use a wide page.
+    width = None if stream.isatty() else 200
+    return Console(file=stream, width=width, highlight=False)
+
+
+def parse_value(text: str) -> int | float | bool | str:
+    """'32' → 32, '0.5' → 0.5, 'true'/'false' → bool, anything else stays a string."""
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_options(pairs: list[str] | None) -> dict:
+    """Parse repeated `--opt key=value` into a dict (numbers become int/float).
+
+    Args:
+        pairs: the raw `key=value` strings.
+    """
+    out: dict = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise TopkError(f"--opt expects key=value, got {pair!r}")
+        out[key.strip()] = parse_value(value)
+    return out
+
+
+def parse_strategy_names(text: str | None) -> list[str]:
+    """'flat,ivf' → ['flat', 'ivf'], each checked against the registry (before any expensive work).
+
+    Args:
+        text: comma-separated strategy names, or None.
+    """
+    if not text:
+        return []
+    from topk_decode.index import get_strategy
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise TopkError(f"--strategy expects NAME[,NAME...], got {text!r}")
+    for n in names:
+        get_strategy(n)  # raises TopkError naming the available strategies
+    return names
+
+
+def check_device(device: str | None) -> None:
+    """Reject device names torch would only fail on later with a cryptic message."""
+    if device is None:
+        return
+    if device != "cpu" and device != "cuda" and not (device.startswith("cuda:") and device[5:].isdigit()):
+        raise TopkError(f"unknown device {device!r} (use cuda, cuda:N or cpu)")
+
+
+def check_positive(name: str, value: int | None) -> None:
+    """Raise TopkError unless `value` is a positive integer (None = not given)."""
+    if value is not None and value <= 0:
+        raise TopkError(f"{name} must be a positive integer, got {value}")
+
+
+def human_bytes(n: float | None) -> str:
+    """1536 → '1.5 KiB'."""
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def dir_size(path: str | os.PathLike) -> int:
+    """Total bytes of the regular files under a directory."""
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())

@@ -1,0 +1,102 @@
+"""`topk info CACHE`: what a cache holds, what it costs on disk and in RAM, which strategies it has."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from topk_decode.cli.common import console, dir_size, human_bytes
+
+
+def cache_facts(path: Path, verify: bool = False) -> dict:
+    """Collect the facts `topk info` shows, after checking the files (sizes; checksums with `verify`).
+
+    Args:
+        path: the cache directory.
+        verify: hash every file against the manifest's checksums (reads the whole cache).
+    """
+    from topk_decode.index import STRATEGIES, artifacts_complete
+    from topk_decode.store.cache_dir import read_manifest, verify_files
+
+    m = read_manifest(path)
+    verify_files(path, m, full=verify)
+    files = m["files"]
+    kv_bytes = sum(f["bytes"] for rel, f in files.items() if rel.startswith("kv/"))
+    key_bytes = sum(f["bytes"] for rel, f in files.items() if rel.startswith("kv/keys."))
+    model_dir = Path(m["model"]["path"])
+    weights = [p for p in model_dir.glob("*") if p.suffix in (".safetensors", ".bin")] if model_dir.is_dir() else []
+    strategies = ["flat"] + sorted(n for n in STRATEGIES if n != "flat" and artifacts_complete(path, n))
+    return {
+        "path": str(path.resolve()),
+        "model": {**m["model"], "present": model_dir.is_dir()},
+        "n_tokens": m["n_tokens"],
+        "shape": m["shape"],
+        "kv_dtype": m["kv_dtype"],
+        "documents": m.get("documents", []),
+        "skipped": m.get("skipped", []),
+        "disk": {"total_bytes": dir_size(path), "kv_bytes": kv_bytes},
+        "ram": {
+            # np.memmap: nothing is read at open; pages come in (OS page cache) as retrieval touches them.
+            "kv_memory_mapped_bytes": kv_bytes,
+            # Estimate: flat's Faiss indices hold one more copy of the keys, at the stored precision
+            # (IndexFlatIP fp32 / ScalarQuantizer fp16, bf16); `--opt backend=torch` scans the map instead.
+            "flat_faiss_index_bytes_estimate": key_bytes,
+            "model_weights_bytes": sum(p.stat().st_size for p in weights) if weights else None,
+        },
+        "prefill": m.get("prefill", {}),
+        "strategies": strategies,
+        "checked": "checksums" if verify else "sizes",
+        "created": m.get("created"),
+    }
+
+
+def info_command(
+    cache: Annotated[Path, typer.Argument(help="The cache directory.")],
+    verify: Annotated[bool, typer.Option("--verify", help="Hash every file against the manifest checksums.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the facts as JSON.")] = False,
+) -> None:
+    """Show a cache's model, documents, sizes, prefill statistics and available strategies."""
+    facts = cache_facts(cache, verify)
+    if as_json:
+        typer.echo(json.dumps(facts, indent=2))
+        return
+    _print(facts)
+
+
+def _print(f: dict) -> None:
+    """Human-readable rendering of `cache_facts`."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    out = console()
+    say = lambda text: out.print(text, markup=False, soft_wrap=True)  # noqa: E731 - paths may hold [brackets]
+    m, s, ram = f["model"], f["shape"], f["ram"]
+    say(f"cache:      {f['path']}  (files OK: {f['checked']} checked)")
+    say(f"model:      {m['path']}{'' if m['present'] else '  (missing: pass --model DIR to chat)'}")
+    say(f"            type {m.get('model_type')}, fingerprint {m['fingerprint']}, dtype {m.get('dtype')}")
+    say(f"tokens:     {f['n_tokens']:,}")
+    say(f"layout:     {s['n_layers']} layers, {s['n_kv_heads']} KV heads ({s['n_heads']} query heads), "
+        f"head dim {s['head_dim']}, KV stored as {f['kv_dtype']}")
+    say(f"on disk:    {human_bytes(f['disk']['total_bytes'])} total, {human_bytes(f['disk']['kv_bytes'])} KV")
+    say(f"in RAM:     KV memory-mapped ({human_bytes(ram['kv_memory_mapped_bytes'])}, paged in as retrieval "
+        f"touches it); flat's Faiss indices ≈ {human_bytes(ram['flat_faiss_index_bytes_estimate'])} more "
+        f"(estimate: a copy of the keys; --opt backend=torch avoids it)")
+    if ram["model_weights_bytes"] is not None:
+        say(f"            model weights {human_bytes(ram['model_weights_bytes'])} (on the GPU at decode time)")
+    p = f["prefill"]
+    if p:
+        peak = "n/a on CPU" if p.get("peak_device_bytes") is None else human_bytes(p["peak_device_bytes"])
+        say(f"prefill:    {p.get('seconds')} s, {p.get('tokens_per_s')} tok/s on {p.get('device')}, "
+            f"chunk {p.get('chunk_size')}, peak GPU memory {peak}")
+    say(f"strategies: {', '.join(f['strategies'])}")
+    table = Table(title=f"{len(f['documents'])} documents")
+    for col, just in (("document", "left"), ("start", "right"), ("end", "right"), ("tokens", "right")):
+        table.add_column(col, justify=just)
+    for d in f["documents"]:
+        table.add_row(escape(d["name"]), f"{d['start']:,}", f"{d['end']:,}", f"{d['end'] - d['start']:,}")
+    out.print(table)
+    for s_ in f["skipped"]:
+        say(f"skipped at prefill: {s_}")
