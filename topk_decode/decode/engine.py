@@ -28,28 +28,56 @@ from topk_decode.store.cache_dir import ContextKV
 
 @dataclass
 class StepStats:
-    """Accumulated wall-clock seconds per part of the decode step, and counts."""
+    """Accumulated wall-clock seconds per part of the decode step, and counts.
+
+    On CUDA the two transfers are timed with CUDA events (their GPU-side duration); search and gather
+    are CPU wall time; whatever remains of the step is GPU compute plus Python launch overhead (the
+    per-layer query sync makes the two serial, so they are reported together as `gpu_ms`).
+    """
 
     steps: int = 0
     tokens: int = 0
     total_s: float = 0.0
     search_s: float = 0.0
     gather_s: float = 0.0
-    transfer_s: float = 0.0
+    d2h_s: float = 0.0
+    h2d_s: float = 0.0
     retrieved: int = 0
+
+    @property
+    def transfer_s(self) -> float:
+        """Both directions of PCIe traffic."""
+        return self.d2h_s + self.h2d_s
 
     def summary(self) -> dict[str, float]:
         """Per-step means in milliseconds."""
         n = max(self.steps, 1)
+        rest = self.total_s - self.search_s - self.gather_s - self.transfer_s
         return {
             "steps": self.steps,
             "ms_per_step": 1e3 * self.total_s / n,
             "search_ms": 1e3 * self.search_s / n,
             "gather_ms": 1e3 * self.gather_s / n,
+            "d2h_ms": 1e3 * self.d2h_s / n,
+            "h2d_ms": 1e3 * self.h2d_s / n,
             "transfer_ms": 1e3 * self.transfer_s / n,
-            "other_ms": 1e3 * (self.total_s - self.search_s - self.gather_s - self.transfer_s) / n,
+            "gpu_ms": 1e3 * rest / n,
+            "other_ms": 1e3 * rest / n,
             "retrieved_per_step": self.retrieved / n,
         }
+
+
+class _Staging:
+    """Host buffers for one (queries, k) shape: pinned once, reused by every layer and step.
+
+    Reuse across layers is safe: layer ℓ+1 waits for its query copy, which the stream orders after
+    layer ℓ's host→device copies out of these buffers.
+    """
+
+    def __init__(self, hkv: int, Q: int, K: int, D: int, kv_dtype: torch.dtype, pin: bool) -> None:
+        self.rows = torch.empty((hkv, Q, K), dtype=torch.int64)
+        self.scores = torch.empty((hkv, Q, K), dtype=torch.float32, pin_memory=pin)
+        self.values = torch.empty((hkv * Q * K, D), dtype=kv_dtype, pin_memory=pin)
 
 
 @dataclass
@@ -93,6 +121,17 @@ class TopKDecoder:
         self.last_logits = last_logits
         self.scale = self.shape.head_dim ** -0.5
         self._warned_positions = False
+        self._cuda = self.device.type == "cuda"
+        hkv, d = self.shape.n_kv_heads, self.shape.head_dim
+        # (Hkv·N, D) views of the memory-mapped values: one flat row gather per layer and step
+        self._values_flat = [v.reshape(hkv * n, d) for v in ckv.values]
+        self._row_offsets = (torch.arange(hkv, dtype=torch.int64) * n).view(hkv, 1, 1)
+        self._q_host: dict[int, torch.Tensor] = {}
+        self._staging: dict[tuple[int, int], _Staging] = {}
+        # per layer: (before q copy, after q copy, before h2d, after h2d) CUDA events, reused each step
+        self._events = [[torch.cuda.Event(enable_timing=True) for _ in range(4)] for _ in range(self.shape.n_layers)] \
+            if self._cuda else []
+        self._timed_layers: list[int] = []
         if self.shape.sliding_window and n > self.shape.sliding_window:
             warnings.warn(f"the model's sliding window ({self.shape.sliding_window}) is shorter than the context "
                           f"({n} tokens); top-k decoding attends over the whole context", TopkWarning, stacklevel=2)
@@ -106,6 +145,22 @@ class TopKDecoder:
         init_v = [v.index_select(1, idx).to(self.device, self.dtype) for v in self.ckv.values]
         return Conversation(Window(init_k, init_v, n), self.strategy.new_state())
 
+    def _q_buffer(self, hkv: int, Q: int, D: int) -> torch.Tensor:
+        buf = self._q_host.get(Q)
+        if buf is None:
+            buf = self._q_host[Q] = torch.empty((hkv, Q, D), dtype=torch.float32, pin_memory=self._cuda)
+        return buf
+
+    def _staging_for(self, Q: int, K: int) -> _Staging:
+        key = (Q, K)
+        stg = self._staging.get(key)
+        if stg is None:
+            if len(self._staging) >= 8:  # prompt lengths vary; keep the pinned pool bounded
+                self._staging.clear()
+            stg = self._staging[key] = _Staging(self.shape.n_kv_heads, Q, K, self.shape.head_dim,
+                                                self.ckv.values[0].dtype, self._cuda)
+        return stg
+
     def _retrieve(self, layer: int, q: torch.Tensor, conv: Conversation):
         """Context part of one layer's attention: (H, T, K) scores and (H, T, K, D) values, or None."""
         k = self.config.k_for_layer(layer)
@@ -114,8 +169,19 @@ class TopKDecoder:
         H, T, D = q.shape
         hkv, G = self.shape.n_kv_heads, self.shape.group_size
         st = conv.stats
+        qbuf = self._q_buffer(hkv, G * T, D)
+        q32 = q.float().reshape(hkv, G * T, D)                                 # (Hkv, G·T, D) on device
         t0 = time.perf_counter()
-        q_cpu = q.float().reshape(hkv, G * T, D).cpu()                          # (Hkv, G·T, D)
+        if self._cuda:
+            ev = self._events[layer]
+            ev[0].record()
+            qbuf.copy_(q32, non_blocking=True)
+            ev[1].record()
+            ev[1].synchronize()                     # waits for the GPU work queued so far, then the copy
+        else:
+            qbuf.copy_(q32)
+        # strategies may keep the query (selection caches): hand them their own 16 KiB copy
+        q_cpu = qbuf.clone()
         t1 = time.perf_counter()
         sel = self.strategy.select(layer, q_cpu, k, conv.strategy_state)
         t2 = time.perf_counter()
@@ -124,20 +190,37 @@ class TopKDecoder:
         K = sel.ids.shape[-1]
         if K == 0:
             return None, None
-        n = self.ckv.n_tokens
-        valid = sel.ids >= 0
-        rows = (sel.ids.clamp(min=0) + torch.arange(hkv).view(hkv, 1, 1) * n).reshape(-1)
-        values = self.ckv.values[layer].reshape(hkv * n, D).index_select(0, rows)   # (Hkv·G·T·K, D)
-        scores = sel.scores.masked_fill(~valid, float("-inf"))
+        stg = self._staging_for(G * T, K)
+        invalid = sel.ids < 0
+        any_invalid = bool(invalid.any())
+        torch.clamp(sel.ids, min=0, out=stg.rows).add_(self._row_offsets)
+        torch.index_select(self._values_flat[layer], 0, stg.rows.view(-1), out=stg.values)  # (Hkv·G·T·K, D)
+        stg.scores.copy_(sel.scores)
+        if any_invalid:
+            stg.scores.masked_fill_(invalid, float("-inf"))
         t3 = time.perf_counter()
-        scores = scores.to(self.device, non_blocking=True).view(H, T, K)
-        values = values.to(self.device, self.dtype, non_blocking=True).view(H, T, K, D)
-        t4 = time.perf_counter()
+        if self._cuda:
+            ev[2].record()
+        scores = stg.scores.to(self.device, non_blocking=True).view(H, T, K)
+        values = stg.values.to(self.device, non_blocking=True).view(H, T, K, D)
+        if self._cuda:
+            ev[3].record()
+            self._timed_layers.append(layer)
+        else:
+            st.d2h_s += t1 - t0
+            st.h2d_s += time.perf_counter() - t3
         st.search_s += t2 - t1
         st.gather_s += t3 - t2
-        st.transfer_s += (t1 - t0) + (t4 - t3)
-        st.retrieved += int(valid.sum())
+        st.retrieved += sel.ids.numel() - (int(invalid.sum()) if any_invalid else 0)
         return scores, values
+
+    def _collect_transfer_times(self, st: StepStats) -> None:
+        """After the step's final sync: add the GPU-side durations of this step's copies."""
+        for layer in self._timed_layers:
+            ev = self._events[layer]
+            st.d2h_s += ev[0].elapsed_time(ev[1]) / 1e3
+            st.h2d_s += ev[2].elapsed_time(ev[3]) / 1e3
+        self._timed_layers.clear()
 
     @torch.inference_mode()
     def forward(self, ids: list[int], conv: Conversation) -> torch.Tensor:
@@ -160,8 +243,9 @@ class TopKDecoder:
         x = self.model.model.embed_tokens(torch.tensor([ids], device=self.device))   # (1, T, C)
         cos, sin = rope(self.model, x, positions)
         W0 = win.length
-        # query t sees window slots j <= W0 + t (all earlier slots, and itself)
-        visible = torch.arange(W0 + T, device=self.device)[None, :] <= (W0 + torch.arange(T, device=self.device))[:, None]
+        # query t sees window slots j <= W0 + t (all earlier slots, and itself); one token sees them all
+        visible = None if T == 1 else \
+            torch.arange(W0 + T, device=self.device)[None, :] <= (W0 + torch.arange(T, device=self.device))[:, None]
         for layer_idx, layer in enumerate(self.model.model.layers):
             q, k, v = attention_inputs(layer, x, cos, sin, self.shape)           # (1,H,T,D), (1,Hkv,T,D)
             wk, wv = win.append(layer_idx, k[0], v[0])                           # (Hkv, W0+T, D)
@@ -170,6 +254,9 @@ class TopKDecoder:
             x = finish_block(layer, x, out[None])
         win.advance(T)
         logits = final_logits(self.model, x[:, -1:])[0]
+        if self._cuda:
+            torch.cuda.current_stream(self.device).synchronize()   # the caller reads the logits next anyway
+            self._collect_transfer_times(conv.stats)
         conv.stats.steps += 1
         conv.stats.tokens += T
         conv.stats.total_s += time.perf_counter() - t_start
