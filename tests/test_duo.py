@@ -247,3 +247,13 @@ def test_calibrate_duo_command_writes_gates_and_prints_summary(cal_model, tmp_pa
     assert res.exit_code == 0, res.output
     assert parse_pattern(out, 2, 2).shape == (2, 2)
     assert "2 layers × 2 KV heads" in res.output
+
+
+def test_topk_calibrate_duo_with_length_inside_the_window_exits_2_with_one_line(cal_model, tmp_path):
+    from topk_decode.cli.app import app
+
+    res = CliRunner().invoke(app, ["calibrate-duo", str(cal_model[0]), "--out", str(tmp_path / "g.tsv"),
+                                   "--length", "100", "--sink", "64", "--recent", "256"])
+    assert res.exit_code == 2
+    assert "must exceed --sink + --recent" in res.output
+    assert not (tmp_path / "g.tsv").exists()

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import typer
 from typer.core import TyperGroup
 
-from topk_decode.cli import chat_cmd, eval_cmd, info_cmd, prefill_cmd
+from topk_decode.cli import chat_cmd, duo_cmd, eval_cmd, info_cmd, prefill_cmd
 from topk_decode.cli.common import one_line, say_error, say_warning
 from topk_decode.errors import TopkError, TopkWarning
 
@@ -93,7 +93,7 @@ app.command("prefill")(prefill_cmd.prefill_command)
 app.command("chat")(chat_cmd.chat_command)
 app.command("info")(info_cmd.info_command)
 app.command("eval")(eval_cmd.eval_command)
-app.command("calibrate-duo")(__import__("topk_decode.cli.duo_cmd", fromlist=["_"]).calibrate_duo_command)
+app.command("calibrate-duo")(duo_cmd.calibrate_duo_command)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
