@@ -50,6 +50,7 @@ def build_cache(
     dtype: str | None = None,
     on_start: Callable[[int, int, list[str]], None] | None = None,
     progress: Callable[[int], None] | None = None,
+    offload_weights: bool = False,
 ) -> tuple[Path, PrefillStats]:
     """Prefill documents with a model and write the cache directory atomically.
 
@@ -63,6 +64,8 @@ def build_cache(
         dtype: "bf16" / "fp16" / "fp32" (default: bf16 on CUDA, fp32 on CPU).
         on_start: called as on_start(n_tokens, n_layers, skipped_files) before the heavy work.
         progress: called with the tokens processed by each chunk of each layer.
+        offload_weights: keep the weights in CPU RAM and stream one layer at a time to the device
+            (prefill an 8B model within a 16 GiB GPU budget).
     Returns:
         the cache path and the prefill statistics.
     """
@@ -75,7 +78,8 @@ def build_cache(
     tokenizer = load_tokenizer(model_dir)
     layout = layout_context(documents, tokenizer)
     dev = pick_device(device)
-    model = load_model(model_dir, dev, parse_dtype(dtype))
+    weights_dtype = parse_dtype(dtype) or (torch.bfloat16 if dev.type == "cuda" else None)
+    model = load_model(model_dir, "cpu" if offload_weights else dev, weights_dtype)
     shape = ModelShape.from_config(model.config)
     n = len(layout.ids)
     if n > shape.max_positions:
@@ -86,7 +90,8 @@ def build_cache(
     model_dtype = next(model.parameters()).dtype
     writer = CacheWriter(out, overwrite=overwrite)
     try:
-        last_logits, stats = prefill_layers(model, layout.ids, writer.write_layer, chunk_size, progress)
+        last_logits, stats = prefill_layers(model, layout.ids, writer.write_layer, chunk_size, progress,
+                                           offload_weights=offload_weights, device=dev)
         writer.write_tokens(layout.ids)
         writer.write_array(LAST_LOGITS, last_logits.float())
         manifest = {

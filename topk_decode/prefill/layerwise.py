@@ -4,6 +4,11 @@ Only one layer's keys/values (Hkv, N, D) and one chunk's activations live on the
 so peak device memory grows linearly with N (never N²): each chunk attends to every earlier key of
 its layer through a flash kernel with a bottom-right-aligned causal mask. The residual stream of all
 N tokens is kept on the CPU between layers.
+
+With `offload_weights`, the model stays on the CPU (pinned) and one decoder layer at a time is
+copied to the device: peak device memory is then one layer's weights plus one layer's KV and a
+chunk's activations, so an 8B model prefills within a 16 GiB budget even though its bf16 weights
+alone are 15 GiB. The next layer's weights are copied on a side stream while this layer computes.
 """
 
 from __future__ import annotations
@@ -53,6 +58,72 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
+class _LayerStreamer:
+    """Moves one decoder layer's weights to the device at a time; the CPU copies stay pinned.
+
+    Args:
+        model: the HF causal LM with its weights on the CPU.
+        device: the compute device.
+    """
+
+    def __init__(self, model, device: torch.device) -> None:
+        self.layers = list(model.model.layers)
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.host: list[dict[str, torch.Tensor]] = []
+        for layer in self.layers:
+            tensors = dict(layer.named_parameters())
+            tensors.update(layer.named_buffers())
+            if self.stream is not None:
+                for t in tensors.values():
+                    if not t.is_pinned():
+                        t.data = t.data.pin_memory()   # once: pinned copies are async and ~4x faster
+            self.host.append({name: t.data for name, t in tensors.items()})
+        self.ready: dict[int, torch.cuda.Event | None] = {}
+
+    def prefetch(self, i: int) -> None:
+        """Start copying layer i's weights to the device (on the side stream when on CUDA)."""
+        if i >= len(self.layers) or i in self.ready:
+            return
+        tensors = dict(self.layers[i].named_parameters())
+        tensors.update(self.layers[i].named_buffers())
+        ctx = torch.cuda.stream(self.stream) if self.stream is not None else _nullcontext()
+        with ctx:
+            for name, t in tensors.items():
+                t.data = self.host[i][name].to(self.device, non_blocking=True)
+            event = None
+            if self.stream is not None:
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        self.ready[i] = event
+
+    def acquire(self, i: int) -> None:
+        """Make layer i's weights usable on the compute stream."""
+        self.prefetch(i)
+        event = self.ready[i]
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def release(self, i: int) -> None:
+        """Point layer i back at its pinned CPU weights (the device copies are freed)."""
+        tensors = dict(self.layers[i].named_parameters())
+        tensors.update(self.layers[i].named_buffers())
+        for name, t in tensors.items():
+            if self.stream is not None:
+                # allocated on the side stream, used on the compute stream: keep the memory until that work is done
+                t.data.record_stream(torch.cuda.current_stream(self.device))
+            t.data = self.host[i][name]
+        self.ready.pop(i, None)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
 @torch.inference_mode()
 def prefill_layers(
     model,
@@ -60,21 +131,30 @@ def prefill_layers(
     on_layer: Callable[[int, torch.Tensor, torch.Tensor], None],
     chunk_size: int = 4096,
     progress: Callable[[int], None] | None = None,
+    offload_weights: bool = False,
+    device: torch.device | str | None = None,
 ) -> tuple[torch.Tensor, PrefillStats]:
     """Run the model over `ids` layer by layer, handing each layer's KV to `on_layer`.
 
     Args:
-        model: HF causal LM (weights on the compute device).
+        model: HF causal LM (weights on the compute device, or on the CPU with `offload_weights`).
         ids: the N context token ids.
         on_layer: called as on_layer(layer, keys, values) with (Hkv, N, D) CPU tensors, post-RoPE keys.
         chunk_size: tokens per chunk.
         progress: called with the number of tokens just processed (for a progress bar).
+        offload_weights: keep the weights on the CPU and stream one decoder layer at a time to
+            `device` (the embedding and LM head run where they are; only the last token's logits
+            are computed).
+        device: compute device with `offload_weights` (default: CUDA when available).
     Returns:
         the logits (V,) after the last token, and PrefillStats.
     """
     shape = ModelShape.from_config(model.config)
-    device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
+    if offload_weights:
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        return _prefill_offloaded(model, ids, on_layer, chunk_size, progress, shape, dtype, device)
+    device = next(model.parameters()).device
     N = len(ids)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -104,4 +184,54 @@ def prefill_layers(
         del keys, values
     last = final_logits(model, hidden[N - 1:N].to(device)[None])[0].cpu()
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return last, PrefillStats(N, time.perf_counter() - t0, peak)
+
+
+def _prefill_offloaded(model, ids, on_layer, chunk_size, progress, shape: ModelShape, dtype: torch.dtype,
+                       device: torch.device) -> tuple[torch.Tensor, PrefillStats]:
+    """`prefill_layers` with the weights on the CPU: one decoder layer on the device at a time."""
+    N = len(ids)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    tokens = torch.tensor(ids, dtype=torch.int64)
+    hidden = torch.empty((N, shape.hidden_size), dtype=dtype, pin_memory=cuda)
+    embed_device = model.model.embed_tokens.weight.device
+    for s in range(0, N, chunk_size):                      # the embedding lookup stays where it is
+        hidden[s:s + chunk_size].copy_(model.model.embed_tokens(tokens[s:s + chunk_size].to(embed_device)))
+    rotary = model.model.rotary_emb
+    rotary_host = {name: b.data for name, b in rotary.named_buffers()}
+    for b in rotary.buffers():
+        b.data = b.data.to(device)
+    streamer = _LayerStreamer(model, device)
+    try:
+        for layer_idx, layer in enumerate(model.model.layers):
+            streamer.acquire(layer_idx)
+            streamer.prefetch(layer_idx + 1)               # overlaps with this layer's compute
+            keys = torch.empty((1, shape.n_kv_heads, N, shape.head_dim), dtype=dtype, device=device)
+            values = torch.empty_like(keys)
+            for s in range(0, N, chunk_size):
+                e = min(s + chunk_size, N)
+                x = hidden[s:e].to(device, non_blocking=True)[None]                 # (1, T, C)
+                cos, sin = rope(model, x, torch.arange(s, e, device=device))
+                q, k, v = attention_inputs(layer, x, cos, sin, shape)
+                keys[:, :, s:e], values[:, :, s:e] = k, v
+                out = chunk_attention(q, keys[:, :, :e], values[:, :, :e])
+                hidden[s:e].copy_(finish_block(layer, x, out)[0], non_blocking=True)
+                if progress is not None:
+                    progress(e - s)
+            if cuda:
+                torch.cuda.synchronize(device)
+            on_layer(layer_idx, keys[0].cpu(), values[0].cpu())
+            del keys, values
+            streamer.release(layer_idx)
+    finally:
+        for name, b in rotary.named_buffers():
+            b.data = rotary_host[name]
+        for i in list(streamer.ready):
+            streamer.release(i)
+    head_device = model.lm_head.weight.device
+    last = final_logits(model, hidden[N - 1:N].to(head_device)[None])[0].cpu()
+    peak = torch.cuda.max_memory_allocated(device) if cuda else None
     return last, PrefillStats(N, time.perf_counter() - t0, peak)
