@@ -72,11 +72,16 @@ def test_report_tables_and_plots(tiny_result, tmp_path):
     assert all(p.stat().st_size > 1000 for p in files)
 
 
-def test_a_chat_template_model_is_rejected_because_the_layout_differs(model_factory, tmp_path):
-    cfg = EvalConfig(model=str(model_factory("llama_gqa", chat=True)), lengths=[120], depths=[0.5], ks=[4],
-                     fidelity_steps=1, device="cpu", work_dir=str(tmp_path))
-    with pytest.raises(TopkError, match="chat template"):
-        run_eval(cfg)
+def test_a_chat_template_model_is_compared_with_dense_on_its_own_layout(model_factory, tmp_path):
+    cfg = EvalConfig(model=str(model_factory("llama_gqa", chat=True)), lengths=[120], depths=[0.5], ks=[BIG_K],
+                     fidelity_steps=2, device="cpu", work_dir=str(tmp_path))
+    inst = run_eval(cfg).instances[0]
+    assert inst.layout == "template"
+    assert inst.runs[0].kl_max < 1e-5 and inst.runs[0].agreement == 1.0
+
+
+def test_a_plain_tokenizer_gets_exactly_the_task_layout(tiny_result):
+    assert all(i.layout == "raw" for i in tiny_result.instances)
 
 
 @pytest.mark.parametrize("change, message", [

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from topk_decode.api import KVStore
+from topk_decode.api import KVStore, _eos_ids
 from topk_decode.config import DecodeConfig
 from topk_decode.errors import TopkError
 from topk_decode.eval.metrics import FidelityObserver, is_correct, kl_divergence
@@ -125,6 +125,7 @@ class InstanceResult:
     depth: float
     seed: int
     answer: str
+    layout: str                # "raw": [bos] + tokenize(context), as the tasks define; "template": chat prefix
     n_context_tokens: int
     n_prompt_tokens: int
     dense_generated: str
@@ -233,8 +234,14 @@ def _answer_steps(tokenizer, answer: str) -> int:
     return len(tokenizer(" " + answer, add_special_tokens=False).input_ids) + 1
 
 
-def _context_cache(inst, tokenizer, model_dir: Path, cfg: EvalConfig, tmp: Path) -> tuple[Path, list[int], float]:
-    """Prefill the instance's context into tmp/cache; check the layout is [bos] + tokenize(context)."""
+def _context_cache(inst, tokenizer, model_dir: Path, cfg: EvalConfig, tmp: Path) -> tuple[Path, list[int], str, float]:
+    """Prefill the instance's context into tmp/cache.
+
+    Returns the cache, its context ids, the layout and the prefill seconds. The layout is "raw" when
+    the ids are exactly `[bos] + tokenize(context)` (the tasks' layout, checked here, not assumed);
+    a tokenizer with a chat template makes `build_cache` open a user turn first ("template"): dense
+    and top-k then both run over those same ids, so fidelity is still like for like.
+    """
     doc = tmp / "context.txt"
     doc.write_text(inst.context, encoding="utf-8")
     t0 = time.perf_counter()
@@ -244,10 +251,8 @@ def _context_cache(inst, tokenizer, model_dir: Path, cfg: EvalConfig, tmp: Path)
     ids = tokenizer(inst.context, add_special_tokens=False).input_ids
     bos = getattr(tokenizer, "bos_token_id", None)
     expected = ([bos] if bos is not None else []) + list(ids)
-    if open_cache(cache, verify=False).tokens != expected:
-        raise TopkError("the prefilled context is not laid out as [bos] + tokenize(context) for this tokenizer "
-                        "(a chat template adds a prefix); evaluate a model without a chat template")
-    return cache, expected, seconds
+    tokens = open_cache(cache, verify=False).tokens
+    return cache, tokens, "raw" if tokens == expected else "template", seconds
 
 
 def _run_one(store: KVStore, strategy: str, k: int, prompt_ids: list[int], dense_tokens: list[int],
@@ -275,6 +280,54 @@ def _run_one(store: KVStore, strategy: str, k: int, prompt_ids: list[int], dense
         head_mass_recall=fid.head_mass_recall if fid else None, seconds=time.perf_counter() - t0)
 
 
+@dataclass
+class _Loaded:
+    """The model, tokenizer and eos ids every instance shares (loaded once)."""
+
+    model_dir: Path
+    model: object
+    tokenizer: object
+    eos: set[int]
+
+
+def _eval_instance(inst, seed: int, m: _Loaded, cfg: EvalConfig, log: Callable[[str], None]) -> InstanceResult:
+    """Prefill one instance, run dense, then every strategy and k on it; the cache is deleted after."""
+    tok = m.tokenizer
+    with tempfile.TemporaryDirectory(prefix="topk-eval-", dir=cfg.work_dir) as tmp:
+        cache, ctx_ids, layout, prefill_s = _context_cache(inst, tok, m.model_dir, cfg, Path(tmp))
+        if layout != "raw":
+            log("note: the tokenizer's chat template puts the context in a user turn; dense and top-k share "
+                "that layout")
+        prompt_ids = tok(inst.question, add_special_tokens=False).input_ids
+        answer_steps = _answer_steps(tok, inst.answer)
+        t0 = time.perf_counter()
+        dense_tokens, dense_logits = dense_reference(m.model, ctx_ids + prompt_ids,
+                                                     max(answer_steps, cfg.fidelity_steps), m.eos)
+        dense_s = time.perf_counter() - t0
+        dense_text = tok.decode(dense_tokens[:answer_steps], skip_special_tokens=True)
+        ir = InstanceResult(task=inst.task, length=inst.length, depth=inst.depth, seed=seed, answer=inst.answer,
+                            layout=layout, n_context_tokens=len(ctx_ids), n_prompt_tokens=len(prompt_ids),
+                            dense_generated=dense_text, dense_correct=is_correct(dense_text, inst.answer),
+                            prefill_seconds=prefill_s, dense_seconds=dense_s)
+        log(f"{inst.task} len={inst.length} depth={inst.depth} seed={seed}: {len(ctx_ids)} tokens, dense "
+            f"{'correct' if ir.dense_correct else 'wrong'} ({dense_text.strip()!r}, expected {inst.answer!r})")
+        ks = sorted(set(cfg.ks))
+        for strategy in cfg.strategies:
+            # one store per strategy (its indices are built once); k only changes what a search returns
+            dc = DecodeConfig(k=ks[-1], strategy=strategy, strategy_options=dict(cfg.strategy_options),
+                              n_sink=cfg.n_sink, n_tail=cfg.n_tail)
+            store = KVStore(open_cache(cache, verify=False), m.model, tok, dc)
+            for k in ks:
+                run = _run_one(store, strategy, k, prompt_ids, dense_tokens, dense_logits, inst.answer,
+                               answer_steps, cfg.fidelity_steps > 0)
+                ir.runs.append(run)
+                mr = "-" if run.mass_recall is None else f"{run.mass_recall:.4f}"
+                log(f"  {strategy} k={k}: {'correct' if run.correct else 'wrong'}, mass recall {mr}, "
+                    f"KL {run.kl_mean:.2e}, agreement {run.agreement:.2f}")
+            del store  # release the strategy's indices before the cache directory goes
+    return ir
+
+
 def run_eval(cfg: EvalConfig, log: Callable[[str], None] | None = None) -> EvalResult:
     """Run dense and every (strategy, k) on the same seeded instances.
 
@@ -300,44 +353,13 @@ def run_eval(cfg: EvalConfig, log: Callable[[str], None] | None = None) -> EvalR
     device = pick_device(cfg.device)
     model = load_model(model_dir, device, parse_dtype(cfg.dtype))
     tokenizer = load_tokenizer(model_dir)
-    eos = {int(model.generation_config.eos_token_id)} if isinstance(model.generation_config.eos_token_id, int) \
-        else set(model.generation_config.eos_token_id or [])
-    if tokenizer.eos_token_id is not None:
-        eos.add(int(tokenizer.eos_token_id))
+    eos = _eos_ids(model, tokenizer)
+    loaded = _Loaded(model_dir, model, tokenizer, eos)
     result = EvalResult(config=asdict(cfg), environment=environment(model_dir, trained, device))
-    ks = sorted(set(cfg.ks))
     for task in cfg.tasks:
         for length in cfg.lengths:
             for depth in cfg.depths:
                 for seed in range(cfg.first_seed, cfg.first_seed + cfg.seeds):
                     inst = make_instance(task, length, depth, seed, tokenizer)
-                    with tempfile.TemporaryDirectory(prefix="topk-eval-", dir=cfg.work_dir) as tmp:
-                        cache, ctx_ids, prefill_s = _context_cache(inst, tokenizer, model_dir, cfg, Path(tmp))
-                        prompt_ids = tokenizer(inst.question, add_special_tokens=False).input_ids
-                        answer_steps = _answer_steps(tokenizer, inst.answer)
-                        t0 = time.perf_counter()
-                        dense_tokens, dense_logits = dense_reference(
-                            model, ctx_ids + prompt_ids, max(answer_steps, cfg.fidelity_steps), eos)
-                        dense_s = time.perf_counter() - t0
-                        dense_text = tokenizer.decode(dense_tokens[:answer_steps], skip_special_tokens=True)
-                        ir = InstanceResult(task=task, length=length, depth=depth, seed=seed, answer=inst.answer,
-                                            n_context_tokens=len(ctx_ids), n_prompt_tokens=len(prompt_ids),
-                                            dense_generated=dense_text,
-                                            dense_correct=is_correct(dense_text, inst.answer),
-                                            prefill_seconds=prefill_s, dense_seconds=dense_s)
-                        log(f"{task} len={length} depth={depth} seed={seed}: {len(ctx_ids)} tokens, dense "
-                            f"{'correct' if ir.dense_correct else 'wrong'} ({dense_text.strip()!r} vs {inst.answer!r})")
-                        for strategy in cfg.strategies:
-                            dc = DecodeConfig(k=ks[-1], strategy=strategy, strategy_options=dict(cfg.strategy_options),
-                                              n_sink=cfg.n_sink, n_tail=cfg.n_tail)
-                            store = KVStore(open_cache(cache, verify=False), model, tokenizer, dc)
-                            for k in ks:
-                                run = _run_one(store, strategy, k, prompt_ids, dense_tokens, dense_logits,
-                                               inst.answer, answer_steps, cfg.fidelity_steps > 0)
-                                ir.runs.append(run)
-                                mr = "-" if run.mass_recall is None else f"{run.mass_recall:.4f}"
-                                log(f"  {strategy} k={k}: {'correct' if run.correct else 'wrong'}, mass recall {mr}, "
-                                    f"KL {run.kl_mean:.2e}, agreement {run.agreement:.2f}")
-                            del store
-                    result.instances.append(ir)
+                    result.instances.append(_eval_instance(inst, seed, loaded, cfg, log))
     return result
