@@ -131,6 +131,16 @@ def test_info_shows_tokens_documents_and_strategies(prefilled):
     assert facts["disk"]["kv_bytes"] == sum(f["bytes"] for r, f in manifest["files"].items() if r.startswith("kv/"))
 
 
+def test_prefill_strategy_builds_artifacts_that_info_lists_and_chat_uses(docs_dir, prefilled, tmp_path):
+    cache = tmp_path / "cache"
+    result = topk("prefill", docs_dir, "--out", cache, "--model", prefilled[1], "--strategy", "flat,quest")
+    assert result.exit_code == 0, result.output
+    facts = json.loads(topk("info", cache, "--json").stdout)
+    assert "quest" in facts["strategies"] and "quest" not in facts["strategies_not_built"]
+    result = topk("chat", cache, "--strategy", "quest", "--k", 16, "--prompt", "Why?", "--max-new-tokens", 3)
+    assert result.exit_code == 0, result.output
+
+
 def test_interactive_chat_runs_in_chat_commands_from_stdin(prefilled):
     cache, _, _ = prefilled
     result = topk("chat", cache, "--max-new-tokens", 4, input="/k 8\nWhat is prefill?\n/stats\n/reset\n/quit\n")

@@ -84,13 +84,20 @@ def _answer(session, question: str, max_new_tokens: int) -> None:
 
 def _stats_table(store, session):
     """The `/stats` table: per-step means of this conversation and the strategy's counters."""
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title="decode stats: per-step means", caption=f"strategy {store.config.strategy}, k={store.config.k}")
     table.add_column("stat")
     table.add_column("value", justify="right")
     for name, value in session.stats.items():
-        table.add_row(name, f"{value:,.2f}" if isinstance(value, float) else f"{value:,}")
+        if isinstance(value, float):
+            text = f"{value:,.2f}"
+        elif isinstance(value, int) and not isinstance(value, bool):
+            text = f"{value:,}"
+        else:
+            text = str(value)  # strategies may report extra counters of any kind
+        table.add_row(escape(str(name)), escape(text))
     return table
 
 

@@ -11,6 +11,13 @@ import typer
 from topk_decode.cli.common import console, dir_size, human_bytes
 
 
+def _needs_artifacts(cls) -> bool:
+    """True when a strategy class overrides `build_artifacts` (it keeps files in the cache)."""
+    from topk_decode.index import SelectionStrategy
+
+    return getattr(cls.build_artifacts, "__func__", None) is not SelectionStrategy.build_artifacts.__func__
+
+
 def cache_facts(path: Path, verify: bool = False) -> dict:
     """Collect the facts `topk info` shows, after checking the files (sizes; checksums with `verify`).
 
@@ -26,12 +33,15 @@ def cache_facts(path: Path, verify: bool = False) -> dict:
     files = m["files"]
     kv_bytes = sum(f["bytes"] for rel, f in files.items() if rel.startswith("kv/"))
     key_bytes = sum(f["bytes"] for rel, f in files.items() if rel.startswith("kv/keys."))
-    model_dir = Path(m["model"]["path"])
-    weights = [p for p in model_dir.glob("*") if p.suffix in (".safetensors", ".bin")] if model_dir.is_dir() else []
-    strategies = ["flat"] + sorted(n for n in STRATEGIES if n != "flat" and artifacts_complete(path, n))
+    model_dir = Path(m["model"]["path"]) if m["model"].get("path") else None
+    present = model_dir is not None and model_dir.is_dir()
+    weights = [p for p in model_dir.glob("*") if p.suffix in (".safetensors", ".bin")] if present else []
+    # Ready: strategies that need no files (flat, tokenselect) and those whose artifacts are complete.
+    ready = sorted(n for n, cls in STRATEGIES.items()
+                   if not _needs_artifacts(cls) or artifacts_complete(path, n))
     return {
         "path": str(path.resolve()),
-        "model": {**m["model"], "present": model_dir.is_dir()},
+        "model": {**m["model"], "present": present},
         "n_tokens": m["n_tokens"],
         "shape": m["shape"],
         "kv_dtype": m["kv_dtype"],
@@ -47,7 +57,8 @@ def cache_facts(path: Path, verify: bool = False) -> dict:
             "model_weights_bytes": sum(p.stat().st_size for p in weights) if weights else None,
         },
         "prefill": m.get("prefill", {}),
-        "strategies": strategies,
+        "strategies": ready,
+        "strategies_not_built": sorted(n for n in STRATEGIES if n not in ready),
         "checked": "checksums" if verify else "sizes",
         "created": m.get("created"),
     }
@@ -75,8 +86,8 @@ def _print(f: dict) -> None:
     say = lambda text: out.print(text, markup=False, soft_wrap=True)  # noqa: E731 - paths may hold [brackets]
     m, s, ram = f["model"], f["shape"], f["ram"]
     say(f"cache:      {f['path']}  (files OK: {f['checked']} checked)")
-    say(f"model:      {m['path']}{'' if m['present'] else '  (missing: pass --model DIR to chat)'}")
-    say(f"            type {m.get('model_type')}, fingerprint {m['fingerprint']}, dtype {m.get('dtype')}")
+    say(f"model:      {m.get('path')}{'' if m['present'] else '  (missing: pass --model DIR to chat)'}")
+    say(f"            type {m.get('model_type')}, fingerprint {m.get('fingerprint')}, dtype {m.get('dtype')}")
     say(f"tokens:     {f['n_tokens']:,}")
     say(f"layout:     {s['n_layers']} layers, {s['n_kv_heads']} KV heads ({s['n_heads']} query heads), "
         f"head dim {s['head_dim']}, KV stored as {f['kv_dtype']}")
@@ -91,7 +102,9 @@ def _print(f: dict) -> None:
         peak = "n/a on CPU" if p.get("peak_device_bytes") is None else human_bytes(p["peak_device_bytes"])
         say(f"prefill:    {p.get('seconds')} s, {p.get('tokens_per_s')} tok/s on {p.get('device')}, "
             f"chunk {p.get('chunk_size')}, peak GPU memory {peak}")
-    say(f"strategies: {', '.join(f['strategies'])}")
+    say(f"strategies: {', '.join(f['strategies'])} ready"
+        + (f"; {', '.join(f['strategies_not_built'])} build their artifacts on first use "
+           "(or at prefill with --strategy)" if f["strategies_not_built"] else ""))
     table = Table(title=f"{len(f['documents'])} documents")
     for col, just in (("document", "left"), ("start", "right"), ("end", "right"), ("tokens", "right")):
         table.add_column(col, justify=just)

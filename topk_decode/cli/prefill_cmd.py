@@ -114,5 +114,10 @@ def _build_strategies(bar, path: Path, names: list[str], options: dict) -> None:
         def progress(done: int, total: int, task=task) -> None:
             bar.update(task, completed=done, total=total)
 
-        prepare_artifacts(ckv, [name], options, progress)
+        try:
+            prepare_artifacts(ckv, [name], options, progress)
+        except BaseException:
+            # The prefill itself is complete and valid: say so, so nobody re-runs hours of prefill.
+            say_note(f"the cache {path} is complete; only the {name} artifacts were not built")
+            raise
         bar.remove_task(task)
