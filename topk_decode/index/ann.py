@@ -10,7 +10,8 @@ each head's mean key μ is subtracted before indexing. q·(k − μ) = q·k − 
 query exactly as q·k does, but the common component that dominates raw keys no longer drags every
 key into the same few clusters/neighbourhoods. `spherical=True` trains IVF centroids with spherical
 k-means, so probing by q·c ranks clusters by direction rather than by centroid norm.
-See docs/STRATEGIES.md for the measured effect of both.
+Both are options, off by default: on the keys measured so far (docs/STRATEGIES.md) they did not raise
+recall.
 """
 
 from __future__ import annotations
@@ -102,8 +103,9 @@ def positive_int(options: dict, key: str, default: int) -> int:
 class FaissAnnStrategy(SelectionStrategy):
     """Common build/load/search of per-(layer, KV head) Faiss ANN indices (subclasses: ivf, hnsw).
 
-    Options (both): center (subtract each head's mean key, default True), threads (parallel head
-    searches, default: CPU cores). Subclasses add their own build and search options.
+    Options (both): center (subtract each head's mean key, default False), threads (parallel head
+    searches, default: CPU cores), mmap (map the index files instead of reading them into RAM,
+    default True). Subclasses add their own build and search options.
     """
 
     IO_FLAGS: int = 0
@@ -112,7 +114,7 @@ class FaissAnnStrategy(SelectionStrategy):
     @classmethod
     def build_options(cls, ckv: ContextKV, options: dict) -> dict:
         """All build options, defaults filled in (recorded in done.json)."""
-        return {"center": as_bool(options.get("center", True))}
+        return {"center": as_bool(options.get("center", False))}
 
     @classmethod
     def new_index(cls, d: int, n: int, dtype: torch.dtype, opts: dict) -> faiss.Index:
@@ -133,14 +135,27 @@ class FaissAnnStrategy(SelectionStrategy):
                         progress: Callable[[int, int], None] | None = None) -> None:
         opts = cls.build_options(ckv, dict(options or {}))
         d = start_artifacts(ckv.path, cls.name)
+        # Building (k-means, graph insertion) is parallel inside Faiss: undo the single-thread setting
+        # an opened strategy may have left for its per-head searches.
+        saved_threads = faiss.omp_get_max_threads()
+        faiss.omp_set_num_threads(max(1, os.cpu_count() or 1))
+        try:
+            cls._build_heads(ckv, opts, d, progress)
+        finally:
+            faiss.omp_set_num_threads(saved_threads)
+        write_done(ckv.path, cls.name, opts)
+
+    @classmethod
+    def _build_heads(cls, ckv: ContextKV, opts: dict, d: Path,
+                     progress: Callable[[int, int], None] | None) -> None:
         L, H, D = ckv.n_layers, ckv.n_kv_heads, ckv.head_dim
-        means = np.zeros((L, H, D), dtype=np.float32)
         for layer in range(L):
             for h in range(H):
                 x = ckv.keys[layer][h].float().numpy()                          # (N, D)
                 if opts["center"]:
-                    means[layer, h] = x.mean(axis=0)
-                    x = x - means[layer, h]
+                    # Queries are not shifted: q·(k − μ) ranks one query's keys exactly as q·k, and
+                    # scores are recomputed exactly after the search, so μ is not needed later.
+                    x = x - x.mean(axis=0)
                 x = np.ascontiguousarray(x, dtype=np.float32)
                 index = cls.new_index(D, x.shape[0], ckv.dtype, opts)
                 if not index.is_trained:
@@ -149,8 +164,6 @@ class FaissAnnStrategy(SelectionStrategy):
                 faiss.write_index(index, str(d / f"l{layer:03d}.h{h:02d}.faiss"))
                 if progress:
                     progress(layer * H + h + 1, L * H)
-        np.save(d / "means.npy", means)
-        write_done(ckv.path, cls.name, opts)
 
     # ---- open ----
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
@@ -160,7 +173,9 @@ class FaissAnnStrategy(SelectionStrategy):
         d = artifact_dir(self.ckv.path, self.name)
         self.built = recorded_options(self.ckv.path, self.name)
         L, H = self.ckv.n_layers, self.ckv.n_kv_heads
-        self.indices = [[faiss.read_index(str(d / f"l{layer:03d}.h{h:02d}.faiss"), self.IO_FLAGS)
+        # mmap=False reads the indices into RAM (faster searches, RAM = artifact bytes).
+        flags = self.IO_FLAGS if as_bool(self.options.get("mmap", True)) else 0
+        self.indices = [[faiss.read_index(str(d / f"l{layer:03d}.h{h:02d}.faiss"), flags)
                          for h in range(H)] for layer in range(L)]
         self.threads = positive_int(self.options, "threads", max(1, os.cpu_count() or 1))
         self.pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
@@ -200,12 +215,13 @@ class IvfStrategy(FaissAnnStrategy):
     Options:
         nlist: number of clusters (build; default 4·√N, at most N/39 so k-means has data).
         nprobe: clusters scanned per query (default max(1, nlist/8)).
-        center, spherical: the query-aware remedies (build; default True, True).
+        center, spherical: the query-aware remedies (build; default off: no gain measured yet).
         threads: parallel head searches.
     """
 
     name = "ivf"
-    IO_FLAGS = faiss.IO_FLAG_MMAP  # maps the inverted lists instead of reading them into RAM
+    # Zero-copy mapping of the lists: the old IO_FLAG_MMAP path was ~15× slower to search here.
+    IO_FLAGS = faiss.IO_FLAG_MMAP_IFC
 
     @classmethod
     def build_options(cls, ckv: ContextKV, options: dict) -> dict:
@@ -214,8 +230,8 @@ class IvfStrategy(FaissAnnStrategy):
         nlist = positive_int(options, "nlist", default)
         if nlist > n:
             raise TopkError(f"nlist={nlist} is more than the {n} context tokens")
-        return {"nlist": nlist, "center": as_bool(options.get("center", True)),
-                "spherical": as_bool(options.get("spherical", True))}
+        return {"nlist": nlist, "center": as_bool(options.get("center", False)),
+                "spherical": as_bool(options.get("spherical", False))}
 
     @classmethod
     def new_index(cls, d: int, n: int, dtype: torch.dtype, opts: dict) -> faiss.Index:
@@ -242,7 +258,7 @@ class HnswStrategy(FaissAnnStrategy):
         M: graph degree (build; default 32).
         efConstruction: build beam width (build; default 80).
         efSearch: search beam width (default max(64, k); raised to k when smaller).
-        center: subtract each head's mean key (build; default True).
+        center: subtract each head's mean key (build; default off: no gain measured yet).
         threads: parallel head searches.
     """
 
@@ -252,7 +268,7 @@ class HnswStrategy(FaissAnnStrategy):
     @classmethod
     def build_options(cls, ckv: ContextKV, options: dict) -> dict:
         return {"M": positive_int(options, "M", 32), "efConstruction": positive_int(options, "efConstruction", 80),
-                "center": as_bool(options.get("center", True))}
+                "center": as_bool(options.get("center", False))}
 
     @classmethod
     def new_index(cls, d: int, n: int, dtype: torch.dtype, opts: dict) -> faiss.Index:
