@@ -41,7 +41,7 @@ def test_json_has_config_environment_summary_and_instances(tiny_result, tmp_path
     assert data["config"]["ks"] == [4, BIG_K]
     assert {r["method"] for r in data["summary"]["accuracy"]} == {"dense", "flat@4", f"flat@{BIG_K}"}
     assert all(r["n"] == 2 for r in data["summary"]["accuracy"])
-    assert [(r["strategy"], r["k"], r["n"]) for r in data["summary"]["fidelity"]] == [("flat", 4, 2), ("flat", BIG_K, 2)]
+    assert [(r["method"], r["n"]) for r in data["summary"]["fidelity"]] == [("flat@4", 2), (f"flat@{BIG_K}", 2)]
     assert len(data["instances"]) == 2 and len(data["instances"][0]["runs"]) == 2
 
 
@@ -90,6 +90,7 @@ def test_a_plain_tokenizer_gets_exactly_the_task_layout(tiny_result):
     (dict(depths=[1.5]), "depths"),
     (dict(ks=[0]), "k must be positive"),
     (dict(seeds=0), "--seeds"),
+    (dict(k_schedules=["cubic"]), "unknown k schedule"),
 ])
 def test_bad_settings_raise_one_line_errors(change, message):
     with pytest.raises(TopkError, match=message):
@@ -106,11 +107,14 @@ def test_cli_writes_json_and_reports_bad_input(model_factory, tmp_path):
     runner = CliRunner()
     out = tmp_path / "r.json"
     res = runner.invoke(app, ["eval", "--model", str(model_factory("llama_gqa")), "--lengths", "120",
-                              "--depths", "0.5", "--k", "2,1000", "--fidelity-steps", "2", "--device", "cpu",
+                              "--depths", "0.5", "--k", "2,1000", "--k-schedules", "uniform,linear", "--fidelity-steps", "2", "--device", "cpu",
                               "--out", str(out), "-q"])
     assert res.exit_code == 0, res.output
     assert "Task accuracy" in res.output and "Fidelity" in res.output
-    assert len(json.loads(out.read_text())["instances"]) == 1
+    data = json.loads(out.read_text())
+    assert len(data["instances"]) == 1
+    assert [r["method"] for r in data["summary"]["fidelity"]] == ["flat@2", "flat@1000", "flat/linear@2",
+                                                                  "flat/linear@1000"]
     bad = runner.invoke(app, ["eval", "--lengths", "4k"])
     assert bad.exit_code == 2 and "--lengths" in bad.output
 

@@ -40,6 +40,7 @@ def eval_command(
     first_seed: Annotated[int, typer.Option("--first-seed", help="Seed of the first instance.")] = 0,
     strategies: Annotated[str, typer.Option("--strategies", help="Comma-separated selection strategies.")] = "flat",
     k: Annotated[str, typer.Option("--k", help="Comma-separated retrieval budgets per query head and layer.")] = "1,4,16,64,256,1024",
+    k_schedules: Annotated[str, typer.Option("--k-schedules", help="Comma-separated per-layer schedules: uniform, linear (same total budget).")] = "uniform",
     out: Annotated[Path | None, typer.Option("--out", help="Write the full results as JSON here.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write PNG plots into this directory (needs matplotlib).")] = None,
     device: Annotated[str | None, typer.Option("--device", help="cuda, cuda:N or cpu (default: CUDA when available).")] = None,
@@ -61,6 +62,7 @@ def eval_command(
         tasks=parse_list("--tasks", tasks, str), lengths=parse_list("--lengths", lengths, int),
         depths=parse_list("--depths", depths, float), seeds=seeds, first_seed=first_seed,
         strategies=parse_list("--strategies", strategies, str), ks=parse_list("--k", k, int),
+        k_schedules=parse_list("--k-schedules", k_schedules, str),
         fidelity_steps=fidelity_steps, device=device, dtype=dtype, n_sink=n_sink, n_tail=n_tail,
         strategy_options=parse_options(opt))
     cfg.validate()   # before loading anything

@@ -45,6 +45,7 @@ class EvalConfig:
         first_seed: the first instance seed.
         strategies: selection strategies to compare with dense.
         ks: retrieval budgets per query head and layer.
+        k_schedules: per-layer budget schedules to compare ("uniform", "linear": same total k·L).
         fidelity_steps: teacher-forced decode steps measured per run (at least the answer's length
             is always decoded); 0 turns the per-layer attention metrics off (KL/agreement stay).
         device, dtype: compute device / dtype for prefill, dense and top-k (default: CUDA+bf16 if
@@ -63,6 +64,7 @@ class EvalConfig:
     first_seed: int = 0
     strategies: list[str] = field(default_factory=lambda: ["flat"])
     ks: list[int] = field(default_factory=lambda: [1, 4, 16, 64, 256, 1024])
+    k_schedules: list[str] = field(default_factory=lambda: ["uniform"])
     fidelity_steps: int = 8
     device: str | None = None
     dtype: str | None = None
@@ -88,6 +90,11 @@ class EvalConfig:
             raise TopkError(f"lengths must be positive, got {self.lengths}")
         if any(not 0.0 <= d <= 1.0 for d in self.depths):
             raise TopkError(f"depths must be in [0, 1], got {self.depths}")
+        from topk_decode.index.schedule import SCHEDULES
+
+        for sch in self.k_schedules:
+            if sch not in SCHEDULES:
+                raise TopkError(f"unknown k schedule {sch!r} (available: {', '.join(SCHEDULES)})")
         if any(k <= 0 for k in self.ks):
             raise TopkError(f"k must be positive integers, got {self.ks}")
         if self.seeds < 1:
@@ -102,6 +109,7 @@ class RunResult:
 
     strategy: str
     k: int
+    schedule: str
     generated: str
     correct: bool
     steps: int
@@ -114,6 +122,11 @@ class RunResult:
     layer_mass_recall: list[float] | None = None
     head_mass_recall: list[list[float]] | None = None   # (layers, query heads)
     seconds: float = 0.0
+
+
+def method_name(strategy: str, schedule: str, k: int) -> str:
+    """How a run is labelled in tables: "flat@16", or "flat/linear@16" for a non-uniform schedule."""
+    return f"{strategy}@{k}" if schedule == "uniform" else f"{strategy}/{schedule}@{k}"
 
 
 @dataclass
@@ -255,7 +268,7 @@ def _context_cache(inst, tokenizer, model_dir: Path, cfg: EvalConfig, tmp: Path)
     return cache, tokens, "raw" if tokens == expected else "template", seconds
 
 
-def _run_one(store: KVStore, strategy: str, k: int, prompt_ids: list[int], dense_tokens: list[int],
+def _run_one(store: KVStore, strategy: str, schedule: str, k: int, prompt_ids: list[int], dense_tokens: list[int],
              dense_logits: torch.Tensor, answer: str, answer_steps: int, observe: bool) -> RunResult:
     """Teacher-forced fidelity + free-running correctness of one (strategy, k)."""
     t0 = time.perf_counter()
@@ -272,7 +285,7 @@ def _run_one(store: KVStore, strategy: str, k: int, prompt_ids: list[int], dense
     text = store.tokenizer.decode(gen, skip_special_tokens=True)
     fid = obs.result() if obs is not None else None
     return RunResult(
-        strategy=strategy, k=k, generated=text, correct=is_correct(text, answer), steps=len(tf.matches),
+        strategy=strategy, k=k, schedule=schedule, generated=text, correct=is_correct(text, answer), steps=len(tf.matches),
         agreement=sum(tf.matches) / max(len(tf.matches), 1), kl_mean=tf.kl_mean, kl_max=tf.kl_max,
         mass_recall=fid.mass_recall if fid else None, id_recall=fid.id_recall if fid else None,
         output_rel_error=fid.output_rel_error if fid else None,
@@ -317,13 +330,15 @@ def _eval_instance(inst, seed: int, m: _Loaded, cfg: EvalConfig, log: Callable[[
             dc = DecodeConfig(k=ks[-1], strategy=strategy, strategy_options=dict(cfg.strategy_options),
                               n_sink=cfg.n_sink, n_tail=cfg.n_tail)
             store = KVStore(open_cache(cache, verify=False), m.model, tok, dc)
-            for k in ks:
-                run = _run_one(store, strategy, k, prompt_ids, dense_tokens, dense_logits, inst.answer,
-                               answer_steps, cfg.fidelity_steps > 0)
-                ir.runs.append(run)
-                mr = "-" if run.mass_recall is None else f"{run.mass_recall:.4f}"
-                log(f"  {strategy} k={k}: {'correct' if run.correct else 'wrong'}, mass recall {mr}, "
-                    f"KL {run.kl_mean:.2e}, agreement {run.agreement:.2f}")
+            for schedule in cfg.k_schedules:
+                store.decoder.config.k_schedule = schedule
+                for k in ks:
+                    run = _run_one(store, strategy, schedule, k, prompt_ids, dense_tokens, dense_logits,
+                                   inst.answer, answer_steps, cfg.fidelity_steps > 0)
+                    ir.runs.append(run)
+                    mr = "-" if run.mass_recall is None else f"{run.mass_recall:.4f}"
+                    log(f"  {method_name(strategy, schedule, k)}: {'correct' if run.correct else 'wrong'}, "
+                        f"mass recall {mr}, KL {run.kl_mean:.2e}, agreement {run.agreement:.2f}")
             del store  # release the strategy's indices before the cache directory goes
     return ir
 

@@ -8,6 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from topk_decode.errors import TopkError
+from topk_decode.eval.harness import method_name
 
 DENSE = "dense"
 
@@ -17,6 +18,11 @@ def _mean(xs: list[float | None]) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
+def _order(length: int, strategy: str, schedule: str, k: int) -> tuple:
+    """Rows by length, strategy, uniform schedule first, then k."""
+    return length, strategy, schedule != "uniform", schedule, k
+
+
 def summarize(result) -> dict:
     """Aggregate per-instance results.
 
@@ -24,32 +30,36 @@ def summarize(result) -> dict:
         result: an `EvalResult`.
     Returns:
         {"accuracy": rows per (task, length, depth, method), "fidelity": rows per (length, strategy, k),
-         "layer_mass_recall": {"strategy@k": [per-layer mean]}}; a method is "dense" or "strategy@k".
+         "layer_mass_recall": {"length": {"strategy@k": [per-layer mean]}}}; a method is "dense",
+        "strategy@k", or "strategy/schedule@k" for a non-uniform per-layer schedule.
     """
     acc: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
     fid: dict[tuple, list] = defaultdict(list)
-    layers: dict[str, list[list[float]]] = defaultdict(list)
+    layers: dict[tuple[int, str], list[list[float]]] = defaultdict(list)
     for inst in result.instances:
         key = (inst.task, inst.length, inst.depth)
-        acc[key + (DENSE, None, None)][0] += int(inst.dense_correct)
-        acc[key + (DENSE, None, None)][1] += 1
+        acc[key + (DENSE, None, None, None)][0] += int(inst.dense_correct)
+        acc[key + (DENSE, None, None, None)][1] += 1
         for r in inst.runs:
-            acc[key + (f"{r.strategy}@{r.k}", r.strategy, r.k)][0] += int(r.correct)
-            acc[key + (f"{r.strategy}@{r.k}", r.strategy, r.k)][1] += 1
-            fid[(inst.length, r.strategy, r.k)].append(r)
+            m = method_name(r.strategy, r.schedule, r.k)
+            acc[key + (m, r.strategy, r.schedule, r.k)][0] += int(r.correct)
+            acc[key + (m, r.strategy, r.schedule, r.k)][1] += 1
+            fid[(inst.length, r.strategy, r.schedule, r.k)].append(r)
             if r.layer_mass_recall is not None:
-                layers[f"{r.strategy}@{r.k}"].append(r.layer_mass_recall)
-    accuracy = [{"task": t, "length": n, "depth": d, "method": m, "strategy": s, "k": k,
+                layers[(inst.length, m)].append(r.layer_mass_recall)
+    accuracy = [{"task": t, "length": n, "depth": d, "method": m, "strategy": s, "schedule": sch, "k": k,
                  "correct": c, "n": total, "accuracy": c / total}
-                for (t, n, d, m, s, k), (c, total) in acc.items()]
-    fidelity = [{"length": n, "strategy": s, "k": k, "n": len(rs),
+                for (t, n, d, m, s, sch, k), (c, total) in acc.items()]
+    fidelity = [{"length": n, "strategy": s, "schedule": sch, "k": k, "method": method_name(s, sch, k), "n": len(rs),
                  "mass_recall": _mean([r.mass_recall for r in rs]), "id_recall": _mean([r.id_recall for r in rs]),
                  "output_rel_error": _mean([r.output_rel_error for r in rs]),
                  "kl_mean": _mean([r.kl_mean for r in rs]), "kl_max": max(r.kl_max for r in rs),
                  "agreement": _mean([r.agreement for r in rs])}
-                for (n, s, k), rs in sorted(fid.items())]
-    layer_means = {m: [_mean([row[i] for row in rows]) for i in range(len(rows[0]))] for m, rows in layers.items()}
-    return {"accuracy": accuracy, "fidelity": fidelity, "layer_mass_recall": layer_means}
+                for (n, s, sch, k), rs in sorted(fid.items(), key=lambda kv: _order(*kv[0]))]
+    layer_means: dict[str, dict[str, list]] = defaultdict(dict)
+    for (n, m), rows in layers.items():
+        layer_means[str(n)][m] = [_mean([row[i] for row in rows]) for i in range(len(rows[0]))]
+    return {"accuracy": accuracy, "fidelity": fidelity, "layer_mass_recall": dict(layer_means)}
 
 
 def save_json(result, path: str | Path) -> Path:
@@ -73,7 +83,9 @@ def accuracy_table_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     """Accuracy as "correct/n" per (task, length, depth) row and method column (dense first)."""
     methods: list[str] = [DENSE]
     cells: dict[tuple, dict[str, str]] = defaultdict(dict)
-    order = sorted({(r["method"] != DENSE, r["strategy"] or "", r["k"] or 0, r["method"]) for r in summary["accuracy"]})
+    order = sorted({(r["method"] != DENSE, r["strategy"] or "", r["schedule"] not in (None, "uniform"),
+                     r["schedule"] or "", r["k"] or 0, r["method"])
+                    for r in summary["accuracy"]})
     methods = [m for *_, m in order]
     for r in summary["accuracy"]:
         cells[(r["task"], r["length"], r["depth"])][r["method"]] = f"{r['correct']}/{r['n']}"
@@ -84,8 +96,8 @@ def accuracy_table_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
 
 def fidelity_table_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     """Fidelity means per (length, strategy, k)."""
-    header = ["length", "strategy", "k", "mass recall", "id recall", "out rel err", "KL mean", "KL max", "agree"]
-    rows = [[str(r["length"]), r["strategy"], str(r["k"]), _fmt(r["mass_recall"], ".4f"), _fmt(r["id_recall"], ".4f"),
+    header = ["length", "method", "mass recall", "id recall", "out rel err", "KL mean", "KL max", "agree"]
+    rows = [[str(r["length"]), r["method"], _fmt(r["mass_recall"], ".4f"), _fmt(r["id_recall"], ".4f"),
              _fmt(r["output_rel_error"], ".2e"), _fmt(r["kl_mean"], ".2e"), _fmt(r["kl_max"], ".2e"),
              _fmt(r["agreement"], ".3f")] for r in summary["fidelity"]]
     return header, rows
@@ -108,7 +120,7 @@ def print_tables(result, console=None) -> None:
                                    fidelity_table_rows(summary))):
         table = Table(title=title)
         for h in header:
-            table.add_column(h, justify="left" if h in ("task", "strategy") else "right", no_wrap=True)
+            table.add_column(h, justify="left" if h in ("task", "method") else "right", no_wrap=True)
         for row in rows:
             table.add_row(*row)
         console.print(table)
@@ -150,7 +162,9 @@ def write_plots(result, out_dir: str | Path) -> list[Path]:
     # accuracy vs k, pooled over tasks and depths, per strategy and length; dense as dashed lines
     pooled: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
     for r in summary["accuracy"]:
-        key = (r["length"], r["strategy"] or DENSE, r["k"])
+        label = DENSE if r["strategy"] is None else (r["strategy"] if r["schedule"] == "uniform"
+                                                     else f"{r['strategy']}/{r['schedule']}")
+        key = (r["length"], label, r["k"])
         pooled[key][0] += r["correct"]
         pooled[key][1] += r["n"]
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -168,9 +182,10 @@ def write_plots(result, out_dir: str | Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for n in sorted({r["length"] for r in summary["fidelity"]}):
-        for s in sorted({r["strategy"] for r in summary["fidelity"]}):
+        for s in sorted({(r["strategy"], r["schedule"]) for r in summary["fidelity"]}):
             pts = [(r["k"], r["mass_recall"]) for r in summary["fidelity"]
-                   if r["length"] == n and r["strategy"] == s and r["mass_recall"] is not None]
+                   if r["length"] == n and (r["strategy"], r["schedule"]) == s and r["mass_recall"] is not None]
+            s = s[0] if s[1] == "uniform" else f"{s[0]}/{s[1]}"
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{s}, {n} tokens")
     ax.set(xscale="log", xlabel="k", ylabel="attention-mass recall", title="Attention-mass recall vs k")
@@ -178,9 +193,12 @@ def write_plots(result, out_dir: str | Path) -> list[Path]:
     written.append(_save(fig, out_dir / "mass_recall_vs_k.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for method, vals in sorted(summary["layer_mass_recall"].items(), key=lambda kv: (kv[0].split("@")[0],
-                                                                                      int(kv[0].split("@")[1]))):
-        ax.plot(range(len(vals)), vals, marker="o", label=method)
+    n_layers = 0
+    for n, methods in sorted(summary["layer_mass_recall"].items(), key=lambda kv: int(kv[0])):
+        for method, vals in sorted(methods.items(), key=lambda kv: (kv[0].split("@")[0], int(kv[0].split("@")[1]))):
+            ax.plot(range(len(vals)), vals, marker="o", label=f"{method}, {n} tokens")
+            n_layers = max(n_layers, len(vals))
+    ax.set_xticks(range(n_layers))
     ax.set(xlabel="layer", ylabel="attention-mass recall", title="Per-layer attention-mass recall")
     ax.legend(fontsize=7)
     written.append(_save(fig, out_dir / "layer_mass_recall.png"))
