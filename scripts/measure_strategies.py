@@ -9,6 +9,7 @@ Search time: wall-clock of `select` per decode step (all layers), one query toke
 
     python scripts/measure_strategies.py recall --length 8192 --k 64 256 1024 --out recall.json
     python scripts/measure_strategies.py speed --sizes 16384 65536 262144 --out speed.json
+    python scripts/measure_strategies.py offset --n 8192 --out offset.json
 """
 
 from __future__ import annotations
@@ -194,6 +195,36 @@ def cmd_speed(args) -> None:
                                           "head_dim": args.head_dim, "rows": rows}, indent=1))
 
 
+def cmd_offset(args) -> None:
+    """Recall@k of ivf/hnsw, raw vs centred keys, on random keys sharing a per-head offset (synthetic:
+    real attention keys carry such a common component; the queries do not)."""
+    work = Path(args.work or tempfile.mkdtemp(prefix="offset-"))
+    gen = torch.Generator().manual_seed(0)
+    n, h, d, k = args.n, 2, args.head_dim, args.k
+    cache = work / "cache"
+    w = CacheWriter(cache)
+    keys = torch.randn(h, n, d, generator=gen) + torch.randn(h, 1, d, generator=gen) * 2
+    w.write_layer(0, keys, keys)
+    w.write_tokens([0] * n)
+    w.commit({"model": {"path": "none", "fingerprint": "none"}, "kv_dtype": "float32", "n_tokens": n,
+              "shape": {"n_layers": 1, "n_heads": 4 * h, "n_kv_heads": h, "head_dim": d}, "documents": []})
+    ckv = open_cache(cache)
+    q = torch.randn(h, 16, d, generator=gen)
+    ref = open_strategy(ckv, "flat", {}, 0, n)[0].select(0, q, k).ids
+    nlist = max(1, min(int(4 * math.sqrt(n)), n // 39))
+    rows = []
+    for name, opts in [("ivf", dict(center=False, spherical=False)), ("ivf", dict(center=False, spherical=True)),
+                       ("ivf", dict(center=True, spherical=False)), ("ivf", dict(center=True, spherical=True)),
+                       ("hnsw", dict(center=False, efSearch=64)), ("hnsw", dict(center=True, efSearch=64))]:
+        if name == "ivf":
+            opts.update(nlist=nlist, nprobe=max(1, nlist // 8))
+        ids = open_strategy(ckv, name, opts, 0, n)[0].select(0, q, k).ids
+        rec = (ids.unsqueeze(-1) == ref.unsqueeze(-2)).any(-2).float().mean().item()
+        rows.append({"strategy": name, **opts, "k": k, "id_recall": round(rec, 3)})
+        print(json.dumps(rows[-1]))
+    Path(args.out).write_text(json.dumps({"n": n, "head_dim": d, "rows": rows}, indent=1))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -216,8 +247,14 @@ def main() -> None:
     s.add_argument("--repeat", type=int, default=5)
     s.add_argument("--work")
     s.add_argument("--out", default="speed.json")
+    o = sub.add_parser("offset", help="raw vs centred ANN recall on synthetic keys with a shared offset")
+    o.add_argument("--n", type=int, default=8192)
+    o.add_argument("--head-dim", type=int, default=64)
+    o.add_argument("--k", type=int, default=64)
+    o.add_argument("--work")
+    o.add_argument("--out", default="offset.json")
     args = p.parse_args()
-    cmd_recall(args) if args.cmd == "recall" else cmd_speed(args)
+    {"recall": cmd_recall, "speed": cmd_speed, "offset": cmd_offset}[args.cmd](args)
 
 
 if __name__ == "__main__":
