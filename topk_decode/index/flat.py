@@ -61,10 +61,13 @@ class FlatStrategy(SelectionStrategy):
 
             raise TopkError(f"unknown flat backend {self.backend!r} (use faiss or torch)")
         self.threads = int(self.options.get("threads") or default_threads())
+        self._buffers: dict = {}
         self.pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
-        if self.threads > 1:
+        if self.threads > 1 and self.backend == "faiss":
             # Faiss parallelises one search over its queries only; with G·T queries per head we
-            # parallelise over heads ourselves, so each search must stay on one thread.
+            # parallelise over heads ourselves, so each search must stay on one thread. (Not for the
+            # torch backend: Faiss and torch share the OpenMP runtime, and this would leave torch's
+            # batched scan on one core.)
             faiss.omp_set_num_threads(1)
         self.indices: list[list[faiss.Index]] = []
         if self.backend != "faiss" or self.n_searchable == 0:
@@ -102,7 +105,7 @@ class FlatStrategy(SelectionStrategy):
         keys = self.ckv.keys[layer]                                          # (Hkv, N, D) memmap
         half = keys.dtype in (torch.float16, torch.bfloat16)
         if half and torch.equal(q.to(keys.dtype).float(), q):
-            return _half_scan(keys, q, k, self.lo, self.hi, self.stats)
+            return _half_scan(keys, q, k, self.lo, self.hi, self.stats, self._buffers)
         scores, ids = _fp32_scan(keys, q, k, self.lo, self.hi)
         return Selection(ids=ids, scores=scores)
 
@@ -143,7 +146,8 @@ def _fp32_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int) ->
 _HALF_REL_ERR = 2.0 ** -7
 
 
-def _half_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, stats) -> Selection:
+def _half_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, stats,
+               buffers: dict | None = None) -> Selection:
     """Exact top-k through a half-precision scan: no fp32 copy of the keys is ever made.
 
     1. scores in the keys' dtype with one batched matmul over the memory map (fp32 accumulation);
@@ -155,17 +159,29 @@ def _half_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, st
     Args:
         keys: (Hkv, N, D) fp16/bf16 keys; q: (Hkv, Q, D) fp32 queries exactly representable in that dtype.
         k: results per query; lo, hi: the searchable range.
+        stats: the strategy's StrategyStats (counts fp32 rescans).
+        buffers: reusable score buffers keyed by shape (no 8-64 MiB allocation per layer and step).
     """
     hkv, n, d = keys.shape
     Q, M = q.shape[1], hi - lo
     kc = min(M, k + max(32, k // 4))
-    approx = torch.bmm(q.to(keys.dtype), keys[:, lo:hi].transpose(1, 2))   # (Hkv, Q, M) half
-    cand = approx.topk(kc, dim=-1)                                          # (Hkv, Q, kc)
-    rows = cand.indices + (torch.arange(hkv) * n + lo).view(hkv, 1, 1)      # rows of (Hkv·N, D)
+    # Scan all N keys and mask [0, lo) and [hi, N) afterwards: a sliced batch (row stride ≠ M·D)
+    # drops torch's CPU bmm onto a slow generic path (16x slower, measured).
+    if buffers is not None:
+        approx = buffers.get((hkv, Q, n, keys.dtype))
+        if approx is None:
+            approx = buffers[(hkv, Q, n, keys.dtype)] = torch.empty((hkv, Q, n), dtype=keys.dtype)
+        torch.bmm(q.to(keys.dtype), keys.transpose(1, 2), out=approx)      # (Hkv, Q, N) half
+    else:
+        approx = torch.bmm(q.to(keys.dtype), keys.transpose(1, 2))
+    approx[..., :lo] = float("-inf")
+    approx[..., hi:] = float("-inf")
+    cand = approx.topk(kc, dim=-1)                                          # (Hkv, Q, kc) absolute ids
+    rows = cand.indices + (torch.arange(hkv) * n).view(hkv, 1, 1)           # rows of (Hkv·N, D)
     k_sel = keys.reshape(hkv * n, d).index_select(0, rows.view(-1)).view(hkv * Q, kc, d)
     exact = torch.bmm(k_sel.float(), q.reshape(hkv * Q, d, 1)).view(hkv, Q, kc)   # (Hkv, Q, kc) fp32
     top = exact.topk(k, dim=-1)
-    scores, ids = top.values, cand.indices.gather(-1, top.indices) + lo
+    scores, ids = top.values, cand.indices.gather(-1, top.indices)
     if kc < M:
         c = cand.values[..., -1].float()                                    # (Hkv, Q) largest left-out
         bound = torch.where(c >= 0, c / (1 - _HALF_REL_ERR), c / (1 + _HALF_REL_ERR))

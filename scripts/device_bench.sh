@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The GPU-host benchmark behind docs/BENCHMARKS.md. Run from the repo root on the GPU machine:
+#   bash scripts/device_bench.sh 1    # Llama-3-8B 32K/128K: top-k vs HF dense vs HF offloaded, prefill vs HF, search floor
+#   bash scripts/device_bench.sh 2    # 512K / 1M: Llama-3-8B and Qwen2.5-7B on synthetic KV; Llama-3.2-1B 32K/128K
+# Results (JSON, PNG, logs) go to $OUT (default ./bench-results). Needs faiss-cpu, typer, rich importable.
+set -o pipefail
+OUT=${OUT:-bench-results}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+phase=${1:-1}
+budget=${GPU_BUDGET:-16GiB}
+{ nvidia-smi --query-gpu=name,memory.total --format=csv; nproc; free -g; $PY -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.get_num_threads())"; } 2>&1 | tee "$OUT/env_$phase.txt"
+if [ "$phase" = 1 ]; then
+  $PY -m topk_decode bench --model llama-3-8b --context 32K,128K --gpu-memory "$budget" --k 1024 --steps 16 \
+      --out "$OUT" 2>&1 | tee "$OUT/log_llama8b.txt"
+  $PY -m topk_decode.bench.search 131072 2>&1 | tee "$OUT/search_floor.txt"
+elif [ "$phase" = 2 ]; then
+  $PY -m topk_decode bench --model qwen2.5-7b --context 1M --gpu-memory "$budget" --k 1024 --steps 4 --warmup 1 \
+      --no-offload-prefill --out "$OUT" 2>&1 | tee "$OUT/log_qwen7b.txt"
+  $PY -m topk_decode bench --model llama-3-8b --context 512K,1M --gpu-memory "$budget" --k 1024 --steps 4 --warmup 1 \
+      --no-offload-prefill --out "$OUT/long" 2>&1 | tee "$OUT/log_llama8b_long.txt"
+  $PY -m topk_decode bench --model llama-3.2-1b --context 32K,128K --gpu-memory "$budget" --k 1024 --steps 16 \
+      --out "$OUT" 2>&1 | tee "$OUT/log_llama1b.txt"
+fi

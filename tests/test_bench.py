@@ -1,0 +1,105 @@
+"""`topk bench`: the CPU smoke run works end to end, and its building blocks do what they say."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from topk_decode.bench.measure import parse_bytes, parse_tokens
+from topk_decode.bench.shapes import SHAPES, make_config
+from topk_decode.bench.synthetic import kv_bytes, synthetic_kv
+from topk_decode.errors import TopkError
+from topk_decode.index.base import StrategyStats
+from topk_decode.index.flat import _fp32_scan, _half_scan
+
+
+@pytest.fixture(scope="module")
+def smoke_results(tmp_path_factory):
+    from topk_decode.cli.app import app
+
+    out = tmp_path_factory.mktemp("bench")
+    res = CliRunner().invoke(app, ["bench", "--smoke", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    return json.loads((out / "bench_tiny.json").read_text()), out
+
+
+def test_smoke_run_measures_topk_and_hf_dense_at_every_context(smoke_results):
+    data, _ = smoke_results
+    rows = {(r["system"], r["context"]): r for r in data["rows"]}
+    for n in (512, 1024):
+        assert rows[("topk", n)]["status"] == "ok" and rows[("topk", n)]["tokens_per_s"] > 0
+        assert rows[("hf-dense", n)]["status"] == "ok" and rows[("hf-dense", n)]["prefill_tokens_per_s"] > 0
+    assert rows[("topk", 512)]["kv"] == "prefill" and rows[("topk", 1024)]["kv"] == "synthetic"
+
+
+def test_smoke_run_reports_the_step_breakdown_and_memory(smoke_results):
+    data, _ = smoke_results
+    row = next(r for r in data["rows"] if r["system"] == "topk")
+    assert set(row["breakdown"]) == {"gpu_ms", "d2h_ms", "search_ms", "gather_ms", "h2d_ms"}
+    assert row["breakdown"]["search_ms"] > 0 and row["cpu_rss_gib"] > 0
+    assert sum(row["breakdown"].values()) == pytest.approx(row["ms_per_step"], rel=0.25)
+
+
+def test_smoke_run_marks_the_offloaded_cache_as_skipped_on_cpu_and_writes_a_plot(smoke_results):
+    data, out = smoke_results
+    off = [r for r in data["rows"] if r["system"] == "hf-offload"]
+    assert off and all(r["status"].startswith("skipped") for r in off)
+    assert (out / "bench_tiny.png").stat().st_size > 1000
+
+
+def test_named_shapes_have_the_real_models_geometry():
+    llama = make_config("llama-3-8b")
+    assert (llama.num_hidden_layers, llama.num_attention_heads, llama.num_key_value_heads, llama.head_dim,
+            llama.hidden_size, llama.intermediate_size, llama.vocab_size) == (32, 32, 8, 128, 4096, 14336, 128256)
+    qwen = make_config("qwen2.5-7b")
+    assert (qwen.num_hidden_layers, qwen.num_attention_heads, qwen.num_key_value_heads,
+            qwen.hidden_size // qwen.num_attention_heads, qwen.intermediate_size, qwen.vocab_size) == (28, 28, 4, 128, 18944, 152064)
+    small = make_config("llama-3.2-1b")
+    assert (small.num_hidden_layers, small.head_dim, small.hidden_size) == (16, 64, 2048)
+    assert {"llama-3-8b", "qwen2.5-7b", "llama-3.2-1b"} <= set(SHAPES)
+
+
+def test_qwen_1m_context_kv_is_57_gib_in_bf16():
+    assert kv_bytes(28, 4, 128, 1 << 20, torch.bfloat16) / 2 ** 30 == pytest.approx(56.0)
+
+
+def test_unknown_shape_and_bad_sizes_are_user_errors():
+    with pytest.raises(TopkError):
+        make_config("gpt-17")
+    with pytest.raises(TopkError):
+        parse_bytes("sixteen gigs")
+    with pytest.raises(TopkError):
+        parse_tokens("1.5M")
+    assert parse_bytes("16GiB") == 16 << 30 and parse_tokens("128K") == 131072 and parse_tokens("1M") == 1 << 20
+
+
+def test_synthetic_kv_can_be_written_as_a_real_cache_dir(tmp_path):
+    mem = synthetic_kv(2, 2, 16, 300, torch.bfloat16, seed=3)
+    disk = synthetic_kv(2, 2, 16, 300, torch.bfloat16, seed=3, path=tmp_path / "c")
+    assert disk.keys[1].shape == (2, 300, 16) and disk.dtype == torch.bfloat16
+    assert torch.equal(mem.keys[1], disk.keys[1]) and torch.equal(mem.values[0], disk.values[0])
+
+
+def test_half_precision_scan_returns_the_exact_fp32_top_k():
+    torch.manual_seed(0)
+    keys = torch.randn(3, 4000, 32).bfloat16()
+    q = torch.randn(3, 5, 32).bfloat16().float()
+    sel = _half_scan(keys, q, 100, 7, 3900, StrategyStats())
+    scores, ids = _fp32_scan(keys, q, 100, 7, 3900)
+    assert torch.equal(sel.ids.sort(-1).values, ids.sort(-1).values)
+    assert torch.allclose(sel.scores, scores, rtol=0, atol=1e-5)
+    assert sel.ids.min() >= 7 and sel.ids.max() < 3900
+
+
+def test_half_precision_scan_rescans_rows_whose_certificate_fails():
+    # Every key identical: the half-precision ranking cannot separate them, the certificate fails,
+    # and the fp32 rescan still returns exact scores.
+    keys = torch.ones(1, 500, 8, dtype=torch.bfloat16)
+    q = torch.ones(1, 2, 8)
+    stats = StrategyStats()
+    sel = _half_scan(keys, q, 10, 0, 500, stats)
+    assert stats.extra["fp32_rescans"] == 2
+    assert torch.all(sel.scores == 8.0)

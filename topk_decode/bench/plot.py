@@ -1,0 +1,48 @@
+"""Decode tokens/s against context length, one line per system, from a `topk bench` JSON."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+_LABELS = {"topk": "top-k flat (exact), GPU budget", "hf-dense": "HF DynamicCache (KV on GPU)",
+           "hf-offload": "HF DynamicCache(offloading=True)"}
+
+
+def plot_results(data: dict, out: str | Path) -> Path:
+    """Write a PNG: x = context length (log scale), y = decode tokens/s; rows that did not run are
+    marked on the x axis with a cross.
+
+    Args:
+        data: the benchmark results (as written to bench_<model>.json).
+        out: the PNG path.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    rows = data["rows"]
+    for system, label in _LABELS.items():
+        ok = sorted((r["context"], r["tokens_per_s"]) for r in rows if r["system"] == system and r["status"] == "ok")
+        missing = sorted(r["context"] for r in rows if r["system"] == system and r["status"] != "ok")
+        if ok:
+            (line,) = ax.plot([c for c, _ in ok], [t for _, t in ok], marker="o", label=label)
+            color = line.get_color()
+        else:
+            color = None
+        if missing:
+            ax.scatter(missing, [0] * len(missing), marker="x", color=color,
+                       label=f"{label}: did not run / fit" if not ok else None)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("decode tokens/s (batch 1)")
+    env = data.get("environment", {})
+    ax.set_title(f"{data.get('model', {}).get('name', '')} — {env.get('gpu', 'CPU')}", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

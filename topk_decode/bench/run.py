@@ -1,0 +1,325 @@
+"""`topk bench`: top-k decoding beside HF transformers (dense and offloaded cache), one process, one run.
+
+Per context length N, in this order (so that the most important rows land first):
+1. our layer-wise prefill of N random tokens (weights resident), whose KV the decode then uses
+   (`kv: prefill`); above `prefill_max` the KV is synthetic instead (`kv: synthetic`, see synthetic.py);
+2. top-k decoding (flat, exact) under the GPU budget, with the per-step breakdown;
+3. HF dense `DynamicCache` and HF `DynamicCache(offloading=True)`: prefill + decode, where they fit
+   (estimated before trying; OOM caught) — they run without the budget, and each row says whether its
+   peak would have fit it;
+and at the end the layer-wise prefill with `offload_weights` under the budget (the weights go to CPU).
+Every row is appended to the JSON file as soon as it is measured.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from topk_decode.bench.hf import fits_hf, hf_decode, weights_bytes
+from topk_decode.bench.measure import GIB, cpu_rss, is_oom, peak_gpu, release, set_gpu_budget
+from topk_decode.bench.shapes import build_model
+from topk_decode.bench.synthetic import kv_bytes, kv_in_memory, synthetic_kv
+from topk_decode.config import DecodeConfig
+from topk_decode.decode.engine import TopKDecoder
+from topk_decode.errors import TopkError
+from topk_decode.model.blocks import ModelShape
+from topk_decode.prefill.layerwise import prefill_layers
+
+SYSTEMS = ("topk", "hf-dense", "hf-offload")
+
+
+@dataclass
+class BenchConfig:
+    """What one `topk bench` run measures.
+
+    Args:
+        model: a named shape (llama-3-8b, qwen2.5-7b, llama-3.2-1b, tiny) or a checkpoint directory.
+        contexts: context lengths N in tokens.
+        systems: any of "topk", "hf-dense", "hf-offload".
+        k: retrieved tokens per query head and layer (flat, exact).
+        backend: flat search backend ("torch" scans the memory map; "faiss" builds indices).
+        steps, warmup: timed and untimed decode steps per row (HF offloaded: `hf_offload_steps`).
+        hf_offload_steps: timed steps of the (slow) offloaded baseline.
+        gpu_memory: budget in bytes for top-k decoding and the offloaded prefill (None: whole GPU).
+        kv: "auto" (prefill up to `prefill_max`, synthetic above), "prefill" or "synthetic".
+        prefill_max: longest context prefilled for real under kv="auto".
+        hf_max: longest context the HF baselines are run at (their prefill is quadratic: time budget).
+        prefill_chunk: layer-wise prefill chunk length.
+        offload_prefill: also run the layer-wise prefill with weights streamed from the CPU, under the budget.
+        device, dtype: compute device and dtype.
+        out: directory for bench_<model>.json and .png.
+        seed: token and KV seed.
+    """
+
+    model: str = "llama-3-8b"
+    contexts: list[int] = field(default_factory=lambda: [32768, 131072])
+    systems: list[str] = field(default_factory=lambda: list(SYSTEMS))
+    k: int = 1024
+    backend: str = "torch"
+    steps: int = 16
+    warmup: int = 3
+    hf_offload_steps: int = 4
+    gpu_memory: int | None = None
+    kv: str = "auto"
+    prefill_max: int = 131072
+    hf_max: int = 131072
+    prefill_chunk: int = 8192
+    offload_prefill: bool = True
+    device: str = "cuda"
+    dtype: str = "bf16"
+    out: str = "bench-results"
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Raise TopkError on options that cannot work."""
+        bad = [s for s in self.systems if s not in SYSTEMS]
+        if bad:
+            raise TopkError(f"unknown system(s) {', '.join(bad)} (choose from {', '.join(SYSTEMS)})")
+        if self.kv not in ("auto", "prefill", "synthetic"):
+            raise TopkError(f"--kv must be auto, prefill or synthetic, got {self.kv!r}")
+        if not self.contexts or min(self.contexts) < 128:
+            raise TopkError("context lengths must be at least 128 tokens")
+        if self.k <= 0 or self.steps <= 0 or self.warmup < 0:
+            raise TopkError("k and steps must be positive, warmup ≥ 0")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise TopkError("CUDA is not available here: use --device cpu (or --smoke)")
+
+
+def smoke_config(out: str) -> BenchConfig:
+    """The CI smoke run: the tiny shape on the CPU, two short contexts, every system, seconds."""
+    return BenchConfig(model="tiny", contexts=[512, 1024], k=64, steps=3, warmup=1, hf_offload_steps=2,
+                       device="cpu", dtype="fp32", out=out, prefill_chunk=256, prefill_max=512)
+
+
+def environment(device: torch.device) -> dict:
+    """Versions and hardware, recorded with the results."""
+    import transformers
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "cpu_threads": torch.get_num_threads(), "host": platform.node(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        env.update(gpu=p.name, gpu_total_gib=round(p.total_memory / GIB, 1))
+    try:
+        env["host_ram_gib"] = round(int(open("/proc/meminfo").read().split()[1]) * 1024 / GIB, 1)
+    except OSError:
+        pass
+    return env
+
+
+def _mem_available() -> int | None:
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _gib(x: int | None) -> float | None:
+    return None if x is None else round(x / GIB, 2)
+
+
+class _Recorder:
+    """Collects rows and rewrites the JSON file after each one (a crash loses nothing measured)."""
+
+    def __init__(self, cfg: BenchConfig, env: dict, log: Callable[[str], None]) -> None:
+        self.cfg, self.log = cfg, log
+        name = Path(cfg.model).name if Path(cfg.model).is_dir() else cfg.model
+        self.model_name = name
+        self.path = Path(cfg.out) / f"bench_{name}.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.data = {"config": asdict(cfg), "environment": env, "rows": []}
+
+    def add(self, system: str, context: int, status: str = "ok", **fields) -> dict:
+        row = {"model": self.model_name, "system": system, "context": context, "status": status, **fields}
+        self.data["rows"].append(row)
+        self.path.write_text(json.dumps(self.data, indent=1))
+        shown = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()
+                 if k not in ("model", "breakdown")}
+        self.log(f"{json.dumps(shown)}" + (f"\n    breakdown ms/step: {json.dumps(row['breakdown'])}"
+                                          if row.get("breakdown") else ""))
+        return row
+
+
+def _prefill(model, tokens: list[int], chunk: int, offload: bool, device: torch.device, keep: bool):
+    """Layer-wise prefill; returns (ContextKV or None, PrefillStats)."""
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+
+    def on_layer(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if keep:
+            keys.append(k)
+            values.append(v)
+
+    _, stats = prefill_layers(model, tokens, on_layer, chunk_size=chunk, offload_weights=offload, device=device)
+    ckv = kv_in_memory(keys, values, tokens, model.config.model_type) if keep else None
+    return ckv, stats
+
+
+@torch.inference_mode()
+def _topk_decode(model, ckv, cfg: BenchConfig, device: torch.device) -> dict:
+    """Greedy top-k decoding over `ckv`: tokens/s and the per-step breakdown."""
+    config = DecodeConfig(k=cfg.k, strategy="flat", strategy_options={"backend": cfg.backend})
+    decoder = TopKDecoder(model, ckv, config)
+    conv = decoder.new_conversation()
+    logits = decoder.forward([5], conv)
+    for _ in range(cfg.warmup):
+        logits = decoder.forward([int(torch.argmax(logits))], conv)
+    conv.stats = type(conv.stats)()
+    t0 = time.perf_counter()
+    for _ in range(cfg.steps):
+        logits = decoder.forward([int(torch.argmax(logits))], conv)
+    wall = time.perf_counter() - t0
+    s = conv.stats.summary()
+    rss, hwm = cpu_rss()
+    breakdown = {k: round(s[k], 2) for k in ("gpu_ms", "d2h_ms", "search_ms", "gather_ms", "h2d_ms")}
+    return {"tokens_per_s": cfg.steps / wall, "ms_per_step": 1e3 * wall / cfg.steps, "breakdown": breakdown,
+            "steps": cfg.steps, "k": cfg.k, "backend": cfg.backend,
+            "fp32_rescans": decoder.strategy.stats.extra.get("fp32_rescans", 0),
+            "peak_gpu_gib": _gib(peak_gpu(device)), "cpu_rss_gib": _gib(rss), "cpu_peak_rss_gib": _gib(hwm)}
+
+
+def _try(rec: _Recorder, system: str, n: int, fn: Callable[[], dict], device: torch.device, **extra) -> dict | None:
+    """Run one measurement; OOM and other failures become clean rows instead of ending the run."""
+    try:
+        return rec.add(system, n, **extra, **fn())
+    except Exception as e:  # noqa: BLE001 - a benchmark row must never take the whole run down
+        status = "does not fit: out of memory" if is_oom(e) else f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        release(device)
+        return rec.add(system, n, status=status, **extra)
+
+
+def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
+    """Run the benchmark; write bench_<model>.json (and .png) under cfg.out; return the results.
+
+    Args:
+        cfg: the benchmark configuration.
+        log: where progress lines go.
+    """
+    from topk_decode.prefill.build import parse_dtype
+
+    cfg.validate()
+    device, dtype = torch.device(cfg.device), parse_dtype(cfg.dtype)
+    rec = _Recorder(cfg, environment(device), log)
+    t0 = time.perf_counter()
+    model = build_model(cfg.model, device, dtype)
+    shape = ModelShape.from_config(model.config)
+    rec.data["model"] = {"name": rec.model_name, "params_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 3),
+                         "weights_gib": _gib(weights_bytes(model)), "layers": shape.n_layers, "heads": shape.n_heads,
+                         "kv_heads": shape.n_kv_heads, "head_dim": shape.head_dim, "built_s": round(time.perf_counter() - t0, 1)}
+    log(f"model {rec.model_name}: {rec.data['model']}")
+    budget = cfg.gpu_memory
+    gen = torch.Generator().manual_seed(cfg.seed)
+    for n in sorted(cfg.contexts):
+        tokens = torch.randint(3, shape.vocab_size, (n,), generator=gen).tolist()
+        kv = kv_bytes(shape.n_layers, shape.n_kv_heads, shape.head_dim, n, dtype)
+        real = cfg.kv == "prefill" or (cfg.kv == "auto" and n <= cfg.prefill_max)
+        if "topk" in cfg.systems:
+            _run_topk(rec, model, shape, tokens, kv, real, cfg, device, dtype, budget)
+        for system in ("hf-dense", "hf-offload"):
+            if system in cfg.systems:
+                _run_hf(rec, model, tokens, kv, system, cfg, device, budget)
+    if cfg.offload_prefill:
+        _run_offload_prefill(rec, model, shape, cfg, device, budget, gen)
+    rec.data["total_s"] = round(time.perf_counter() - t0, 1)
+    rec.path.write_text(json.dumps(rec.data, indent=1))
+    try:
+        from topk_decode.bench.plot import plot_results
+
+        rec.data["plot"] = str(plot_results(rec.data, rec.path.with_suffix(".png")))
+    except Exception as e:  # noqa: BLE001 - a missing plot must not lose the numbers
+        log(f"plot failed: {e}")
+    rec.path.write_text(json.dumps(rec.data, indent=1))
+    return rec.data
+
+
+def _run_topk(rec, model, shape, tokens, kv, real, cfg, device, dtype, budget) -> None:
+    n = len(tokens)
+    avail = _mem_available()
+    if avail is not None and kv > 0.9 * avail:
+        rec.add("topk", n, status=f"does not fit: KV is {kv / GIB:.1f} GiB, host RAM available {avail / GIB:.1f} GiB",
+                kv="synthetic" if not real else "prefill", kv_gib=_gib(kv))
+        return
+    ckv = None
+    if real:
+        release(device)
+        set_gpu_budget(device, None)
+        try:
+            ckv, st = _prefill(model, tokens, cfg.prefill_chunk, False, device, keep=True)
+            rec.add("topk-prefill", n, tokens_per_s=st.tokens_per_s, seconds=st.seconds, chunk=cfg.prefill_chunk,
+                    peak_gpu_gib=_gib(st.peak_device_bytes), cpu_rss_gib=_gib(cpu_rss()[0]))
+        except Exception as e:  # noqa: BLE001
+            rec.add("topk-prefill", n, status=f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            release(device)
+            return
+    else:
+        t = time.perf_counter()
+        ckv = synthetic_kv(shape.n_layers, shape.n_kv_heads, shape.head_dim, n, dtype, cfg.seed,
+                           model_type=shape.model_type)
+        rec.data.setdefault("synthetic_build_s", {})[str(n)] = round(time.perf_counter() - t, 1)
+    release(device)
+    set_gpu_budget(device, budget)
+    _try(rec, "topk", n, lambda: _topk_decode(model, ckv, cfg, device), device,
+         kv="prefill" if real else "synthetic", kv_gib=_gib(kv), gpu_budget_gib=_gib(budget))
+    set_gpu_budget(device, None)
+    del ckv
+    release(device)
+
+
+def _run_hf(rec, model, tokens, kv, system, cfg, device, budget) -> None:
+    n = len(tokens)
+    offloading = system == "hf-offload"
+    if n > cfg.hf_max:
+        rec.add(system, n, status=f"skipped: above --hf-max-context {cfg.hf_max} (time budget)", kv_gib=_gib(kv))
+        return
+    if offloading and device.type != "cuda":
+        rec.add(system, n, status="skipped: the offloaded cache needs CUDA")
+        return
+    fits, why = fits_hf(model, kv, n, offloading, device)
+    avail = _mem_available()
+    if offloading and avail is not None and kv > 0.9 * avail:
+        fits, why = False, f"offloaded KV {kv / GIB:.1f} GiB > host RAM available {avail / GIB:.1f} GiB"
+    if not fits:
+        rec.add(system, n, status=f"does not fit: {why}", kv_gib=_gib(kv))
+        return
+    steps = cfg.hf_offload_steps if offloading else cfg.steps
+    warm = min(cfg.warmup, 1) if offloading else cfg.warmup
+
+    def measure() -> dict:
+        r = hf_decode(model, tokens, steps, warm, offloading, device)
+        peak, rss, hwm = r.pop("peak_gpu_bytes"), r.pop("cpu_rss_bytes"), r.pop("cpu_peak_rss_bytes")
+        return {**r, "peak_gpu_gib": _gib(peak), "cpu_rss_gib": _gib(rss), "cpu_peak_rss_gib": _gib(hwm),
+                "fits_budget": None if budget is None or peak is None else peak <= budget}
+
+    _try(rec, system, n, measure, device, kv_gib=_gib(kv))
+
+
+def _run_offload_prefill(rec, model, shape, cfg, device, budget, gen) -> None:
+    """The layer-wise prefill with weights streamed from the CPU, under the GPU budget (model moves to CPU)."""
+    contexts = [n for n in sorted(cfg.contexts) if n <= cfg.prefill_max]
+    if not contexts:
+        return
+    model.to("cpu")
+    release(device)
+    set_gpu_budget(device, budget)
+    for n in contexts:
+        tokens = torch.randint(3, shape.vocab_size, (n,), generator=gen).tolist()
+
+        def measure() -> dict:
+            release(device)
+            _, st = _prefill(model, tokens, cfg.prefill_chunk, True, device, keep=False)
+            return {"tokens_per_s": st.tokens_per_s, "seconds": st.seconds, "chunk": cfg.prefill_chunk,
+                    "peak_gpu_gib": _gib(st.peak_device_bytes), "gpu_budget_gib": _gib(budget),
+                    "cpu_rss_gib": _gib(cpu_rss()[0])}
+
+        _try(rec, "topk-prefill-offload", n, measure, device)
+    set_gpu_budget(device, None)

@@ -1,0 +1,56 @@
+"""Search floor: one layer's flat exact top-k on the host CPU, per backend, through FlatStrategy itself."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from topk_decode.bench.synthetic import synthetic_kv
+
+
+def search_floor(n_tokens: int, n_kv_heads: int = 8, head_dim: int = 128, group: int = 4, k: int = 1024,
+                 backends: tuple[str, ...] = ("torch", "faiss"), reps: int = 5, seed: int = 0) -> list[dict]:
+    """Milliseconds per layer of `FlatStrategy.select` for each backend on random bf16 keys.
+
+    Args:
+        n_tokens: keys per head.
+        n_kv_heads, head_dim: one layer's KV shape (Llama-3-8B: 8, 128).
+        group: query heads per KV head (Llama-3-8B: 4).
+        k: results per query head.
+        backends: flat backends to time.
+        reps: timed searches (after one warm-up).
+        seed: random seed.
+    Returns:
+        one dict per backend: ms per layer, index build seconds, and bytes the index adds to RAM.
+    """
+    from topk_decode.index.flat import FlatStrategy
+
+    ckv = synthetic_kv(1, n_kv_heads, head_dim, n_tokens, torch.bfloat16, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    qs = [torch.randn((n_kv_heads, group, head_dim), generator=gen).bfloat16().float() for _ in range(reps + 1)]
+    rows = []
+    for backend in backends:
+        strat = FlatStrategy(ckv, 4, n_tokens - 64, {"backend": backend})
+        t = time.perf_counter()
+        strat.prepare()
+        build = time.perf_counter() - t
+        strat.select(0, qs[0], k)
+        t = time.perf_counter()
+        for q in qs[1:]:
+            strat.select(0, q, k)
+        ms = 1e3 * (time.perf_counter() - t) / reps
+        extra = 0 if backend == "torch" else sum(ix.sa_code_size() * ix.ntotal for row in strat.indices for ix in row)
+        rows.append({"backend": backend, "n_tokens": n_tokens, "ms_per_layer": round(ms, 2), "build_s": round(build, 2),
+                     "index_extra_ram_gib": round(extra / (1 << 30), 3), "threads": torch.get_num_threads(),
+                     "fp32_rescans": strat.stats.extra.get("fp32_rescans", 0)})
+    return rows
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    for n in [int(a) for a in sys.argv[1:]] or [131072]:
+        for row in search_floor(n):
+            print(json.dumps(row), flush=True)

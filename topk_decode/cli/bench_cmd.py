@@ -1,0 +1,66 @@
+"""`topk bench`: decode/prefill speed of top-k decoding beside HF transformers, as JSON + PNG."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from topk_decode.cli.common import say_note
+
+
+def bench_command(
+    model: Annotated[str, typer.Option("--model", "-m", help="Named shape with random weights (llama-3-8b, qwen2.5-7b, llama-3.2-1b, tiny) or a checkpoint directory.")] = "llama-3-8b",
+    context: Annotated[str, typer.Option("--context", "-c", help="Comma-separated context lengths, e.g. 32K,128K,512K,1M.")] = "32K,128K",
+    systems: Annotated[str, typer.Option("--systems", help="Comma-separated: topk, hf-dense, hf-offload.")] = "topk,hf-dense,hf-offload",
+    k: Annotated[int, typer.Option("--k", help="Retrieved tokens per query head and layer (flat, exact).")] = 1024,
+    backend: Annotated[str, typer.Option("--backend", help="Flat search backend: torch or faiss.")] = "torch",
+    steps: Annotated[int, typer.Option("--steps", help="Timed decode steps per row.")] = 16,
+    warmup: Annotated[int, typer.Option("--warmup", help="Untimed decode steps before timing.")] = 3,
+    gpu_memory: Annotated[Optional[str], typer.Option("--gpu-memory", help="GPU budget for top-k decoding and the offloaded prefill, e.g. 16GiB (enforced with torch.cuda.set_per_process_memory_fraction).")] = None,
+    kv: Annotated[str, typer.Option("--kv", help="auto (real prefill up to --prefill-max, synthetic above), prefill, or synthetic.")] = "auto",
+    prefill_max: Annotated[str, typer.Option("--prefill-max", help="Longest context prefilled for real under --kv auto.")] = "128K",
+    hf_max: Annotated[str, typer.Option("--hf-max-context", help="Longest context the HF baselines run at (their prefill is slow).")] = "128K",
+    prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="Layer-wise prefill chunk length.")] = 8192,
+    offload_prefill: Annotated[bool, typer.Option("--offload-prefill/--no-offload-prefill", help="Also prefill with weights streamed from the CPU, under the budget.")] = True,
+    device: Annotated[str, typer.Option("--device", help="cuda or cpu.")] = "cuda",
+    dtype: Annotated[str, typer.Option("--dtype", help="bf16, fp16 or fp32.")] = "bf16",
+    out: Annotated[str, typer.Option("--out", "-o", help="Directory for bench_<model>.json and .png.")] = "bench-results",
+    smoke: Annotated[bool, typer.Option("--smoke", help="CI smoke run: tiny shape on the CPU, seconds (other options ignored except --out).")] = False,
+) -> None:
+    """Measure decode tokens/s (with a per-step breakdown), peak GPU memory and CPU RSS of top-k decoding
+    beside HF transformers dense and offloaded decoding, at several context lengths."""
+    from topk_decode.bench.measure import parse_bytes, parse_tokens
+    from topk_decode.bench.run import BenchConfig, run_bench, smoke_config
+
+    if smoke:
+        cfg = smoke_config(out)
+    else:
+        cfg = BenchConfig(model=model, contexts=[parse_tokens(c) for c in context.split(",") if c.strip()],
+                          systems=[s.strip() for s in systems.split(",") if s.strip()], k=k, backend=backend,
+                          steps=steps, warmup=warmup, gpu_memory=parse_bytes(gpu_memory) if gpu_memory else None,
+                          kv=kv, prefill_max=parse_tokens(prefill_max), hf_max=parse_tokens(hf_max),
+                          prefill_chunk=prefill_chunk, offload_prefill=offload_prefill, device=device, dtype=dtype,
+                          out=out)
+    data = run_bench(cfg, log=lambda line: typer.echo(line, err=True))
+    _print_table(data)
+    say_note(f"results: {cfg.out}/bench_{data['model']['name']}.json" + (f", plot: {data['plot']}" if data.get("plot") else ""))
+
+
+def _print_table(data: dict) -> None:
+    """One line per row: system, context, kv source, tokens/s, ms/step, peak GPU, RSS, status."""
+    from topk_decode.cli.common import console
+
+    from rich.table import Table
+
+    t = Table(title=f"topk bench — {data['model']['name']}")
+    for col in ("system", "context", "kv", "tok/s", "ms/step", "prefill tok/s", "peak GPU GiB", "RSS GiB", "status"):
+        t.add_column(col)
+    fmt = lambda v, f="{:,.2f}": "" if v is None else f.format(v)  # noqa: E731
+    for r in data["rows"]:
+        decode = not r["system"].startswith("topk-prefill")
+        t.add_row(r["system"], f"{r['context']:,}", r.get("kv") or "", fmt(r.get("tokens_per_s")) if decode else "",
+                  fmt(r.get("ms_per_step"), "{:,.1f}"),
+                  fmt(r.get("tokens_per_s") if not decode else r.get("prefill_tokens_per_s"), "{:,.0f}"),
+                  fmt(r.get("peak_gpu_gib")), fmt(r.get("cpu_rss_gib")), r["status"])
+    console().print(t)
