@@ -15,6 +15,8 @@ if [ "$phase" = 1 ]; then
   $PY -m topk_decode bench --model llama-3-8b --context 32K,128K --gpu-memory "$budget" --k 1024 --steps 16 \
       --out "$OUT" 2>&1 | tee "$OUT/log_llama8b.txt"
   $PY -m topk_decode.bench.search 131072 2>&1 | tee "$OUT/search_floor.txt"
+  $PY -m topk_decode bench --model llama-3-8b --context 32K,128K --systems topk --no-graphs --no-offload-prefill \
+      --gpu-memory "$budget" --k 1024 --steps 8 --out "$OUT/nographs" 2>&1 | tee "$OUT/log_llama8b_nographs.txt"
 elif [ "$phase" = 2 ]; then
   $PY -m topk_decode bench --model qwen2.5-7b --context 1M --gpu-memory "$budget" --k 1024 --steps 4 --warmup 1 \
       --no-offload-prefill --out "$OUT" 2>&1 | tee "$OUT/log_qwen7b.txt"

@@ -103,3 +103,24 @@ def test_half_precision_scan_rescans_rows_whose_certificate_fails():
     sel = _half_scan(keys, q, 10, 0, 500, stats)
     assert stats.extra["fp32_rescans"] == 2
     assert torch.all(sel.scores == 8.0)
+
+
+@pytest.mark.parametrize("k", [8, 100000])
+def test_one_token_segments_match_the_module_by_module_step(built_cache, k):
+    # The fixed-buffer segments (CUDA graphs on a GPU) must compute exactly what the eager path does.
+    from topk_decode.config import DecodeConfig
+    from topk_decode.decode.engine import TopKDecoder
+    from topk_decode.model.loading import load_model
+    from topk_decode.store.cache_dir import open_cache
+
+    cache, model_dir = built_cache
+    model, ckv = load_model(model_dir, "cpu"), open_cache(cache)
+    runs = []
+    for graphs in (False, True):
+        dec = TopKDecoder(model, ckv, DecodeConfig(k=k, strategy_options={"backend": "torch"}), graphs=graphs)
+        conv = dec.new_conversation()
+        logits = [dec.forward([5, 6, 7], conv)]
+        for _ in range(4):
+            logits.append(dec.forward([int(logits[-1].argmax())], conv))
+        runs.append(torch.stack(logits))
+    assert torch.equal(runs[0], runs[1])

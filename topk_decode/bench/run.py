@@ -53,6 +53,7 @@ class BenchConfig:
         hf_max: longest context the HF baselines are run at (their prefill is quadratic: time budget).
         prefill_chunk: layer-wise prefill chunk length.
         offload_prefill: also run the layer-wise prefill with weights streamed from the CPU, under the budget.
+        graphs: replay the dense part of each one-token step as CUDA graphs (decode/graphs.py).
         device, dtype: compute device and dtype.
         out: directory for bench_<model>.json and .png.
         seed: token and KV seed.
@@ -72,6 +73,7 @@ class BenchConfig:
     hf_max: int = 131072
     prefill_chunk: int = 8192
     offload_prefill: bool = True
+    graphs: bool = True
     device: str = "cuda"
     dtype: str = "bf16"
     out: str = "bench-results"
@@ -169,7 +171,7 @@ def _prefill(model, tokens: list[int], chunk: int, offload: bool, device: torch.
 def _topk_decode(model, ckv, cfg: BenchConfig, device: torch.device) -> dict:
     """Greedy top-k decoding over `ckv`: tokens/s and the per-step breakdown."""
     config = DecodeConfig(k=cfg.k, strategy="flat", strategy_options={"backend": cfg.backend})
-    decoder = TopKDecoder(model, ckv, config)
+    decoder = TopKDecoder(model, ckv, config, graphs=cfg.graphs and device.type == "cuda")
     conv = decoder.new_conversation()
     logits = decoder.forward([5], conv)
     for _ in range(cfg.warmup):
@@ -184,6 +186,7 @@ def _topk_decode(model, ckv, cfg: BenchConfig, device: torch.device) -> dict:
     breakdown = {k: round(s[k], 2) for k in ("gpu_ms", "d2h_ms", "search_ms", "gather_ms", "h2d_ms")}
     return {"tokens_per_s": cfg.steps / wall, "ms_per_step": 1e3 * wall / cfg.steps, "breakdown": breakdown,
             "steps": cfg.steps, "k": cfg.k, "backend": cfg.backend,
+            "cuda_graphs": decoder._segments is not None and decoder._segments.graphs is not None,
             "fp32_rescans": decoder.strategy.stats.extra.get("fp32_rescans", 0),
             "peak_gpu_gib": _gib(peak_gpu(device)), "cpu_rss_gib": _gib(rss), "cpu_peak_rss_gib": _gib(hwm)}
 

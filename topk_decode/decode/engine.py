@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from topk_decode.config import DecodeConfig
+from topk_decode.decode.graphs import StepSegments
 from topk_decode.decode.merge import joint_attention
 from topk_decode.decode.window import Window
 from topk_decode.errors import TopkError, TopkWarning
@@ -102,10 +103,12 @@ class TopKDecoder:
         config: k, strategy, sinks and tail.
         last_logits: (V,) logits after the last context token (used when the prompt is empty).
         progress: optional callback(done, total) while the strategy builds its indices.
+        graphs: run one-token steps through fixed-buffer segments replayed as CUDA graphs (see
+            graphs.py); None = on CUDA only. True on the CPU runs the same segments eagerly.
     """
 
     def __init__(self, model, ckv: ContextKV, config: DecodeConfig, last_logits: torch.Tensor | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> None:
+                 progress: Callable[[int, int], None] | None = None, graphs: bool | None = None) -> None:
         self.model = model
         self.ckv = ckv
         self.shape = ModelShape.from_config(model.config)
@@ -132,6 +135,8 @@ class TopKDecoder:
         self._events = [[torch.cuda.Event(enable_timing=True) for _ in range(4)] for _ in range(self.shape.n_layers)] \
             if self._cuda else []
         self._timed_layers: list[int] = []
+        self._use_segments = self._cuda if graphs is None else graphs
+        self._segments: StepSegments | None = None
         if self.shape.sliding_window and n > self.shape.sliding_window:
             warnings.warn(f"the model's sliding window ({self.shape.sliding_window}) is shorter than the context "
                           f"({n} tokens); top-k decoding attends over the whole context", TopkWarning, stacklevel=2)
@@ -239,6 +244,39 @@ class TopKDecoder:
             warnings.warn(f"position {pos0 + T} is past the model's maximum positions "
                           f"({self.shape.max_positions}); answers may degrade", TopkWarning, stacklevel=2)
             self._warned_positions = True
+        if T == 1 and self._use_segments:
+            logits = self._forward_one(ids[0], pos0, conv)
+        else:
+            logits = self._forward_eager(ids, pos0, conv)
+        if self._cuda:
+            torch.cuda.current_stream(self.device).synchronize()   # the caller reads the logits next anyway
+            self._collect_transfer_times(conv.stats)
+        conv.stats.steps += 1
+        conv.stats.tokens += T
+        conv.stats.total_s += time.perf_counter() - t_start
+        return logits
+
+    def _forward_one(self, token: int, position: int, conv: Conversation) -> torch.Tensor:
+        """One token through fixed-buffer segments (CUDA graphs on CUDA): (V,) logits."""
+        if self._segments is None:
+            self._segments = StepSegments(self.model, self.shape, self.device, capture=self._cuda)
+        seg, win = self._segments, conv.window
+        seg.start(token, position)
+        seg.run(0)
+        for layer_idx in range(self.shape.n_layers):
+            q, k, v = seg.qkv[layer_idx]                                         # (1,H,1,D), (1,Hkv,1,D)
+            wk, wv = win.append(layer_idx, k[0], v[0])
+            ctx_scores, ctx_values = self._retrieve(layer_idx, q[0], conv)
+            out = joint_attention(q[0], wk, wv, None, ctx_scores, ctx_values, self.scale)   # (H, 1, D)
+            seg.attn[layer_idx].copy_(out[None])
+            seg.run(layer_idx + 1)
+        win.advance(1)
+        return seg.logits[0].clone()                  # the segment's buffer is overwritten next step
+
+    def _forward_eager(self, ids: list[int], pos0: int, conv: Conversation) -> torch.Tensor:
+        """Any number of tokens through the model's modules, launched one by one: (V,) logits."""
+        win = conv.window
+        T = len(ids)
         positions = torch.arange(pos0, pos0 + T, device=self.device)
         x = self.model.model.embed_tokens(torch.tensor([ids], device=self.device))   # (1, T, C)
         cos, sin = rope(self.model, x, positions)
@@ -253,14 +291,7 @@ class TopKDecoder:
             out = joint_attention(q[0], wk, wv, visible, ctx_scores, ctx_values, self.scale)  # (H, T, D)
             x = finish_block(layer, x, out[None])
         win.advance(T)
-        logits = final_logits(self.model, x[:, -1:])[0]
-        if self._cuda:
-            torch.cuda.current_stream(self.device).synchronize()   # the caller reads the logits next anyway
-            self._collect_transfer_times(conv.stats)
-        conv.stats.steps += 1
-        conv.stats.tokens += T
-        conv.stats.total_s += time.perf_counter() - t_start
-        return logits
+        return final_logits(self.model, x[:, -1:])[0]
 
     def stream(self, conv: Conversation, prompt_ids: list[int], max_new_tokens: int,
                eos_ids: set[int] | None = None) -> Iterator[int]:
