@@ -281,9 +281,6 @@ def _run_topk(rec, model, shape, tokens, kv, real, cfg, device, dtype, budget) -
 def _run_hf(rec, model, tokens, kv, system, cfg, device, budget) -> None:
     n = len(tokens)
     offloading = system == "hf-offload"
-    if n > cfg.hf_max:
-        rec.add(system, n, status=f"skipped: above --hf-max-context {cfg.hf_max} (time budget)", kv_gib=_gib(kv))
-        return
     if offloading and device.type != "cuda":
         rec.add(system, n, status="skipped: the offloaded cache needs CUDA")
         return
@@ -293,6 +290,10 @@ def _run_hf(rec, model, tokens, kv, system, cfg, device, budget) -> None:
         fits, why = False, f"offloaded KV {kv / GIB:.1f} GiB > host RAM available {avail / GIB:.1f} GiB"
     if not fits:
         rec.add(system, n, status=f"does not fit: {why}", kv_gib=_gib(kv))
+        return
+    if n > cfg.hf_max:
+        rec.add(system, n, status=f"skipped: fits by estimate ({why}) but above --hf-max-context {cfg.hf_max} "
+                                  "(time budget)", kv_gib=_gib(kv))
         return
     steps = cfg.hf_offload_steps if offloading else cfg.steps
     warm = min(cfg.warmup, 1) if offloading else cfg.warmup
