@@ -212,6 +212,8 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
 
     cfg.validate()
     device, dtype = torch.device(cfg.device), parse_dtype(cfg.dtype)
+    if device.type == "cuda" and device.index is None:   # memory-fraction calls need an explicit index
+        device = torch.device("cuda", torch.cuda.current_device())
     rec = _Recorder(cfg, environment(device), log)
     t0 = time.perf_counter()
     model = build_model(cfg.model, device, dtype)

@@ -153,6 +153,8 @@ def prefill_layers(
     dtype = next(model.parameters()).dtype
     if offload_weights:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         return _prefill_offloaded(model, ids, on_layer, chunk_size, progress, shape, dtype, device)
     device = next(model.parameters()).device
     N = len(ids)
