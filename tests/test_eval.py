@@ -80,6 +80,20 @@ def test_a_chat_template_model_is_compared_with_dense_on_its_own_layout(model_fa
     assert inst.runs[0].kl_max < 1e-5 and inst.runs[0].agreement == 1.0
 
 
+def test_documents_mode_measures_fidelity_without_a_task(model_factory, docs_dir, tmp_path):
+    cfg = EvalConfig(model=str(model_factory("qwen2")), docs=str(docs_dir), question="What runs once?", ks=[8, BIG_K],
+                     fidelity_steps=3, device="cpu", work_dir=str(tmp_path))
+    result = run_eval(cfg)
+    (inst,) = result.instances
+    assert inst.task == "documents" and inst.answer is None and inst.dense_correct is None
+    small, exact = inst.runs
+    assert small.correct is None and small.steps == 3
+    assert small.mass_recall < 0.99
+    assert exact.mass_recall == pytest.approx(1.0, abs=1e-5) and exact.kl_max < 1e-5 and exact.agreement == 1.0
+    summary = summarize(result)
+    assert summary["accuracy"] == [] and [r["method"] for r in summary["fidelity"]] == ["flat@8", f"flat@{BIG_K}"]
+
+
 def test_a_plain_tokenizer_gets_exactly_the_task_layout(tiny_result):
     assert all(i.layout == "raw" for i in tiny_result.instances)
 

@@ -41,6 +41,8 @@ def eval_command(
     strategies: Annotated[str, typer.Option("--strategies", help="Comma-separated selection strategies.")] = "flat",
     k: Annotated[str, typer.Option("--k", help="Comma-separated retrieval budgets per query head and layer.")] = "1,4,16,64,256,1024",
     k_schedules: Annotated[str, typer.Option("--k-schedules", help="Comma-separated per-layer schedules: uniform, linear (same total budget).")] = "uniform",
+    docs: Annotated[Path | None, typer.Option("--docs", help="Fidelity only, on these documents (folder or file) instead of the tasks.")] = None,
+    question: Annotated[str, typer.Option("--question", help="The question asked about --docs.")] = "What are these documents about?",
     out: Annotated[Path | None, typer.Option("--out", help="Write the full results as JSON here.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write PNG plots into this directory (needs matplotlib).")] = None,
     device: Annotated[str | None, typer.Option("--device", help="cuda, cuda:N or cpu (default: CUDA when available).")] = None,
@@ -64,7 +66,7 @@ def eval_command(
         strategies=parse_list("--strategies", strategies, str), ks=parse_list("--k", k, int),
         k_schedules=parse_list("--k-schedules", k_schedules, str),
         fidelity_steps=fidelity_steps, device=device, dtype=dtype, n_sink=n_sink, n_tail=n_tail,
-        strategy_options=parse_options(opt))
+        strategy_options=parse_options(opt), docs=str(docs) if docs is not None else None, question=question)
     cfg.validate()   # before loading anything
     err = console(stderr=True)
     log = None if quiet else (lambda msg: err.print(msg, markup=False, highlight=False))

@@ -25,7 +25,7 @@ import torch
 from topk_decode.api import KVStore, _eos_ids
 from topk_decode.config import DecodeConfig
 from topk_decode.errors import TopkError
-from topk_decode.eval.metrics import FidelityObserver, is_correct, kl_divergence
+from topk_decode.eval.metrics import FidelityObserver, dense_reference, is_correct, teacher_forced
 from topk_decode.index import STRATEGIES
 from topk_decode.model.loading import load_model, load_tokenizer, model_fingerprint
 from topk_decode.prefill.build import build_cache, parse_dtype, pick_device
@@ -54,6 +54,9 @@ class EvalConfig:
         strategy_options: options passed to every strategy.
         chunk_size: prefill chunk length.
         work_dir: where the temporary caches go (default: the system temp dir).
+        docs: a documents folder or file: fidelity only, on these documents and `question` (laid out
+            as `topk prefill` and `topk chat` do) instead of the tasks.
+        question: the question asked about `docs`.
     """
 
     model: str | None = None
@@ -73,6 +76,8 @@ class EvalConfig:
     strategy_options: dict = field(default_factory=dict)
     chunk_size: int = 4096
     work_dir: str | None = None
+    docs: str | None = None
+    question: str = "What are these documents about?"
 
     def validate(self) -> None:
         """Raise TopkError for settings that make no sense."""
@@ -84,6 +89,8 @@ class EvalConfig:
         for s in self.strategies:
             if s not in STRATEGIES:
                 raise TopkError(f"unknown strategy {s!r} (available: {', '.join(sorted(STRATEGIES))})")
+        if self.docs is not None and not self.question.strip():
+            raise TopkError("--question must not be empty")
         if not self.tasks or not self.lengths or not self.depths or not self.strategies or not self.ks:
             raise TopkError("tasks, lengths, depths, strategies and k each need at least one value")
         if any(n <= 0 for n in self.lengths):
@@ -110,8 +117,8 @@ class RunResult:
     strategy: str
     k: int
     schedule: str
-    generated: str
-    correct: bool
+    generated: str | None      # None in documents mode (fidelity only)
+    correct: bool | None
     steps: int
     agreement: float          # teacher-forced steps whose argmax equals the dense token / steps
     kl_mean: float            # nats, mean over steps of KL(dense ‖ top-k) next-token distributions
@@ -133,16 +140,16 @@ def method_name(strategy: str, schedule: str, k: int) -> str:
 class InstanceResult:
     """One seeded task instance: its dense reference and every (strategy, k) run."""
 
-    task: str
+    task: str                  # a task name, or "documents" (fidelity on the user's documents)
     length: int
-    depth: float
-    seed: int
-    answer: str
+    depth: float | None
+    seed: int | None
+    answer: str | None
     layout: str                # "raw": [bos] + tokenize(context), as the tasks define; "template": chat prefix
     n_context_tokens: int
     n_prompt_tokens: int
     dense_generated: str
-    dense_correct: bool
+    dense_correct: bool | None
     prefill_seconds: float
     dense_seconds: float
     runs: list[RunResult] = field(default_factory=list)
@@ -162,68 +169,6 @@ class EvalResult:
 
         return {"config": self.config, "environment": self.environment, "summary": summarize(self),
                 "instances": [asdict(i) for i in self.instances]}
-
-
-@torch.inference_mode()
-def dense_reference(model, ids: list[int], n_steps: int, eos_ids: set[int]) -> tuple[list[int], torch.Tensor]:
-    """Greedy decoding with the HF model over the full KV (its own DynamicCache), as `model.generate`.
-
-    Args:
-        model: the HF causal LM.
-        ids: context + prompt token ids.
-        n_steps: at most this many generated tokens (stops after an eos token, which is kept).
-        eos_ids: token ids that end generation.
-    Returns:
-        the generated tokens and the (steps, V) fp32 CPU logits each one was chosen from.
-    """
-    dev = next(model.parameters()).device
-    out = model(input_ids=torch.tensor([ids], device=dev), use_cache=True, logits_to_keep=1)
-    tokens: list[int] = []
-    logits: list[torch.Tensor] = []
-    for _ in range(n_steps):
-        step_logits = out.logits[0, -1].float().cpu()                     # (V,)
-        tok = int(torch.argmax(step_logits))
-        tokens.append(tok)
-        logits.append(step_logits)
-        if tok in eos_ids or len(tokens) == n_steps:
-            break
-        out = model(input_ids=torch.tensor([[tok]], device=dev), past_key_values=out.past_key_values,
-                    use_cache=True)
-    return tokens, torch.stack(logits)
-
-
-@dataclass
-class TeacherForced:
-    """Per-step comparison of top-k logits with dense ones on the dense tokens."""
-
-    matches: list[bool]
-    kl_mean: float
-    kl_max: float
-
-
-def teacher_forced(decoder, prompt_ids: list[int], dense_tokens: list[int], dense_logits: torch.Tensor,
-                   observer: Callable | None = None) -> TeacherForced:
-    """Feed the prompt, then the dense tokens, through the top-k decoder; compare every step's logits.
-
-    Args:
-        decoder: the `TopKDecoder` (its k already set).
-        prompt_ids: the question tokens.
-        dense_tokens: the dense reference's generated tokens (fed back one by one).
-        dense_logits: (steps, V) the dense logits each dense token was chosen from.
-        observer: optional `Conversation.observer` (attention fidelity).
-    """
-    conv = decoder.new_conversation()
-    conv.observer = observer
-    logits = decoder.forward(list(prompt_ids), conv)
-    matches: list[bool] = []
-    kls: list[float] = []
-    for i, tok in enumerate(dense_tokens):
-        lf = logits.float().cpu()
-        kls.append(float(kl_divergence(dense_logits[i], lf)))
-        matches.append(int(torch.argmax(lf)) == tok)
-        if i + 1 < len(dense_tokens):
-            logits = decoder.forward([tok], conv)
-    return TeacherForced(matches=matches, kl_mean=sum(kls) / max(len(kls), 1), kl_max=max(kls, default=0.0))
 
 
 def environment(model_dir: Path, trained: bool | None, device: torch.device) -> dict:
@@ -269,23 +214,26 @@ def _context_cache(inst, tokenizer, model_dir: Path, cfg: EvalConfig, tmp: Path)
 
 
 def _run_one(store: KVStore, strategy: str, schedule: str, k: int, prompt_ids: list[int], dense_tokens: list[int],
-             dense_logits: torch.Tensor, answer: str, answer_steps: int, observe: bool) -> RunResult:
+             dense_logits: torch.Tensor, answer: str | None, answer_steps: int, observe: bool) -> RunResult:
     """Teacher-forced fidelity + free-running correctness of one (strategy, k)."""
     t0 = time.perf_counter()
     store.set_k(k)
     obs = FidelityObserver(store.decoder) if observe else None
     tf = teacher_forced(store.decoder, prompt_ids, dense_tokens, dense_logits, obs)
     n_ans = min(answer_steps, len(dense_tokens))
-    if all(tf.matches[:n_ans]):
+    if answer is None:
+        gen = None   # fidelity only: no answer to check
+    elif all(tf.matches[:n_ans]):
         # every step the answer needs chose the dense token from the same inputs: the free-running
         # generation is the dense one, token for token
         gen = dense_tokens[:answer_steps]
     else:
         gen = store.generate_ids(prompt_ids, answer_steps)
-    text = store.tokenizer.decode(gen, skip_special_tokens=True)
+    text = store.tokenizer.decode(gen, skip_special_tokens=True) if gen is not None else None
     fid = obs.result() if obs is not None else None
     return RunResult(
-        strategy=strategy, k=k, schedule=schedule, generated=text, correct=is_correct(text, answer), steps=len(tf.matches),
+        strategy=strategy, k=k, schedule=schedule, generated=text,
+        correct=is_correct(text, answer) if answer is not None else None, steps=len(tf.matches),
         agreement=sum(tf.matches) / max(len(tf.matches), 1), kl_mean=tf.kl_mean, kl_max=tf.kl_max,
         mass_recall=fid.mass_recall if fid else None, id_recall=fid.id_recall if fid else None,
         output_rel_error=fid.output_rel_error if fid else None,
@@ -304,47 +252,73 @@ class _Loaded:
 
 
 def _eval_instance(inst, seed: int, m: _Loaded, cfg: EvalConfig, log: Callable[[str], None]) -> InstanceResult:
-    """Prefill one instance, run dense, then every strategy and k on it; the cache is deleted after."""
-    tok = m.tokenizer
+    """Prefill one task instance, run dense, then every strategy and k on it; the cache is deleted after."""
     with tempfile.TemporaryDirectory(prefix="topk-eval-", dir=cfg.work_dir) as tmp:
-        cache, ctx_ids, layout, prefill_s = _context_cache(inst, tok, m.model_dir, cfg, Path(tmp))
+        cache, ctx_ids, layout, prefill_s = _context_cache(inst, m.tokenizer, m.model_dir, cfg, Path(tmp))
         if layout != "raw":
             log("note: the tokenizer's chat template puts the context in a user turn; dense and top-k share "
                 "that layout")
-        prompt_ids = tok(inst.question, add_special_tokens=False).input_ids
-        answer_steps = _answer_steps(tok, inst.answer)
+        prompt_ids = m.tokenizer(inst.question, add_special_tokens=False).input_ids
+        head = dict(task=inst.task, length=inst.length, depth=inst.depth, seed=seed, layout=layout,
+                    prefill_seconds=prefill_s)
+        return _measure(cache, ctx_ids, prompt_ids, inst.answer, head, m, cfg, log)
+
+
+def _eval_documents(m: _Loaded, cfg: EvalConfig, log: Callable[[str], None]) -> InstanceResult:
+    """Fidelity only, on the user's documents and question, laid out as `topk prefill` / `topk chat` do."""
+    from topk_decode.prefill.documents import PromptFormat
+
+    with tempfile.TemporaryDirectory(prefix="topk-eval-", dir=cfg.work_dir) as tmp:
         t0 = time.perf_counter()
-        dense_tokens, dense_logits = dense_reference(m.model, ctx_ids + prompt_ids,
-                                                     max(answer_steps, cfg.fidelity_steps), m.eos)
-        dense_s = time.perf_counter() - t0
-        dense_text = tok.decode(dense_tokens[:answer_steps], skip_special_tokens=True)
-        ir = InstanceResult(task=inst.task, length=inst.length, depth=inst.depth, seed=seed, answer=inst.answer,
-                            layout=layout, n_context_tokens=len(ctx_ids), n_prompt_tokens=len(prompt_ids),
-                            dense_generated=dense_text, dense_correct=is_correct(dense_text, inst.answer),
-                            prefill_seconds=prefill_s, dense_seconds=dense_s)
-        log(f"{inst.task} len={inst.length} depth={inst.depth} seed={seed}: {len(ctx_ids)} tokens, dense "
-            f"{'correct' if ir.dense_correct else 'wrong'} ({dense_text.strip()!r}, expected {inst.answer!r})")
-        ks = sorted(set(cfg.ks))
-        for strategy in cfg.strategies:
-            # one store per strategy (its indices are built once); k only changes what a search returns
-            dc = DecodeConfig(k=ks[-1], strategy=strategy, strategy_options=dict(cfg.strategy_options),
-                              n_sink=cfg.n_sink, n_tail=cfg.n_tail)
-            store = KVStore(open_cache(cache, verify=False), m.model, tok, dc)
-            for schedule in cfg.k_schedules:
-                store.decoder.config.k_schedule = schedule
-                for k in ks:
-                    run = _run_one(store, strategy, schedule, k, prompt_ids, dense_tokens, dense_logits,
-                                   inst.answer, answer_steps, cfg.fidelity_steps > 0)
-                    ir.runs.append(run)
-                    mr = "-" if run.mass_recall is None else f"{run.mass_recall:.4f}"
-                    log(f"  {method_name(strategy, schedule, k)}: {'correct' if run.correct else 'wrong'}, "
-                        f"mass recall {mr}, KL {run.kl_mean:.2e}, agreement {run.agreement:.2f}")
-            del store  # release the strategy's indices before the cache directory goes
+        cache, _ = build_cache(cfg.docs, Path(tmp) / "cache", m.model_dir, chunk_size=cfg.chunk_size,
+                               device=cfg.device, dtype=cfg.dtype)
+        prefill_s = time.perf_counter() - t0
+        ckv = open_cache(cache, verify=False)
+        fmt = PromptFormat(**ckv.manifest.get("prompt", {"kind": "raw"}))
+        prompt_ids = m.tokenizer(fmt.question_text(cfg.question, first_turn=True), add_special_tokens=False).input_ids
+        head = dict(task="documents", length=ckv.n_tokens, depth=None, seed=None, layout=fmt.kind,
+                    prefill_seconds=prefill_s)
+        return _measure(cache, ckv.tokens, prompt_ids, None, head, m, cfg, log)
+
+
+def _measure(cache: Path, ctx_ids: list[int], prompt_ids: list[int], answer: str | None, head: dict, m: _Loaded,
+             cfg: EvalConfig, log: Callable[[str], None]) -> InstanceResult:
+    """Dense reference, then every strategy × schedule × k on one prefilled context."""
+    tok = m.tokenizer
+    answer_steps = _answer_steps(tok, answer) if answer is not None else 0
+    t0 = time.perf_counter()
+    dense_tokens, dense_logits = dense_reference(m.model, ctx_ids + prompt_ids,
+                                                 max(answer_steps, cfg.fidelity_steps, 1), m.eos)
+    dense_s = time.perf_counter() - t0
+    dense_text = tok.decode(dense_tokens[:answer_steps or len(dense_tokens)], skip_special_tokens=True)
+    ir = InstanceResult(**head, answer=answer, n_context_tokens=len(ctx_ids), n_prompt_tokens=len(prompt_ids),
+                        dense_generated=dense_text, dense_seconds=dense_s,
+                        dense_correct=is_correct(dense_text, answer) if answer is not None else None)
+    verdict = "" if answer is None else ("correct " if ir.dense_correct else "wrong ") + f"(expected {answer!r})"
+    log(f"{head['task']} len={head['length']} depth={head['depth']} seed={head['seed']}: {len(ctx_ids)} tokens, "
+        f"dense {dense_text.strip()!r} {verdict}")
+    ks = sorted(set(cfg.ks))
+    for strategy in cfg.strategies:
+        # one store per strategy (its indices are built once); k only changes what a search returns
+        dc = DecodeConfig(k=ks[-1], strategy=strategy, strategy_options=dict(cfg.strategy_options),
+                          n_sink=cfg.n_sink, n_tail=cfg.n_tail)
+        store = KVStore(open_cache(cache, verify=False), m.model, tok, dc)
+        for schedule in cfg.k_schedules:
+            store.decoder.config.k_schedule = schedule
+            for k in ks:
+                run = _run_one(store, strategy, schedule, k, prompt_ids, dense_tokens, dense_logits,
+                               answer, answer_steps, cfg.fidelity_steps > 0)
+                ir.runs.append(run)
+                mr = "-" if run.mass_recall is None else f"{run.mass_recall:.4f}"
+                verdict = "" if run.correct is None else ("correct, " if run.correct else "wrong, ")
+                log(f"  {method_name(strategy, schedule, k)}: {verdict}mass recall {mr}, "
+                    f"KL {run.kl_mean:.2e}, agreement {run.agreement:.2f}")
+        del store  # release the strategy's indices before the cache directory goes
     return ir
 
 
 def run_eval(cfg: EvalConfig, log: Callable[[str], None] | None = None) -> EvalResult:
-    """Run dense and every (strategy, k) on the same seeded instances.
+    """Run dense and every (strategy, k) on the same seeded instances (or on `cfg.docs`, fidelity only).
 
     Args:
         cfg: what to evaluate.
@@ -371,6 +345,9 @@ def run_eval(cfg: EvalConfig, log: Callable[[str], None] | None = None) -> EvalR
     eos = _eos_ids(model, tokenizer)
     loaded = _Loaded(model_dir, model, tokenizer, eos)
     result = EvalResult(config=asdict(cfg), environment=environment(model_dir, trained, device))
+    if cfg.docs is not None:
+        result.instances.append(_eval_documents(loaded, cfg, log))
+        return result
     for task in cfg.tasks:
         for length in cfg.lengths:
             for depth in cfg.depths:

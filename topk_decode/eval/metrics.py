@@ -1,13 +1,15 @@
 """Fidelity metrics of top-k decoding against dense attention, and task correctness.
 
-Everything here is plain fp32 tensor math with no model in sight, so each metric can be checked on
-hand-computed cases (tests/test_metrics.py). The harness calls `attention_fidelity` from the
-decoder's observer hook (one layer, one step) and the logit metrics once per decode step.
+The metrics are plain fp32 tensor math with no model in sight, so each can be checked on
+hand-computed cases (tests/test_metrics.py). The measuring side sits below them: the decoder's
+observer hook (`FidelityObserver`, one layer and step at a time), the HF dense reference
+(`dense_reference`) and teacher-forced top-k decoding on its tokens (`teacher_forced`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -210,3 +212,65 @@ class FidelityObserver:
             output_rel_error=float(per["err"].mean()),
             layer_mass_recall=[float(x) for x in head.mean(-1)],
             head_mass_recall=[[float(x) for x in row] for row in head])
+
+
+@torch.inference_mode()
+def dense_reference(model, ids: list[int], n_steps: int, eos_ids: set[int]) -> tuple[list[int], torch.Tensor]:
+    """Greedy decoding with the HF model over the full KV (its own DynamicCache), as `model.generate`.
+
+    Args:
+        model: the HF causal LM.
+        ids: context + prompt token ids.
+        n_steps: at most this many generated tokens (stops after an eos token, which is kept).
+        eos_ids: token ids that end generation.
+    Returns:
+        the generated tokens and the (steps, V) fp32 CPU logits each one was chosen from.
+    """
+    dev = next(model.parameters()).device
+    out = model(input_ids=torch.tensor([ids], device=dev), use_cache=True, logits_to_keep=1)
+    tokens: list[int] = []
+    logits: list[torch.Tensor] = []
+    for _ in range(n_steps):
+        step_logits = out.logits[0, -1].float().cpu()                     # (V,)
+        tok = int(torch.argmax(step_logits))
+        tokens.append(tok)
+        logits.append(step_logits)
+        if tok in eos_ids or len(tokens) == n_steps:
+            break
+        out = model(input_ids=torch.tensor([[tok]], device=dev), past_key_values=out.past_key_values,
+                    use_cache=True)
+    return tokens, torch.stack(logits)
+
+
+@dataclass
+class TeacherForced:
+    """Per-step comparison of top-k logits with dense ones on the dense tokens."""
+
+    matches: list[bool]
+    kl_mean: float
+    kl_max: float
+
+
+def teacher_forced(decoder, prompt_ids: list[int], dense_tokens: list[int], dense_logits: torch.Tensor,
+                   observer: Callable | None = None) -> TeacherForced:
+    """Feed the prompt, then the dense tokens, through the top-k decoder; compare every step's logits.
+
+    Args:
+        decoder: the `TopKDecoder` (its k already set).
+        prompt_ids: the question tokens.
+        dense_tokens: the dense reference's generated tokens (fed back one by one).
+        dense_logits: (steps, V) the dense logits each dense token was chosen from.
+        observer: optional `Conversation.observer` (attention fidelity).
+    """
+    conv = decoder.new_conversation()
+    conv.observer = observer
+    logits = decoder.forward(list(prompt_ids), conv)
+    matches: list[bool] = []
+    kls: list[float] = []
+    for i, tok in enumerate(dense_tokens):
+        lf = logits.float().cpu()
+        kls.append(float(kl_divergence(dense_logits[i], lf)))
+        matches.append(int(torch.argmax(lf)) == tok)
+        if i + 1 < len(dense_tokens):
+            logits = decoder.forward([tok], conv)
+    return TeacherForced(matches=matches, kl_mean=sum(kls) / max(len(kls), 1), kl_max=max(kls, default=0.0))

@@ -38,12 +38,14 @@ def summarize(result) -> dict:
     layers: dict[tuple[int, str], list[list[float]]] = defaultdict(list)
     for inst in result.instances:
         key = (inst.task, inst.length, inst.depth)
-        acc[key + (DENSE, None, None, None)][0] += int(inst.dense_correct)
-        acc[key + (DENSE, None, None, None)][1] += 1
+        if inst.answer is not None:    # documents mode has no answer: fidelity only
+            acc[key + (DENSE, None, None, None)][0] += int(inst.dense_correct)
+            acc[key + (DENSE, None, None, None)][1] += 1
         for r in inst.runs:
             m = method_name(r.strategy, r.schedule, r.k)
-            acc[key + (m, r.strategy, r.schedule, r.k)][0] += int(r.correct)
-            acc[key + (m, r.strategy, r.schedule, r.k)][1] += 1
+            if r.correct is not None:
+                acc[key + (m, r.strategy, r.schedule, r.k)][0] += int(r.correct)
+                acc[key + (m, r.strategy, r.schedule, r.k)][1] += 1
             fid[(inst.length, r.strategy, r.schedule, r.k)].append(r)
             if r.layer_mass_recall is not None:
                 layers[(inst.length, m)].append(r.layer_mass_recall)
