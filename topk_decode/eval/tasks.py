@@ -177,6 +177,31 @@ def magic_question(key: str) -> str:
             f"Answer: The special magic number for {key} is")
 
 
+def chat_query(task: str, key: str) -> tuple[str, str]:
+    """The same question as a user would type it in ``topk chat``, and the answer's fixed start.
+
+    ``topk chat`` appends ``"\nQuestion: {question}\nAnswer:"``; the demo model then answers
+    with a full sentence, ``" " + prefix + " " + answer + "."``, e.g.
+    ``"The special magic number for amber-fox is 482."``.
+
+    Args:
+        task: one of :data:`TASKS`.
+        key: the asked key (the asked variable for ``variable_tracking``).
+
+    Returns:
+        (question, answer prefix).
+    """
+    if task in ("single_needle", "multi_key"):
+        return (f"What is the special magic number for {key}?",
+                f"The special magic number for {key} is")
+    if task == "multi_value":
+        return (f"What are all the special magic numbers for {key}?",
+                f"The special magic numbers for {key} are")
+    if task == "variable_tracking":
+        return f"Which number does variable {key} equal?", f"Variable {key} equals"
+    raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
+
+
 def multi_value_fact(key: str, value: int | str) -> str:
     """Context sentence of ``multi_value`` (several of them share one key).
 
