@@ -159,8 +159,8 @@ class FidelitySummary:
     mass_recall: float
     id_recall: float
     output_rel_error: float
-    layer_mass_recall: list[float]          # (layers,)
-    head_mass_recall: list[list[float]]     # (layers, query heads)
+    layer_mass_recall: list[float | None]         # (layers,), None where a layer was never observed
+    head_mass_recall: list[list[float | None]]    # (layers, query heads)
 
 
 class FidelityObserver:
@@ -210,8 +210,14 @@ class FidelityObserver:
         return FidelitySummary(
             mass_recall=float(per["mass"].mean()), id_recall=float(per["ids"].mean()),
             output_rel_error=float(per["err"].mean()),
-            layer_mass_recall=[float(x) for x in head.mean(-1)],
-            head_mass_recall=[[float(x) for x in row] for row in head])
+            layer_mass_recall=[_num(x) for x in head.mean(-1)],
+            head_mass_recall=[[_num(x) for x in row] for row in head])
+
+
+def _num(x: torch.Tensor) -> float | None:
+    """A float for JSON: None for a layer that was never observed (NaN is not valid JSON)."""
+    v = float(x)
+    return None if v != v else v
 
 
 @torch.inference_mode()
