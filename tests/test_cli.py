@@ -384,3 +384,15 @@ def test_python_m_info_json_and_help_without_torch(prefilled):
     probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                            env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert probe.stdout.strip() == "False", probe.stderr
+
+
+def test_a_missing_dependency_is_named_not_an_internal_error(monkeypatch, prefilled):
+    from topk_decode.cli import info_cmd
+
+    def no_faiss(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'faiss'", name="faiss")
+
+    monkeypatch.setattr(info_cmd, "cache_facts", no_faiss)
+    result = topk("info", prefilled[0])
+    assert result.exit_code == 2
+    assert_one_line_error(result, "'faiss' is not installed")

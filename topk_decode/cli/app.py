@@ -44,6 +44,11 @@ class TopkGroup(TyperGroup):
             except TopkError as e:
                 say_error(e)
                 raise typer.Exit(EXIT_USER) from None
+            except ModuleNotFoundError as e:
+                # An environment problem, not a bug: name the package instead of an internal error.
+                say_error(f"the Python package {e.name!r} is not installed (pip install topk-decode installs "
+                          f"every dependency; see pyproject.toml)")
+                raise typer.Exit(EXIT_USER) from None
             except KeyboardInterrupt:
                 typer.echo("interrupted", err=True)
                 raise typer.Exit(EXIT_INTERRUPTED) from None
