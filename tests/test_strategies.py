@@ -15,7 +15,7 @@ from topk_decode.index import STRATEGIES, artifact_dir, get_strategy
 from topk_decode.index.flat import FlatStrategy
 from topk_decode.index.quest import page_bounds, page_scores
 from topk_decode.index.schedule import k_schedule
-from topk_decode.index.tokenselect import soft_vote
+from topk_decode.index.tokenselect import scan_scores, soft_vote
 from topk_decode.store.cache_dir import CacheWriter, open_cache
 
 NEW = ["ivf", "hnsw", "quest", "tokenselect"]
@@ -102,6 +102,13 @@ def test_soft_vote_matches_hand_computation():
              [1 / (e8 + 3), 1 / (e8 + 3), 1 / (e8 + 3), e8 / (e8 + 3)]]
     expected = torch.tensor(np.sum(heads, axis=0), dtype=torch.float32)
     torch.testing.assert_close(soft_vote(scores, 0.5), expected)
+
+
+def test_blocked_scan_equals_one_matmul_over_the_range():
+    gen = torch.Generator().manual_seed(4)
+    keys, q = torch.randn(2, 1000, 8, generator=gen).bfloat16(), torch.randn(2, 3, 8, generator=gen)
+    ref = torch.bmm(q, keys[:, 7:993].float().transpose(1, 2))
+    torch.testing.assert_close(scan_scores(q, keys, 7, 993, block=100), ref)
 
 
 def test_tokenselect_shares_ids_across_heads_with_exact_scores(synthetic_cache):

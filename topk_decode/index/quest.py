@@ -18,6 +18,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from topk_decode.errors import TopkError
 from topk_decode.index.ann import artifacts_match, positive_int, recorded_options, start_artifacts, write_done
 from topk_decode.index.base import Selection, SelectionStrategy, artifact_dir, exact_scores
 from topk_decode.store.cache_dir import ContextKV
@@ -94,7 +95,10 @@ class QuestStrategy(SelectionStrategy):
             self.build_artifacts(self.ckv, self.options, progress)
         built = recorded_options(self.ckv.path, self.name)
         self.page_size = int(built["page_size"])
-        self.dense_layers = int(self.options.get("dense_layers", 2))
+        raw = self.options.get("dense_layers", 2)
+        if not str(raw).isdigit():
+            raise TopkError(f"option dense_layers must be an integer ≥ 0, got {raw!r}")
+        self.dense_layers = int(raw)
         d = artifact_dir(self.ckv.path, self.name)
         n_pages = -(-self.ckv.n_tokens // self.page_size)
         shape = (self.ckv.n_kv_heads, n_pages, self.ckv.head_dim)

@@ -31,6 +31,28 @@ def soft_vote(scores: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.softmax(scores * scale, dim=-1).sum(dim=(0, 1))
 
 
+def scan_scores(q: torch.Tensor, keys: torch.Tensor, lo: int, hi: int, block: int = 2048) -> torch.Tensor:
+    """Exact q·k of every key in [lo, hi), scanning the keys in blocks.
+
+    Converting 16-bit keys to fp32 block by block keeps the converted block in cache: on the
+    2-core dev machine, 2048-key blocks scored 65K bf16 keys × 8 heads in 26 ms vs 113 ms for one
+    conversion of the whole range.
+
+    Args:
+        q: (Hkv, Q, D) float32 queries.
+        keys: (Hkv, N, D) one layer's keys, any float dtype.
+        lo, hi: the key range.
+        block: keys per block.
+    Returns:
+        (Hkv, Q, hi - lo) float32.
+    """
+    out = torch.empty(q.shape[0], q.shape[1], hi - lo)
+    for s in range(lo, hi, block):
+        e = min(s + block, hi)
+        torch.bmm(q, keys[:, s:e].float().transpose(1, 2), out=out[:, :, s - lo:e - lo])
+    return out
+
+
 @dataclass
 class SelectionCache:
     """Per-conversation state: per layer, the last searched query (flattened) and its token ids."""
@@ -76,7 +98,7 @@ class TokenSelectStrategy(SelectionStrategy):
                     return Selection(ids=full, scores=exact_scores(keys, q, full), searched=False)
         self.stats.searches += 1
         self.stats.extra["hit_rate"] = self.hit_rate()
-        scores = torch.bmm(q, keys[:, self.lo:self.hi].float().transpose(1, 2))  # (Hkv, Q, M)
+        scores = scan_scores(q, keys, self.lo, self.hi)                          # (Hkv, Q, M)
         ids = soft_vote(scores, self.scale).topk(k).indices                      # (k,) offsets in [lo, hi)
         full = ids.expand(q.shape[0], q.shape[1], k)
         sel = Selection(ids=full + self.lo, scores=scores.gather(2, full))
