@@ -180,6 +180,17 @@ def test_artifacts_are_reused_on_second_open_and_rebuilt_when_options_change(syn
     assert _open(synthetic_cache, "quest", {"page_size": 8}).page_size == 8
 
 
+def test_unwritable_cache_raises_a_topk_error(tmp_path, synthetic_cache, monkeypatch):
+    import topk_decode.index.ann as ann
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(ann.Path, "mkdir", refuse)
+    with pytest.raises(TopkError, match="cannot write the hnsw index"):
+        _open(synthetic_cache, "hnsw", {"M": 7})
+
+
 def test_bad_options_raise_topk_errors(synthetic_cache):
     with pytest.raises(TopkError, match="nlist"):
         _open(synthetic_cache, "ivf", {"nlist": "many"})

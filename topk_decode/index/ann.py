@@ -72,8 +72,12 @@ def write_done(cache: Path, name: str, options: dict) -> None:
 def start_artifacts(cache: Path, name: str) -> Path:
     """Create (or reuse) the artifact directory, removing a stale `done.json` before rewriting files."""
     d = artifact_dir(cache, name)
-    d.mkdir(parents=True, exist_ok=True)
-    (d / DONE).unlink(missing_ok=True)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        (d / DONE).unlink(missing_ok=True)
+    except OSError as e:
+        raise TopkError(f"cannot write the {name} index into {d} ({e.strerror}); build it where the cache "
+                        f"is writable: topk prefill ... --strategy {name}") from None
     return d
 
 
