@@ -2,7 +2,8 @@
 # The GPU-host benchmark behind docs/BENCHMARKS.md. Run from the repo root on the GPU machine:
 #   bash scripts/device_bench.sh 1    # Llama-3-8B 32K/128K: top-k vs HF dense vs HF offloaded, prefill vs HF, search floor
 #   bash scripts/device_bench.sh 2    # 512K / 1M: Llama-3-8B and Qwen2.5-7B on synthetic KV; Llama-3.2-1B 32K/128K
-#   bash scripts/device_bench.sh all  # 1 then 2 (without the search floor), then the --no-graphs comparison
+#   bash scripts/device_bench.sh all  # 1 then 2
+#   bash scripts/device_bench.sh nographs  # Llama-3-8B top-k rows without CUDA graphs (the comparison)
 # Results (JSON, PNG, logs) go to $RES (default ./bench-results); with SNAP=file.tgz the folder is also
 # archived there after every step (a run cut short keeps what it measured). Needs faiss-cpu, typer, rich.
 set -o pipefail
@@ -19,10 +20,8 @@ if [ "$phase" = 1 ] || [ "$phase" = all ]; then
   $PY -m topk_decode bench --model llama-3-8b --context 32K,128K --gpu-memory "$budget" --k 1024 --steps 16 \
       --out "$OUT" 2>&1 | tee "$OUT/log_llama8b.txt"; snap
 fi
-if [ "$phase" = 1 ]; then
+if [ "$phase" = 1 ] || [ "$phase" = all ]; then
   $PY -m topk_decode.bench.search 131072 2>&1 | tee "$OUT/search_floor.txt"; snap
-  $PY -m topk_decode bench --model llama-3-8b --context 32K,128K --systems topk --no-graphs --no-offload-prefill \
-      --gpu-memory "$budget" --k 1024 --steps 8 --out "$OUT/nographs" 2>&1 | tee "$OUT/log_llama8b_nographs.txt"
 fi
 if [ "$phase" = 2 ] || [ "$phase" = all ]; then
   $PY -m topk_decode bench --model qwen2.5-7b --context 1M --gpu-memory "$budget" --k 1024 --steps 4 --warmup 1 \
@@ -32,7 +31,7 @@ if [ "$phase" = 2 ] || [ "$phase" = all ]; then
   $PY -m topk_decode bench --model llama-3.2-1b --context 32K,128K --gpu-memory "$budget" --k 1024 --steps 16 \
       --out "$OUT" 2>&1 | tee "$OUT/log_llama1b.txt"; snap
 fi
-if [ "$phase" = all ]; then
+if [ "$phase" = nographs ]; then
   $PY -m topk_decode bench --model llama-3-8b --context 32K,128K --systems topk --no-graphs --no-offload-prefill \
       --gpu-memory "$budget" --k 1024 --steps 8 --out "$OUT/nographs" 2>&1 | tee "$OUT/log_llama8b_nographs.txt"
 fi

@@ -47,6 +47,37 @@ def search_floor(n_tokens: int, n_kv_heads: int = 8, head_dim: int = 128, group:
     return rows
 
 
+def torch_scan_stages(n_tokens: int, n_kv_heads: int = 8, head_dim: int = 128, group: int = 4, k: int = 1024,
+                      reps: int = 5, seed: int = 0) -> dict:
+    """Where the torch backend's time goes: ms per layer of each stage of `_half_scan`.
+
+    Args:
+        n_tokens, n_kv_heads, head_dim, group, k: as in `search_floor`.
+        reps: timed repetitions (after one warm-up).
+        seed: random seed.
+    """
+    ckv = synthetic_kv(1, n_kv_heads, head_dim, n_tokens, torch.bfloat16, seed)
+    keys = ckv.keys[0]
+    q = torch.randn((n_kv_heads, group, head_dim)).bfloat16()
+    buf = torch.empty((n_kv_heads, group, n_tokens), dtype=torch.bfloat16)
+    kc = k + max(32, k // 4)
+    times = {"bmm_ms": 0.0, "topk_ms": 0.0, "rescore_ms": 0.0}
+    for i in range(reps + 1):
+        t0 = time.perf_counter()
+        torch.bmm(q, keys.transpose(1, 2), out=buf)
+        t1 = time.perf_counter()
+        cand = buf.topk(kc, dim=-1)
+        t2 = time.perf_counter()
+        rows = cand.indices + (torch.arange(n_kv_heads) * n_tokens).view(-1, 1, 1)
+        sel = keys.reshape(-1, head_dim).index_select(0, rows.view(-1)).view(n_kv_heads * group, kc, head_dim)
+        torch.bmm(sel.float(), q.float().reshape(n_kv_heads * group, head_dim, 1)).view(n_kv_heads, group, kc).topk(k)
+        t3 = time.perf_counter()
+        if i:
+            for name, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+                times[name] += 1e3 * dt / reps
+    return {"n_tokens": n_tokens, **{name: round(v, 2) for name, v in times.items()}}
+
+
 if __name__ == "__main__":
     import json
     import sys
@@ -54,3 +85,4 @@ if __name__ == "__main__":
     for n in [int(a) for a in sys.argv[1:]] or [131072]:
         for row in search_floor(n):
             print(json.dumps(row), flush=True)
+        print(json.dumps(torch_scan_stages(n)), flush=True)

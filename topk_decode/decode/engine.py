@@ -68,6 +68,9 @@ class StepStats:
         }
 
 
+_PIECES = 4  # gather / host→device pipeline depth per layer
+
+
 class _Staging:
     """Host buffers for one (queries, k) shape: pinned once, reused by every layer and step.
 
@@ -134,7 +137,7 @@ class TopKDecoder:
         # per layer: (before q copy, after q copy, before h2d, after h2d) CUDA events, reused each step
         self._events = [[torch.cuda.Event(enable_timing=True) for _ in range(4)] for _ in range(self.shape.n_layers)] \
             if self._cuda else []
-        self._timed_layers: list[int] = []
+        self._timed_layers: list[tuple[int, float]] = []
         self._use_segments = self._cuda if graphs is None else graphs
         self._segments: StepSegments | None = None
         if self.shape.sliding_window and n > self.shape.sliding_window:
@@ -199,21 +202,31 @@ class TopKDecoder:
         invalid = sel.ids < 0
         any_invalid = bool(invalid.any())
         torch.clamp(sel.ids, min=0, out=stg.rows).add_(self._row_offsets)
-        torch.index_select(self._values_flat[layer], 0, stg.rows.view(-1), out=stg.values)  # (Hkv·G·T·K, D)
         stg.scores.copy_(sel.scores)
         if any_invalid:
             stg.scores.masked_fill_(invalid, float("-inf"))
-        t3 = time.perf_counter()
+        rows, vflat = stg.rows.view(-1), self._values_flat[layer]
         if self._cuda:
+            # Gather in pieces and start each piece's host→device copy at once: the DMA of piece i
+            # overlaps the CPU gather of piece i+1.
+            values = torch.empty(stg.values.shape, dtype=stg.values.dtype, device=self.device)
+            R = rows.shape[0]
+            bounds = [R * i // _PIECES for i in range(_PIECES + 1)]
             ev[2].record()
-        scores = stg.scores.to(self.device, non_blocking=True).view(H, T, K)
-        values = stg.values.to(self.device, non_blocking=True).view(H, T, K, D)
-        if self._cuda:
+            for a, b in zip(bounds, bounds[1:]):
+                torch.index_select(vflat, 0, rows[a:b], out=stg.values[a:b])
+                values[a:b].copy_(stg.values[a:b], non_blocking=True)
+            t3 = time.perf_counter()
+            scores = stg.scores.to(self.device, non_blocking=True).view(H, T, K)
             ev[3].record()
-            self._timed_layers.append(layer)
+            values = values.view(H, T, K, D)
+            self._timed_layers.append((layer, t3 - t2))
         else:
+            torch.index_select(vflat, 0, rows, out=stg.values)                  # (Hkv·G·T·K, D)
+            t3 = time.perf_counter()
+            scores = stg.scores.view(H, T, K)
+            values = stg.values.view(H, T, K, D)
             st.d2h_s += t1 - t0
-            st.h2d_s += time.perf_counter() - t3
         st.search_s += t2 - t1
         st.gather_s += t3 - t2
         st.retrieved += sel.ids.numel() - (int(invalid.sum()) if any_invalid else 0)
@@ -221,10 +234,11 @@ class TopKDecoder:
 
     def _collect_transfer_times(self, st: StepStats) -> None:
         """After the step's final sync: add the GPU-side durations of this step's copies."""
-        for layer in self._timed_layers:
+        for layer, gather_s in self._timed_layers:
             ev = self._events[layer]
             st.d2h_s += ev[0].elapsed_time(ev[1]) / 1e3
-            st.h2d_s += ev[2].elapsed_time(ev[3]) / 1e3
+            # the copies run under the gather: count only the part that outlasts it
+            st.h2d_s += max(0.0, ev[2].elapsed_time(ev[3]) / 1e3 - gather_s)
         self._timed_layers.clear()
 
     @torch.inference_mode()

@@ -178,8 +178,17 @@ def _half_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, st
     approx[..., hi:] = float("-inf")
     cand = approx.topk(kc, dim=-1)                                          # (Hkv, Q, kc) absolute ids
     rows = cand.indices + (torch.arange(hkv) * n).view(hkv, 1, 1)           # rows of (Hkv·N, D)
-    k_sel = keys.reshape(hkv * n, d).index_select(0, rows.view(-1)).view(hkv * Q, kc, d)
-    exact = torch.bmm(k_sel.float(), q.reshape(hkv * Q, d, 1)).view(hkv, Q, kc)   # (Hkv, Q, kc) fp32
+    if buffers is not None:   # 10-20 MiB per layer and step: reuse instead of fresh (page-faulting) memory
+        k_sel = buffers.get(("sel", hkv * Q * kc, d, keys.dtype))
+        if k_sel is None:
+            k_sel = buffers[("sel", hkv * Q * kc, d, keys.dtype)] = torch.empty((hkv * Q * kc, d), dtype=keys.dtype)
+            buffers[("sel32", hkv * Q * kc, d)] = torch.empty((hkv * Q * kc, d), dtype=torch.float32)
+        torch.index_select(keys.reshape(hkv * n, d), 0, rows.view(-1), out=k_sel)
+        k32 = buffers[("sel32", hkv * Q * kc, d)]
+        k32.copy_(k_sel)
+    else:
+        k32 = keys.reshape(hkv * n, d).index_select(0, rows.view(-1)).float()
+    exact = torch.bmm(k32.view(hkv * Q, kc, d), q.reshape(hkv * Q, d, 1)).view(hkv, Q, kc)   # (Hkv, Q, kc) fp32
     top = exact.topk(k, dim=-1)
     scores, ids = top.values, cand.indices.gather(-1, top.indices)
     if kc < M:
