@@ -32,10 +32,12 @@ CONFIGS = [
     ("ivf nprobe=nlist/16 raw", "ivf", {"center": False, "spherical": False, "nprobe_frac": 16}),
     ("ivf nprobe=nlist/16 spherical", "ivf", {"center": False, "spherical": True, "nprobe_frac": 16}),
     ("ivf nprobe=nlist/16 centred+spherical", "ivf", {"center": True, "spherical": True, "nprobe_frac": 16}),
+    ("ivf nprobe=nlist/8 raw", "ivf", {"center": False, "spherical": False, "nprobe_frac": 8}),
+    ("ivf nprobe=nlist/8 centred (default)", "ivf", {"center": True, "spherical": False, "nprobe_frac": 8}),
     ("ivf nprobe=nlist/8 centred+spherical", "ivf", {"center": True, "spherical": True, "nprobe_frac": 8}),
-    ("ivf nprobe=nlist/4 centred+spherical", "ivf", {"center": True, "spherical": True, "nprobe_frac": 4}),
+    ("ivf nprobe=nlist/4 centred (default)", "ivf", {"center": True, "spherical": False, "nprobe_frac": 4}),
     ("hnsw ef=64 raw", "hnsw", {"center": False, "efSearch": 64}),
-    ("hnsw ef=64 centred", "hnsw", {"center": True, "efSearch": 64}),
+    ("hnsw ef=64 centred (default)", "hnsw", {"center": True, "efSearch": 64}),
     ("hnsw ef=256 centred", "hnsw", {"center": True, "efSearch": 256}),
     ("quest page=16", "quest", {"page_size": 16, "dense_layers": 0}),
     ("tokenselect no cache", "tokenselect", {"threshold": 2.0}),
@@ -124,16 +126,35 @@ def recall_rows(cache: Path, steps_q: list[list[torch.Tensor]], budgets: list[in
     return rows
 
 
+def random_model(out: Path, head_dim: int) -> Path:
+    """A random-weight Llama with a realistic head dim: 2 layers, 8 query / 2 KV heads, hidden 8·head_dim."""
+    from topk_decode.demo import default_model_dir
+    from topk_decode.model.loading import load_tokenizer
+    from topk_decode.model.tiny import make_random_model
+
+    if not (out / "config.json").is_file():
+        tok = load_tokenizer(default_model_dir()[0])
+        make_random_model(out, "llama", seed=0, tokenizer=tok, hidden_size=8 * head_dim, head_dim=head_dim,
+                          intermediate_size=16 * head_dim, num_hidden_layers=2, num_attention_heads=8,
+                          num_key_value_heads=2, max_position_embeddings=65536)
+    return out
+
+
 def cmd_recall(args) -> None:
     from topk_decode.demo import default_model_dir
     from topk_decode.eval.tasks import make_instance
     from topk_decode.model.loading import load_tokenizer
     from topk_decode.prefill.build import build_cache
 
-    model_dir, trained = (Path(args.model), True) if args.model else default_model_dir()
+    work = Path(args.work or tempfile.mkdtemp(prefix="measure-"))
+    if args.model:
+        model_dir, trained = Path(args.model), True
+    elif args.random_head_dim:
+        model_dir, trained = random_model(work / "model", args.random_head_dim), False
+    else:
+        model_dir, trained = default_model_dir()
     tok = load_tokenizer(model_dir)
     inst = make_instance(args.task, args.length, 0.5, args.seed, tok)
-    work = Path(args.work or tempfile.mkdtemp(prefix="measure-"))
     (work / "docs").mkdir(parents=True, exist_ok=True)
     (work / "docs" / "context.txt").write_text(inst.context)
     cache = work / "cache"
@@ -230,6 +251,7 @@ def main() -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("recall", help="recall of the exact top-k and of attention mass on model keys")
     r.add_argument("--model", help="checkpoint dir (default: the demo model, else the random stand-in)")
+    r.add_argument("--random-head-dim", type=int, help="measure on a random 2-layer Llama with this head dim")
     r.add_argument("--task", default="single_needle")
     r.add_argument("--length", type=int, default=8192)
     r.add_argument("--seed", type=int, default=0)
