@@ -765,6 +765,39 @@ def evaluate(a: argparse.Namespace) -> None:
         Path(a.json_out).write_text(json.dumps(results, indent=1))
 
 
+def demo(a: argparse.Namespace) -> None:
+    """Ask the examples/QUESTIONS.md questions over examples/docs with plain HF generate.
+
+    The context is laid out as ``topk prefill`` does it: ``[bos]`` then, per document (sorted by
+    name), ``tokenize("\n\n### Document: NAME\n\n" + text)``; the question is appended as
+    ``topk chat`` does: ``"\nQuestion: {question}\nAnswer:"``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    device = torch.device("cuda" if torch.cuda.is_available() and not a.cpu else "cpu")
+    tk = AutoTokenizer.from_pretrained(a.model, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(a.model, local_files_only=True,
+                                                 dtype=torch.float32).to(device).eval()
+    files = sorted(p for p in Path(a.docs).rglob("*") if p.suffix in (".txt", ".md"))
+    ids = [tk.bos_token_id]
+    for f in files:
+        head = f"\n\n### Document: {f.relative_to(a.docs)}\n\n" if len(files) > 1 else ""
+        ids += tk(head + f.read_text(encoding="utf-8"), add_special_tokens=False).input_ids
+    print(f"context: {len(ids)} tokens from {len(files)} documents")
+    ok = 0
+    for q, want in zip(a.questions[0::2], a.questions[1::2]):
+        x = torch.tensor([ids + tk(f"\nQuestion: {q}\nAnswer:", add_special_tokens=False).input_ids],
+                         device=device)
+        with torch.no_grad():
+            y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                               max_new_tokens=32, pad_token_id=tk.pad_token_id)
+        text = tk.decode(y[0, x.shape[1]:], skip_special_tokens=True).strip()
+        good = want in text
+        ok += good
+        print(f"{'OK ' if good else 'BAD'} Q: {q!r} -> {text!r} (expected {want!r})")
+    print(f"{ok}/{len(a.questions) // 2} demo questions answered")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -836,6 +869,16 @@ def main() -> None:
     q.add_argument("--verbose", action="store_true")
     q.add_argument("--json-out", dest="json_out", default=None)
 
+    q = sub.add_parser("demo", help="ask the example questions over examples/docs (HF generate)")
+    q.add_argument("--model", default=str(ROOT / "topk_decode" / "demo_model"))
+    q.add_argument("--docs", default=str(ROOT / "examples" / "docs"))
+    q.add_argument("--questions", nargs="+", default=[
+        "What is the special magic number for amber-fox?", "482",
+        "What is the special magic number for silver-owl?", "731",
+        "What is the special magic number for quiet-lynx?", "219",
+        "Which number does variable brave-otter equal?", "calm-heron, which equals 365"])
+    q.add_argument("--cpu", action="store_true")
+
     a = p.parse_args()
     if a.cmd == "tokenizer":
         build_tokenizer(Path(a.out), a.bpe_vocab)
@@ -845,6 +888,8 @@ def main() -> None:
         export(a)
     elif a.cmd == "eval":
         evaluate(a)
+    elif a.cmd == "demo":
+        demo(a)
 
 
 if __name__ == "__main__":
