@@ -9,8 +9,8 @@ _LABELS = {"topk": "top-k flat (exact), GPU budget", "hf-dense": "HF DynamicCach
 
 
 def plot_results(data: dict, out: str | Path) -> Path:
-    """Write a PNG: x = context length (log scale), y = decode tokens/s; rows that did not run are
-    marked on the x axis with a cross.
+    """Write a PNG: x = context length (log scale), y = decode tokens/s; rows that did not run or fit
+    are marked on the x axis with a cross in the system's colour.
 
     Args:
         data: the benchmark results (as written to bench_<model>.json).
@@ -23,7 +23,7 @@ def plot_results(data: dict, out: str | Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     rows = data["rows"]
-    for system, label in _LABELS.items():
+    for i, (system, label) in enumerate(_LABELS.items()):
         ok = sorted((r["context"], r["tokens_per_s"]) for r in rows if r["system"] == system and r["status"] == "ok")
         missing = sorted(r["context"] for r in rows if r["system"] == system and r["status"] != "ok")
         if ok:
@@ -32,7 +32,8 @@ def plot_results(data: dict, out: str | Path) -> Path:
         else:
             color = None
         if missing:
-            ax.scatter(missing, [0] * len(missing), marker="x", color=color,
+            # side by side (x nudged per system) so that three systems missing at one length all show
+            ax.scatter([m * (1 + 0.06 * i) for m in missing], [0] * len(missing), marker="x", color=color,
                        label=f"{label}: did not run / fit" if not ok else None)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context length (tokens)")
@@ -46,3 +47,18 @@ def plot_results(data: dict, out: str | Path) -> Path:
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
+
+
+def plot_files(paths: list[str | Path], out: str | Path) -> Path:
+    """One plot from several `topk bench` JSON files of the same model (e.g. a 32K–128K run and a
+    512K–1M run): their rows are concatenated.
+
+    Args:
+        paths: bench_<model>.json files.
+        out: the PNG path.
+    """
+    import json
+
+    datas = [json.loads(Path(p).read_text()) for p in paths]
+    merged = dict(datas[0], rows=[r for d in datas for r in d["rows"]])
+    return plot_results(merged, out)
