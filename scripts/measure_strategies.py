@@ -163,12 +163,14 @@ def cmd_recall(args) -> None:
         build_cache(work / "docs", cache, model_dir, chunk_size=1024, device="cpu")
         print(f"prefill {time.perf_counter() - t0:.1f}s")
     question = tok(inst.question, add_special_tokens=False).input_ids
-    steps_q, _ = record_queries(cache, question, args.steps)
+    steps_q, (_, generated) = record_queries(cache, question, args.steps)
+    text = tok.decode(generated, skip_special_tokens=True).strip()
+    print(f"dense answer {text!r}, expected {inst.answer!r}")
     ckv = open_cache(cache)
     rows = recall_rows(cache, steps_q, args.k, 4, 64)
     result = {"model": str(model_dir), "trained": trained, "task": args.task, "n_tokens": ckv.n_tokens,
               "shape": ckv.manifest["shape"], "kv_dtype": ckv.manifest["kv_dtype"], "steps": len(steps_q),
-              "rows": rows}
+              "dense_answer": text, "expected": inst.answer, "rows": rows}
     Path(args.out).write_text(json.dumps(result, indent=1))
 
 
