@@ -8,6 +8,6 @@ ks=1,4,16,64,256,1024
 topk eval --tasks single_needle,multi_key --lengths 4096 --depths 0.1,0.5,0.9 --seeds 2 \
     --strategies flat --k "$ks" --device cpu --fidelity-steps 8 \
     --out "$out/eval_4k.json" --plot "$out/plots_4k" --markdown | tee "$out/eval_4k.txt"
-topk eval --tasks single_needle --lengths 16384 --depths 0.1,0.5,0.9 --seeds 1 \
+topk eval --tasks single_needle,multi_key --lengths 16384 --depths 0.1,0.5,0.9 --seeds 1 \
     --strategies flat --k "$ks" --device cpu --fidelity-steps 8 \
     --out "$out/eval_16k.json" --plot "$out/plots_16k" --markdown | tee "$out/eval_16k.txt"

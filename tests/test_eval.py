@@ -42,6 +42,7 @@ def test_json_has_config_environment_summary_and_instances(tiny_result, tmp_path
     assert {r["method"] for r in data["summary"]["accuracy"]} == {"dense", "flat@4", f"flat@{BIG_K}"}
     assert all(r["n"] == 2 for r in data["summary"]["accuracy"])
     assert [(r["method"], r["n"]) for r in data["summary"]["fidelity"]] == [("flat@4", 2), (f"flat@{BIG_K}", 2)]
+    assert data["summary"]["fidelity"][1]["worst_layer_mass_recall"] == pytest.approx(1.0, abs=1e-5)
     assert len(data["instances"]) == 2 and len(data["instances"][0]["runs"]) == 2
 
 
@@ -51,6 +52,7 @@ def test_flat_with_k_covering_the_context_matches_dense(tiny_result):
         assert run.mass_recall == pytest.approx(1.0, abs=1e-5)
         assert run.id_recall == pytest.approx(1.0)
         assert run.output_rel_error < 1e-4
+        assert run.score_error < 1e-4                              # the scores flat returns are exact q·k
         assert run.kl_max < 1e-5
         assert run.agreement == 1.0
         assert run.generated == inst.dense_generated and run.correct == inst.dense_correct
@@ -61,6 +63,7 @@ def test_small_k_loses_attention_mass_on_a_random_model(tiny_result):
     for inst in tiny_result.instances:
         assert inst.runs[0].mass_recall < 0.99
         assert inst.runs[0].mass_recall < inst.runs[1].mass_recall
+        assert inst.runs[0].score_error < 1e-4
 
 
 def test_report_tables_and_plots(tiny_result, tmp_path):

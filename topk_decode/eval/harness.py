@@ -126,6 +126,7 @@ class RunResult:
     mass_recall: float | None
     id_recall: float | None
     output_rel_error: float | None
+    score_error: float | None       # max |strategy's score − exact q·k| over selected ids (should be ~0)
     layer_mass_recall: list[float] | None = None
     head_mass_recall: list[list[float]] | None = None   # (layers, query heads)
     seconds: float = 0.0
@@ -236,7 +237,7 @@ def _run_one(store: KVStore, strategy: str, schedule: str, k: int, prompt_ids: l
         correct=is_correct(text, answer) if answer is not None else None, steps=len(tf.matches),
         agreement=sum(tf.matches) / max(len(tf.matches), 1), kl_mean=tf.kl_mean, kl_max=tf.kl_max,
         mass_recall=fid.mass_recall if fid else None, id_recall=fid.id_recall if fid else None,
-        output_rel_error=fid.output_rel_error if fid else None,
+        output_rel_error=fid.output_rel_error if fid else None, score_error=fid.score_error if fid else None,
         layer_mass_recall=fid.layer_mass_recall if fid else None,
         head_mass_recall=fid.head_mass_recall if fid else None, seconds=time.perf_counter() - t0)
 

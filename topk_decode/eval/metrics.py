@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from topk_decode.index.base import exact_scores
+
 
 def mass_recall(logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """Share of the softmax mass of `logits` that falls on the kept positions.
@@ -159,6 +161,7 @@ class FidelitySummary:
     mass_recall: float
     id_recall: float
     output_rel_error: float
+    score_error: float                             # max |returned score − exact q·k| over selected ids
     layer_mass_recall: list[float | None]         # (layers,), None where a layer was never observed
     head_mass_recall: list[list[float | None]]    # (layers, query heads)
 
@@ -180,6 +183,7 @@ class FidelityObserver:
         L, H = shape.n_layers, shape.n_heads
         self.sums = {name: torch.zeros((L, H), dtype=torch.float64) for name in ("mass", "ids", "err")}
         self.counts = torch.zeros(L, dtype=torch.int64)
+        self.score_error = 0.0
 
     def __call__(self, layer: int, q: torch.Tensor, selection, conv) -> None:
         """Observer signature of `Conversation.observer`: (layer, q (Hkv, G·T, D), selection, conversation)."""
@@ -198,6 +202,12 @@ class FidelityObserver:
         for name, t in (("mass", fid.mass_recall), ("ids", fid.id_recall), ("err", fid.output_rel_error)):
             self.sums[name][layer] += t.view(hkv, G, T).mean(-1).reshape(-1).double()   # (H,)
         self.counts[layer] += 1
+        # the decoder attends with the scores the strategy returns: check they are the exact q·k
+        valid = selection.ids >= 0
+        if bool(valid.any()):
+            exact = exact_scores(dec.ckv.keys[layer], q, selection.ids)
+            err = ((exact - selection.scores.float()).abs() * valid).max()
+            self.score_error = max(self.score_error, float(err))
 
     def result(self) -> FidelitySummary | None:
         """Means over what was observed (None if no layer searched, e.g. nothing searchable)."""
@@ -209,7 +219,7 @@ class FidelityObserver:
         head[seen] = per["mass"]
         return FidelitySummary(
             mass_recall=float(per["mass"].mean()), id_recall=float(per["ids"].mean()),
-            output_rel_error=float(per["err"].mean()),
+            output_rel_error=float(per["err"].mean()), score_error=self.score_error,
             layer_mass_recall=[_num(x) for x in head.mean(-1)],
             head_mass_recall=[[_num(x) for x in row] for row in head])
 

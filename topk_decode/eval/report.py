@@ -18,6 +18,15 @@ def _mean(xs: list[float | None]) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
+def _worst_layer(rows: list[list[float | None] | None]) -> float | None:
+    """The lowest per-layer mean mass recall (a mean over layers can hide one layer that loses the needle)."""
+    rows = [r for r in rows if r is not None]
+    if not rows:
+        return None
+    means = [_mean([row[i] for row in rows]) for i in range(len(rows[0]))]
+    return min((m for m in means if m is not None), default=None)
+
+
 def _order(length: int, strategy: str, schedule: str, k: int) -> tuple:
     """Rows by length, strategy, uniform schedule first, then k."""
     return length, strategy, schedule != "uniform", schedule, k
@@ -54,7 +63,9 @@ def summarize(result) -> dict:
                 for (t, n, d, m, s, sch, k), (c, total) in acc.items()]
     fidelity = [{"length": n, "strategy": s, "schedule": sch, "k": k, "method": method_name(s, sch, k), "n": len(rs),
                  "mass_recall": _mean([r.mass_recall for r in rs]), "id_recall": _mean([r.id_recall for r in rs]),
+                 "worst_layer_mass_recall": _worst_layer([r.layer_mass_recall for r in rs]),
                  "output_rel_error": _mean([r.output_rel_error for r in rs]),
+                 "score_error_max": max((r.score_error for r in rs if r.score_error is not None), default=None),
                  "kl_mean": _mean([r.kl_mean for r in rs]), "kl_max": max(r.kl_max for r in rs),
                  "agreement": _mean([r.agreement for r in rs])}
                 for (n, s, sch, k), rs in sorted(fid.items(), key=lambda kv: _order(*kv[0]))]
@@ -98,10 +109,12 @@ def accuracy_table_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
 
 def fidelity_table_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     """Fidelity means per (length, strategy, k)."""
-    header = ["length", "method", "mass recall", "id recall", "out rel err", "KL mean", "KL max", "agree"]
-    rows = [[str(r["length"]), r["method"], _fmt(r["mass_recall"], ".4f"), _fmt(r["id_recall"], ".4f"),
+    header = ["length", "method", "mass recall", "worst layer", "id recall", "out rel err", "KL mean", "KL max",
+              "agree", "score err"]
+    rows = [[str(r["length"]), r["method"], _fmt(r["mass_recall"], ".4f"), _fmt(r["worst_layer_mass_recall"], ".4f"),
+             _fmt(r["id_recall"], ".4f"),
              _fmt(r["output_rel_error"], ".2e"), _fmt(r["kl_mean"], ".2e"), _fmt(r["kl_max"], ".2e"),
-             _fmt(r["agreement"], ".3f")] for r in summary["fidelity"]]
+             _fmt(r["agreement"], ".3f"), _fmt(r["score_error_max"], ".1e")] for r in summary["fidelity"]]
     return header, rows
 
 
