@@ -186,6 +186,8 @@ class ChatSession:
         s["window_tokens"] = self.conv.window.n_new
         s["strategy_searches"] = self.store.decoder.strategy.stats.searches
         s["strategy_reused"] = self.store.decoder.strategy.stats.reused
+        # strategy-specific counters, e.g. TokenSelect's selection-cache hit rate, Duo's skipped heads
+        s.update({f"strategy_{k}": v for k, v in self.store.decoder.strategy.stats.extra.items()})
         return s
 
     def reset(self) -> None:

@@ -22,6 +22,7 @@ def chat_command(
     cache: Annotated[Path, typer.Argument(help="The cache directory written by `topk prefill`.")],
     k: Annotated[int, typer.Option("--k", "-k", help="Context tokens retrieved per query head and layer.")] = 256,
     strategy: Annotated[str, typer.Option(help="Selection strategy (flat = exact top-k).")] = "flat",
+    k_schedule: Annotated[str, typer.Option(help="uniform, or linear: k growing over layers at the same total.")] = "uniform",
     opt: Annotated[Optional[list[str]], typer.Option(help="Strategy option key=value, e.g. nprobe=32 (repeatable).")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Answer length limit in tokens.")] = 256,
     model: Annotated[Optional[Path], typer.Option(help="Checkpoint dir (default: the one the cache records).")] = None,
@@ -44,7 +45,7 @@ def chat_command(
     from topk_decode.index import get_strategy
 
     get_strategy(strategy)  # an unknown name fails before the model loads
-    store = _open_store(cache, k=k, strategy=strategy, model=model, device=device, dtype=dtype,
+    store = _open_store(cache, k=k, k_schedule=k_schedule, strategy=strategy, model=model, device=device, dtype=dtype,
                         n_sink=n_sink, n_tail=n_tail, strategy_options=options)
     session = store.session()
     if prompt is not None:
