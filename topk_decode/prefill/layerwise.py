@@ -191,6 +191,32 @@ class _nullcontext:
         return False
 
 
+def _run_layer(model, layer_idx: int, layer, hidden: torch.Tensor, shape: ModelShape, device: torch.device,
+               chunk_size: int, on_layer: Callable[[int, torch.Tensor, torch.Tensor], None],
+               progress: Callable[[int], None] | None) -> None:
+    """One decoder layer over all N tokens, chunk by chunk; `hidden` (N, C) is updated in place.
+
+    The layer's keys/values (Hkv, N, D) live on the device only while it runs, then go to `on_layer`.
+    """
+    N = hidden.shape[0]
+    keys = torch.empty((1, shape.n_kv_heads, N, shape.head_dim), dtype=hidden.dtype, device=device)
+    values = torch.empty_like(keys)
+    for s in range(0, N, chunk_size):
+        e = min(s + chunk_size, N)
+        x = hidden[s:e].to(device, non_blocking=True)[None]                     # (1, T, C)
+        cos, sin = rope(model, x, torch.arange(s, e, device=device))
+        q, k, v = attention_inputs(layer, x, cos, sin, shape)                   # (1, H|Hkv, T, D)
+        keys[:, :, s:e], values[:, :, s:e] = k, v
+        out = chunk_attention(q, keys[:, :, :e], values[:, :, :e])              # (1, H, T, D)
+        # async device→pinned copy; stream order keeps the next layer's read of it correct
+        hidden[s:e].copy_(finish_block(layer, x, out)[0], non_blocking=True)
+        if progress is not None:
+            progress(e - s)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    on_layer(layer_idx, keys[0].cpu(), values[0].cpu())
+
+
 @torch.inference_mode()
 def prefill_layers(
     model,
@@ -234,23 +260,7 @@ def prefill_layers(
     for s in range(0, N, chunk_size):
         hidden[s:s + chunk_size].copy_(model.model.embed_tokens(tokens[s:s + chunk_size].to(device)))
     for layer_idx, layer in enumerate(model.model.layers):
-        keys = torch.empty((1, shape.n_kv_heads, N, shape.head_dim), dtype=dtype, device=device)
-        values = torch.empty_like(keys)
-        for s in range(0, N, chunk_size):
-            e = min(s + chunk_size, N)
-            x = hidden[s:e].to(device, non_blocking=True)[None]                     # (1, T, C)
-            cos, sin = rope(model, x, torch.arange(s, e, device=device))
-            q, k, v = attention_inputs(layer, x, cos, sin, shape)                   # (1, H|Hkv, T, D)
-            keys[:, :, s:e], values[:, :, s:e] = k, v
-            out = chunk_attention(q, keys[:, :, :e], values[:, :, :e])              # (1, H, T, D)
-            # async device→pinned copy; stream order keeps the next layer's read of it correct
-            hidden[s:e].copy_(finish_block(layer, x, out)[0], non_blocking=True)
-            if progress is not None:
-                progress(e - s)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        on_layer(layer_idx, keys[0].cpu(), values[0].cpu())
-        del keys, values
+        _run_layer(model, layer_idx, layer, hidden, shape, device, chunk_size, on_layer, progress)
     last = final_logits(model, hidden[N - 1:N].to(device)[None])[0].cpu()
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return last, PrefillStats(N, time.perf_counter() - t0, peak)
@@ -278,22 +288,7 @@ def _prefill_offloaded(model, ids, on_layer, chunk_size, progress, shape: ModelS
         for layer_idx, layer in enumerate(model.model.layers):
             streamer.acquire(layer_idx)
             streamer.prefetch(layer_idx + 1)               # overlaps with this layer's compute
-            keys = torch.empty((1, shape.n_kv_heads, N, shape.head_dim), dtype=dtype, device=device)
-            values = torch.empty_like(keys)
-            for s in range(0, N, chunk_size):
-                e = min(s + chunk_size, N)
-                x = hidden[s:e].to(device, non_blocking=True)[None]                 # (1, T, C)
-                cos, sin = rope(model, x, torch.arange(s, e, device=device))
-                q, k, v = attention_inputs(layer, x, cos, sin, shape)
-                keys[:, :, s:e], values[:, :, s:e] = k, v
-                out = chunk_attention(q, keys[:, :, :e], values[:, :, :e])
-                hidden[s:e].copy_(finish_block(layer, x, out)[0], non_blocking=True)
-                if progress is not None:
-                    progress(e - s)
-            if cuda:
-                torch.cuda.synchronize(device)
-            on_layer(layer_idx, keys[0].cpu(), values[0].cpu())
-            del keys, values
+            _run_layer(model, layer_idx, layer, hidden, shape, device, chunk_size, on_layer, progress)
             streamer.release(layer_idx)
     finally:
         for name, b in rotary.named_buffers():
