@@ -76,3 +76,16 @@ def test_raw_tokenizer_gets_plain_question_format(tokenizer_dir):
     fmt = prompt_format(AutoTokenizer.from_pretrained(tokenizer_dir))
     assert fmt.kind == "raw"
     assert fmt.question_text("Who?", first_turn=True) == "\nQuestion: Who?\nAnswer:"
+
+
+def test_weight_offloaded_prefill_writes_the_same_kv(tmp_path, model_factory, docs_dir):
+    """offload_weights (one decoder layer on the device at a time) must not change a single value."""
+    model_dir = model_factory("llama_gqa")
+    resident, offloaded = tmp_path / "resident", tmp_path / "offloaded"
+    build_cache(docs_dir, resident, model_dir, chunk_size=50, device="cpu")
+    build_cache(docs_dir, offloaded, model_dir, chunk_size=50, device="cpu", offload_weights=True)
+    a, b = open_cache(resident, verify=True), open_cache(offloaded, verify=True)
+    assert a.tokens == b.tokens
+    for layer in range(a.n_layers):
+        assert torch.equal(a.keys[layer], b.keys[layer])
+        assert torch.equal(a.values[layer], b.values[layer])
