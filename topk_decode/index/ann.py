@@ -250,6 +250,10 @@ class IvfStrategy(FaissAnnStrategy):
             index = faiss.IndexIVFFlat(quantizer, d, opts["nlist"], faiss.METRIC_INNER_PRODUCT)
         index.cp.spherical = opts["spherical"]
         index.cp.seed = 1234  # reproducible clusters (the Faiss wrapper keeps `quantizer` referenced)
+        if faiss.get_num_gpus() > 0:
+            # With faiss-gpu (the `gpu-index` extra) the k-means assignments run on the GPUs; the index
+            # itself stays a CPU index. faiss-cpu reports 0 GPUs, so this is skipped there.
+            index.clustering_index = faiss.index_cpu_to_all_gpus(faiss.IndexFlatIP(d))
         return index
 
     def search_params(self) -> faiss.SearchParameters:
