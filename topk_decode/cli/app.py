@@ -18,7 +18,7 @@ from topk_decode.cli import bench_cmd, chat_cmd, duo_cmd, eval_cmd, info_cmd, pr
 from topk_decode.cli.common import one_line, say_error, say_warning
 from topk_decode.errors import TopkError, TopkWarning
 
-EXIT_INTERNAL, EXIT_USER, EXIT_INTERRUPTED = 1, 2, 130
+EXIT_INTERNAL, EXIT_USER, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 1, 2, 130, 141
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
@@ -52,6 +52,11 @@ class TopkGroup(TyperGroup):
             except KeyboardInterrupt:
                 typer.echo("interrupted", err=True)
                 raise typer.Exit(EXIT_INTERRUPTED) from None
+            except BrokenPipeError:
+                # The reader went away (`topk ... | head`): stop quietly, as Unix tools do on SIGPIPE.
+                # Point stdout at /dev/null so the interpreter's final flush cannot fail again.
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                raise typer.Exit(EXIT_BROKEN_PIPE) from None
             except Exception as e:  # noqa: BLE001 - the last line of defence against tracebacks
                 if os.environ.get("TOPK_DEBUG") == "1":
                     raise
