@@ -694,7 +694,6 @@ def train(a: argparse.Namespace) -> None:
 # =============================================================================================
 
 def export(a: argparse.Namespace) -> None:
-    import torch
     from transformers import GenerationConfig, LlamaForCausalLM
     ckpt = Path(a.ckpt)
     tok = load_fast_tokenizer(Path(a.tok))

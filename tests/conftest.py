@@ -25,6 +25,23 @@ DOC_TEXTS = {
 }
 
 
+def hf_greedy(model_dir: Path, ids: list[int], max_new_tokens: int, device: str = "cpu") -> list[int]:
+    """The reference: HF `generate` (greedy, full KV) continuing `ids` with the fp32 checkpoint.
+
+    Args:
+        model_dir: checkpoint directory.
+        ids: context + prompt token ids.
+        max_new_tokens: tokens to generate.
+        device: where the reference runs.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    x = torch.tensor([ids], device=device)
+    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, x.shape[1]:].tolist()
+
+
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
 

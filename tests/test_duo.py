@@ -17,6 +17,7 @@ from topk_decode.index import artifact_dir, get_strategy, prepare_artifacts
 from topk_decode.index.duo import PATTERN_FILE, DuoStrategy, parse_pattern, retrieval_mask, write_pattern
 from topk_decode.index.flat import FlatStrategy
 from topk_decode.store import open_cache
+from conftest import hf_greedy
 
 # The built_cache model (llama_gqa): 2 layers, 2 KV heads. Half of the heads stream at sparsity 0.5.
 GATES = [[0.9, 0.1], [0.2, 0.8]]
@@ -180,10 +181,7 @@ def test_all_retrieval_heads_with_covering_k_reproduce_hf_generate(built_cache, 
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompt = tok("Question: what does the report say?", add_special_tokens=False).input_ids
     ours = store.generate_ids(prompt, max_new_tokens=16)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([store.context_ids + prompt])
-    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
-    assert ours == ref[0, ids.shape[1]:].tolist()
+    assert ours == hf_greedy(model_dir, store.context_ids + prompt, 16)
 
 
 def test_decoding_with_streaming_heads_counts_skipped_heads_and_retrieves_less(built_cache, pattern):

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from topk_decode import KVStore
 from topk_decode.prefill.build import build_cache
+from conftest import hf_greedy
 
 FAMILIES = ["llama_gqa", "llama_mha", "qwen2", "mistral"]
 
@@ -31,11 +32,7 @@ def test_generate_ids_equals_hf_generate_when_k_covers_context(caches, name):
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompt = tok("Question: what does the report say?", add_special_tokens=False).input_ids
     ours = store.generate_ids(prompt, max_new_tokens=24)
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([store.context_ids + prompt])
-    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
-    assert ours == ref[0, ids.shape[1]:].tolist()
+    assert ours == hf_greedy(model_dir, store.context_ids + prompt, 24)
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from topk_decode import KVStore
 from topk_decode.prefill.build import build_cache
+from conftest import hf_greedy
 
 pytestmark = pytest.mark.gpu
 
@@ -29,10 +30,7 @@ def test_cuda_fp32_generate_ids_equals_hf_generate(cuda_caches):
     store = KVStore.open(caches["fp32"], k=100_000, device="cuda", dtype="fp32")
     prompt = [5, 17, 42, 99, 7]
     ours = store.generate_ids(prompt, max_new_tokens=24)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
-    ids = torch.tensor([store.context_ids + prompt], device="cuda")
-    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
-    assert ours == ref[0, ids.shape[1]:].tolist()
+    assert ours == hf_greedy(model_dir, store.context_ids + prompt, 24, device="cuda")
 
 
 def test_cuda_bf16_one_token_steps_match_hf_logits(cuda_caches):

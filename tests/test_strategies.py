@@ -7,16 +7,15 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from topk_decode import KVStore
 from topk_decode.errors import TopkError
 from topk_decode.index import STRATEGIES, artifact_dir, get_strategy
-from topk_decode.index.flat import FlatStrategy
 from topk_decode.index.quest import page_bounds, page_scores
 from topk_decode.index.schedule import k_schedule
 from topk_decode.index.tokenselect import scan_scores, soft_vote
 from topk_decode.store.cache_dir import CacheWriter, open_cache
+from conftest import hf_greedy
 
 NEW = ["ivf", "hnsw", "quest", "tokenselect"]
 
@@ -206,10 +205,7 @@ def test_strategy_reproduces_hf_generate_when_budget_covers_context(own_cache, n
     store = KVStore.open(cache, k=100_000, strategy=name, device="cpu")
     prompt = [5, 17, 42, 99]
     ours = store.generate_ids(prompt, max_new_tokens=10)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([store.context_ids + prompt])
-    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False)
-    assert ours == ref[0, ids.shape[1]:].tolist()
+    assert ours == hf_greedy(model_dir, store.context_ids + prompt, 10)
 
 
 @pytest.mark.parametrize("name,options", [("ivf", {"nlist": 4, "nprobe": 4}), ("hnsw", {"efSearch": 1000})])

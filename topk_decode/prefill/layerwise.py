@@ -114,7 +114,7 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     Returns:
         (1, H, T, D).
     """
-    T, S = q.shape[2], k.shape[2]
+    T = q.shape[2]
     if flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
         return out.transpose(1, 2)
