@@ -89,3 +89,15 @@ def test_weight_offloaded_prefill_writes_the_same_kv(tmp_path, model_factory, do
     for layer in range(a.n_layers):
         assert torch.equal(a.keys[layer], b.keys[layer])
         assert torch.equal(a.values[layer], b.values[layer])
+
+
+def test_prefill_names_partial_directories_left_by_a_killed_prefill(tmp_path, model_factory, docs_dir):
+    from topk_decode.errors import TopkWarning
+
+    leftover = tmp_path / ".cache.partial-abc123"
+    (leftover / "kv").mkdir(parents=True)
+    (leftover / "kv" / "keys.000.bin").write_bytes(b"\0" * 4096)
+    with pytest.warns(TopkWarning, match=r"\.cache\.partial-abc123 .*interrupted prefill"):
+        build_cache(docs_dir, tmp_path / "cache", model_factory("llama_gqa"), device="cpu")
+    assert leftover.exists()          # never deleted behind the user's back
+    assert open_cache(tmp_path / "cache").n_tokens > 0

@@ -40,6 +40,17 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
     return table[name]
 
 
+def warn_leftovers(out: Path) -> None:
+    """Name the partial directories that killed prefills left beside `out` (they can be huge).
+
+    They are not deleted here: another prefill to the same place may still be writing one.
+    """
+    for partial in sorted(out.parent.glob(f".{out.name}.partial-*")):
+        size = sum(f.stat().st_size for f in partial.rglob("*") if f.is_file())
+        warnings.warn(f"{partial} ({size / 2**30:.2f} GiB) is left over from an interrupted prefill "
+                      f"and is not a cache; delete it to free the space", TopkWarning, stacklevel=3)
+
+
 def build_cache(
     docs: str | os.PathLike,
     out: str | os.PathLike,
@@ -73,6 +84,7 @@ def build_cache(
         raise TopkError(f"--chunk-size must be positive, got {chunk_size}")
     out, model_dir = Path(out), Path(model_dir)
     check_output(out, overwrite)
+    warn_leftovers(out)
     documents, skipped = collect_documents(docs)
     fingerprint = model_fingerprint(model_dir)
     tokenizer = load_tokenizer(model_dir)
