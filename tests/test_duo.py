@@ -255,3 +255,19 @@ def test_topk_calibrate_duo_with_length_inside_the_window_exits_2_with_one_line(
     assert res.exit_code == 2
     assert "must exceed --sink + --recent" in res.output
     assert not (tmp_path / "g.tsv").exists()
+
+
+def test_covering_budget_gives_streaming_heads_nothing_and_retrieval_heads_every_token(built_cache, pattern):
+    """k ≥ searchable range: retrieval heads get the whole range with exact scores, streaming heads none."""
+    duo = open_duo(built_cache[0], pattern, sparsity=0.5)
+    q = torch.randn(duo.ckv.n_kv_heads, 3, duo.ckv.head_dim)
+    for layer in range(duo.ckv.n_layers):
+        sel = duo.select(layer, q, 100_000)
+        full = duo.all_tokens(q, layer)                       # every head, the plain path
+        heads = duo.retrieval_heads[layer]
+        for h in range(duo.ckv.n_kv_heads):
+            if h in heads:
+                assert torch.equal(sel.ids[h], full.ids[h])
+                torch.testing.assert_close(sel.scores[h], full.scores[h])
+            else:
+                assert (sel.ids[h] == -1).all()

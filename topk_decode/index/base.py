@@ -105,11 +105,27 @@ class SelectionStrategy(ABC):
             state: what `new_state()` returned for this conversation.
         """
 
-    def all_tokens(self, q: torch.Tensor, layer: int) -> Selection:
-        """The whole searchable range with exact scores: what every strategy returns when k covers it."""
-        keys = self.ckv.keys[layer][:, self.lo:self.hi]                 # (Hkv, M, D)
-        scores = torch.bmm(q, keys.float().transpose(1, 2))             # (Hkv, Q, M)
-        ids = torch.arange(self.lo, self.hi, dtype=torch.int64).expand_as(scores)
+    def all_tokens(self, q: torch.Tensor, layer: int, heads: list[int] | None = None) -> Selection:
+        """The whole searchable range with exact scores: what every strategy returns when k covers it.
+
+        Args:
+            q: (Hkv, Q, D) float32 queries.
+            layer: layer index.
+            heads: only these KV heads (Duo's retrieval heads); the others get empty slots (-1) and
+                their keys are never read. None: every head.
+        """
+        if heads is None:
+            keys = self.ckv.keys[layer][:, self.lo:self.hi]             # (Hkv, M, D)
+            scores = torch.bmm(q, keys.float().transpose(1, 2))         # (Hkv, Q, M)
+            ids = torch.arange(self.lo, self.hi, dtype=torch.int64).expand_as(scores)
+            return Selection(ids=ids, scores=scores)
+        hkv, Q, _ = q.shape
+        ids = torch.full((hkv, Q, self.n_searchable), -1, dtype=torch.int64)
+        scores = torch.zeros((hkv, Q, self.n_searchable), dtype=torch.float32)
+        idx = torch.tensor(heads, dtype=torch.int64)
+        keys = self.ckv.keys[layer].index_select(0, idx)[:, self.lo:self.hi]   # (R, M, D)
+        scores[idx] = torch.bmm(q[idx], keys.float().transpose(1, 2))
+        ids[idx] = torch.arange(self.lo, self.hi, dtype=torch.int64)
         return Selection(ids=ids, scores=scores)
 
 

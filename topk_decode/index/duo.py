@@ -195,17 +195,10 @@ class DuoStrategy(FlatStrategy):
             # K = 0: the decoder gathers and transfers nothing for this layer.
             empty = torch.empty((hkv, Q, 0))
             return Selection(ids=empty.long(), scores=empty, searched=False)
-        covering = k >= self.n_searchable
-        K = self.n_searchable if covering else k
-        ids = torch.full((hkv, Q, K), -1, dtype=torch.int64)
-        scores = torch.zeros((hkv, Q, K), dtype=torch.float32)
-        if covering:
-            # The whole searchable range, exact, for retrieval heads only.
-            idx = torch.tensor(heads)
-            keys = self.ckv.keys[layer].index_select(0, idx)[:, self.lo:self.hi]   # (R, M, D)
-            scores[idx] = torch.bmm(q[idx], keys.float().transpose(1, 2))
-            ids[idx] = torch.arange(self.lo, self.hi, dtype=torch.int64).expand(len(heads), Q, K)
-            return Selection(ids=ids, scores=scores)
+        if k >= self.n_searchable:
+            return self.all_tokens(q, layer, heads)          # retrieval heads only, exact
+        ids = torch.full((hkv, Q, k), -1, dtype=torch.int64)
+        scores = torch.zeros((hkv, Q, k), dtype=torch.float32)
         self.stats.searches += 1
         parts = self._map(lambda h: self.search_head(layer, h, q[h], k), heads)
         for h, (s, i) in zip(heads, parts):
