@@ -73,8 +73,7 @@ def synthetic_kv(n_layers: int, n_kv_heads: int, head_dim: int, n_tokens: int, d
             _fill(k[h], pool, gen)
             _fill(v[h], vpool, gen)
         if writer is not None:
-            writer.write_array(f"kv/keys.{len(keys):03d}.bin", k)
-            writer.write_array(f"kv/values.{len(keys):03d}.bin", v)
+            writer.write_layer(len(keys), k, v)
             keys.append(None)
             values.append(None)
         else:
