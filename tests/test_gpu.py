@@ -60,3 +60,19 @@ def test_cuda_small_k_retrieves_exactly_k_per_query_head_and_layer(cuda_caches):
     shape = store.decoder.shape
     assert conv.stats.retrieved - before == 8 * shape.n_heads * shape.n_layers
     assert torch.isfinite(logits).all()
+
+
+def test_flash_window_part_equals_the_fp32_window_part():
+    """The one-token window part runs on the flash kernel (GQA, with its lse): same as the fp32 formula."""
+    from topk_decode.decode import merge
+
+    torch.manual_seed(0)
+    H, hkv, D, W = 32, 8, 128, 77
+    q = torch.randn(H, 1, D, device="cuda").to(torch.bfloat16)
+    buf_k = torch.randn(hkv, 128, D, device="cuda").to(torch.bfloat16)   # a window buffer, partly filled
+    buf_v = torch.randn(hkv, 128, D, device="cuda").to(torch.bfloat16)
+    out, lse = merge.window_attention(q, buf_k[:, :W], buf_v[:, :W], None, D ** -0.5)
+    assert merge._FLASH_OK, "the flash path was not taken"
+    ref_out, ref_lse = merge.window_attention(q.float(), buf_k[:, :W].float(), buf_v[:, :W].float(), None, D ** -0.5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(out.float(), ref_out, rtol=2e-2, atol=2e-2)

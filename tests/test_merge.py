@@ -110,3 +110,77 @@ def test_small_k_reproduces_dense_output_when_attention_is_concentrated():
                                  D ** -0.5)
     assert (out_spread - dense_spread).norm() / dense_spread.norm() > 10 * rel
     assert math.isfinite(float(rel))
+
+
+def _selection_for(q, ctx_k, k):
+    """Exact top-k of every query head over ctx_k, as a Selection: ids/scores (Hkv, G·T, k)."""
+    from topk_decode.index import Selection
+
+    H, T, D = q.shape
+    hkv = ctx_k.shape[0]
+    qg = q.reshape(hkv, (H // hkv) * T, D)
+    top = torch.bmm(qg, ctx_k.transpose(1, 2)).topk(k, dim=-1)
+    return Selection(ids=top.indices, scores=top.values)
+
+
+def test_cpu_context_part_merged_with_window_part_equals_joint_attention():
+    from topk_decode.decode.context import ContextAttention
+    from topk_decode.decode.merge import merge_with_context, window_attention
+
+    torch.manual_seed(3)
+    H, hkv, T, D, N, W, k = 8, 2, 3, 16, 60, 7, 12
+    q = torch.randn(H, T, D)
+    ctx_k, ctx_v = torch.randn(hkv, N, D), torch.randn(hkv, N, D)
+    win_k, win_v = torch.randn(hkv, W, D), torch.randn(hkv, W, D)
+    visible = torch.arange(W)[None, :] <= (W - T + torch.arange(T))[:, None]
+    sel = _selection_for(q, ctx_k, k)
+    sel.ids[0, 1, 3] = -1                          # an empty slot gets no weight
+    ctx = torch.empty(H * T, D + 1)
+    n = ContextAttention([ctx_v], D ** -0.5).attend(0, sel, ctx)
+    assert n == hkv * (H // hkv) * T * k - 1
+    out_w, lse_w = window_attention(q, win_k, win_v, visible, D ** -0.5)
+    ours = merge_with_context(out_w, lse_w, ctx.view(H, T, D + 1))
+    # reference: one softmax over [retrieved, window] with the retrieved values gathered explicitly
+    G = H // hkv
+    scores = sel.scores.masked_fill(sel.ids < 0, float("-inf")).reshape(H, T, k)
+    rows = sel.ids.clamp(min=0).reshape(hkv, G * T * k)
+    vals = torch.stack([ctx_v[h, rows[h]] for h in range(hkv)]).reshape(H, T, k, D)
+    ref = joint_attention(q, win_k, win_v, visible, scores, vals, D ** -0.5)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_query_head_that_retrieved_nothing_attends_to_the_window_alone():
+    from topk_decode.decode.context import ContextAttention
+    from topk_decode.decode.merge import merge_with_context, window_attention
+
+    torch.manual_seed(4)
+    H, hkv, D, N, W, k = 4, 2, 8, 30, 5, 6
+    q = torch.randn(H, 1, D)
+    ctx_k, ctx_v = torch.randn(hkv, N, D), torch.randn(hkv, N, D)
+    win_k, win_v = torch.randn(hkv, W, D), torch.randn(hkv, W, D)
+    sel = _selection_for(q, ctx_k, k)
+    sel.ids[1] = -1                                 # KV head 1 (query heads 2, 3): nothing retrieved
+    ctx = torch.empty(H, D + 1)
+    ContextAttention([ctx_v], D ** -0.5).attend(0, sel, ctx)
+    assert torch.isinf(ctx[2:, D]).all() and torch.equal(ctx[2:, :D], torch.zeros(2, D))
+    out_w, lse_w = window_attention(q, win_k, win_v, None, D ** -0.5)
+    merged = merge_with_context(out_w, lse_w, ctx.view(H, 1, D + 1))
+    assert torch.isfinite(merged).all()
+    torch.testing.assert_close(merged[2:], out_w[2:])
+
+
+def test_bf16_context_part_stays_within_bf16_rounding_of_the_fp32_one():
+    # bf16 caches: weights and the part's output are rounded to bf16 (as a flash kernel rounds P).
+    from topk_decode.decode.context import ContextAttention
+
+    torch.manual_seed(5)
+    H, hkv, D, N, k = 8, 2, 64, 500, 64
+    q = torch.randn(H, 1, D) * 2
+    ctx_k, ctx_v = torch.randn(hkv, N, D), torch.randn(hkv, N, D)
+    sel = _selection_for(q, ctx_k, k)
+    exact, half = torch.empty(H, D + 1), torch.empty(H, D + 1)
+    ContextAttention([ctx_v.to(torch.bfloat16).float()], D ** -0.5).attend(0, sel, exact)
+    ContextAttention([ctx_v.to(torch.bfloat16)], D ** -0.5).attend(0, sel, half)
+    assert torch.equal(half[:, D], exact[:, D])               # the lse is computed in fp32 either way
+    err = (half[:, :D] - exact[:, :D]).abs().max() / exact[:, :D].abs().max()
+    assert 0 < err < 2 ** -6

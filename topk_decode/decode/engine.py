@@ -2,10 +2,10 @@
 
 Per step and layer (batch 1):
     q, k, v = block projections at the true positions             (decode device)
-    k, v → the exact window                                        (decode device)
+    k, v → the exact window; window part of attention + its lse    (decode device)
     q → CPU; the strategy picks context ids + exact scores per KV head
-    values[ids] gathered on the CPU → decode device
-    attention = one softmax over retrieved ∪ window                (see merge.py)
+    context part: softmax-weighted sum of values[ids] + its lse    (CPU, context.py)
+    (H, D+1) floats → device; attention = one softmax over retrieved ∪ window, by lse merge (merge.py)
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from typing import Any, Callable, Iterator
 import torch
 
 from topk_decode.config import DecodeConfig
+from topk_decode.decode.context import ContextAttention
 from topk_decode.decode.graphs import StepSegments
-from topk_decode.decode.merge import joint_attention
+from topk_decode.decode.merge import merge_with_context, window_attention
 from topk_decode.decode.window import Window
 from topk_decode.errors import TopkError, TopkWarning
 from topk_decode.index import Selection, get_strategy
@@ -31,9 +32,12 @@ from topk_decode.store.cache_dir import ContextKV
 class StepStats:
     """Accumulated wall-clock seconds per part of the decode step, and counts.
 
-    On CUDA the two transfers are timed with CUDA events (their GPU-side duration); search and gather
-    are CPU wall time; whatever remains of the step is GPU compute plus Python launch overhead (the
-    per-layer query sync makes the two serial, so they are reported together as `gpu_ms`).
+    search: the strategy's select (CPU wall); gather: the context part of attention on the CPU (the
+    weighted sum of the selected value rows, context.py); d2h / h2d: the query's and the context
+    part's transfers where they are separate calls (the multi-token path; wall time, so including the
+    wait for the GPU work queued before them). In the one-token path both transfers (16 KiB each) are
+    inside the CUDA graphs. Whatever remains of the step is GPU compute plus Python launch overhead
+    (the per-layer query sync makes the two serial, so they are reported together as `gpu_ms`).
     """
 
     steps: int = 0
@@ -66,22 +70,6 @@ class StepStats:
             "other_ms": 1e3 * rest / n,
             "retrieved_per_step": self.retrieved / n,
         }
-
-
-_PIECES = 4  # gather / host→device pipeline depth per layer
-
-
-class _Staging:
-    """Host buffers for one (queries, k) shape: pinned once, reused by every layer and step.
-
-    Reuse across layers is safe: layer ℓ+1 waits for its query copy, which the stream orders after
-    layer ℓ's host→device copies out of these buffers.
-    """
-
-    def __init__(self, hkv: int, Q: int, K: int, D: int, kv_dtype: torch.dtype, pin: bool) -> None:
-        self.rows = torch.empty((hkv, Q, K), dtype=torch.int64)
-        self.scores = torch.empty((hkv, Q, K), dtype=torch.float32, pin_memory=pin)
-        self.values = torch.empty((hkv * Q * K, D), dtype=kv_dtype, pin_memory=pin)
 
 
 @dataclass
@@ -128,16 +116,9 @@ class TopKDecoder:
         self.scale = self.shape.head_dim ** -0.5
         self._warned_positions = False
         self._cuda = self.device.type == "cuda"
-        hkv, d = self.shape.n_kv_heads, self.shape.head_dim
-        # (Hkv·N, D) views of the memory-mapped values: one flat row gather per layer and step
-        self._values_flat = [v.reshape(hkv * n, d) for v in ckv.values]
-        self._row_offsets = (torch.arange(hkv, dtype=torch.int64) * n).view(hkv, 1, 1)
-        self._q_host: dict[int, torch.Tensor] = {}
-        self._staging: dict[tuple[int, int], _Staging] = {}
-        # per layer: (before q copy, after q copy, before h2d, after h2d) CUDA events, reused each step
-        self._events = [[torch.cuda.Event(enable_timing=True) for _ in range(4)] for _ in range(self.shape.n_layers)] \
-            if self._cuda else []
-        self._timed_layers: list[tuple[int, float]] = []
+        self.context = ContextAttention(ckv.values, self.scale)
+        # per layer: recorded after the layer's query copy was queued (one-token path)
+        self._q_ready = [torch.cuda.Event() for _ in range(self.shape.n_layers)] if self._cuda else []
         self._use_segments = self._cuda if graphs is None else graphs
         self._segments: StepSegments | None = None
         if self.shape.sliding_window and n > self.shape.sliding_window:
@@ -153,93 +134,32 @@ class TopKDecoder:
         init_v = [v.index_select(1, idx).to(self.device, self.dtype) for v in self.ckv.values]
         return Conversation(Window(init_k, init_v, n), self.strategy.new_state())
 
-    def _q_buffer(self, hkv: int, Q: int, D: int) -> torch.Tensor:
-        buf = self._q_host.get(Q)
-        if buf is None:
-            buf = self._q_host[Q] = torch.empty((hkv, Q, D), dtype=torch.float32, pin_memory=self._cuda)
-        return buf
+    def _context_part(self, layer: int, q_host: torch.Tensor, conv: Conversation, out: torch.Tensor) -> None:
+        """Search and the context part of one layer's attention, on the CPU.
 
-    def _staging_for(self, Q: int, K: int) -> _Staging:
-        key = (Q, K)
-        stg = self._staging.get(key)
-        if stg is None:
-            if len(self._staging) >= 8:  # prompt lengths vary; keep the pinned pool bounded
-                self._staging.clear()
-            stg = self._staging[key] = _Staging(self.shape.n_kv_heads, Q, K, self.shape.head_dim,
-                                                self.ckv.values[0].dtype, self._cuda)
-        return stg
-
-    def _retrieve(self, layer: int, q: torch.Tensor, conv: Conversation):
-        """Context part of one layer's attention: (H, T, K) scores and (H, T, K, D) values, or None."""
-        k = self.config.k_for_layer(layer)
-        if self.strategy.n_searchable == 0:
-            return None, None
-        H, T, D = q.shape
-        hkv, G = self.shape.n_kv_heads, self.shape.group_size
+        Args:
+            layer: the layer.
+            q_host: (Hkv, G·T, D) float32 queries on the host (already copied).
+            conv: the conversation (strategy state, stats, observer).
+            out: (H·T, D+1) float32 host tensor that receives output | lse (see ContextAttention.attend).
+        """
         st = conv.stats
-        qbuf = self._q_buffer(hkv, G * T, D)
-        q32 = q.float().reshape(hkv, G * T, D)                                 # (Hkv, G·T, D) on device
-        t0 = time.perf_counter()
-        if self._cuda:
-            ev = self._events[layer]
-            ev[0].record()
-            qbuf.copy_(q32, non_blocking=True)
-            ev[1].record()
-            ev[1].synchronize()                     # waits for the GPU work queued so far, then the copy
-        else:
-            qbuf.copy_(q32)
-        # strategies may keep the query (selection caches): hand them their own 16 KiB copy
-        q_cpu = qbuf.clone()
+        if self.strategy.n_searchable == 0:
+            out[:, :-1].zero_()
+            out[:, -1].fill_(float("-inf"))
+            return
+        # strategies may keep the query (selection caches): hand them their own copy
+        q_cpu = q_host.clone()
         t1 = time.perf_counter()
-        sel = self.strategy.select(layer, q_cpu, k, conv.strategy_state)
+        sel = self.strategy.select(layer, q_cpu, self.config.k_for_layer(layer), conv.strategy_state)
         t2 = time.perf_counter()
         if conv.observer is not None:
             conv.observer(layer, q_cpu, sel, conv)
-        K = sel.ids.shape[-1]
-        if K == 0:
-            return None, None
-        stg = self._staging_for(G * T, K)
-        invalid = sel.ids < 0
-        any_invalid = bool(invalid.any())
-        torch.clamp(sel.ids, min=0, out=stg.rows).add_(self._row_offsets)
-        stg.scores.copy_(sel.scores)
-        if any_invalid:
-            stg.scores.masked_fill_(invalid, float("-inf"))
-        rows, vflat = stg.rows.view(-1), self._values_flat[layer]
-        if self._cuda:
-            # Gather in pieces and start each piece's host→device copy at once: the DMA of piece i
-            # overlaps the CPU gather of piece i+1.
-            values = torch.empty(stg.values.shape, dtype=stg.values.dtype, device=self.device)
-            R = rows.shape[0]
-            bounds = [R * i // _PIECES for i in range(_PIECES + 1)]
-            ev[2].record()
-            for a, b in zip(bounds, bounds[1:]):
-                torch.index_select(vflat, 0, rows[a:b], out=stg.values[a:b])
-                values[a:b].copy_(stg.values[a:b], non_blocking=True)
-            t3 = time.perf_counter()
-            scores = stg.scores.to(self.device, non_blocking=True).view(H, T, K)
-            ev[3].record()
-            values = values.view(H, T, K, D)
-            self._timed_layers.append((layer, t3 - t2))
-        else:
-            torch.index_select(vflat, 0, rows, out=stg.values)                  # (Hkv·G·T·K, D)
-            t3 = time.perf_counter()
-            scores = stg.scores.view(H, T, K)
-            values = stg.values.view(H, T, K, D)
-            st.d2h_s += t1 - t0
+        t2b = time.perf_counter()
+        st.retrieved += self.context.attend(layer, sel, out)
+        t3 = time.perf_counter()
         st.search_s += t2 - t1
-        st.gather_s += t3 - t2
-        st.retrieved += sel.ids.numel() - (int(invalid.sum()) if any_invalid else 0)
-        return scores, values
-
-    def _collect_transfer_times(self, st: StepStats) -> None:
-        """After the step's final sync: add the GPU-side durations of this step's copies."""
-        for layer, gather_s in self._timed_layers:
-            ev = self._events[layer]
-            st.d2h_s += ev[0].elapsed_time(ev[1]) / 1e3
-            # the copies run under the gather: count only the part that outlasts it
-            st.h2d_s += max(0.0, ev[2].elapsed_time(ev[3]) / 1e3 - gather_s)
-        self._timed_layers.clear()
+        st.gather_s += t3 - t2b
 
     @torch.inference_mode()
     def forward(self, ids: list[int], conv: Conversation) -> torch.Tensor:
@@ -264,7 +184,6 @@ class TopKDecoder:
             logits = self._forward_eager(ids, pos0, conv)
         if self._cuda:
             torch.cuda.current_stream(self.device).synchronize()   # the caller reads the logits next anyway
-            self._collect_transfer_times(conv.stats)
         conv.stats.steps += 1
         conv.stats.tokens += T
         conv.stats.total_s += time.perf_counter() - t_start
@@ -275,22 +194,30 @@ class TopKDecoder:
         if self._segments is None:
             self._segments = StepSegments(self.model, self.shape, self.device, capture=self._cuda)
         seg, win = self._segments, conv.window
+        H, D = self.shape.n_heads, self.shape.head_dim
         seg.start(token, position)
         seg.run(0)
         for layer_idx in range(self.shape.n_layers):
+            if self._cuda:
+                self._q_ready[layer_idx].record()                                # segment's q copy queued
             q, k, v = seg.qkv[layer_idx]                                         # (1,H,1,D), (1,Hkv,1,D)
             wk, wv = win.append(layer_idx, k[0], v[0])
-            ctx_scores, ctx_values = self._retrieve(layer_idx, q[0], conv)
-            out = joint_attention(q[0], wk, wv, None, ctx_scores, ctx_values, self.scale)   # (H, 1, D)
-            seg.attn[layer_idx].copy_(out[None])
+            # the window part runs on the GPU while the CPU searches
+            out_w, lse_w = window_attention(q[0], wk, wv, None, self.scale)      # (H, 1, D), (H, 1)
+            seg.win_out[layer_idx].copy_(out_w.view(H, D))
+            seg.win_lse[layer_idx].copy_(lse_w.view(H))
+            if self._cuda:
+                self._q_ready[layer_idx].synchronize()                           # q is on the host
+            self._context_part(layer_idx, seg.q_host[layer_idx], conv, seg.ctx_host[layer_idx])
             seg.run(layer_idx + 1)
         win.advance(1)
         return seg.logits[0].clone()                  # the segment's buffer is overwritten next step
 
     def _forward_eager(self, ids: list[int], pos0: int, conv: Conversation) -> torch.Tensor:
         """Any number of tokens through the model's modules, launched one by one: (V,) logits."""
-        win = conv.window
+        win, st = conv.window, conv.stats
         T = len(ids)
+        H, hkv, G, D = self.shape.n_heads, self.shape.n_kv_heads, self.shape.group_size, self.shape.head_dim
         positions = torch.arange(pos0, pos0 + T, device=self.device)
         x = self.model.model.embed_tokens(torch.tensor([ids], device=self.device))   # (1, T, C)
         cos, sin = rope(self.model, x, positions)
@@ -298,11 +225,20 @@ class TopKDecoder:
         # query t sees window slots j <= W0 + t (all earlier slots, and itself); one token sees them all
         visible = None if T == 1 else \
             torch.arange(W0 + T, device=self.device)[None, :] <= (W0 + torch.arange(T, device=self.device))[:, None]
+        ctx = torch.empty((H * T, D + 1), dtype=torch.float32)
         for layer_idx, layer in enumerate(self.model.model.layers):
             q, k, v = attention_inputs(layer, x, cos, sin, self.shape)           # (1,H,T,D), (1,Hkv,T,D)
             wk, wv = win.append(layer_idx, k[0], v[0])                           # (Hkv, W0+T, D)
-            ctx_scores, ctx_values = self._retrieve(layer_idx, q[0], conv)
-            out = joint_attention(q[0], wk, wv, visible, ctx_scores, ctx_values, self.scale)  # (H, T, D)
+            out_w, lse_w = window_attention(q[0], wk, wv, visible, self.scale)   # (H, T, D), (H, T)
+            t0 = time.perf_counter()
+            q_host = q[0].float().reshape(hkv, G * T, D).cpu()                   # (Hkv, G·T, D)
+            t1 = time.perf_counter()
+            self._context_part(layer_idx, q_host, conv, ctx)
+            t2 = time.perf_counter()
+            ctx_dev = ctx.to(self.device).view(H, T, D + 1)
+            st.d2h_s += t1 - t0
+            st.h2d_s += time.perf_counter() - t2
+            out = merge_with_context(out_w, lse_w, ctx_dev).to(self.dtype)       # (H, T, D)
             x = finish_block(layer, x, out[None])
         win.advance(T)
         return final_logits(self.model, x[:, -1:])[0]

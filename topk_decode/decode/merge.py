@@ -79,3 +79,56 @@ def lse_merge(
     """
     lse = torch.logaddexp(lse_a, lse_b)
     return out_a * torch.exp(lse_a - lse)[..., None] + out_b * torch.exp(lse_b - lse)[..., None], lse
+
+
+_FLASH_OK = True
+
+
+def window_attention(q: torch.Tensor, win_k: torch.Tensor, win_v: torch.Tensor, win_visible: torch.Tensor | None,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The window part of attention, normalised within the window, with its log-sum-exp.
+
+    On CUDA in fp16/bf16 with no mask (a one-token step sees the whole window) this is one flash-kernel
+    call on the unexpanded KV heads; otherwise an fp32 computation.
+
+    Args:
+        q: (H, T, D) queries (post-RoPE).
+        win_k, win_v: (Hkv, W, D) window keys/values.
+        win_visible: (T, W) bool causal visibility, or None (all visible).
+        scale: softmax scale.
+    Returns:
+        out (H, T, D) float32 and lse (H, T) float32 of the scaled scores.
+    """
+    global _FLASH_OK
+    H, T, D = q.shape
+    hkv, W, _ = win_k.shape
+    if _FLASH_OK and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and win_visible is None:
+        try:
+            res = torch.ops.aten._scaled_dot_product_flash_attention(q[None], win_k[None], win_v[None], 0.0,
+                                                                     False, False, scale=scale)
+            return res[0][0].float(), res[1][0]
+        except RuntimeError:   # an older torch without GQA in its flash kernel: the fp32 path below
+            _FLASH_OK = False
+    G = H // hkv
+    qf = q.float().reshape(hkv, G * T, D)                                    # (Hkv, G·T, D)
+    b = torch.bmm(qf, win_k.float().transpose(1, 2)).view(H, T, W) * scale   # (H, T, W)
+    if win_visible is not None:
+        b = b.masked_fill(~win_visible, float("-inf"))
+    lse = torch.logsumexp(b, dim=-1)                                         # (H, T)
+    p = torch.exp(b - lse[..., None])
+    out = torch.bmm(p.reshape(hkv, G * T, W), win_v.float()).view(H, T, D)
+    return out, lse
+
+
+def merge_with_context(out_w: torch.Tensor, lse_w: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+    """Window part ⊕ context part (from `ContextAttention.attend`), as one softmax over their union.
+
+    Args:
+        out_w: (..., D) float32 window output; lse_w: (...) its log-sum-exp.
+        ctx: (..., D+1) float32: the context part's output in [..., :D] and its lse in [..., D]
+            (−inf when nothing was retrieved: the window alone).
+    Returns:
+        (..., D) float32.
+    """
+    D = out_w.shape[-1]
+    return lse_merge(out_w, lse_w, ctx[..., :D], ctx[..., D])[0]

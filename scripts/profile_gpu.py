@@ -1,0 +1,187 @@
+"""Where the time goes on the GPU host: the layer-wise prefill vs HF's, and one top-k decode step.
+
+    python scripts/profile_gpu.py prefill --context 32768 --out prof/      # phases of one layer, HF vs ours
+    python scripts/profile_gpu.py decode --context 131072 --out prof/      # StepStats + torch.profiler tables
+
+Random-weight Llama-3-8B shape on the GPU (topk_decode.bench.shapes); prints and writes text reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from topk_decode.bench.shapes import build_model
+from topk_decode.bench.synthetic import synthetic_kv
+from topk_decode.config import DecodeConfig
+from topk_decode.decode.engine import TopKDecoder
+from topk_decode.model.blocks import ModelShape, attention_inputs, finish_block, rope
+from topk_decode.prefill import layerwise
+from topk_decode.prefill.layerwise import chunk_attention, prefill_layers
+
+
+def _timed(fn, device) -> float:
+    torch.cuda.synchronize(device)
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize(device)
+    return time.perf_counter() - t
+
+
+def _table(prof, key: str, n: int = 25) -> str:
+    return prof.key_averages().table(sort_by=key, row_limit=n, max_name_column_width=60)
+
+
+@torch.inference_mode()
+def profile_prefill(model, n: int, chunk: int, out: Path, device) -> dict:
+    """HF's one-forward prefill vs ours at n tokens, and our per-phase time for one layer."""
+    shape = ModelShape.from_config(model.config)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, shape.vocab_size, (n,), generator=gen).tolist()
+    ids = torch.tensor([tokens], device=device)
+    warm = ids[:, :chunk]
+    model(input_ids=warm, use_cache=False, logits_to_keep=1)
+    prefill_layers(model, tokens[:chunk], lambda *a: None, chunk_size=chunk)
+    res: dict = {"n": n, "chunk": chunk}
+    res["hf_s"] = _timed(lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1), device)
+    res["ours_s"] = _timed(lambda: prefill_layers(model, tokens, lambda *a: None, chunk_size=chunk), device)
+    res["modes"] = sorted(set(layerwise._MODES.values()))
+    kept = []
+    res["ours_keep_s"] = _timed(lambda: prefill_layers(model, tokens, lambda l, k, v: kept.append((k, v)),
+                                                      chunk_size=chunk), device)
+    del kept
+    # one layer, phase by phase (CUDA events around each phase of every chunk)
+    layer = model.model.layers[1]
+    hidden = torch.randn((n, shape.hidden_size), dtype=torch.bfloat16, pin_memory=True)
+    keys = torch.empty((1, shape.n_kv_heads, n, shape.head_dim), dtype=torch.bfloat16, device=device)
+    values = torch.empty_like(keys)
+    phases = {p: 0.0 for p in ("h2d", "qkv", "attention", "finish", "d2h")}
+    evs = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
+    for s in range(0, n, chunk):
+        e = min(s + chunk, n)
+        evs[0].record()
+        x = hidden[s:e].to(device, non_blocking=True)[None]
+        evs[1].record()
+        cos, sin = rope(model, x, torch.arange(s, e, device=device))
+        q, k, v = attention_inputs(layer, x, cos, sin, shape)
+        keys[:, :, s:e], values[:, :, s:e] = k, v
+        evs[2].record()
+        o = chunk_attention(q, keys[:, :, :e], values[:, :, :e])
+        evs[3].record()
+        y = finish_block(layer, x, o)[0]
+        evs[4].record()
+        hidden[s:e].copy_(y, non_blocking=True)
+        evs[5].record()
+        torch.cuda.synchronize(device)
+        for i, p in enumerate(phases):
+            phases[p] += evs[i].elapsed_time(evs[i + 1])
+    res["one_layer_phase_ms"] = phases
+    t = _timed(lambda: (keys[0].cpu(), values[0].cpu()), device)
+    res["one_layer_kv_to_pageable_ms"] = 1e3 * t
+    # attention alternatives for the whole sequence of one layer
+    H, Hkv, D = shape.n_heads, shape.n_kv_heads, shape.head_dim
+    qf = torch.randn((1, H, n, D), dtype=torch.bfloat16, device=device)
+    kf = torch.randn((1, Hkv, n, D), dtype=torch.bfloat16, device=device)
+    vf = torch.randn_like(kf)
+    alt = {}
+    alt["sdpa_full_causal_gqa"] = _timed(lambda: torch.nn.functional.scaled_dot_product_attention(
+        qf, kf, vf, is_causal=True, enable_gqa=True), device)
+
+    def chunks(mode):
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            if mode == "auto":
+                chunk_attention(qf[:, :, s:e], kf[:, :, :e], vf[:, :, :e])
+            else:
+                layerwise._split_flash(qf[:, :, s:e], kf[:, :, :e], vf[:, :, :e], expand=mode == "expand")
+    for mode in ("auto", "gqa", "expand"):
+        try:
+            chunks(mode)
+            alt[f"chunked_{mode}"] = _timed(lambda: chunks(mode), device)
+        except Exception as e:  # noqa: BLE001
+            alt[f"chunked_{mode}"] = f"error {type(e).__name__}: {e}"[:200]
+    res["one_layer_attention_s"] = alt
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for s in range(0, min(n, 4 * chunk), chunk):
+            e = s + chunk
+            x = hidden[s:e].to(device, non_blocking=True)[None]
+            cos, sin = rope(model, x, torch.arange(s, e, device=device))
+            q, k, v = attention_inputs(layer, x, cos, sin, shape)
+            keys[:, :, s:e], values[:, :, s:e] = k, v
+            o = chunk_attention(q, keys[:, :, :e], values[:, :, :e])
+            hidden[s:e].copy_(finish_block(layer, x, o)[0], non_blocking=True)
+        torch.cuda.synchronize(device)
+    (out / f"prefill_{n}_profile.txt").write_text(_table(prof, "self_cuda_time_total") + "\n\n" +
+                                                 _table(prof, "self_cpu_time_total", 15))
+    return res
+
+
+@torch.inference_mode()
+def profile_decode(model, n: int, k: int, steps: int, out: Path, device) -> dict:
+    """Top-k decode steps over synthetic KV: StepStats, the graphs-only floor, and profiler tables."""
+    shape = ModelShape.from_config(model.config)
+    ckv = synthetic_kv(shape.n_layers, shape.n_kv_heads, shape.head_dim, n, torch.bfloat16)
+    dec = TopKDecoder(model, ckv, DecodeConfig(k=k, strategy="flat", strategy_options={"backend": "torch"}))
+    conv = dec.new_conversation()
+    logits = dec.forward([5], conv)
+    for _ in range(3):
+        logits = dec.forward([int(torch.argmax(logits))], conv)
+    conv.stats = type(conv.stats)()
+    t = time.perf_counter()
+    for _ in range(steps):
+        logits = dec.forward([int(torch.argmax(logits))], conv)
+    res = {"n": n, "k": k, "steps": steps, "tokens_per_s": steps / (time.perf_counter() - t),
+           "breakdown": conv.stats.summary()}
+    seg = dec._segments
+    res["graphs"] = seg.graphs is not None
+
+    def replay_all():
+        for l in range(shape.n_layers + 1):
+            seg.run(l)
+    replay_all()
+    res["graphs_only_ms"] = 1e3 * _timed(replay_all, device)
+    # search alone, per layer, on this step's queries
+    q = torch.randn((shape.n_kv_heads, shape.group_size, shape.head_dim)).to(torch.bfloat16).float()
+    dec.strategy.select(0, q, k)
+    t = time.perf_counter()
+    for layer in range(shape.n_layers):
+        dec.strategy.select(layer, q, k)
+    res["search_only_ms"] = 1e3 * (time.perf_counter() - t)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            logits = dec.forward([int(torch.argmax(logits))], conv)
+    (out / f"decode_{n}_profile.txt").write_text(_table(prof, "self_cpu_time_total", 30) + "\n\n" +
+                                                _table(prof, "self_cuda_time_total", 20))
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["prefill", "decode"])
+    ap.add_argument("--model", default="llama-3-8b")
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--k", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--out", default="prof")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda", 0)
+    model = build_model(a.model, device, torch.bfloat16)
+    if a.what == "prefill":
+        res = profile_prefill(model, a.context, a.chunk, out, device)
+    else:
+        res = profile_decode(model, a.context, a.k, a.steps, out, device)
+    text = json.dumps(res, indent=1, default=str)
+    print(text)
+    (out / f"{a.what}_{a.context}.json").write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""The context part of attention, computed on the CPU where the context KV lives.
+
+For every query head, the strategy's selection gives the retrieved context tokens' ids and their exact
+raw scores a_i = q·k_i. This module turns them into the part's normalised output and log-sum-exp
+
+    lse_c = log Σ_i exp(s·a_i),      out_c = Σ_i exp(s·a_i − lse_c) · v_i
+
+so that only (H, D+1) floats per layer cross to the GPU, where `merge.lse_merge` combines them with
+the window part exactly (one softmax over the union, merge.py). The weighted sum reads each selected
+value row once (`F.embedding_bag`, a fused gather + weighted sum, parallel over query heads) instead of
+gathering the rows into a staging buffer and sending k·D values per head over PCIe.
+
+Precision: the sum runs in the values' dtype with fp32 accumulation. For fp32 caches that is exact
+fp32; for bf16/fp16 caches the weights are rounded to that dtype, as a GPU flash kernel rounds P
+before P·V, and the part's output is rounded once to that dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from topk_decode.index import Selection
+
+
+class ContextAttention:
+    """Per-layer CPU attention over the selected context tokens.
+
+    Args:
+        values: per layer (Hkv, N, D) CPU value tensors (memory-mapped or in RAM).
+        scale: softmax scale (1/sqrt(D)).
+    """
+
+    def __init__(self, values: list[torch.Tensor], scale: float) -> None:
+        hkv, n, d = values[0].shape
+        self.hkv, self.n, self.d = hkv, n, d
+        self.scale = scale
+        self.dtype = values[0].dtype
+        # (Hkv·N, D) views: one flat row space per layer, row = kv_head·N + position
+        self.values_flat = [v.reshape(hkv * n, d) for v in values]
+        self._row_base = (torch.arange(hkv, dtype=torch.int64) * n).view(hkv, 1, 1)
+        self._offsets: dict[tuple[int, int], torch.Tensor] = {}
+
+    def _bag_offsets(self, bags: int, K: int) -> torch.Tensor:
+        key = (bags, K)
+        off = self._offsets.get(key)
+        if off is None:
+            off = self._offsets[key] = torch.arange(0, bags * K, K, dtype=torch.int64)
+        return off
+
+    def attend(self, layer: int, sel: Selection, out: torch.Tensor) -> int:
+        """Write the context part of one layer's attention into `out`.
+
+        Args:
+            layer: the layer.
+            sel: the strategy's selection, ids and scores (Hkv, Q, K) with Q = G·T head-major.
+            out: (Hkv·Q, D+1) float32: columns :D get the part's normalised output, column D its
+                log-sum-exp of the scaled scores (−inf, with output 0, for a query that retrieved nothing).
+        Returns:
+            the number of context tokens attended (empty slots not counted).
+        """
+        hkv, Q, K = sel.ids.shape
+        if K == 0:
+            out[:, :self.d].zero_()
+            out[:, self.d].fill_(float("-inf"))
+            return 0
+        valid = sel.ids >= 0
+        s = sel.scores.float() * self.scale                                      # (Hkv, Q, K)
+        n_valid = int(valid.sum())
+        if n_valid < valid.numel():
+            s = s.masked_fill(~valid, float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)                                         # (Hkv, Q)
+        # a query with no valid slot has lse = −inf: subtract 0 instead, so every weight is exp(−inf) = 0
+        p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
+        rows = sel.ids.clamp(min=0).add_(self._row_base[:hkv]).view(-1)          # (Hkv·Q·K,) rows of values_flat
+        o = F.embedding_bag(rows, self.values_flat[layer], self._bag_offsets(hkv * Q, K), mode="sum",
+                            per_sample_weights=p.view(-1).to(self.dtype))        # (Hkv·Q, D)
+        out[:, :self.d].copy_(o)
+        out[:, self.d].copy_(lse.view(-1))
+        return n_valid
