@@ -101,3 +101,137 @@ def test_prefill_names_partial_directories_left_by_a_killed_prefill(tmp_path, mo
         build_cache(docs_dir, tmp_path / "cache", model_factory("llama_gqa"), device="cpu")
     assert leftover.exists()          # never deleted behind the user's back
     assert open_cache(tmp_path / "cache").n_tokens > 0
+
+
+# ---- the KV drain: on_layer in a worker thread, in layer order, its errors surfaced ----------------------
+def _deep_model(n_layers: int = 5):
+    """A tiny random Llama with more layers than the saved fixtures (layer order matters here)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _threaded(monkeypatch, piece_bytes: int = 1000) -> None:
+    """Run the drain's worker thread on the CPU, with small pieces so a layer spans many of them."""
+    from topk_decode.prefill import drain
+
+    monkeypatch.setattr(drain.KVDrain, "threaded_on_cpu", True)
+    monkeypatch.setattr(drain, "PIECE_BYTES", piece_bytes)
+
+
+def test_copy_to_host_goes_piece_by_piece_through_two_buffers():
+    from topk_decode.prefill.drain import copy_to_host
+
+    a, b = torch.randn(3, 5, 7), torch.randn(2, 11)                 # 105 and 22 elements: ragged pieces
+    da, db = torch.empty_like(a), torch.empty_like(b)
+    staging = [torch.full((13,), float("nan")) for _ in range(2)]
+    copy_to_host([(a, da), (b, db)], staging, stream=None)
+    assert torch.equal(da, a) and torch.equal(db, b)
+
+
+def test_threaded_drain_calls_on_layer_in_order_with_owned_tensors(monkeypatch):
+    import threading
+
+    from topk_decode.prefill.layerwise import prefill_layers
+
+    model, ids = _deep_model(), torch.randint(3, 97, (150,), generator=torch.Generator().manual_seed(1)).tolist()
+    ref: list = []
+    ref_logits, _ = prefill_layers(model, ids, lambda layer, k, v: ref.append((layer, k.clone(), v.clone())),
+                                   chunk_size=37)
+    _threaded(monkeypatch)
+    got: list = []
+    logits, _ = prefill_layers(model, ids, lambda layer, k, v: got.append((layer, k, v, threading.current_thread())),
+                               chunk_size=37)
+    assert [g[0] for g in got] == list(range(5))
+    assert all(g[3] is not threading.main_thread() and g[3].name.startswith("kv-drain") for g in got)
+    # kept without cloning: a tensor reused by a later layer (a staging buffer) would have changed
+    for (_, k, v), (_, gk, gv, _) in zip(ref, got):
+        assert torch.equal(gk, k) and torch.equal(gv, v)
+    assert len({t.untyped_storage().data_ptr() for g in got for t in g[1:3]}) == 10
+    assert torch.equal(logits, ref_logits)
+
+
+def test_an_error_in_the_main_thread_waits_for_the_drain_in_flight(monkeypatch):
+    """The caller (build_cache) deletes the partial cache on error: no on_layer may still be writing it."""
+    import time
+
+    from topk_decode.prefill.layerwise import prefill_layers
+
+    _threaded(monkeypatch)
+    finished: list[int] = []
+
+    def slow_on_layer(layer, k, v):
+        time.sleep(0.3)
+        finished.append(layer)
+
+    done = [0]
+
+    def progress(n):                                       # fails in layer 1, while layer 0 drains
+        done[0] += n
+        if done[0] > 100:
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        prefill_layers(_deep_model(), [3 + i % 90 for i in range(100)], slow_on_layer, chunk_size=30, progress=progress)
+    assert finished == [0]
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["sync", "threaded"])
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), KeyboardInterrupt()],
+                         ids=["disk-full", "ctrl-c"])
+def test_an_error_in_on_layer_surfaces_and_leaves_no_cache(tmp_path, model_factory, docs_dir, monkeypatch,
+                                                           threaded, error):
+    from topk_decode.store.cache_dir import CacheWriter
+
+    if threaded:
+        _threaded(monkeypatch)
+    handed: list[int] = []
+
+    def failing_write_layer(self, layer, keys, values):
+        handed.append(layer)
+        raise error
+
+    monkeypatch.setattr(CacheWriter, "write_layer", failing_write_layer)
+    out = tmp_path / "caches" / "cache"
+    with pytest.raises(type(error)) as info:
+        build_cache(docs_dir, out, model_factory("llama_gqa"), chunk_size=50, device="cpu")
+    assert info.value is error
+    assert handed == [0]                      # nothing more was handed over once a layer had failed
+    assert list(out.parent.iterdir()) == []   # neither a cache nor a partial directory is left
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offload", [False, True], ids=["resident", "offloaded"])
+def test_cuda_drain_hands_over_the_same_kv(monkeypatch, offload):
+    """CUDA: side-stream drain through small pinned pieces == a plain .cpu() of the layer's KV."""
+    import threading
+
+    from topk_decode.prefill import drain, layerwise
+
+    model, ids = _deep_model(), torch.randint(3, 97, (300,), generator=torch.Generator().manual_seed(2)).tolist()
+    ref: list = []
+    real_submit = drain.KVDrain.submit
+
+    def submit_and_copy(self, layer, keys, values):        # the old synchronous copy, as the reference
+        ref.append((keys.cpu(), values.cpu()))
+        real_submit(self, layer, keys, values)
+
+    monkeypatch.setattr(drain, "PIECE_BYTES", 1000)
+    monkeypatch.setattr(drain.KVDrain, "submit", submit_and_copy)
+    places = []
+    real_residual = layerwise._residual_stream
+    monkeypatch.setattr(layerwise, "_residual_stream", lambda *a: places.append(real_residual(*a).device) or
+                        real_residual(*a))
+    if not offload:
+        model = model.cuda()
+    got: list = []
+    layerwise.prefill_layers(model, ids, lambda layer, k, v: got.append((layer, k, v, threading.current_thread())),
+                             chunk_size=64, offload_weights=offload, device="cuda")
+    assert places and all(p.type == "cuda" for p in places)          # a few KiB: the residual stays on the GPU
+    assert [g[0] for g in got] == list(range(5))
+    assert all(g[3].name.startswith("kv-drain") and not g[1].is_cuda and not g[1].is_pinned() for g in got)
+    for (k, v), (_, gk, gv, _) in zip(ref, got):
+        assert torch.equal(gk, k) and torch.equal(gv, v)

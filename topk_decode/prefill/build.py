@@ -102,6 +102,9 @@ def build_cache(
     model_dtype = next(model.parameters()).dtype
     writer = CacheWriter(out, overwrite=overwrite)
     try:
+        # On CUDA, write_layer runs in prefill's drain thread (one layer at a time, in order, overlapped with
+        # the next layer's compute); prefill_layers returns or raises only once it is done, so neither
+        # commit() nor abort() below can race a write.
         last_logits, stats = prefill_layers(model, layout.ids, writer.write_layer, chunk_size, progress,
                                            offload_weights=offload_weights, device=dev)
         writer.write_tokens(layout.ids)

@@ -1,14 +1,16 @@
 """Layer-wise, chunked prefill: all N tokens through layer ℓ, then layer ℓ+1.
 
-Only one layer's keys/values (Hkv, N, D) and one chunk's activations live on the device at a time,
-so peak device memory grows linearly with N (never N²): each chunk attends to every earlier key of
-its layer through a flash kernel with a bottom-right-aligned causal mask. The residual stream of all
-N tokens is kept on the CPU between layers.
+Only one chunk's activations and at most two layers' keys/values (Hkv, N, D) live on the device at
+a time — the layer computing and the previous one, which drains to `on_layer` in the background (see
+drain.py) — so peak device memory grows linearly with N (never N²): each chunk attends to every
+earlier key of its layer through a flash kernel with a bottom-right-aligned causal mask. The residual
+stream of all N tokens stays on the device when it fits comfortably, else in pinned CPU memory.
 
 With `offload_weights`, the model stays on the CPU (pinned) and one decoder layer at a time is
-copied to the device: peak device memory is then one layer's weights plus one layer's KV and a
-chunk's activations, so an 8B model prefills within a 16 GiB budget even though its bf16 weights
-alone are 15 GiB. The next layer's weights are copied on a side stream while this layer computes.
+copied to the device, the next one on a side stream while this one computes: peak device memory is
+then a few layers' weights (up to three: the host may queue one layer ahead of the GPU) plus two
+layers' KV and a chunk's activations, so an 8B model prefills within a 16 GiB budget even though its
+bf16 weights alone are 15 GiB.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from topk_decode.model.blocks import ModelShape, attention_inputs, final_logits, finish_block, rope
+from topk_decode.prefill.drain import KVDrain
 
 try:  # optional: flash-attn handles GQA and bottom-right causal masks natively
     from flash_attn import flash_attn_func  # type: ignore
@@ -191,30 +194,59 @@ class _nullcontext:
         return False
 
 
+def device_room(device: torch.device) -> int:
+    """Bytes this process can still allocate on a CUDA device: free memory, capped by a per-process
+    memory fraction if one is set, plus what the caching allocator holds unused."""
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)
+    return max(0, min(free, int(fraction * total) - reserved)) + reserved - torch.cuda.memory_allocated(device)
+
+
+def _residual_stream(n: int, shape: ModelShape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The (N, C) residual stream: on the device when it fits comfortably, else in (pinned) CPU memory.
+
+    On the device, each chunk's host↔device copies (2 × 32 MiB per 4096-token chunk of an 8B model)
+    disappear. "Comfortably": at most a quarter of what is left once the two layers' KV that can be
+    live at once (one computing, one draining) are set aside — the rest is for the weights in
+    flight, a chunk's activations and fragmentation (1 GiB at 128K for Llama-3-8B passes under a
+    16 GiB budget; 8 GiB at 1M tokens stays on the host).
+    """
+    if device.type == "cuda":
+        kv_bytes = 2 * shape.n_kv_heads * n * shape.head_dim * dtype.itemsize
+        if n * shape.hidden_size * dtype.itemsize <= (device_room(device) - 2 * kv_bytes) // 4:
+            return torch.empty((n, shape.hidden_size), dtype=dtype, device=device)
+    return torch.empty((n, shape.hidden_size), dtype=dtype, pin_memory=device.type == "cuda")
+
+
 def _run_layer(model, layer_idx: int, layer, hidden: torch.Tensor, shape: ModelShape, device: torch.device,
-               chunk_size: int, on_layer: Callable[[int, torch.Tensor, torch.Tensor], None],
-               progress: Callable[[int], None] | None) -> None:
+               chunk_size: int, drain: KVDrain, progress: Callable[[int], None] | None) -> None:
     """One decoder layer over all N tokens, chunk by chunk; `hidden` (N, C) is updated in place.
 
-    The layer's keys/values (Hkv, N, D) live on the device only while it runs, then go to `on_layer`.
+    The layer's keys/values (Hkv, N, D) live on the device while it runs, then go to `drain`, which
+    copies them out while the next layer computes.
     """
     N = hidden.shape[0]
     keys = torch.empty((1, shape.n_kv_heads, N, shape.head_dim), dtype=hidden.dtype, device=device)
     values = torch.empty_like(keys)
     for s in range(0, N, chunk_size):
         e = min(s + chunk_size, N)
-        x = hidden[s:e].to(device, non_blocking=True)[None]                     # (1, T, C)
+        x = hidden[s:e].to(device, non_blocking=True)[None]                     # (1, T, C); a view if on device
         cos, sin = rope(model, x, torch.arange(s, e, device=device))
         q, k, v = attention_inputs(layer, x, cos, sin, shape)                   # (1, H|Hkv, T, D)
         keys[:, :, s:e], values[:, :, s:e] = k, v
         out = chunk_attention(q, keys[:, :, :e], values[:, :, :e])              # (1, H, T, D)
-        # async device→pinned copy; stream order keeps the next layer's read of it correct
+        # pinned host: an async device→pinned copy; stream order keeps the next layer's read of it correct
         hidden[s:e].copy_(finish_block(layer, x, out)[0], non_blocking=True)
         if progress is not None:
             progress(e - s)
-    if device.type == "cuda":
+    drain.submit(layer_idx, keys[0], values[0])   # returns at once on CUDA: no sync, the GPU goes on
+
+
+def _sync_host(hidden: torch.Tensor, device: torch.device) -> None:
+    """Before the CPU reads a pinned `hidden`: the async copies into it must have landed."""
+    if device.type == "cuda" and not hidden.is_cuda:
         torch.cuda.synchronize(device)
-    on_layer(layer_idx, keys[0].cpu(), values[0].cpu())
 
 
 @torch.inference_mode()
@@ -232,7 +264,9 @@ def prefill_layers(
     Args:
         model: HF causal LM (weights on the compute device, or on the CPU with `offload_weights`).
         ids: the N context token ids.
-        on_layer: called as on_layer(layer, keys, values) with (Hkv, N, D) CPU tensors, post-RoPE keys.
+        on_layer: called as on_layer(layer, keys, values) with owned (Hkv, N, D) CPU tensors, post-RoPE
+            keys, once per layer in layer order. On CUDA it runs in a background thread while the next
+            layer computes (one call at a time); what it raises is re-raised here.
         chunk_size: tokens per chunk.
         progress: called with the number of tokens just processed (for a progress bar).
         offload_weights: keep the weights on the CPU and stream one decoder layer at a time to
@@ -255,13 +289,14 @@ def prefill_layers(
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     tokens = torch.tensor(ids, dtype=torch.int64)
-    # Residual stream of all N tokens, on the CPU (pinned so chunk copies are fast and async-capable).
-    hidden = torch.empty((N, shape.hidden_size), dtype=dtype, pin_memory=device.type == "cuda")
+    hidden = _residual_stream(N, shape, dtype, device)                          # (N, C)
     for s in range(0, N, chunk_size):
         hidden[s:s + chunk_size].copy_(model.model.embed_tokens(tokens[s:s + chunk_size].to(device)))
-    for layer_idx, layer in enumerate(model.model.layers):
-        _run_layer(model, layer_idx, layer, hidden, shape, device, chunk_size, on_layer, progress)
-    last = final_logits(model, hidden[N - 1:N].to(device)[None])[0].cpu()
+    with KVDrain(on_layer, device) as drain:     # leaving it waits for the last layer's on_layer
+        for layer_idx, layer in enumerate(model.model.layers):
+            _run_layer(model, layer_idx, layer, hidden, shape, device, chunk_size, drain, progress)
+        _sync_host(hidden, device)
+        last = final_logits(model, hidden[N - 1:N].to(device)[None])[0].cpu()
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return last, PrefillStats(N, time.perf_counter() - t0, peak)
 
@@ -275,7 +310,7 @@ def _prefill_offloaded(model, ids, on_layer, chunk_size, progress, shape: ModelS
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     tokens = torch.tensor(ids, dtype=torch.int64)
-    hidden = torch.empty((N, shape.hidden_size), dtype=dtype, pin_memory=cuda)
+    hidden = _residual_stream(N, shape, dtype, device)                          # (N, C)
     embed_device = model.model.embed_tokens.weight.device
     for s in range(0, N, chunk_size):                      # the embedding lookup stays where it is
         hidden[s:s + chunk_size].copy_(model.model.embed_tokens(tokens[s:s + chunk_size].to(embed_device)))
@@ -285,17 +320,19 @@ def _prefill_offloaded(model, ids, on_layer, chunk_size, progress, shape: ModelS
         b.data = b.data.to(device)
     streamer = _LayerStreamer(model, device)
     try:
-        for layer_idx, layer in enumerate(model.model.layers):
-            streamer.acquire(layer_idx)
-            streamer.prefetch(layer_idx + 1)               # overlaps with this layer's compute
-            _run_layer(model, layer_idx, layer, hidden, shape, device, chunk_size, on_layer, progress)
-            streamer.release(layer_idx)
+        with KVDrain(on_layer, device) as drain:          # leaving it waits for the last layer's on_layer
+            for layer_idx, layer in enumerate(model.model.layers):
+                streamer.acquire(layer_idx)
+                streamer.prefetch(layer_idx + 1)           # overlaps with this layer's compute
+                _run_layer(model, layer_idx, layer, hidden, shape, device, chunk_size, drain, progress)
+                streamer.release(layer_idx)
+            _sync_host(hidden, device)
+            head_device = model.lm_head.weight.device
+            last = final_logits(model, hidden[N - 1:N].to(head_device)[None])[0].cpu()
     finally:
         for name, b in rotary.named_buffers():
             b.data = rotary_host[name]
         for i in list(streamer.ready):
             streamer.release(i)
-    head_device = model.lm_head.weight.device
-    last = final_logits(model, hidden[N - 1:N].to(head_device)[None])[0].cpu()
     peak = torch.cuda.max_memory_allocated(device) if cuda else None
     return last, PrefillStats(N, time.perf_counter() - t0, peak)
