@@ -105,6 +105,7 @@ def profile_prefill(model, n: int, chunk: int, out: Path, device) -> dict:
             alt[f"chunked_{mode}"] = _timed(lambda: chunks(mode), device)
         except Exception as e:  # noqa: BLE001
             alt[f"chunked_{mode}"] = f"error {type(e).__name__}: {e}"[:200]
+    alt.update(_attention_variants(qf, kf, vf, device))
     res["one_layer_attention_s"] = alt
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for s in range(0, min(n, 4 * chunk), chunk):
@@ -119,6 +120,63 @@ def profile_prefill(model, n: int, chunk: int, out: Path, device) -> dict:
     (out / f"prefill_{n}_profile.txt").write_text(_table(prof, "self_cuda_time_total") + "\n\n" +
                                                  _table(prof, "self_cpu_time_total", 15))
     return res
+
+
+def _cudnn_lse(q, k, v, causal: bool):
+    G = q.shape[1] // k.shape[1]
+    if G > 1:
+        k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False)
+    return res[0], res[1].reshape(q.shape[:3])
+
+
+def _attention_variants(qf, kf, vf, device) -> dict:
+    """Chunked split-flash at larger chunks, and cuDNN's kernel in the same split, for one layer."""
+    n = qf.shape[2]
+    out: dict = {}
+    for T in (8192, 16384, 32768):
+        if T >= n:
+            continue
+
+        def run():
+            for s in range(0, n, T):
+                e = min(s + T, n)
+                layerwise._split_flash(qf[:, :, s:e], kf[:, :, :e], vf[:, :, :e], expand=False)
+        run()
+        out[f"chunked_gqa_{T}"] = _timed(run, device)
+    # cuDNN in the same (prefix ⊕ diagonal) split, checked against split-flash on the last chunk
+    try:
+        T = 4096
+
+        def split_cudnn(q, k, v):
+            S = k.shape[2]
+            od, ld = _cudnn_lse(q, k[:, :, S - T:], v[:, :, S - T:], True)
+            if S == T:
+                return od
+            op, lp = _cudnn_lse(q, k[:, :, :S - T], v[:, :, :S - T], False)
+            lse = torch.logaddexp(lp, ld)
+            return (op.float() * torch.exp(lp - lse)[..., None] + od.float() * torch.exp(ld - lse)[..., None]).to(q.dtype)
+
+        a = split_cudnn(qf[:, :, n - T:], kf, vf)
+        b = layerwise._split_flash(qf[:, :, n - T:], kf, vf, expand=False)
+        out["cudnn_max_abs_diff_vs_flash"] = float((a.float() - b.float()).abs().max())
+
+        def run_c():
+            for s in range(0, n, T):
+                e = min(s + T, n)
+                split_cudnn(qf[:, :, s:e], kf[:, :, :e], vf[:, :, :e])
+        out["chunked_cudnn_4096"] = _timed(run_c, device)
+        out["cudnn_full_causal"] = _timed(lambda: _cudnn_lse(qf, kf, vf, True), device)
+    except Exception as e:  # noqa: BLE001
+        out["cudnn"] = f"error {type(e).__name__}: {e}"[:300]
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            out["sdpa_full_causal_flash_only"] = _timed(lambda: torch.nn.functional.scaled_dot_product_attention(
+                qf, kf, vf, is_causal=True, enable_gqa=True), device)
+    except Exception as e:  # noqa: BLE001
+        out["sdpa_flash_only"] = f"error {type(e).__name__}: {e}"[:300]
+    return out
 
 
 @torch.inference_mode()

@@ -235,3 +235,23 @@ def test_cuda_drain_hands_over_the_same_kv(monkeypatch, offload):
     assert all(g[3].name.startswith("kv-drain") and not g[1].is_cuda and not g[1].is_pinned() for g in got)
     for (k, v), (_, gk, gv, _) in zip(ref, got):
         assert torch.equal(gk, k) and torch.equal(gv, v)
+
+
+def test_whole_layer_attention_pass_equals_chunked_attention(monkeypatch):
+    # On a GPU with room the layer's attention is one causal SDPA call between a projection pass and
+    # an output pass; forced here on the CPU, it must give the chunked path's KV and logits.
+    from topk_decode.prefill import layerwise
+
+    model, ids = _deep_model(), torch.randint(3, 97, (150,), generator=torch.Generator().manual_seed(2)).tolist()
+    runs = []
+    for whole in (False, True):
+        monkeypatch.setattr(layerwise, "whole_layer_attention_fits", lambda *a, w=whole: w)
+        kv: list = []
+        logits, _ = layerwise.prefill_layers(model, ids, lambda layer, k, v: kv.append((k, v)), chunk_size=37)
+        runs.append((logits, kv))
+    (l0, kv0), (l1, kv1) = runs
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-5)
+    for (k0, v0), (k1, v1) in zip(kv0, kv1):
+        torch.testing.assert_close(k1, k0, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v1, v0, rtol=1e-5, atol=1e-5)
+    assert len(kv1) == len(model.model.layers)

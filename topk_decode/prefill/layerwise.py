@@ -219,27 +219,63 @@ def _residual_stream(n: int, shape: ModelShape, dtype: torch.dtype, device: torc
     return torch.empty((n, shape.hidden_size), dtype=dtype, pin_memory=device.type == "cuda")
 
 
+def whole_layer_attention_fits(n: int, shape: ModelShape, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether one layer's queries and attention output for all N tokens (2 × N·H·D) fit comfortably.
+
+    Then the layer's attention is one causal SDPA call over the whole sequence (the call HF's own
+    prefill makes; on an H100 torch dispatches it to cuDNN's kernel, 1.4× faster at 128K than the
+    chunked flash path, measured): 2 GiB at 128K for Llama-3-8B, which passes under a 16 GiB budget
+    with streamed weights; at 1M (16 GiB) the chunked path runs. Same "comfortably" rule as
+    `_residual_stream`.
+    """
+    if device.type != "cuda":
+        return False
+    need = 2 * n * shape.n_heads * shape.head_dim * dtype.itemsize
+    kv_bytes = 2 * shape.n_kv_heads * n * shape.head_dim * dtype.itemsize
+    return need <= (device_room(device) - 2 * kv_bytes) // 4
+
+
 def _run_layer(model, layer_idx: int, layer, hidden: torch.Tensor, shape: ModelShape, device: torch.device,
-               chunk_size: int, drain: KVDrain, progress: Callable[[int], None] | None) -> None:
+               chunk_size: int, drain: KVDrain, progress: Callable[[int], None] | None,
+               whole: bool | None = None) -> None:
     """One decoder layer over all N tokens, chunk by chunk; `hidden` (N, C) is updated in place.
 
     The layer's keys/values (Hkv, N, D) live on the device while it runs, then go to `drain`, which
-    copies them out while the next layer computes.
+    copies them out while the next layer computes. With `whole` (default: when it fits, see
+    `whole_layer_attention_fits`) the chunks' queries are kept and the attention runs once for the
+    whole layer between a projection pass and an output pass; otherwise each chunk attends on its own.
     """
     N = hidden.shape[0]
+    if whole is None:
+        whole = whole_layer_attention_fits(N, shape, hidden.dtype, device)
     keys = torch.empty((1, shape.n_kv_heads, N, shape.head_dim), dtype=hidden.dtype, device=device)
     values = torch.empty_like(keys)
+    queries = torch.empty((1, shape.n_heads, N, shape.head_dim), dtype=hidden.dtype, device=device) \
+        if whole else None
     for s in range(0, N, chunk_size):
         e = min(s + chunk_size, N)
         x = hidden[s:e].to(device, non_blocking=True)[None]                     # (1, T, C); a view if on device
         cos, sin = rope(model, x, torch.arange(s, e, device=device))
         q, k, v = attention_inputs(layer, x, cos, sin, shape)                   # (1, H|Hkv, T, D)
         keys[:, :, s:e], values[:, :, s:e] = k, v
+        if whole:
+            queries[:, :, s:e] = q
+            continue
         out = chunk_attention(q, keys[:, :, :e], values[:, :, :e])              # (1, H, T, D)
         # pinned host: an async device→pinned copy; stream order keeps the next layer's read of it correct
         hidden[s:e].copy_(finish_block(layer, x, out)[0], non_blocking=True)
         if progress is not None:
             progress(e - s)
+    if whole:
+        attn = F.scaled_dot_product_attention(queries, keys, values, is_causal=True,
+                                              enable_gqa=shape.n_heads != shape.n_kv_heads)   # (1, H, N, D)
+        del queries
+        for s in range(0, N, chunk_size):
+            e = min(s + chunk_size, N)
+            x = hidden[s:e].to(device, non_blocking=True)[None]
+            hidden[s:e].copy_(finish_block(layer, x, attn[:, :, s:e])[0], non_blocking=True)
+            if progress is not None:
+                progress(e - s)
     drain.submit(layer_idx, keys[0], values[0])   # returns at once on CUDA: no sync, the GPU goes on
 
 
