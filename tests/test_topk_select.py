@@ -132,8 +132,12 @@ def test_threshold_topk_accepts_a_non_contiguous_input():
     _check_exact(x, 300)
 
 
-def test_half_scan_with_threshold_candidates_returns_the_exact_fp32_top_k():
+@pytest.mark.parametrize("max_threads", [1 << 10, 0])   # threshold path / plain topk path (many cores)
+def test_half_scan_with_threshold_candidates_returns_the_exact_fp32_top_k(monkeypatch, max_threads):
     # Large enough that _half_scan's candidates come from the threshold path; buffers reused across calls.
+    from topk_decode.index import flat
+
+    monkeypatch.setattr(flat, "_THRESHOLD_MAX_THREADS", max_threads)
     gen = torch.Generator().manual_seed(9)
     keys = torch.randn(2, 30000, 16, generator=gen).bfloat16()
     stats, buffers = StrategyStats(), {}
@@ -143,4 +147,5 @@ def test_half_scan_with_threshold_candidates_returns_the_exact_fp32_top_k():
         scores, ids = _fp32_scan(keys, q, 256, 5, 29000)
         assert torch.equal(sel.ids.sort(-1).values, ids.sort(-1).values)
         assert torch.allclose(sel.scores, scores, rtol=0, atol=1e-5)
-    assert stats.extra[FALLBACK_KEY] == 0 and stats.extra["fp32_rescans"] == 0
+    assert stats.extra.get(FALLBACK_KEY, 0) == 0 and stats.extra["fp32_rescans"] == 0
+    assert (FALLBACK_KEY in stats.extra) == (max_threads > 0)

@@ -40,6 +40,7 @@ class ContextAttention:
         self.values_flat = [v.reshape(hkv * n, d) for v in values]
         self._row_base = (torch.arange(hkv, dtype=torch.int64) * n).view(hkv, 1, 1)
         self._offsets: dict[tuple[int, int], torch.Tensor] = {}
+        self._weights: dict[tuple[int, int], torch.Tensor] = {}
 
     def _bag_offsets(self, bags: int, K: int) -> torch.Tensor:
         key = (bags, K)
@@ -64,17 +65,32 @@ class ContextAttention:
             out[:, :self.d].zero_()
             out[:, self.d].fill_(float("-inf"))
             return 0
-        valid = sel.ids >= 0
-        s = sel.scores.float() * self.scale                                      # (Hkv, Q, K)
-        n_valid = int(valid.sum())
-        if n_valid < valid.numel():
-            s = s.masked_fill(~valid, float("-inf"))
-        lse = torch.logsumexp(s, dim=-1)                                         # (Hkv, Q)
-        # a query with no valid slot has lse = −inf: subtract 0 instead, so every weight is exp(−inf) = 0
-        p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
-        rows = sel.ids.clamp(min=0).add_(self._row_base[:hkv]).view(-1)          # (Hkv·Q·K,) rows of values_flat
-        o = F.embedding_bag(rows, self.values_flat[layer], self._bag_offsets(hkv * Q, K), mode="sum",
-                            per_sample_weights=p.view(-1).to(self.dtype))        # (Hkv·Q, D)
-        out[:, :self.d].copy_(o)
-        out[:, self.d].copy_(lse.view(-1))
-        return n_valid
+        # ~10 ops on 32K-element tensors per layer: each costs tens of µs on a many-core host, so
+        # they are few, in place, and into reused buffers (the empty-slot handling only when needed)
+        R = hkv * Q
+        w = self._buffer(R, K)                                                   # (R, K) fp32
+        torch.mul(sel.scores.view(R, K), self.scale, out=w)                      # scaled logits
+        ids = sel.ids.view(R, K)
+        empty = bool(ids.min() < 0)
+        if empty:
+            w.masked_fill_(ids < 0, float("-inf"))
+            ids = ids.clamp(min=0)
+        m = w.amax(dim=-1, keepdim=True)                                         # (R, 1)
+        if empty:   # a query with no valid slot: m = −inf; subtract 0 so its weights are exp(−inf) = 0
+            m.masked_fill_(torch.isinf(m), 0.0)
+        w.sub_(m).exp_()                                                         # unnormalised weights ≤ 1
+        z = w.sum(dim=-1, keepdim=True)                                          # (R, 1)
+        rows = (ids.view(hkv, Q, K) + self._row_base).view(-1)                   # rows of values_flat
+        o = F.embedding_bag(rows, self.values_flat[layer], self._bag_offsets(R, K), mode="sum",
+                            per_sample_weights=w.view(-1).to(self.dtype))        # (R, D)
+        torch.div(o, z.clamp(min=torch.finfo(torch.float32).tiny), out=out[:, :self.d])
+        out[:, self.d:] = m + z.log()                                            # lse (−inf where z = 0)
+        return int((sel.ids >= 0).sum()) if empty else ids.numel()
+
+    def _buffer(self, R: int, K: int) -> torch.Tensor:
+        buf = self._weights.get((R, K))
+        if buf is None:
+            if len(self._weights) >= 8:      # prompt lengths vary: keep the pool bounded
+                self._weights.clear()
+            buf = self._weights[(R, K)] = torch.empty((R, K), dtype=torch.float32)
+        return buf

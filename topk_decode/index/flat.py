@@ -142,6 +142,11 @@ def _fp32_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int) ->
     return best_s, best_i
 
 
+# The sampled-threshold top-k wins on few cores (2 threads: 4.5-6.1 ms vs 12.1 ms per layer at 128K) but
+# its ~20 small serial ops lose to torch's row-parallel topk on many (16 threads on the GPU host:
+# 4.35 vs 3.73 ms per layer, measured with `python -m topk_decode.bench.search 131072`).
+_THRESHOLD_MAX_THREADS = 4
+
 # bf16 keeps 8 significant bits: a half-precision score is within 2^-8 relative of the fp32 one
 # (fp32 accumulation, one rounding). 2^-7 also covers fp32 summation-order differences.
 _HALF_REL_ERR = 2.0 ** -7
@@ -179,7 +184,10 @@ def _half_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, st
     approx[..., hi:] = float("-inf")
     # Exact candidates without a full topk over N (3x cheaper on a CPU); unsorted: only their minimum
     # (the certificate's c) and the set matter.
-    cand_s, cand_i = topk_by_threshold(approx, kc, sorted=False, counters=stats.extra, buffers=buffers)
+    if torch.get_num_threads() <= _THRESHOLD_MAX_THREADS:
+        cand_s, cand_i = topk_by_threshold(approx, kc, sorted=False, counters=stats.extra, buffers=buffers)
+    else:
+        cand_s, cand_i = approx.topk(kc, dim=-1, sorted=False)
     rows = cand_i + (torch.arange(hkv) * n).view(hkv, 1, 1)                 # (Hkv, Q, kc) rows of (Hkv·N, D)
     if buffers is not None:   # 10-20 MiB per layer and step: reuse instead of fresh (page-faulting) memory
         k_sel = buffers.get(("sel", hkv * Q * kc, d, keys.dtype))
