@@ -227,10 +227,14 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", default="prof")
+    ap.add_argument("--ctx-threads", type=int, default=-1, help="ContextAttention.small_op_threads (0 = all; -1 = default)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda", 0)
+    if a.ctx_threads >= 0:
+        from topk_decode.decode.context import ContextAttention
+        ContextAttention.small_op_threads = a.ctx_threads or None
     model = build_model(a.model, device, torch.bfloat16)
     if a.what == "prefill":
         res = profile_prefill(model, a.context, a.chunk, out, device)

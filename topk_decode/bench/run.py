@@ -154,6 +154,9 @@ class _Recorder:
 
 def _prefill(model, tokens: list[int], chunk: int, offload: bool, device: torch.device, keep: bool):
     """Layer-wise prefill; returns (ContextKV or None, PrefillStats)."""
+    from topk_decode.prefill.layerwise import ATTENTION_PATHS
+
+    ATTENTION_PATHS.clear()                  # this row reports the paths of this prefill only
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
 
@@ -260,10 +263,10 @@ def _run_topk(rec, model, shape, tokens, kv, real, cfg, device, dtype, budget) -
         set_gpu_budget(device, None)
         try:
             ckv, st = _prefill(model, tokens, cfg.prefill_chunk, False, device, keep=True)
-            from topk_decode.prefill.layerwise import _MODES
+            from topk_decode.prefill.layerwise import ATTENTION_PATHS
 
             rec.add("topk-prefill", n, tokens_per_s=st.tokens_per_s, seconds=st.seconds, chunk=cfg.prefill_chunk,
-                    attention=sorted(set(_MODES.values())) or ["sdpa/cpu"],
+                    attention=sorted(ATTENTION_PATHS),
                     peak_gpu_gib=_gib(st.peak_device_bytes), cpu_rss_gib=_gib(cpu_rss()[0]))
         except Exception as e:  # noqa: BLE001
             rec.add("topk-prefill", n, status=f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
@@ -326,10 +329,10 @@ def _run_offload_prefill(rec, model, shape, cfg, device, budget, gen) -> None:
         def measure() -> dict:
             release(device)
             _, st = _prefill(model, tokens, cfg.prefill_chunk, True, device, keep=False)
-            from topk_decode.prefill.layerwise import _MODES
+            from topk_decode.prefill.layerwise import ATTENTION_PATHS
 
             return {"tokens_per_s": st.tokens_per_s, "seconds": st.seconds, "chunk": cfg.prefill_chunk,
-                    "attention": sorted(set(_MODES.values())) or ["sdpa/cpu"],
+                    "attention": sorted(ATTENTION_PATHS),
                     "peak_gpu_gib": _gib(st.peak_device_bytes), "gpu_budget_gib": _gib(budget),
                     "cpu_rss_gib": _gib(cpu_rss()[0])}
 

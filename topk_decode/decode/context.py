@@ -31,6 +31,10 @@ class ContextAttention:
         scale: softmax scale (1/sqrt(D)).
     """
 
+    # The softmax ops before the weighted sum touch 32K floats each: on a many-core host the fork/join
+    # of a parallel region costs more than the work, so they run on this many threads (None: all).
+    small_op_threads: int | None = 1
+
     def __init__(self, values: list[torch.Tensor], scale: float) -> None:
         hkv, n, d = values[0].shape
         self.hkv, self.n, self.d = hkv, n, d
@@ -69,18 +73,24 @@ class ContextAttention:
         # they are few, in place, and into reused buffers (the empty-slot handling only when needed)
         R = hkv * Q
         w = self._buffer(R, K)                                                   # (R, K) fp32
-        torch.mul(sel.scores.view(R, K), self.scale, out=w)                      # scaled logits
-        ids = sel.ids.view(R, K)
-        empty = bool(ids.min() < 0)
-        if empty:
-            w.masked_fill_(ids < 0, float("-inf"))
-            ids = ids.clamp(min=0)
-        m = w.amax(dim=-1, keepdim=True)                                         # (R, 1)
-        if empty:   # a query with no valid slot: m = −inf; subtract 0 so its weights are exp(−inf) = 0
-            m.masked_fill_(torch.isinf(m), 0.0)
-        w.sub_(m).exp_()                                                         # unnormalised weights ≤ 1
-        z = w.sum(dim=-1, keepdim=True)                                          # (R, 1)
-        rows = (ids.view(hkv, Q, K) + self._row_base).view(-1)                   # rows of values_flat
+        threads = torch.get_num_threads()
+        if self.small_op_threads:
+            torch.set_num_threads(min(threads, self.small_op_threads))
+        try:
+            torch.mul(sel.scores.view(R, K), self.scale, out=w)                      # scaled logits
+            ids = sel.ids.view(R, K)
+            empty = bool(ids.min() < 0)
+            if empty:
+                w.masked_fill_(ids < 0, float("-inf"))
+                ids = ids.clamp(min=0)
+            m = w.amax(dim=-1, keepdim=True)                                         # (R, 1)
+            if empty:   # a query with no valid slot: m = −inf; subtract 0 so its weights are exp(−inf) = 0
+                m.masked_fill_(torch.isinf(m), 0.0)
+            w.sub_(m).exp_()                                                         # unnormalised weights ≤ 1
+            z = w.sum(dim=-1, keepdim=True)                                          # (R, 1)
+            rows = (ids.view(hkv, Q, K) + self._row_base).view(-1)                   # rows of values_flat
+        finally:
+            torch.set_num_threads(threads)
         o = F.embedding_bag(rows, self.values_flat[layer], self._bag_offsets(R, K), mode="sum",
                             per_sample_weights=w.view(-1).to(self.dtype))        # (R, D)
         torch.div(o, z.clamp(min=torch.finfo(torch.float32).tiny), out=out[:, :self.d])

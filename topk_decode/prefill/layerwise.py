@@ -50,6 +50,8 @@ class PrefillStats:
 # head; "sdpa": torch's lower-right CausalBias path (3x slower than HF's prefill at 128K, measured:
 # it leaves the flash kernel for a non-square causal chunk with GQA).
 _MODES: dict[tuple, str] = {}
+# Which attention paths prefills of this process took (reported by `topk bench`).
+ATTENTION_PATHS: set[str] = set()
 
 
 def _flash_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,12 +121,15 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     """
     T = q.shape[2]
     if flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        ATTENTION_PATHS.add("chunked flash-attn")
         out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
         return out.transpose(1, 2)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and T > 1:
         mode = _pick_mode(q, k)
         if mode != "sdpa":
+            ATTENTION_PATHS.add(f"chunked split-flash ({mode})")
             return _split_flash(q, k, v, expand=mode == "expand")
+    ATTENTION_PATHS.add("chunked sdpa lower-right")
     return _sdpa_lower_right(q, k, v)
 
 
@@ -267,6 +272,7 @@ def _run_layer(model, layer_idx: int, layer, hidden: torch.Tensor, shape: ModelS
         if progress is not None:
             progress(e - s)
     if whole:
+        ATTENTION_PATHS.add("whole-layer sdpa")
         attn = F.scaled_dot_product_attention(queries, keys, values, is_causal=True,
                                               enable_gqa=shape.n_heads != shape.n_kv_heads)   # (1, H, N, D)
         del queries
