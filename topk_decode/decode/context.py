@@ -53,6 +53,12 @@ class ContextAttention:
             off = self._offsets[key] = torch.arange(0, bags * K, K, dtype=torch.int64)
         return off
 
+    @staticmethod
+    def write_empty(out: torch.Tensor) -> None:
+        """The context part of queries that retrieved nothing: output 0, lse −inf (the window alone)."""
+        out[:, :-1].zero_()
+        out[:, -1].fill_(float("-inf"))
+
     def attend(self, layer: int, sel: Selection, out: torch.Tensor) -> int:
         """Write the context part of one layer's attention into `out`.
 
@@ -66,8 +72,7 @@ class ContextAttention:
         """
         hkv, Q, K = sel.ids.shape
         if K == 0:
-            out[:, :self.d].zero_()
-            out[:, self.d].fill_(float("-inf"))
+            self.write_empty(out)
             return 0
         # ~10 ops on 32K-element tensors per layer: each costs tens of µs on a many-core host, so
         # they are few, in place, and into reused buffers (the empty-slot handling only when needed)

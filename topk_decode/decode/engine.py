@@ -145,8 +145,7 @@ class TopKDecoder:
         """
         st = conv.stats
         if self.strategy.n_searchable == 0:
-            out[:, :-1].zero_()
-            out[:, -1].fill_(float("-inf"))
+            self.context.write_empty(out)
             return
         # strategies may keep the query (selection caches): hand them their own copy
         q_cpu = q_host.clone()
