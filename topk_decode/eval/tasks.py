@@ -173,8 +173,7 @@ def magic_question(key: str) -> str:
     Args:
         key: the asked key.
     """
-    return (f"\nQuestion: What is the special magic number for {key}?\n"
-            f"Answer: The special magic number for {key} is")
+    return _prompt_question("single_needle", key)
 
 
 def chat_query(task: str, key: str) -> tuple[str, str]:
@@ -202,6 +201,12 @@ def chat_query(task: str, key: str) -> tuple[str, str]:
     raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
 
 
+def _prompt_question(task: str, key: str) -> str:
+    """The question as it follows the context in a raw prompt: chat_query's two parts on their lines."""
+    question, prefix = chat_query(task, key)
+    return f"\nQuestion: {question}\nAnswer: {prefix}"
+
+
 def multi_value_fact(key: str, value: int | str) -> str:
     """Context sentence of ``multi_value`` (several of them share one key).
 
@@ -218,8 +223,7 @@ def multi_value_question(key: str) -> str:
     Args:
         key: the asked key.
     """
-    return (f"\nQuestion: What are all the special magic numbers for {key}?\n"
-            f"Answer: The special magic numbers for {key} are")
+    return _prompt_question("multi_value", key)
 
 
 def vt_fact(var: str, target: int | str) -> str:
@@ -238,8 +242,7 @@ def vt_question(var: str) -> str:
     Args:
         var: the asked variable (the last one of its chain).
     """
-    return (f"\nQuestion: Which number does variable {var} equal?\n"
-            f"Answer: Variable {var} equals")
+    return _prompt_question("variable_tracking", var)
 
 
 def vt_answer(chain: Sequence[str], value: int | str) -> str:
