@@ -107,7 +107,8 @@ def test_half_precision_scan_rescans_rows_whose_certificate_fails():
 
 @pytest.mark.parametrize("k", [8, 100000])
 def test_one_token_segments_match_the_module_by_module_step(built_cache, k):
-    # The fixed-buffer segments (CUDA graphs on a GPU) must compute exactly what the eager path does.
+    # The fixed-buffer segments (CUDA graphs on a GPU) must compute what the eager path does. Their window
+    # part sums over the whole fixed capacity with masked slots, so fp32 rounding may differ in the last bit.
     from topk_decode.config import DecodeConfig
     from topk_decode.decode.engine import TopKDecoder
     from topk_decode.model.loading import load_model
@@ -123,4 +124,4 @@ def test_one_token_segments_match_the_module_by_module_step(built_cache, k):
         for _ in range(4):
             logits.append(dec.forward([int(logits[-1].argmax())], conv))
         runs.append(torch.stack(logits))
-    assert torch.equal(runs[0], runs[1])
+    torch.testing.assert_close(runs[0], runs[1], rtol=1e-6, atol=1e-6)

@@ -76,3 +76,51 @@ def test_flash_window_part_equals_the_fp32_window_part():
     ref_out, ref_lse = merge.window_attention(q.float(), buf_k[:, :W].float(), buf_v[:, :W].float(), None, D ** -0.5)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(out.float(), ref_out, rtol=2e-2, atol=2e-2)
+
+
+def test_masked_fixed_capacity_window_part_equals_the_fp32_window_part():
+    """Inside the graphs the window part runs over the whole buffer with a mask (efficient kernel)."""
+    from topk_decode.decode import merge
+
+    torch.manual_seed(1)
+    H, hkv, D, C, W = 32, 8, 128, 256, 77
+    q = torch.randn(H, 1, D, device="cuda").to(torch.bfloat16)
+    buf_k = torch.randn(hkv, C, D, device="cuda").to(torch.bfloat16)     # slots ≥ W hold stale values
+    buf_v = torch.randn(hkv, C, D, device="cuda").to(torch.bfloat16)
+    visible = (torch.arange(C, device="cuda") < W)[None]
+    bias = torch.zeros(1, 1, 1, C, device="cuda", dtype=torch.bfloat16).masked_fill(~visible, float("-inf"))
+    out, lse = merge.fixed_window_attention(q, buf_k, buf_v, bias, visible, D ** -0.5)
+    assert merge._EFFICIENT_OK, "the efficient-attention path was not taken"
+    ref_out, ref_lse = merge.window_attention(q.float(), buf_k[:, :W].float(), buf_v[:, :W].float(), None, D ** -0.5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(out, ref_out, rtol=2e-2, atol=2e-2)
+
+
+def test_cuda_graphs_interleaved_conversations_decode_as_each_alone(cuda_caches):
+    """The graphs' window buffers are lent to one conversation at a time; switching keeps each exact."""
+    caches, _ = cuda_caches
+    store = KVStore.open(caches["bf16"], k=8, device="cuda", n_sink=4, n_tail=16)
+    dec = store.decoder
+
+    def run(conv, tok, n):
+        out = []
+        for _ in range(n):
+            tok = int(dec.forward([tok], conv).argmax())
+            out.append(tok)
+        return out
+    alone = []
+    for prompt in ([5, 6, 7], [9, 10]):
+        conv = dec.new_conversation()
+        dec.forward(prompt, conv)
+        alone.append(run(conv, 3, 5))
+    a, b = dec.new_conversation(), dec.new_conversation()
+    dec.forward([5, 6, 7], a)
+    dec.forward([9, 10], b)
+    got = [[], []]
+    ta = tb = 3
+    for _ in range(5):
+        ta, tb = run(a, ta, 1)[0], run(b, tb, 1)[0]
+        got[0].append(ta)
+        got[1].append(tb)
+    assert got == alone
+    assert dec._segments.graphs is not None

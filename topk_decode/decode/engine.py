@@ -38,6 +38,8 @@ class StepStats:
     wait for the GPU work queued before them). In the one-token path both transfers (16 KiB each) are
     inside the CUDA graphs. Whatever remains of the step is GPU compute plus Python launch overhead
     (the per-layer query sync makes the two serial, so they are reported together as `gpu_ms`).
+    The one-token path splits part of that remainder out: launch (CPU time of the segment launches)
+    and wait (blocked on the GPU until the layer's query is on the host).
     """
 
     steps: int = 0
@@ -47,6 +49,8 @@ class StepStats:
     gather_s: float = 0.0
     d2h_s: float = 0.0
     h2d_s: float = 0.0
+    launch_s: float = 0.0
+    wait_s: float = 0.0
     retrieved: int = 0
 
     @property
@@ -68,6 +72,8 @@ class StepStats:
             "transfer_ms": 1e3 * self.transfer_s / n,
             "gpu_ms": 1e3 * rest / n,
             "other_ms": 1e3 * rest / n,
+            "launch_ms": 1e3 * self.launch_s / n,
+            "wait_ms": 1e3 * self.wait_s / n,
             "retrieved_per_step": self.retrieved / n,
         }
 
@@ -117,8 +123,6 @@ class TopKDecoder:
         self._warned_positions = False
         self._cuda = self.device.type == "cuda"
         self.context = ContextAttention(ckv.values, self.scale)
-        # per layer: recorded after the layer's query copy was queued (one-token path)
-        self._q_ready = [torch.cuda.Event() for _ in range(self.shape.n_layers)] if self._cuda else []
         self._use_segments = self._cuda if graphs is None else graphs
         self._segments: StepSegments | None = None
         if self.shape.sliding_window and n > self.shape.sliding_window:
@@ -191,24 +195,24 @@ class TopKDecoder:
     def _forward_one(self, token: int, position: int, conv: Conversation) -> torch.Tensor:
         """One token through fixed-buffer segments (CUDA graphs on CUDA): (V,) logits."""
         if self._segments is None:
-            self._segments = StepSegments(self.model, self.shape, self.device, capture=self._cuda)
+            self._segments = StepSegments(self.model, self.shape, self.device, capture=self._cuda, scale=self.scale)
         seg, win = self._segments, conv.window
-        H, D = self.shape.n_heads, self.shape.head_dim
-        seg.start(token, position)
+        seg.bind(win)
+        seg.start(token, position, win)
+        st, clock = conv.stats, time.perf_counter
+        t0 = clock()
         seg.run(0)
         for layer_idx in range(self.shape.n_layers):
-            if self._cuda:
-                self._q_ready[layer_idx].record()                                # segment's q copy queued
-            q, k, v = seg.qkv[layer_idx]                                         # (1,H,1,D), (1,Hkv,1,D)
-            wk, wv = win.append(layer_idx, k[0], v[0])
-            # the window part runs on the GPU while the CPU searches
-            out_w, lse_w = window_attention(q[0], wk, wv, None, self.scale)      # (H, 1, D), (H, 1)
-            seg.win_out[layer_idx].copy_(out_w.view(H, D))
-            seg.win_lse[layer_idx].copy_(lse_w.view(H))
-            if self._cuda:
-                self._q_ready[layer_idx].synchronize()                           # q is on the host
+            t1 = clock()
+            seg.wait_query(layer_idx)              # the GPU goes on with the window part meanwhile
+            t2 = clock()
             self._context_part(layer_idx, seg.q_host[layer_idx], conv, seg.ctx_host[layer_idx])
+            t3 = clock()
             seg.run(layer_idx + 1)
+            st.launch_s += t1 - t0
+            st.wait_s += t2 - t1
+            t0 = t3
+        st.launch_s += clock() - t0
         win.advance(1)
         return seg.logits[0].clone()                  # the segment's buffer is overwritten next step
 

@@ -4,26 +4,32 @@ A one-token step runs, per layer, ~25 small kernels of the HF modules (norms, pr
 MLP) and must stop at every layer to send the query to the CPU. Launched from Python one by one,
 those kernels cost more CPU time than the GPU spends on them. Here they are cut into L+1 segments:
 
-    segment 0:      embedding, RoPE cos/sin, layer 0's q/k/v, q → host
+    segment 0:      embedding, RoPE cos/sin, the window mask; layer 0's q/k/v, q → host,
+                    k/v → window, window part of layer 0's attention
     segment l:      context part of layer l-1 host → device, merge it with the window part,
-                    finish layer l-1 (o_proj, residual, MLP), layer l's q/k/v, q → host   (1 ≤ l < L)
+                    finish layer l-1 (o_proj, residual, MLP); layer l as in segment 0  (1 ≤ l < L)
     segment L:      the same for layer L-1, then final norm and LM head
 
-Between segments l and l+1 the engine runs the window attention of layer l (its length grows, so it
-stays outside the graphs) and the CPU computes the context part (decode/context.py) into `ctx_host[l]`.
-Each segment reads and writes fixed tensors (the two 16 KiB transfers included: pinned host buffers),
-so on CUDA it is captured once as a CUDA graph and replayed (one launch instead of ~30). Without
-capture (CPU, or a failed capture) the same segments run eagerly, which is what the CPU tests exercise.
+Between segments l and l+1 the CPU searches and computes the context part (decode/context.py) into
+`ctx_host[l]`, while the GPU finishes the window part of layer l: the segment marks, with an event
+recorded inside the graph, the moment the query has reached the host. Each segment reads and writes
+fixed tensors (the two 16 KiB transfers included: pinned host buffers), so on CUDA it is captured once
+as a CUDA graph and replayed (one launch instead of ~35). The window lives in fixed-capacity buffers
+owned here and lent to the conversation being decoded (`bind`); the step's length is a device tensor
+and slots past it are masked. Without capture (CPU, or a failed capture) the same segments run
+eagerly, which is what the CPU tests exercise.
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 
 from topk_decode.errors import TopkWarning
-from topk_decode.decode.merge import merge_with_context
+from topk_decode.decode.merge import fixed_window_attention, merge_with_context
+from topk_decode.decode.window import Window
 from topk_decode.model.blocks import ModelShape, attention_inputs, final_logits, finish_block, rope
 
 
@@ -35,10 +41,15 @@ class StepSegments:
         shape: its ModelShape.
         device: the decode device.
         capture: capture CUDA graphs (CUDA only); otherwise run eagerly.
+        scale: softmax scale.
     """
 
-    def __init__(self, model, shape: ModelShape, device: torch.device, capture: bool) -> None:
-        self.model, self.shape, self.device = model, shape, device
+    # smallest window capacity (slots per layer); it doubles as conversations grow past it
+    min_capacity: int = 256
+
+    def __init__(self, model, shape: ModelShape, device: torch.device, capture: bool, scale: float) -> None:
+        self.model, self.shape, self.device, self.scale = model, shape, device, scale
+        self.capture = capture and device.type == "cuda"
         self.dtype = next(model.parameters()).dtype
         self.token = torch.zeros((1, 1), dtype=torch.int64, device=device)
         self.position = torch.zeros((1,), dtype=torch.int64, device=device)
@@ -54,12 +65,59 @@ class StepSegments:
         # layer l's queries grouped by KV head, (Hkv, G, D) fp32, copied to the host by segment l
         self.q_host = [torch.zeros((hkv, shape.group_size, D), dtype=torch.float32, pin_memory=pin)
                        for _ in range(L)]
+        self.win_len = torch.zeros((1,), dtype=torch.int64, device=device)   # valid window slots before this step
+        self.capacity = 0
+        self.win_k: list[torch.Tensor] = []
+        self.win_v: list[torch.Tensor] = []
+        self._owner: weakref.ref | None = None              # the Window the buffers are lent to
+        # per layer: the query has reached the host. Recorded inside the graph when this torch can
+        # (an external event node), so the window part after it overlaps the CPU's search.
+        self.q_ready: list[torch.cuda.Event] = []
+        self.events_in_graph = False
+        if self.capture:
+            try:
+                self.q_ready = [torch.cuda.Event(external=True) for _ in range(L)]
+                self.events_in_graph = True
+            except TypeError:   # an older torch: recorded after each replay instead
+                self.q_ready = [torch.cuda.Event() for _ in range(L)]
         self.xs: list[torch.Tensor | None] = [None] * (shape.n_layers + 1)    # residual entering layer l
         self.qkv: list[tuple | None] = [None] * shape.n_layers
         self.logits: torch.Tensor | None = None
         self.cos = self.sin = None
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
-        if capture and device.type == "cuda":
+
+    def bind(self, window: Window) -> None:
+        """Lend the window buffers to `window` (moving its contents in) with room for one more token.
+
+        The previous borrower, if alive, moves back into buffers of its own. The buffers grow
+        (doubling, and the graphs are captured again) when the window would not fit.
+        """
+        need = window.length + 1
+        if window.k is self.win_k and need <= self.capacity:
+            return
+        owner = self._owner() if self._owner is not None else None
+        if owner is not None and owner is not window and owner.k is self.win_k:
+            owner.detach()
+        if need > self.capacity:
+            cap = max(self.min_capacity, self.capacity)
+            while cap < need:
+                cap *= 2
+            self._allocate(cap, window)
+        window.move_into(self.win_k, self.win_v)
+        self._owner = weakref.ref(window)
+
+    def _allocate(self, capacity: int, like: Window) -> None:
+        """New window buffers of `capacity` slots (zeros: masked slots must hold finite values)."""
+        self.graphs = None
+        hkv, D, L = self.shape.n_kv_heads, self.shape.head_dim, self.shape.n_layers
+        k0 = like.k[0]
+        self.win_k = [torch.zeros((hkv, capacity, D), dtype=k0.dtype, device=self.device) for _ in range(L)]
+        self.win_v = [torch.zeros((hkv, capacity, D), dtype=k0.dtype, device=self.device) for _ in range(L)]
+        self.capacity = capacity
+        self.visible = torch.zeros((1, capacity), dtype=torch.bool, device=self.device)
+        self.bias = torch.zeros((1, 1, 1, capacity), dtype=self.dtype, device=self.device)
+        self._slots = torch.arange(capacity, device=self.device)
+        if self.capture:
             self._capture()
 
     def _segment(self, l: int) -> None:
@@ -68,6 +126,8 @@ class StepSegments:
         if l == 0:
             x = self.model.model.embed_tokens(self.token)                      # (1, 1, C)
             self.cos, self.sin = rope(self.model, x, self.position)
+            torch.le(self._slots, self.win_len, out=self.visible[0])           # old slots and this token's
+            self.bias.masked_fill_(self.visible, 0.0).masked_fill_(~self.visible, float("-inf"))
         else:
             if self.ctx_dev is not self.ctx_host:
                 self.ctx_dev[l - 1].copy_(self.ctx_host[l - 1], non_blocking=True)
@@ -79,6 +139,14 @@ class StepSegments:
             q, k, v = attention_inputs(layers[l], x, self.cos, self.sin, self.shape)
             self.qkv[l] = (q, k, v)
             self.q_host[l].copy_(q.float().reshape(self.q_host[l].shape), non_blocking=True)
+            if self.events_in_graph:
+                self.q_ready[l].record()
+            self.win_k[l].index_copy_(1, self.win_len, k[0])                  # (Hkv, C, D) ← (Hkv, 1, D)
+            self.win_v[l].index_copy_(1, self.win_len, v[0])
+            out_w, lse_w = fixed_window_attention(q[0], self.win_k[l], self.win_v[l], self.bias, self.visible,
+                                                  self.scale)                 # (H, 1, D), (H, 1)
+            self.win_out[l].copy_(out_w.view_as(self.win_out[l]))
+            self.win_lse[l].copy_(lse_w.view_as(self.win_lse[l]))
         else:
             self.logits = final_logits(self.model, x)                          # (1, V) fp32
 
@@ -111,8 +179,16 @@ class StepSegments:
             self.graphs[l].replay()
         else:
             self._segment(l)
+        if self.q_ready and not self.events_in_graph and l < self.shape.n_layers:
+            self.q_ready[l].record()
 
-    def start(self, token: int, position: int) -> None:
-        """Set the step's token and position (no host sync: device-side fills)."""
+    def wait_query(self, l: int) -> None:
+        """Block until layer l's query is in `q_host[l]` (the rest of the segment may still run)."""
+        if self.q_ready:
+            self.q_ready[l].synchronize()
+
+    def start(self, token: int, position: int, window: Window) -> None:
+        """Set the step's token, position and window length (no host sync: device-side fills)."""
         self.token.fill_(token)
         self.position.fill_(position)
+        self.win_len.fill_(window.length)

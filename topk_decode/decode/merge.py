@@ -120,6 +120,43 @@ def window_attention(q: torch.Tensor, win_k: torch.Tensor, win_v: torch.Tensor, 
     return out, lse
 
 
+_EFFICIENT_OK = True
+
+
+def fixed_window_attention(q: torch.Tensor, win_k: torch.Tensor, win_v: torch.Tensor, bias: torch.Tensor,
+                           visible: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The window part of one token's attention over fixed-capacity buffers with a visibility mask.
+
+    Used inside the CUDA-graph segments (graphs.py), whose tensors cannot change shape as the window
+    grows: every slot is computed and those past the window's length are masked out (they hold
+    finite stale or zero values, so their zero weights stay zero). On CUDA in fp16/bf16 this is one
+    memory-efficient attention kernel with an additive mask, each KV head a batch entry whose G query
+    heads are its queries; otherwise the fp32 path of `window_attention`.
+
+    Args:
+        q: (H, 1, D) one token's queries (post-RoPE).
+        win_k, win_v: (Hkv, C, D) window buffers of capacity C (a multiple of 16).
+        bias: (1, 1, 1, C) in q's dtype: 0 for visible slots, −inf for the rest.
+        visible: (1, C) bool, the same mask.
+        scale: softmax scale.
+    Returns:
+        out (H, 1, D) float32 and lse (H, 1) float32 of the scaled scores.
+    """
+    global _EFFICIENT_OK
+    H, T, D = q.shape
+    hkv, C, _ = win_k.shape
+    G = H // hkv
+    if _EFFICIENT_OK and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and T == 1:
+        try:
+            out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+                q.view(hkv, 1, G, D), win_k.view(hkv, 1, C, D), win_v.view(hkv, 1, C, D),
+                bias.expand(hkv, 1, G, C), True, scale=scale)[:2]              # (Hkv,1,G,D), (Hkv,1,≥G)
+            return out.float().view(H, 1, D), lse[..., :G].reshape(H, 1)
+        except RuntimeError:   # a build without this kernel: the fp32 path
+            _EFFICIENT_OK = False
+    return window_attention(q, win_k, win_v, visible, scale)
+
+
 def merge_with_context(out_w: torch.Tensor, lse_w: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
     """Window part ⊕ context part (from `ContextAttention.attend`), as one softmax over their union.
 

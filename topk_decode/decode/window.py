@@ -40,16 +40,34 @@ class Window:
         """Tokens added since the prefill."""
         return self.length - self.base_length
 
+    @property
+    def capacity(self) -> int:
+        """Slots per layer in the current buffers."""
+        return self.k[0].shape[1]
+
     def _grow(self, need: int) -> None:
-        cap = self.k[0].shape[1]
-        if need <= cap:
+        if need <= self.capacity:
             return
-        new_cap = max(need, 2 * cap)
-        for bufs in (self.k, self.v):
-            for layer, t in enumerate(bufs):
-                grown = torch.empty((t.shape[0], new_cap, t.shape[2]), dtype=t.dtype, device=t.device)
-                grown[:, :self.length] = t[:, :self.length]
-                bufs[layer] = grown
+        self._move_to_new(max(need, 2 * self.capacity))
+
+    def _move_to_new(self, capacity: int) -> None:
+        k0 = self.k[0]
+        self.move_into(*[[torch.empty((k0.shape[0], capacity, k0.shape[2]), dtype=k0.dtype, device=k0.device)
+                          for _ in self.k] for _ in range(2)])
+
+    def move_into(self, k_bufs: list[torch.Tensor], v_bufs: list[torch.Tensor]) -> None:
+        """Copy the window into other per-layer (Hkv, capacity ≥ length, D) buffers and keep using those.
+
+        The lists themselves are adopted (never mutated here), so whoever holds them (the CUDA-graph
+        segments, graphs.py) keeps seeing the window's storage.
+        """
+        for dst, src in zip(k_bufs + v_bufs, self.k + self.v):
+            dst[:, :self.length] = src[:, :self.length]
+        self.k, self.v = k_bufs, v_bufs
+
+    def detach(self) -> None:
+        """Move into private buffers (the current ones are about to be lent to another window)."""
+        self._move_to_new(max(2 * self.length, 16))
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write a step's (Hkv, T, D) keys/values for `layer`; return the layer's whole window incl. them."""
