@@ -179,42 +179,81 @@ def _attention_variants(qf, kf, vf, device) -> dict:
     return out
 
 
-@torch.inference_mode()
-def profile_decode(model, n: int, k: int, steps: int, out: Path, device) -> dict:
-    """Top-k decode steps over synthetic KV: StepStats, the graphs-only floor, and profiler tables."""
-    shape = ModelShape.from_config(model.config)
-    ckv = synthetic_kv(shape.n_layers, shape.n_kv_heads, shape.head_dim, n, torch.bfloat16)
-    dec = TopKDecoder(model, ckv, DecodeConfig(k=k, strategy="flat", strategy_options={"backend": "torch"}))
-    conv = dec.new_conversation()
-    logits = dec.forward([5], conv)
-    for _ in range(3):
+def _steps(dec, conv, logits, steps: int) -> tuple[dict, torch.Tensor]:
+    """`steps` one-token steps after 2 warm-up steps: tokens/s and the StepStats breakdown."""
+    for _ in range(2):
         logits = dec.forward([int(torch.argmax(logits))], conv)
     conv.stats = type(conv.stats)()
     t = time.perf_counter()
     for _ in range(steps):
         logits = dec.forward([int(torch.argmax(logits))], conv)
-    res = {"n": n, "k": k, "steps": steps, "tokens_per_s": steps / (time.perf_counter() - t),
-           "breakdown": conv.stats.summary()}
+    res = {"tokens_per_s": steps / (time.perf_counter() - t)}
+    res.update({k: round(v, 3) for k, v in conv.stats.summary().items()})
+    return res, logits
+
+
+# Variants of the decode step, set through class attributes (name → {attribute: value}).
+_VARIANTS = {
+    "default": {},
+    "small_ops_all_threads": {"small_op_threads": None},
+}
+
+
+@torch.inference_mode()
+def profile_decode(model, n: int, k: int, steps: int, out: Path, device, variants: list[str]) -> dict:
+    """Top-k decode steps over synthetic KV: StepStats per variant, floors without the CPU work, profiler tables."""
+    from topk_decode.decode.context import ContextAttention
+
+    shape = ModelShape.from_config(model.config)
+    ckv = synthetic_kv(shape.n_layers, shape.n_kv_heads, shape.head_dim, n, torch.bfloat16)
+    dec = TopKDecoder(model, ckv, DecodeConfig(k=k, strategy="flat", strategy_options={"backend": "torch"}))
+    conv = dec.new_conversation()
+    logits = dec.forward([5], conv)
+    res: dict = {"n": n, "k": k, "steps": steps, "variants": {}}
+    defaults = {a: getattr(ContextAttention, a) for a in ("small_op_threads",)}
+    for name in variants:
+        for a, v in {**defaults, **_VARIANTS[name]}.items():
+            setattr(ContextAttention, a, v)
+        res["variants"][name], logits = _steps(dec, conv, logits, steps)
+        print(name, res["variants"][name], flush=True)
+    for a, v in defaults.items():
+        setattr(ContextAttention, a, v)
     seg = dec._segments
     res["graphs"] = seg.graphs is not None
+    L = shape.n_layers
+    ev = [torch.cuda.Event() for _ in range(L)]
 
     def replay_all():
-        for l in range(shape.n_layers + 1):
+        for l in range(L + 1):
             seg.run(l)
+
+    def replay_sync():
+        for l in range(L + 1):
+            seg.run(l)
+            if l < L:
+                ev[l].record()
+                ev[l].synchronize()
     replay_all()
-    res["graphs_only_ms"] = 1e3 * _timed(replay_all, device)
-    # search alone, per layer, on this step's queries
+    res["floor_graphs_ms"] = 1e3 * min(_timed(replay_all, device) for _ in range(5))
+    res["floor_graphs_sync_ms"] = 1e3 * min(_timed(replay_sync, device) for _ in range(5))
+    # the whole one-token path without the CPU's part (no search, no context part)
+    real = dec._context_part
+    dec._context_part = lambda *a: None
+    floor, logits = _steps(dec, conv, logits, steps)
+    dec._context_part = real
+    res["floor_step_without_cpu_part"] = floor
+    # search alone, per layer, on random queries
     q = torch.randn((shape.n_kv_heads, shape.group_size, shape.head_dim)).to(torch.bfloat16).float()
     dec.strategy.select(0, q, k)
     t = time.perf_counter()
-    for layer in range(shape.n_layers):
+    for layer in range(L):
         dec.strategy.select(layer, q, k)
     res["search_only_ms"] = 1e3 * (time.perf_counter() - t)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(2):
             logits = dec.forward([int(torch.argmax(logits))], conv)
     (out / f"decode_{n}_profile.txt").write_text(_table(prof, "self_cpu_time_total", 30) + "\n\n" +
-                                                _table(prof, "self_cuda_time_total", 20))
+                                                _table(prof, "self_cuda_time_total", 30))
     return res
 
 
@@ -227,19 +266,16 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", default="prof")
-    ap.add_argument("--ctx-threads", type=int, default=-1, help="ContextAttention.small_op_threads (0 = all; -1 = default)")
+    ap.add_argument("--variants", default="default", help=f"comma-separated decode variants: {', '.join(_VARIANTS)}")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda", 0)
-    if a.ctx_threads >= 0:
-        from topk_decode.decode.context import ContextAttention
-        ContextAttention.small_op_threads = a.ctx_threads or None
     model = build_model(a.model, device, torch.bfloat16)
     if a.what == "prefill":
         res = profile_prefill(model, a.context, a.chunk, out, device)
     else:
-        res = profile_decode(model, a.context, a.k, a.steps, out, device)
+        res = profile_decode(model, a.context, a.k, a.steps, out, device, a.variants.split(","))
     text = json.dumps(res, indent=1, default=str)
     print(text)
     (out / f"{a.what}_{a.context}.json").write_text(text)
