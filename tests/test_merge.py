@@ -184,3 +184,19 @@ def test_bf16_context_part_stays_within_bf16_rounding_of_the_fp32_one():
     assert torch.equal(half[:, D], exact[:, D])               # the lse is computed in fp32 either way
     err = (half[:, :D] - exact[:, :D]).abs().max() / exact[:, :D].abs().max()
     assert 0 < err < 2 ** -6
+
+
+def test_a_selection_marked_full_skips_the_empty_slot_check_with_the_same_result():
+    from topk_decode.decode.context import ContextAttention
+
+    torch.manual_seed(8)
+    H, hkv, D, N, k = 8, 2, 16, 200, 20
+    q = torch.randn(H, 1, D)
+    ctx_k, ctx_v = torch.randn(hkv, N, D), torch.randn(hkv, N, D)
+    sel = _selection_for(q, ctx_k, k)
+    checked, skipped = torch.empty(H, D + 1), torch.empty(H, D + 1)
+    attention = ContextAttention([ctx_v.to(torch.bfloat16)], D ** -0.5)
+    assert attention.attend(0, sel, checked) == H * k
+    sel.full = True
+    assert attention.attend(0, sel, skipped) == H * k
+    assert torch.equal(checked, skipped)
