@@ -81,7 +81,6 @@ class StepSegments:
             except TypeError:   # an older torch: recorded after each replay instead
                 self.q_ready = [torch.cuda.Event() for _ in range(L)]
         self.xs: list[torch.Tensor | None] = [None] * (shape.n_layers + 1)    # residual entering layer l
-        self.qkv: list[tuple | None] = [None] * shape.n_layers
         self.logits: torch.Tensor | None = None
         self.cos = self.sin = None
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
@@ -121,7 +120,7 @@ class StepSegments:
             self._capture()
 
     def _segment(self, l: int) -> None:
-        """Run segment l eagerly, leaving its outputs in self.xs / self.qkv / self.logits."""
+        """Run segment l eagerly, leaving its outputs in self.xs / q_host / win_out / win_lse / self.logits."""
         layers = self.model.model.layers
         if l == 0:
             x = self.model.model.embed_tokens(self.token)                      # (1, 1, C)
@@ -137,7 +136,6 @@ class StepSegments:
         self.xs[l] = x
         if l < self.shape.n_layers:
             q, k, v = attention_inputs(layers[l], x, self.cos, self.sin, self.shape)
-            self.qkv[l] = (q, k, v)
             self.q_host[l].copy_(q.float().reshape(self.q_host[l].shape), non_blocking=True)
             if self.events_in_graph:
                 self.q_ready[l].record()
