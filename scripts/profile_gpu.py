@@ -20,6 +20,7 @@ from topk_decode.bench.shapes import build_model
 from topk_decode.bench.synthetic import synthetic_kv
 from topk_decode.config import DecodeConfig
 from topk_decode.decode.engine import TopKDecoder
+from topk_decode.decode.graphs import StepSegments
 from topk_decode.model.blocks import ModelShape, attention_inputs, finish_block, rope
 from topk_decode.prefill import layerwise
 from topk_decode.prefill.layerwise import chunk_attention, prefill_layers
@@ -192,35 +193,22 @@ def _steps(dec, conv, logits, steps: int) -> tuple[dict, torch.Tensor]:
     return res, logits
 
 
-# Variants of the decode step, set through class attributes (name → {attribute: value}).
+# Variants of the decode step (name → settings): ContextAttention class attributes, "compile"
+# (DecodeConfig.compile; changing it rebuilds the step's segments: new capture, and compilation) and
+# "threads" (torch's intra-op threads for the variant's steps).
 _VARIANTS = {
     "default": {},
     "small_ops_all_threads": {"small_op_threads": None},
+    "uncompiled": {"compile": False},
+    "threads8": {"threads": 8},
+    "threads12": {"threads": 12},
 }
 
 
-@torch.inference_mode()
-def profile_decode(model, n: int, k: int, steps: int, out: Path, device, variants: list[str]) -> dict:
-    """Top-k decode steps over synthetic KV: StepStats per variant, floors without the CPU work, profiler tables."""
-    from topk_decode.decode.context import ContextAttention
-
-    shape = ModelShape.from_config(model.config)
-    ckv = synthetic_kv(shape.n_layers, shape.n_kv_heads, shape.head_dim, n, torch.bfloat16)
-    dec = TopKDecoder(model, ckv, DecodeConfig(k=k, strategy="flat", strategy_options={"backend": "torch"}))
-    conv = dec.new_conversation()
-    logits = dec.forward([5], conv)
-    res: dict = {"n": n, "k": k, "steps": steps, "variants": {}}
-    defaults = {a: getattr(ContextAttention, a) for a in ("small_op_threads",)}
-    for name in variants:
-        for a, v in {**defaults, **_VARIANTS[name]}.items():
-            setattr(ContextAttention, a, v)
-        res["variants"][name], logits = _steps(dec, conv, logits, steps)
-        print(name, res["variants"][name], flush=True)
-    for a, v in defaults.items():
-        setattr(ContextAttention, a, v)
+def _floors(dec, conv, logits, steps: int, device) -> tuple[dict, torch.Tensor]:
+    """The GPU side alone: graphs replayed back to back, with a per-layer sync, and whole steps without the CPU part."""
     seg = dec._segments
-    res["graphs"] = seg.graphs is not None
-    L = shape.n_layers
+    L = dec.shape.n_layers
     ev = [torch.cuda.Event() for _ in range(L)]
 
     def replay_all():
@@ -234,14 +222,47 @@ def profile_decode(model, n: int, k: int, steps: int, out: Path, device, variant
                 ev[l].record()
                 ev[l].synchronize()
     replay_all()
-    res["floor_graphs_ms"] = 1e3 * min(_timed(replay_all, device) for _ in range(5))
-    res["floor_graphs_sync_ms"] = 1e3 * min(_timed(replay_sync, device) for _ in range(5))
-    # the whole one-token path without the CPU's part (no search, no context part)
+    res = {"graphs": seg.graphs is not None, "compiled": seg.compiled,
+           "graphs_ms": 1e3 * min(_timed(replay_all, device) for _ in range(5)),
+           "graphs_sync_ms": 1e3 * min(_timed(replay_sync, device) for _ in range(5))}
     real = dec._context_part
     dec._context_part = lambda *a: None
-    floor, logits = _steps(dec, conv, logits, steps)
+    res["step_without_cpu_part"], logits = _steps(dec, conv, logits, steps)
     dec._context_part = real
-    res["floor_step_without_cpu_part"] = floor
+    return res, logits
+
+
+@torch.inference_mode()
+def profile_decode(model, n: int, k: int, steps: int, out: Path, device, variants: list[str]) -> dict:
+    """Top-k decode steps over synthetic KV: StepStats per variant, floors without the CPU work, profiler tables."""
+    from topk_decode.decode.context import ContextAttention
+
+    shape = ModelShape.from_config(model.config)
+    ckv = synthetic_kv(shape.n_layers, shape.n_kv_heads, shape.head_dim, n, torch.bfloat16)
+    dec = TopKDecoder(model, ckv, DecodeConfig(k=k, strategy="flat", strategy_options={"backend": "torch"}))
+    conv = dec.new_conversation()
+    t = time.perf_counter()
+    logits = dec.forward([5], conv)
+    res: dict = {"n": n, "k": k, "steps": steps, "first_step_s": time.perf_counter() - t, "variants": {}, "floors": {}}
+    defaults = {a: getattr(ContextAttention, a) for a in ("small_op_threads",)}
+    threads = torch.get_num_threads()
+    for i, name in enumerate(variants):
+        settings = {**defaults, "compile": True, "threads": threads, **_VARIANTS[name]}
+        torch.set_num_threads(settings.pop("threads"))
+        compile = settings.pop("compile")
+        if compile != dec._segments.compiled:      # a new capture, compiled or not
+            dec._segments = StepSegments(model, shape, device, capture=True, scale=dec.scale, compile=compile)
+        for a, v in settings.items():
+            setattr(ContextAttention, a, v)
+        key = name if name not in res["variants"] else f"{name}#{i}"
+        res["variants"][key], logits = _steps(dec, conv, logits, steps)
+        print(key, res["variants"][key], flush=True)
+        res["floors"][key], logits = _floors(dec, conv, logits, steps, device)
+        print("floors", key, res["floors"][key], flush=True)
+    for a, v in defaults.items():
+        setattr(ContextAttention, a, v)
+    torch.set_num_threads(threads)
+    L = shape.n_layers
     # search alone, per layer, on random queries
     q = torch.randn((shape.n_kv_heads, shape.group_size, shape.head_dim)).to(torch.bfloat16).float()
     dec.strategy.select(0, q, k)

@@ -20,6 +20,8 @@ class DecodeConfig:
         n_sink: first context tokens kept on the GPU with exact attention (attention sinks).
         n_tail: last context tokens kept on the GPU with exact attention (e.g. the chat-template
             prefix of the question and the end of the last document).
+        compile: on CUDA, fuse the small ops of each layer's one-token step (norms, RoPE, merge,
+            residuals) with torch.compile; the first step pays the compilation (decode/graphs.py).
     """
 
     k: int = 256
@@ -29,6 +31,7 @@ class DecodeConfig:
     strategy_options: dict = field(default_factory=dict)
     n_sink: int = 4
     n_tail: int = 64
+    compile: bool = True
 
     def validate(self, n_layers: int) -> None:
         """Raise TopkError for budgets that make no sense."""

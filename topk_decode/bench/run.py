@@ -54,6 +54,7 @@ class BenchConfig:
         prefill_chunk: layer-wise prefill chunk length.
         offload_prefill: also run the layer-wise prefill with weights streamed from the CPU, under the budget.
         graphs: replay the dense part of each one-token step as CUDA graphs (decode/graphs.py).
+        compile: fuse each layer's small ops in those graphs with torch.compile (DecodeConfig.compile).
         device, dtype: compute device and dtype.
         out: directory for bench_<model>.json and .png.
         seed: token and KV seed.
@@ -74,6 +75,7 @@ class BenchConfig:
     prefill_chunk: int = 8192
     offload_prefill: bool = True
     graphs: bool = True
+    compile: bool = True
     device: str = "cuda"
     dtype: str = "bf16"
     out: str = "bench-results"
@@ -173,10 +175,12 @@ def _prefill(model, tokens: list[int], chunk: int, offload: bool, device: torch.
 @torch.inference_mode()
 def _topk_decode(model, ckv, cfg: BenchConfig, device: torch.device) -> dict:
     """Greedy top-k decoding over `ckv`: tokens/s and the per-step breakdown."""
-    config = DecodeConfig(k=cfg.k, strategy="flat", strategy_options={"backend": cfg.backend})
+    config = DecodeConfig(k=cfg.k, strategy="flat", strategy_options={"backend": cfg.backend}, compile=cfg.compile)
     decoder = TopKDecoder(model, ckv, config, graphs=cfg.graphs and device.type == "cuda")
     conv = decoder.new_conversation()
-    logits = decoder.forward([5], conv)
+    t_first = time.perf_counter()
+    logits = decoder.forward([5], conv)          # the first one-token step captures (and compiles) the graphs
+    first_step_s = time.perf_counter() - t_first
     for _ in range(cfg.warmup):
         logits = decoder.forward([int(torch.argmax(logits))], conv)
     conv.stats = type(conv.stats)()
@@ -190,6 +194,8 @@ def _topk_decode(model, ckv, cfg: BenchConfig, device: torch.device) -> dict:
     return {"tokens_per_s": cfg.steps / wall, "ms_per_step": 1e3 * wall / cfg.steps, "breakdown": breakdown,
             "steps": cfg.steps, "k": cfg.k, "backend": cfg.backend,
             "cuda_graphs": decoder._segments is not None and decoder._segments.graphs is not None,
+            "compiled": decoder._segments is not None and decoder._segments.compiled,
+            "first_step_s": round(first_step_s, 2),
             "fp32_rescans": decoder.strategy.stats.extra.get("fp32_rescans", 0),
             "peak_gpu_gib": _gib(peak_gpu(device)), "cpu_rss_gib": _gib(rss), "cpu_peak_rss_gib": _gib(hwm)}
 

@@ -24,6 +24,7 @@ def bench_command(
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="Layer-wise prefill chunk length.")] = 8192,
     offload_prefill: Annotated[bool, typer.Option("--offload-prefill/--no-offload-prefill", help="Also prefill with weights streamed from the CPU, under the budget.")] = True,
     graphs: Annotated[bool, typer.Option("--graphs/--no-graphs", help="Replay each one-token step's dense part as CUDA graphs.")] = True,
+    compile: Annotated[bool, typer.Option("--compile/--no-compile", help="Fuse each layer's small ops in those graphs with torch.compile.")] = True,
     device: Annotated[str, typer.Option("--device", help="cuda or cpu.")] = "cuda",
     dtype: Annotated[str, typer.Option("--dtype", help="bf16, fp16 or fp32.")] = "bf16",
     out: Annotated[str, typer.Option("--out", "-o", help="Directory for bench_<model>.json and .png.")] = "bench-results",
@@ -41,7 +42,7 @@ def bench_command(
                           systems=[s.strip() for s in systems.split(",") if s.strip()], k=k, backend=backend,
                           steps=steps, warmup=warmup, gpu_memory=parse_bytes(gpu_memory) if gpu_memory else None,
                           kv=kv, prefill_max=parse_tokens(prefill_max), hf_max=parse_tokens(hf_max),
-                          prefill_chunk=prefill_chunk, offload_prefill=offload_prefill, graphs=graphs, device=device, dtype=dtype,
+                          prefill_chunk=prefill_chunk, offload_prefill=offload_prefill, graphs=graphs, compile=compile, device=device, dtype=dtype,
                           out=out)
     data = run_bench(cfg, log=lambda line: typer.echo(line, err=True))
     _print_table(data)

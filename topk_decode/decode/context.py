@@ -44,7 +44,7 @@ class ContextAttention:
         self.values_flat = [v.reshape(hkv * n, d) for v in values]
         self._row_base = (torch.arange(hkv, dtype=torch.int64) * n).view(hkv, 1, 1)
         self._offsets: dict[tuple[int, int], torch.Tensor] = {}
-        self._weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def _bag_offsets(self, bags: int, K: int) -> torch.Tensor:
         key = (bags, K)
@@ -77,7 +77,7 @@ class ContextAttention:
         # ~10 ops on 32K-element tensors per layer: each costs tens of µs on a many-core host, so
         # they are few, in place, and into reused buffers (the empty-slot handling only when needed)
         R = hkv * Q
-        w, w_low = self._buffers(R, K)                                           # (R, K) fp32, values' dtype
+        w, w_low, rows = self._buffers(R, K)                 # (R, K) fp32, values' dtype, (R·K,) int64
         threads = torch.get_num_threads()
         if self.small_op_threads:
             torch.set_num_threads(min(threads, self.small_op_threads))
@@ -94,21 +94,23 @@ class ContextAttention:
             w.sub_(m).exp_()                                                         # unnormalised weights ≤ 1
             z = w.sum(dim=-1, keepdim=True)                                          # (R, 1)
             w_low.copy_(w)
-            rows = (ids.view(hkv, Q, K) + self._row_base).view(-1)                   # rows of values_flat
+            torch.add(ids.view(hkv, Q, K), self._row_base, out=rows.view(hkv, Q, K))   # rows of values_flat
         finally:
             torch.set_num_threads(threads)
         o = F.embedding_bag(rows, self.values_flat[layer], self._bag_offsets(R, K), mode="sum",
                             per_sample_weights=w_low.view(-1))                   # (R, D)
         torch.div(o, z.clamp(min=torch.finfo(torch.float32).tiny), out=out[:, :self.d])
-        out[:, self.d:] = m + z.log()                                            # lse (−inf where z = 0)
+        torch.log(z, out=out[:, self.d:]).add_(m)                                # lse (−inf where z = 0)
         return int((sel.ids >= 0).sum()) if empty else ids.numel()
 
-    def _buffers(self, R: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(R, K) weight buffers, fp32 and in the values' dtype (the same one for fp32), reused across steps."""
+    def _buffers(self, R: int, K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(R, K) weight buffers, fp32 and in the values' dtype (the same one for fp32), and (R·K,) row ids;
+        reused across steps (fresh 128-256 KiB tensors per layer would be mapped and unmapped each time)."""
         bufs = self._weights.get((R, K))
         if bufs is None:
             if len(self._weights) >= 8:      # prompt lengths vary: keep the pool bounded
                 self._weights.clear()
             w = torch.empty((R, K), dtype=torch.float32)
-            bufs = self._weights[(R, K)] = (w, w if self.dtype == torch.float32 else torch.empty_like(w, dtype=self.dtype))
+            w_low = w if self.dtype == torch.float32 else torch.empty_like(w, dtype=self.dtype)
+            bufs = self._weights[(R, K)] = (w, w_low, torch.empty((R * K,), dtype=torch.int64))
         return bufs

@@ -195,7 +195,8 @@ class TopKDecoder:
     def _forward_one(self, token: int, position: int, conv: Conversation) -> torch.Tensor:
         """One token through fixed-buffer segments (CUDA graphs on CUDA): (V,) logits."""
         if self._segments is None:
-            self._segments = StepSegments(self.model, self.shape, self.device, capture=self._cuda, scale=self.scale)
+            self._segments = StepSegments(self.model, self.shape, self.device, capture=self._cuda, scale=self.scale,
+                                          compile=self.config.compile)
         seg, win = self._segments, conv.window
         seg.bind(win)
         seg.start(token, position, win)

@@ -33,6 +33,60 @@ from topk_decode.decode.window import Window
 from topk_decode.model.blocks import ModelShape, attention_inputs, final_logits, finish_block, rope
 
 
+def start_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shape: ModelShape):
+    """Layer `layer`'s attention inputs for one token, with the query also as fp32 grouped by KV head.
+
+    Returns:
+        q (1, H, 1, D) in the model's dtype, the same q as (Hkv, G, D) float32, k and v (1, Hkv, 1, D).
+    """
+    q, k, v = attention_inputs(layer, x, cos, sin, shape)
+    return q, q.float().reshape(shape.n_kv_heads, shape.group_size, shape.head_dim), k, v
+
+
+def finish_layer(layer, x: torch.Tensor, win_out: torch.Tensor, win_lse: torch.Tensor, ctx: torch.Tensor,
+                 shape: ModelShape) -> torch.Tensor:
+    """Merge a layer's window and context parts and finish the layer: (1, 1, C) residual leaving it.
+
+    Args:
+        layer: the layer; x: (1, 1, C) residual entering it.
+        win_out, win_lse: (H, D), (H,) float32 window part; ctx: (H, D+1) float32 context part | lse.
+        shape: the model's ModelShape.
+    """
+    attn = merge_with_context(win_out, win_lse, ctx)                          # (H, D) fp32
+    attn = attn.to(x.dtype).view(1, shape.n_heads, 1, shape.head_dim)
+    return finish_block(layer, x, attn)
+
+
+def layer_boundary(prev, layer, x: torch.Tensor, win_out: torch.Tensor, win_lse: torch.Tensor, ctx: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, shape: ModelShape):
+    """The critical path of segment l: finish layer l-1 (`prev`), then layer l's attention inputs.
+
+    Every layer runs this same function with its own modules, so one `torch.compile` of it (weights
+    are graph inputs, not constants) serves all layers: its ~25 small kernels (merge, residuals,
+    norms, SiLU, RoPE, casts) fuse into a few, between the projections' GEMMs.
+
+    Args:
+        prev, layer: model.model.layers[l-1] and [l].
+        x: (1, 1, C) residual entering layer l-1.
+        win_out, win_lse, ctx: layer l-1's two attention parts (see `finish_layer`).
+        cos, sin: (1, 1, D) rotary embedding at the token's position.
+        shape: the model's ModelShape.
+    Returns:
+        x (1, 1, C) entering layer l, then `start_layer`'s q, q32, k, v for layer l.
+    """
+    x = finish_layer(prev, x, win_out, win_lse, ctx, shape)
+    return (x, *start_layer(layer, x, cos, sin, shape))
+
+
+def compiled_boundary():
+    """`layer_boundary` under torch.compile: one graph for all layers (the modules' weights are inputs)."""
+    import torch._inductor.config as inductor_config
+
+    # keep eager's intermediate roundings to the model's dtype (HF's norms round before the weight)
+    options = {"emulate_precision_casts": True} if hasattr(inductor_config, "emulate_precision_casts") else {}
+    return torch.compile(layer_boundary, dynamic=False, options=options)
+
+
 class StepSegments:
     """Fixed-buffer segments of a one-token step.
 
@@ -42,14 +96,19 @@ class StepSegments:
         device: the decode device.
         capture: capture CUDA graphs (CUDA only); otherwise run eagerly.
         scale: softmax scale.
+        compile: with capture, compile `layer_boundary` with torch.compile (falls back to the plain
+            function, with a warning, where compilation fails).
     """
 
     # smallest window capacity (slots per layer); it doubles as conversations grow past it
     min_capacity: int = 256
 
-    def __init__(self, model, shape: ModelShape, device: torch.device, capture: bool, scale: float) -> None:
+    def __init__(self, model, shape: ModelShape, device: torch.device, capture: bool, scale: float,
+                 compile: bool = False) -> None:
         self.model, self.shape, self.device, self.scale = model, shape, device, scale
         self.capture = capture and device.type == "cuda"
+        self.compiled = compile and self.capture
+        self._boundary = compiled_boundary() if self.compiled else layer_boundary
         self.dtype = next(model.parameters()).dtype
         self.token = torch.zeros((1, 1), dtype=torch.int64, device=device)
         self.position = torch.zeros((1,), dtype=torch.int64, device=device)
@@ -121,32 +180,40 @@ class StepSegments:
 
     def _segment(self, l: int) -> None:
         """Run segment l eagerly, leaving its outputs in self.xs / q_host / win_out / win_lse / self.logits."""
-        layers = self.model.model.layers
+        layers, L = self.model.model.layers, self.shape.n_layers
         if l == 0:
             x = self.model.model.embed_tokens(self.token)                      # (1, 1, C)
             self.cos, self.sin = rope(self.model, x, self.position)
             torch.le(self._slots, self.win_len, out=self.visible[0])           # old slots and this token's
             self.bias.masked_fill_(self.visible, 0.0).masked_fill_(~self.visible, float("-inf"))
+            q, q32, k, v = start_layer(layers[0], x, self.cos, self.sin, self.shape)
         else:
             if self.ctx_dev is not self.ctx_host:
                 self.ctx_dev[l - 1].copy_(self.ctx_host[l - 1], non_blocking=True)
-            attn = merge_with_context(self.win_out[l - 1], self.win_lse[l - 1], self.ctx_dev[l - 1])   # (H, D)
-            attn = attn.to(self.dtype).view(1, self.shape.n_heads, 1, self.shape.head_dim)
-            x = finish_block(layers[l - 1], self.xs[l - 1], attn)
+            ends = (self.xs[l - 1], self.win_out[l - 1], self.win_lse[l - 1], self.ctx_dev[l - 1])
+            if l == L:
+                x = finish_layer(layers[l - 1], *ends, self.shape)
+                self.logits = final_logits(self.model, x)                      # (1, V) fp32
+                return
+            x, q, q32, k, v = self._boundary(layers[l - 1], layers[l], *ends, self.cos, self.sin, self.shape)
         self.xs[l] = x
-        if l < self.shape.n_layers:
-            q, k, v = attention_inputs(layers[l], x, self.cos, self.sin, self.shape)
-            self.q_host[l].copy_(q.float().reshape(self.q_host[l].shape), non_blocking=True)
-            if self.events_in_graph:
-                self.q_ready[l].record()
-            self.win_k[l].index_copy_(1, self.win_len, k[0])                  # (Hkv, C, D) ← (Hkv, 1, D)
-            self.win_v[l].index_copy_(1, self.win_len, v[0])
-            out_w, lse_w = fixed_window_attention(q[0], self.win_k[l], self.win_v[l], self.bias, self.visible,
-                                                  self.scale)                 # (H, 1, D), (H, 1)
-            self.win_out[l].copy_(out_w.view_as(self.win_out[l]))
-            self.win_lse[l].copy_(lse_w.view_as(self.win_lse[l]))
-        else:
-            self.logits = final_logits(self.model, x)                          # (1, V) fp32
+        # the critical path ends here: the query goes to the host and the CPU searches, while the
+        # GPU appends k/v to the window and computes the window part
+        self.q_host[l].copy_(q32, non_blocking=True)
+        if self.events_in_graph:
+            self.q_ready[l].record()
+        self.win_k[l].index_copy_(1, self.win_len, k[0])                      # (Hkv, C, D) ← (Hkv, 1, D)
+        self.win_v[l].index_copy_(1, self.win_len, v[0])
+        out_w, lse_w = fixed_window_attention(q[0], self.win_k[l], self.win_v[l], self.bias, self.visible,
+                                              self.scale)                 # (H, 1, D), (H, 1)
+        self.win_out[l].copy_(out_w.view_as(self.win_out[l]))
+        self.win_lse[l].copy_(lse_w.view_as(self.win_lse[l]))
+
+    def _warm_up(self) -> None:
+        """Two eager passes over all segments: lazy inits, cuBLAS workspaces, the compilation."""
+        for _ in range(2):
+            for l in range(self.shape.n_layers + 1):
+                self._segment(l)
 
     def _capture(self) -> None:
         L = self.shape.n_layers
@@ -154,9 +221,15 @@ class StepSegments:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
-                for _ in range(2):                      # warm-up (lazy inits, cuBLAS workspaces)
-                    for l in range(L + 1):
-                        self._segment(l)
+                try:
+                    self._warm_up()
+                except Exception as e:  # noqa: BLE001 - compilation is an optimisation too
+                    if not self.compiled:
+                        raise
+                    warnings.warn(f"torch.compile of the decode step failed ({type(e).__name__}: {e}); "
+                                  "running it uncompiled", TopkWarning, stacklevel=3)
+                    self.compiled, self._boundary = False, layer_boundary
+                    self._warm_up()
             torch.cuda.current_stream(self.device).wait_stream(side)
             pool = torch.cuda.graph_pool_handle()
             graphs = []
