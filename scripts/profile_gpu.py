@@ -193,12 +193,10 @@ def _steps(dec, conv, logits, steps: int) -> tuple[dict, torch.Tensor]:
     return res, logits
 
 
-# Variants of the decode step (name → settings): ContextAttention class attributes, "compile"
-# (DecodeConfig.compile; changing it rebuilds the step's segments: new capture, and compilation) and
-# "threads" (torch's intra-op threads for the variant's steps).
+# Variants of the decode step (name → settings): "compile" (DecodeConfig.compile; changing it rebuilds
+# the step's segments: new capture, and compilation) and "threads" (torch's intra-op threads).
 _VARIANTS = {
     "default": {},
-    "small_ops_all_threads": {"small_op_threads": None},
     "uncompiled": {"compile": False},
     "threads8": {"threads": 8},
     "threads12": {"threads": 12},
@@ -235,8 +233,6 @@ def _floors(dec, conv, logits, steps: int, device) -> tuple[dict, torch.Tensor]:
 @torch.inference_mode()
 def profile_decode(model, n: int, k: int, steps: int, out: Path, device, variants: list[str]) -> dict:
     """Top-k decode steps over synthetic KV: StepStats per variant, floors without the CPU work, profiler tables."""
-    from topk_decode.decode.context import ContextAttention
-
     shape = ModelShape.from_config(model.config)
     ckv = synthetic_kv(shape.n_layers, shape.n_kv_heads, shape.head_dim, n, torch.bfloat16)
     dec = TopKDecoder(model, ckv, DecodeConfig(k=k, strategy="flat", strategy_options={"backend": "torch"}))
@@ -244,23 +240,19 @@ def profile_decode(model, n: int, k: int, steps: int, out: Path, device, variant
     t = time.perf_counter()
     logits = dec.forward([5], conv)
     res: dict = {"n": n, "k": k, "steps": steps, "first_step_s": time.perf_counter() - t, "variants": {}, "floors": {}}
-    defaults = {a: getattr(ContextAttention, a) for a in ("small_op_threads",)}
     threads = torch.get_num_threads()
     for i, name in enumerate(variants):
-        settings = {**defaults, "compile": True, "threads": threads, **_VARIANTS[name]}
+        settings = {"compile": True, "threads": threads, **_VARIANTS[name]}
         torch.set_num_threads(settings.pop("threads"))
         compile = settings.pop("compile")
         if compile != dec._segments.compiled:      # a new capture, compiled or not
-            dec._segments = StepSegments(model, shape, device, capture=True, scale=dec.scale, compile=compile)
-        for a, v in settings.items():
-            setattr(ContextAttention, a, v)
+            dec._segments = StepSegments(model, shape, device, capture=True, scale=dec.scale, compile=compile,
+                                         context_dtype=dec.context.dtype)
         key = name if name not in res["variants"] else f"{name}#{i}"
         res["variants"][key], logits = _steps(dec, conv, logits, steps)
         print(key, res["variants"][key], flush=True)
         res["floors"][key], logits = _floors(dec, conv, logits, steps, device)
         print("floors", key, res["floors"][key], flush=True)
-    for a, v in defaults.items():
-        setattr(ContextAttention, a, v)
     torch.set_num_threads(threads)
     L = shape.n_layers
     # search alone, per layer, on random queries

@@ -135,11 +135,11 @@ def test_cpu_context_part_merged_with_window_part_equals_joint_attention():
     visible = torch.arange(W)[None, :] <= (W - T + torch.arange(T))[:, None]
     sel = _selection_for(q, ctx_k, k)
     sel.ids[0, 1, 3] = -1                          # an empty slot gets no weight
-    ctx = torch.empty(H * T, D + 1)
-    n = ContextAttention([ctx_v], D ** -0.5).attend(0, sel, ctx)
+    o, mz = torch.empty(H * T, D), torch.empty(H * T, 2)
+    n = ContextAttention([ctx_v], D ** -0.5).attend(0, sel, o, mz)
     assert n == hkv * (H // hkv) * T * k - 1
     out_w, lse_w = window_attention(q, win_k, win_v, visible, D ** -0.5)
-    ours = merge_with_context(out_w, lse_w, ctx.view(H, T, D + 1))
+    ours = merge_with_context(out_w, lse_w, o.view(H, T, D), mz.view(H, T, 2))
     # reference: one softmax over [retrieved, window] with the retrieved values gathered explicitly
     G = H // hkv
     scores = sel.scores.masked_fill(sel.ids < 0, float("-inf")).reshape(H, T, k)
@@ -151,7 +151,7 @@ def test_cpu_context_part_merged_with_window_part_equals_joint_attention():
 
 def test_query_head_that_retrieved_nothing_attends_to_the_window_alone():
     from topk_decode.decode.context import ContextAttention
-    from topk_decode.decode.merge import merge_with_context, window_attention
+    from topk_decode.decode.merge import context_part, merge_with_context, window_attention
 
     torch.manual_seed(4)
     H, hkv, D, N, W, k = 4, 2, 8, 30, 5, 6
@@ -160,11 +160,12 @@ def test_query_head_that_retrieved_nothing_attends_to_the_window_alone():
     win_k, win_v = torch.randn(hkv, W, D), torch.randn(hkv, W, D)
     sel = _selection_for(q, ctx_k, k)
     sel.ids[1] = -1                                 # KV head 1 (query heads 2, 3): nothing retrieved
-    ctx = torch.empty(H, D + 1)
-    ContextAttention([ctx_v], D ** -0.5).attend(0, sel, ctx)
-    assert torch.isinf(ctx[2:, D]).all() and torch.equal(ctx[2:, :D], torch.zeros(2, D))
+    o, mz = torch.empty(H, D), torch.empty(H, 2)
+    ContextAttention([ctx_v], D ** -0.5).attend(0, sel, o, mz)
+    out_c, lse_c = context_part(o, mz)
+    assert torch.isinf(lse_c[2:]).all() and (lse_c[2:] < 0).all() and torch.equal(out_c[2:], torch.zeros(2, D))
     out_w, lse_w = window_attention(q, win_k, win_v, None, D ** -0.5)
-    merged = merge_with_context(out_w, lse_w, ctx.view(H, 1, D + 1))
+    merged = merge_with_context(out_w, lse_w, o.view(H, 1, D), mz.view(H, 1, 2))
     assert torch.isfinite(merged).all()
     torch.testing.assert_close(merged[2:], out_w[2:])
 
@@ -178,11 +179,12 @@ def test_bf16_context_part_stays_within_bf16_rounding_of_the_fp32_one():
     q = torch.randn(H, 1, D) * 2
     ctx_k, ctx_v = torch.randn(hkv, N, D), torch.randn(hkv, N, D)
     sel = _selection_for(q, ctx_k, k)
-    exact, half = torch.empty(H, D + 1), torch.empty(H, D + 1)
-    ContextAttention([ctx_v.to(torch.bfloat16).float()], D ** -0.5).attend(0, sel, exact)
-    ContextAttention([ctx_v.to(torch.bfloat16)], D ** -0.5).attend(0, sel, half)
-    assert torch.equal(half[:, D], exact[:, D])               # the lse is computed in fp32 either way
-    err = (half[:, :D] - exact[:, :D]).abs().max() / exact[:, :D].abs().max()
+    exact = torch.empty(H, D), torch.empty(H, 2)
+    half = torch.empty(H, D, dtype=torch.bfloat16), torch.empty(H, 2)
+    ContextAttention([ctx_v.to(torch.bfloat16).float()], D ** -0.5).attend(0, sel, *exact)
+    ContextAttention([ctx_v.to(torch.bfloat16)], D ** -0.5).attend(0, sel, *half)
+    assert torch.equal(half[1], exact[1])                     # m and z (the lse) are fp32 either way
+    err = (half[0].float() - exact[0]).abs().max() / exact[0].abs().max()
     assert 0 < err < 2 ** -6
 
 
@@ -194,9 +196,10 @@ def test_a_selection_marked_full_skips_the_empty_slot_check_with_the_same_result
     q = torch.randn(H, 1, D)
     ctx_k, ctx_v = torch.randn(hkv, N, D), torch.randn(hkv, N, D)
     sel = _selection_for(q, ctx_k, k)
-    checked, skipped = torch.empty(H, D + 1), torch.empty(H, D + 1)
+    checked = torch.empty(H, D, dtype=torch.bfloat16), torch.empty(H, 2)
+    skipped = torch.empty(H, D, dtype=torch.bfloat16), torch.empty(H, 2)
     attention = ContextAttention([ctx_v.to(torch.bfloat16)], D ** -0.5)
-    assert attention.attend(0, sel, checked) == H * k
+    assert attention.attend(0, sel, *checked) == H * k
     sel.full = True
-    assert attention.attend(0, sel, skipped) == H * k
-    assert torch.equal(checked, skipped)
+    assert attention.attend(0, sel, *skipped) == H * k
+    assert torch.equal(checked[0], skipped[0]) and torch.equal(checked[1], skipped[1])

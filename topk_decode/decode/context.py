@@ -1,12 +1,14 @@
 """The context part of attention, computed on the CPU where the context KV lives.
 
 For every query head, the strategy's selection gives the retrieved context tokens' ids and their exact
-raw scores a_i = q·k_i. This module turns them into the part's normalised output and log-sum-exp
+raw scores a_i = q·k_i. This module turns them into the part's sums, with m = max_i s·a_i,
 
-    lse_c = log Σ_i exp(s·a_i),      out_c = Σ_i exp(s·a_i − lse_c) · v_i
+    o = Σ_i exp(s·a_i − m) · v_i,     z = Σ_i exp(s·a_i − m)
 
-so that only (H, D+1) floats per layer cross to the GPU, where `merge.lse_merge` combines them with
-the window part exactly (one softmax over the union, merge.py). The weighted sum reads each selected
+so that only o (H, D) in the values' dtype and (m, z) (H, 2) in fp32 cross to the GPU per layer.
+There `merge.context_part` finishes the part (out_c = o / z, lse_c = m + log z) inside the fused merge with the window part
+(one softmax over the union, merge.py): right after a search every CPU op runs cold (15-20 µs each
+instead of 3-5, docs/BENCHMARKS.md), so the CPU does only the ops that need the whole selection. The weighted sum reads each selected
 value row once (`F.embedding_bag`, a fused gather + weighted sum, parallel over query heads) instead of
 gathering the rows into a staging buffer and sending k·D values per head over PCIe.
 
@@ -18,7 +20,6 @@ before P·V, and the part's output is rounded once to that dtype.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from topk_decode.index import Selection
 
@@ -45,6 +46,8 @@ class ContextAttention:
         self._row_base = (torch.arange(hkv, dtype=torch.int64) * n).view(hkv, 1, 1)
         self._offsets: dict[tuple[int, int], torch.Tensor] = {}
         self._weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # embedding_bag's other outputs (bag bookkeeping we do not use), reused
+        self._bag_aux = [torch.empty((0,), dtype=torch.int64) for _ in range(3)]
 
     def _bag_offsets(self, bags: int, K: int) -> torch.Tensor:
         key = (bags, K)
@@ -54,28 +57,29 @@ class ContextAttention:
         return off
 
     @staticmethod
-    def write_empty(out: torch.Tensor) -> None:
-        """The context part of queries that retrieved nothing: output 0, lse −inf (the window alone)."""
-        out[:, :-1].zero_()
-        out[:, -1].fill_(float("-inf"))
+    def write_empty(o: torch.Tensor, mz: torch.Tensor) -> None:
+        """The context part of queries that retrieved nothing: o = 0, m = 0, z = 0 (lse −inf: the window alone)."""
+        o.zero_()
+        mz.zero_()
 
-    def attend(self, layer: int, sel: Selection, out: torch.Tensor) -> int:
-        """Write the context part of one layer's attention into `out`.
+    def attend(self, layer: int, sel: Selection, o: torch.Tensor, mz: torch.Tensor) -> int:
+        """Write the context part of one layer's attention into `o` and `mz`.
 
         Args:
             layer: the layer.
             sel: the strategy's selection, ids and scores (Hkv, Q, K) with Q = G·T head-major.
-            out: (Hkv·Q, D+1) float32: columns :D get the part's normalised output, column D its
-                log-sum-exp of the scaled scores (−inf, with output 0, for a query that retrieved nothing).
+            o: (Hkv·Q, D) contiguous, in the values' dtype: receives o (the module's docstring).
+            mz: (Hkv·Q, 2) float32: receives m and z (all three 0 for a query that retrieved nothing).
         Returns:
             the number of context tokens attended (empty slots not counted).
         """
         hkv, Q, K = sel.ids.shape
         if K == 0:
-            self.write_empty(out)
+            self.write_empty(o, mz)
             return 0
-        # ~10 ops on 32K-element tensors per layer: each costs tens of µs on a many-core host, so
-        # they are few, in place, and into reused buffers (the empty-slot handling only when needed)
+        # ~8 ops on 32K-element tensors per layer, right after the search: each costs 15-30 µs with the
+        # caches cold, so they are few, in place, into reused buffers, and the empty-slot handling only
+        # when needed. (numpy's ufuncs on the same memory measured slower, docs/BENCHMARKS.md.)
         R = hkv * Q
         w, w_low, rows = self._buffers(R, K)                 # (R, K) fp32, values' dtype, (R·K,) int64
         threads = torch.get_num_threads()
@@ -88,19 +92,20 @@ class ContextAttention:
             if empty:
                 w.masked_fill_(ids < 0, float("-inf"))
                 ids = ids.clamp(min=0)
-            m = w.amax(dim=-1, keepdim=True)                                         # (R, 1)
+            m = torch.amax(w, dim=-1, keepdim=True, out=mz[:, :1])                   # (R, 1)
             if empty:   # a query with no valid slot: m = −inf; subtract 0 so its weights are exp(−inf) = 0
                 m.masked_fill_(torch.isinf(m), 0.0)
             w.sub_(m).exp_()                                                         # unnormalised weights ≤ 1
-            z = w.sum(dim=-1, keepdim=True)                                          # (R, 1)
-            w_low.copy_(w)
+            torch.sum(w, dim=-1, keepdim=True, out=mz[:, 1:])                        # z, (R, 1)
+            if w_low is not w:
+                w_low.copy_(w)
             torch.add(ids.view(hkv, Q, K), self._row_base, out=rows.view(hkv, Q, K))   # rows of values_flat
         finally:
             torch.set_num_threads(threads)
-        o = F.embedding_bag(rows, self.values_flat[layer], self._bag_offsets(R, K), mode="sum",
-                            per_sample_weights=w_low.view(-1))                   # (R, D)
-        torch.div(o, z.clamp(min=torch.finfo(torch.float32).tiny), out=out[:, :self.d])
-        torch.log(z, out=out[:, self.d:]).add_(m)                                # lse (−inf where z = 0)
+        # F.embedding_bag straight into `o` (mode 0 = sum; its .out form saves a copy)
+        torch.ops.aten._embedding_bag_forward_only.out(
+            self.values_flat[layer], rows, self._bag_offsets(R, K), False, 0, False, w_low.view(-1), False, -1,
+            out0=o, out1=self._bag_aux[0], out2=self._bag_aux[1], out3=self._bag_aux[2])
         return int((sel.ids >= 0).sum()) if empty else ids.numel()
 
     def _buffers(self, R: int, K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

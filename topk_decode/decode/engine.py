@@ -5,7 +5,7 @@ Per step and layer (batch 1):
     k, v → the exact window; window part of attention + its lse    (decode device)
     q → CPU; the strategy picks context ids + exact scores per KV head
     context part: softmax-weighted sum of values[ids] + its lse    (CPU, context.py)
-    (H, D+1) floats → device; attention = one softmax over retrieved ∪ window, by lse merge (merge.py)
+    o (H, D), m and z (H, 2) → device; attention = one softmax over retrieved ∪ window, by lse merge (merge.py)
 """
 
 from __future__ import annotations
@@ -138,28 +138,29 @@ class TopKDecoder:
         init_v = [v.index_select(1, idx).to(self.device, self.dtype) for v in self.ckv.values]
         return Conversation(Window(init_k, init_v, n), self.strategy.new_state())
 
-    def _context_part(self, layer: int, q_host: torch.Tensor, conv: Conversation, out: torch.Tensor) -> None:
+    def _context_part(self, layer: int, q_host: torch.Tensor, conv: Conversation, o: torch.Tensor,
+                      mz: torch.Tensor) -> None:
         """Search and the context part of one layer's attention, on the CPU.
 
         Args:
             layer: the layer.
             q_host: (Hkv, G·T, D) float32 queries on the host (already copied).
             conv: the conversation (strategy state, stats, observer).
-            out: (H·T, D+1) float32 host tensor that receives output | lse (see ContextAttention.attend).
+            o, mz: (H·T, D) and (H·T, 2) host tensors that receive the part (see ContextAttention.attend).
         """
         st = conv.stats
         if self.strategy.n_searchable == 0:
-            self.context.write_empty(out)
+            self.context.write_empty(o, mz)
             return
-        # strategies may keep the query (selection caches): hand them their own copy
-        q_cpu = q_host.clone()
+        # strategies may keep the query (selection caches), and so may observers: hand them their own copy
+        q_cpu = q_host.clone() if self.strategy.keeps_query or conv.observer is not None else q_host
         t1 = time.perf_counter()
         sel = self.strategy.select(layer, q_cpu, self.config.k_for_layer(layer), conv.strategy_state)
         t2 = time.perf_counter()
         if conv.observer is not None:
             conv.observer(layer, q_cpu, sel, conv)
         t2b = time.perf_counter()
-        st.retrieved += self.context.attend(layer, sel, out)
+        st.retrieved += self.context.attend(layer, sel, o, mz)
         t3 = time.perf_counter()
         st.search_s += t2 - t1
         st.gather_s += t3 - t2b
@@ -196,7 +197,7 @@ class TopKDecoder:
         """One token through fixed-buffer segments (CUDA graphs on CUDA): (V,) logits."""
         if self._segments is None:
             self._segments = StepSegments(self.model, self.shape, self.device, capture=self._cuda, scale=self.scale,
-                                          compile=self.config.compile)
+                                          compile=self.config.compile, context_dtype=self.context.dtype)
         seg, win = self._segments, conv.window
         seg.bind(win)
         seg.start(token, position, win)
@@ -207,7 +208,7 @@ class TopKDecoder:
             t1 = clock()
             seg.wait_query(layer_idx)              # the GPU goes on with the window part meanwhile
             t2 = clock()
-            self._context_part(layer_idx, seg.q_host[layer_idx], conv, seg.ctx_host[layer_idx])
+            self._context_part(layer_idx, seg.q_host[layer_idx], conv, seg.part_o[layer_idx], seg.part_mz[layer_idx])
             t3 = clock()
             seg.run(layer_idx + 1)
             st.launch_s += t1 - t0
@@ -229,7 +230,8 @@ class TopKDecoder:
         # query t sees window slots j <= W0 + t (all earlier slots, and itself); one token sees them all
         visible = None if T == 1 else \
             torch.arange(W0 + T, device=self.device)[None, :] <= (W0 + torch.arange(T, device=self.device))[:, None]
-        ctx = torch.empty((H * T, D + 1), dtype=torch.float32)
+        part_o = torch.empty((H * T, D), dtype=self.context.dtype)
+        part_mz = torch.empty((H * T, 2), dtype=torch.float32)
         for layer_idx, layer in enumerate(self.model.model.layers):
             q, k, v = attention_inputs(layer, x, cos, sin, self.shape)           # (1,H,T,D), (1,Hkv,T,D)
             wk, wv = win.append(layer_idx, k[0], v[0])                           # (Hkv, W0+T, D)
@@ -237,12 +239,12 @@ class TopKDecoder:
             t0 = time.perf_counter()
             q_host = q[0].float().reshape(hkv, G * T, D).cpu()                   # (Hkv, G·T, D)
             t1 = time.perf_counter()
-            self._context_part(layer_idx, q_host, conv, ctx)
+            self._context_part(layer_idx, q_host, conv, part_o, part_mz)
             t2 = time.perf_counter()
-            ctx_dev = ctx.to(self.device).view(H, T, D + 1)
+            o_dev, mz_dev = part_o.to(self.device).view(H, T, D), part_mz.to(self.device).view(H, T, 2)
             st.d2h_s += t1 - t0
             st.h2d_s += time.perf_counter() - t2
-            out = merge_with_context(out_w, lse_w, ctx_dev).to(self.dtype)       # (H, T, D)
+            out = merge_with_context(out_w, lse_w, o_dev, mz_dev).to(self.dtype)  # (H, T, D)
             x = finish_block(layer, x, out[None])
         win.advance(T)
         return final_logits(self.model, x[:, -1:])[0]

@@ -11,7 +11,7 @@ those kernels cost more CPU time than the GPU spends on them. Here they are cut 
     segment L:      the same for layer L-1, then final norm and LM head
 
 Between segments l and l+1 the CPU searches and computes the context part (decode/context.py) into
-`ctx_host[l]`, while the GPU finishes the window part of layer l: the segment marks, with an event
+`part_o[l]` / `part_mz[l]`, while the GPU finishes the window part of layer l: the segment marks, with an event
 recorded inside the graph, the moment the query has reached the host. Each segment reads and writes
 fixed tensors (the two 16 KiB transfers included: pinned host buffers), so on CUDA it is captured once
 as a CUDA graph and replayed (one launch instead of ~35). The window lives in fixed-capacity buffers
@@ -43,22 +43,22 @@ def start_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sh
     return q, q.float().reshape(shape.n_kv_heads, shape.group_size, shape.head_dim), k, v
 
 
-def finish_layer(layer, x: torch.Tensor, win_out: torch.Tensor, win_lse: torch.Tensor, ctx: torch.Tensor,
-                 shape: ModelShape) -> torch.Tensor:
+def finish_layer(layer, x: torch.Tensor, win_out: torch.Tensor, win_lse: torch.Tensor, o: torch.Tensor,
+                 mz: torch.Tensor, shape: ModelShape) -> torch.Tensor:
     """Merge a layer's window and context parts and finish the layer: (1, 1, C) residual leaving it.
 
     Args:
         layer: the layer; x: (1, 1, C) residual entering it.
-        win_out, win_lse: (H, D), (H,) float32 window part; ctx: (H, D+1) float32 context part | lse.
+        win_out, win_lse: (H, D), (H,) float32 window part; o, mz: (H, D), (H, 2) context part (merge.context_part).
         shape: the model's ModelShape.
     """
-    attn = merge_with_context(win_out, win_lse, ctx)                          # (H, D) fp32
+    attn = merge_with_context(win_out, win_lse, o, mz)                        # (H, D) fp32
     attn = attn.to(x.dtype).view(1, shape.n_heads, 1, shape.head_dim)
     return finish_block(layer, x, attn)
 
 
-def layer_boundary(prev, layer, x: torch.Tensor, win_out: torch.Tensor, win_lse: torch.Tensor, ctx: torch.Tensor,
-                   cos: torch.Tensor, sin: torch.Tensor, shape: ModelShape):
+def layer_boundary(prev, layer, x: torch.Tensor, win_out: torch.Tensor, win_lse: torch.Tensor, o: torch.Tensor,
+                   mz: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shape: ModelShape):
     """The critical path of segment l: finish layer l-1 (`prev`), then layer l's attention inputs.
 
     Every layer runs this same function with its own modules, so one `torch.compile` of it (weights
@@ -68,13 +68,13 @@ def layer_boundary(prev, layer, x: torch.Tensor, win_out: torch.Tensor, win_lse:
     Args:
         prev, layer: model.model.layers[l-1] and [l].
         x: (1, 1, C) residual entering layer l-1.
-        win_out, win_lse, ctx: layer l-1's two attention parts (see `finish_layer`).
+        win_out, win_lse, o, mz: layer l-1's two attention parts (see `finish_layer`).
         cos, sin: (1, 1, D) rotary embedding at the token's position.
         shape: the model's ModelShape.
     Returns:
         x (1, 1, C) entering layer l, then `start_layer`'s q, q32, k, v for layer l.
     """
-    x = finish_layer(prev, x, win_out, win_lse, ctx, shape)
+    x = finish_layer(prev, x, win_out, win_lse, o, mz, shape)
     return (x, *start_layer(layer, x, cos, sin, shape))
 
 
@@ -98,13 +98,14 @@ class StepSegments:
         scale: softmax scale.
         compile: with capture, compile `layer_boundary` with torch.compile (falls back to the plain
             function, with a warning, where compilation fails).
+        context_dtype: dtype of the context part's output o (the cache values' dtype).
     """
 
     # smallest window capacity (slots per layer); it doubles as conversations grow past it
     min_capacity: int = 256
 
     def __init__(self, model, shape: ModelShape, device: torch.device, capture: bool, scale: float,
-                 compile: bool = False) -> None:
+                 compile: bool = False, context_dtype: torch.dtype = torch.float32) -> None:
         self.model, self.shape, self.device, self.scale = model, shape, device, scale
         self.capture = capture and device.type == "cuda"
         self.compiled = compile and self.capture
@@ -117,10 +118,11 @@ class StepSegments:
         # per layer, written by the engine before segment l+1 runs: the window part (device) ...
         self.win_out = [torch.zeros((H, D), dtype=torch.float32, device=device) for _ in range(L)]
         self.win_lse = [torch.zeros((H,), dtype=torch.float32, device=device) for _ in range(L)]
-        # ... and the context part, (H, D+1) = output | lse, on the host (pinned: copied inside the graph)
-        self.ctx_host = [torch.zeros((H, D + 1), dtype=torch.float32, pin_memory=pin) for _ in range(L)]
-        self.ctx_dev = [torch.zeros((H, D + 1), dtype=torch.float32, device=device) for _ in range(L)] \
-            if pin else self.ctx_host
+        # ... and the context part, o (H, D) and (m, z) (H, 2), on the host (pinned: copied inside the graph)
+        self.part_o = [torch.zeros((H, D), dtype=context_dtype, pin_memory=pin) for _ in range(L)]
+        self.part_mz = [torch.zeros((H, 2), dtype=torch.float32, pin_memory=pin) for _ in range(L)]
+        self.part_o_dev = [t.to(device) for t in self.part_o]
+        self.part_mz_dev = [t.to(device) for t in self.part_mz]
         # layer l's queries grouped by KV head, (Hkv, G, D) fp32, copied to the host by segment l
         self.q_host = [torch.zeros((hkv, shape.group_size, D), dtype=torch.float32, pin_memory=pin)
                        for _ in range(L)]
@@ -188,9 +190,11 @@ class StepSegments:
             self.bias.masked_fill_(self.visible, 0.0).masked_fill_(~self.visible, float("-inf"))
             q, q32, k, v = start_layer(layers[0], x, self.cos, self.sin, self.shape)
         else:
-            if self.ctx_dev is not self.ctx_host:
-                self.ctx_dev[l - 1].copy_(self.ctx_host[l - 1], non_blocking=True)
-            ends = (self.xs[l - 1], self.win_out[l - 1], self.win_lse[l - 1], self.ctx_dev[l - 1])
+            if self.part_o_dev[l - 1] is not self.part_o[l - 1]:      # (on the CPU they are the same)
+                self.part_o_dev[l - 1].copy_(self.part_o[l - 1], non_blocking=True)
+                self.part_mz_dev[l - 1].copy_(self.part_mz[l - 1], non_blocking=True)
+            ends = (self.xs[l - 1], self.win_out[l - 1], self.win_lse[l - 1], self.part_o_dev[l - 1],
+                    self.part_mz_dev[l - 1])
             if l == L:
                 x = finish_layer(layers[l - 1], *ends, self.shape)
                 self.logits = final_logits(self.model, x)                      # (1, V) fp32

@@ -157,15 +157,27 @@ def fixed_window_attention(q: torch.Tensor, win_k: torch.Tensor, win_v: torch.Te
     return window_attention(q, win_k, win_v, visible, scale)
 
 
-def merge_with_context(out_w: torch.Tensor, lse_w: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+def context_part(o: torch.Tensor, mz: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Finish a context part sent as o and (m, z) (`ContextAttention.attend`): out_c = o / z, lse_c = m + log z.
+
+    Args:
+        o: (..., D) in the values' dtype; mz: (..., 2) float32. A query that retrieved nothing has z = 0:
+            output 0 and lse −inf.
+    Returns:
+        out_c (..., D) and lse_c (...), float32.
+    """
+    z = mz[..., 1]
+    return o.float() / z.clamp(min=torch.finfo(torch.float32).tiny)[..., None], mz[..., 0] + torch.log(z)
+
+
+def merge_with_context(out_w: torch.Tensor, lse_w: torch.Tensor, o: torch.Tensor, mz: torch.Tensor) -> torch.Tensor:
     """Window part ⊕ context part (from `ContextAttention.attend`), as one softmax over their union.
 
     Args:
         out_w: (..., D) float32 window output; lse_w: (...) its log-sum-exp.
-        ctx: (..., D+1) float32: the context part's output in [..., :D] and its lse in [..., D]
-            (−inf when nothing was retrieved: the window alone).
+        o, mz: the context part (see `context_part`).
     Returns:
         (..., D) float32.
     """
-    D = out_w.shape[-1]
-    return lse_merge(out_w, lse_w, ctx[..., :D], ctx[..., D])[0]
+    out_c, lse_c = context_part(o, mz)
+    return lse_merge(out_w, lse_w, out_c, lse_c)[0]

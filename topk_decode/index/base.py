@@ -66,6 +66,9 @@ class SelectionStrategy(ABC):
     """
 
     name: ClassVar[str] = ""
+    # whether `select` may keep a reference to its query tensor after returning (a selection cache);
+    # if not, the decoder hands it the reused buffer the query was copied into instead of a copy
+    keeps_query: ClassVar[bool] = True
 
     def __init__(self, ckv: ContextKV, lo: int, hi: int, options: dict | None = None) -> None:
         self.ckv = ckv

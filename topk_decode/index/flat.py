@@ -54,6 +54,7 @@ class FlatStrategy(SelectionStrategy):
     """
 
     name = "flat"
+    keeps_query = False
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
         self.backend = self.options.get("backend", "faiss")
