@@ -113,6 +113,17 @@ def test_chat_accepts_strategy_options(prefilled):
     assert result.exit_code == 0, result.output
 
 
+def test_chat_no_compile_reaches_the_decoder_and_answers_the_same(prefilled):
+    from topk_decode import KVStore
+
+    cache, _, _ = prefilled
+    args = ("chat", cache, "--prompt", "Why?", "--k", 8, "--max-new-tokens", 4, "--device", "cpu")
+    plain, uncompiled = topk(*args), topk(*args, "--no-compile")
+    assert plain.exit_code == 0 and uncompiled.exit_code == 0, uncompiled.output
+    assert uncompiled.stdout == plain.stdout      # compilation only applies to CUDA one-token steps
+    assert KVStore.open(cache, k=8, device="cpu", compile=False).decoder.config.compile is False
+
+
 def test_info_shows_tokens_documents_and_strategies(prefilled):
     cache, _, _ = prefilled
     manifest = json.loads((cache / MANIFEST).read_text())

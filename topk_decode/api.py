@@ -74,7 +74,7 @@ class KVStore:
              model: str | os.PathLike | None = None, device: str | None = None, dtype: str | None = None,
              k_per_layer: list[int] | None = None, k_schedule: str = "uniform", n_sink: int = 4, n_tail: int = 64,
              strategy_options: dict | None = None, verify: bool | None = None,
-             progress: Callable[[int, int], None] | None = None) -> "KVStore":
+             progress: Callable[[int, int], None] | None = None, compile: bool = True) -> "KVStore":
         """Open a cache for decoding: the model goes to the device, the context KV stays memory-mapped.
 
         Args:
@@ -90,9 +90,11 @@ class KVStore:
             strategy_options: options of the strategy.
             verify: hash every cache file (True), sizes only (False), or auto (None: caches ≤ 2 GiB).
             progress: callback(done, total) while the strategy builds its indices.
+            compile: on CUDA, compile the one-token step with torch.compile (DecodeConfig.compile).
         """
         config = DecodeConfig(k=k, k_per_layer=k_per_layer, k_schedule=k_schedule, strategy=strategy,
-                              strategy_options=dict(strategy_options or {}), n_sink=n_sink, n_tail=n_tail)
+                              strategy_options=dict(strategy_options or {}), n_sink=n_sink, n_tail=n_tail,
+                              compile=compile)
         ckv = open_cache(path, verify=verify)
         config.validate(ckv.n_layers)
         recorded = ckv.manifest["model"]

@@ -31,6 +31,7 @@ def chat_command(
     n_sink: Annotated[int, typer.Option(help="First context tokens kept in the exact GPU window.")] = 4,
     n_tail: Annotated[int, typer.Option(help="Last context tokens kept in the exact GPU window.")] = 64,
     prompt: Annotated[Optional[str], typer.Option(help="Answer this one question, print it and exit.")] = None,
+    compile: Annotated[bool, typer.Option("--compile/--no-compile", help="On CUDA, compile the one-token step with torch.compile (the first token waits for it).")] = True,
 ) -> None:
     """Chat with your documents (or answer one --prompt and exit)."""
     check_positive("k", k)
@@ -46,7 +47,7 @@ def chat_command(
 
     get_strategy(strategy)  # an unknown name fails before the model loads
     store = _open_store(cache, k=k, k_schedule=k_schedule, strategy=strategy, model=model, device=device, dtype=dtype,
-                        n_sink=n_sink, n_tail=n_tail, strategy_options=options)
+                        n_sink=n_sink, n_tail=n_tail, strategy_options=options, compile=compile)
     session = store.session()
     if prompt is not None:
         _answer(session, prompt, max_new_tokens)
