@@ -31,7 +31,8 @@ def chat_command(
     n_sink: Annotated[int, typer.Option(help="First context tokens kept in the exact GPU window.")] = 4,
     n_tail: Annotated[int, typer.Option(help="Last context tokens kept in the exact GPU window.")] = 64,
     prompt: Annotated[Optional[str], typer.Option(help="Answer this one question, print it and exit.")] = None,
-    compile: Annotated[bool, typer.Option("--compile/--no-compile", help="On CUDA, compile the one-token step with torch.compile (the first token waits for it).")] = True,
+    compile: Annotated[bool, typer.Option("--compile/--no-compile",
+                                          help="On CUDA, compile the one-token step (the first token waits for it).")] = True,
 ) -> None:
     """Chat with your documents (or answer one --prompt and exit)."""
     check_positive("k", k)

@@ -6,10 +6,10 @@ raw scores a_i = q·k_i. This module turns them into the part's sums, with m = m
     o = Σ_i exp(s·a_i − m) · v_i,     z = Σ_i exp(s·a_i − m)
 
 so that only o (H, D) in the values' dtype and (m, z) (H, 2) in fp32 cross to the GPU per layer.
-There `merge.context_part` finishes the part (out_c = o / z, lse_c = m + log z) inside the fused merge with the window part
-(one softmax over the union, merge.py): right after a search every CPU op runs cold (15-20 µs each
-instead of 3-5, docs/BENCHMARKS.md), so the CPU does only the ops that need the whole selection. The weighted sum reads each selected
-value row once (`F.embedding_bag`, a fused gather + weighted sum, parallel over query heads) instead of
+There `merge.context_part` finishes the part (out_c = o / z, lse_c = m + log z) inside the fused
+merge with the window part (one softmax over the union, merge.py): right after a search every CPU op
+runs cold (15-20 µs each instead of 3-5, docs/BENCHMARKS.md), so the CPU does only the ops that need
+the whole selection. The weighted sum reads each selected value row once (`F.embedding_bag`, a fused gather + weighted sum, parallel over query heads) instead of
 gathering the rows into a staging buffer and sending k·D values per head over PCIe.
 
 Precision: the sum runs in the values' dtype with fp32 accumulation. For fp32 caches that is exact

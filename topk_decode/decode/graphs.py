@@ -11,12 +11,13 @@ those kernels cost more CPU time than the GPU spends on them. Here they are cut 
     segment L:      the same for layer L-1, then final norm and LM head
 
 Between segments l and l+1 the CPU searches and computes the context part (decode/context.py) into
-`part_o[l]` / `part_mz[l]`, while the GPU finishes the window part of layer l: the segment marks, with an event
-recorded inside the graph, the moment the query has reached the host. Each segment reads and writes
-fixed tensors (the two 16 KiB transfers included: pinned host buffers), so on CUDA it is captured once
-as a CUDA graph and replayed (one launch instead of ~35). The window lives in fixed-capacity buffers
-owned here and lent to the conversation being decoded (`bind`); the step's length is a device tensor
-and slots past it are masked. Without capture (CPU, or a failed capture) the same segments run
+`part_o[l]` and `part_mz[l]`, while the GPU finishes the window part of layer l: the segment marks,
+with an event recorded inside the graph, the moment the query has reached the host. Each segment
+reads and writes fixed tensors (the transfers included: pinned host buffers), so on CUDA it is
+captured once as a CUDA graph and replayed (one launch instead of ~35). The part of a segment on the
+critical path, `layer_boundary`, is compiled with torch.compile, which fuses its small kernels.
+The window lives in fixed-capacity buffers owned here and lent to the conversation being decoded
+(`bind`); the step's length is a device tensor and slots past it are masked. Without capture (CPU, or a failed capture) the same segments run
 eagerly, which is what the CPU tests exercise.
 """
 
