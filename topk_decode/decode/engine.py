@@ -35,7 +35,7 @@ class StepStats:
     search: the strategy's select (CPU wall); gather: the context part of attention on the CPU (the
     weighted sum of the selected value rows, context.py); d2h / h2d: the query's and the context
     part's transfers where they are separate calls (the multi-token path; wall time, so including the
-    wait for the GPU work queued before them). In the one-token path both transfers (16 KiB each) are
+    wait for the GPU work queued before them). In the one-token path both transfers (16 and 8 KiB) are
     inside the CUDA graphs. Whatever remains of the step is GPU compute plus Python launch overhead
     (the per-layer query sync makes the two serial, so they are reported together as `gpu_ms`).
     The one-token path splits part of that remainder out: launch (CPU time of the segment launches)
