@@ -28,7 +28,7 @@ def timed_attend(ctx: ContextAttention, layer: int, sel, o: torch.Tensor, mz: to
     hkv, Q, K = sel.ids.shape
     R = hkv * Q
     t0 = clock()
-    w, w_low, rows = ctx._buffers(R, K)
+    w, w_low, rows, aux = ctx._buffers(R, K)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     t1 = clock()
@@ -45,7 +45,7 @@ def timed_attend(ctx: ContextAttention, layer: int, sel, o: torch.Tensor, mz: to
     t5 = clock()
     torch.ops.aten._embedding_bag_forward_only.out(
         ctx.values_flat[layer], rows, ctx._bag_offsets(R, K), False, 0, False, w_low.view(-1), False, -1,
-        out0=o, out1=ctx._bag_aux[0], out2=ctx._bag_aux[1], out3=ctx._bag_aux[2])
+        out0=o, out1=aux[0], out2=aux[1], out3=aux[2])
     t6 = clock()
     for name, a, b in (("buffers+threads", t0, t1), ("scale (reads scores)", t1, t2), ("softmax ops", t2, t3),
                        ("row ids (reads ids)", t3, t4), ("threads back", t4, t5), ("embedding_bag", t5, t6)):

@@ -203,3 +203,21 @@ def test_a_selection_marked_full_skips_the_empty_slot_check_with_the_same_result
     sel.full = True
     assert attention.attend(0, sel, *skipped) == H * k
     assert torch.equal(checked[0], skipped[0]) and torch.equal(checked[1], skipped[1])
+
+
+def test_context_part_of_prompts_of_different_lengths_warns_nothing(capfd):
+    # The prompt step has H·T bags, the next steps H: each shape keeps its own reused buffers (torch
+    # prints a deprecation warning to stderr, from C++, when an out= tensor of another shape is resized).
+    from topk_decode.decode.context import ContextAttention
+
+    torch.manual_seed(9)
+    H, hkv, D, N, k = 4, 2, 8, 50, 5
+    ctx_k, ctx_v = torch.randn(hkv, N, D), torch.randn(hkv, N, D).to(torch.bfloat16)
+    attention = ContextAttention([ctx_v], D ** -0.5)
+    for T in (7, 1, 3, 1):
+        sel = _selection_for(torch.randn(H, T, D), ctx_k, k)
+        o, mz = torch.empty(H * T, D, dtype=torch.bfloat16), torch.empty(H * T, 2)
+        assert attention.attend(0, sel, o, mz) == H * T * k
+        assert torch.isfinite(o.float()).all() and (mz[:, 1] >= 1).all()
+    err = capfd.readouterr().err
+    assert "resized" not in err, err

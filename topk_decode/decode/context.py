@@ -45,9 +45,7 @@ class ContextAttention:
         self.values_flat = [v.reshape(hkv * n, d) for v in values]
         self._row_base = (torch.arange(hkv, dtype=torch.int64) * n).view(hkv, 1, 1)
         self._offsets: dict[tuple[int, int], torch.Tensor] = {}
-        self._weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        # embedding_bag's other outputs (bag bookkeeping we do not use), reused
-        self._bag_aux = [torch.empty((0,), dtype=torch.int64) for _ in range(3)]
+        self._weights: dict[tuple[int, int], tuple] = {}
 
     def _bag_offsets(self, bags: int, K: int) -> torch.Tensor:
         key = (bags, K)
@@ -81,7 +79,7 @@ class ContextAttention:
         # caches cold, so they are few, in place, into reused buffers, and the empty-slot handling only
         # when needed. (numpy's ufuncs on the same memory measured slower, docs/BENCHMARKS.md.)
         R = hkv * Q
-        w, w_low, rows = self._buffers(R, K)                 # (R, K) fp32, values' dtype, (R·K,) int64
+        w, w_low, rows, aux = self._buffers(R, K)            # (R, K) fp32, values' dtype, (R·K,) int64
         threads = torch.get_num_threads()
         if self.small_op_threads:
             torch.set_num_threads(min(threads, self.small_op_threads))
@@ -105,17 +103,19 @@ class ContextAttention:
         # F.embedding_bag straight into `o` (mode 0 = sum; its .out form saves a copy)
         torch.ops.aten._embedding_bag_forward_only.out(
             self.values_flat[layer], rows, self._bag_offsets(R, K), False, 0, False, w_low.view(-1), False, -1,
-            out0=o, out1=self._bag_aux[0], out2=self._bag_aux[1], out3=self._bag_aux[2])
+            out0=o, out1=aux[0], out2=aux[1], out3=aux[2])
         return int((sel.ids >= 0).sum()) if empty else ids.numel()
 
-    def _buffers(self, R: int, K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(R, K) weight buffers, fp32 and in the values' dtype (the same one for fp32), and (R·K,) row ids;
-        reused across steps (fresh 128-256 KiB tensors per layer would be mapped and unmapped each time)."""
+    def _buffers(self, R: int, K: int) -> tuple:
+        """Buffers reused across steps for R bags of K rows (fresh 128-256 KiB tensors per layer would be
+        mapped and unmapped each time): (R, K) weights in fp32 and in the values' dtype (the same tensor
+        for fp32), (R·K,) row ids, and embedding_bag's other outputs (bag bookkeeping we do not use)."""
         bufs = self._weights.get((R, K))
         if bufs is None:
             if len(self._weights) >= 8:      # prompt lengths vary: keep the pool bounded
                 self._weights.clear()
             w = torch.empty((R, K), dtype=torch.float32)
             w_low = w if self.dtype == torch.float32 else torch.empty_like(w, dtype=self.dtype)
-            bufs = self._weights[(R, K)] = (w, w_low, torch.empty((R * K,), dtype=torch.int64))
+            aux = [torch.empty((0,), dtype=torch.int64) for _ in range(3)]
+            bufs = self._weights[(R, K)] = (w, w_low, torch.empty((R * K,), dtype=torch.int64), aux)
         return bufs
