@@ -9,8 +9,9 @@ so that only o (H, D) in the values' dtype and (m, z) (H, 2) in fp32 cross to th
 There `merge.context_part` finishes the part (out_c = o / z, lse_c = m + log z) inside the fused
 merge with the window part (one softmax over the union, merge.py): right after a search every CPU op
 runs cold (15-20 µs each instead of 3-5, docs/BENCHMARKS.md), so the CPU does only the ops that need
-the whole selection. The weighted sum reads each selected value row once (`F.embedding_bag`, a fused gather + weighted sum, parallel over query heads) instead of
-gathering the rows into a staging buffer and sending k·D values per head over PCIe.
+the whole selection. The weighted sum reads each selected value row once (`F.embedding_bag`, a fused
+gather + weighted sum, parallel over query heads) instead of gathering the rows into a staging buffer
+and sending k·D values per head over PCIe.
 
 Precision: the sum runs in the values' dtype with fp32 accumulation. For fp32 caches that is exact
 fp32; for bf16/fp16 caches the weights are rounded to that dtype, as a GPU flash kernel rounds P

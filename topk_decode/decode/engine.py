@@ -19,12 +19,12 @@ import torch
 
 from topk_decode.config import DecodeConfig
 from topk_decode.decode.context import ContextAttention
-from topk_decode.decode.graphs import StepSegments
-from topk_decode.decode.merge import merge_with_context, window_attention
+from topk_decode.decode.graphs import StepSegments, finish_layer
+from topk_decode.decode.merge import window_attention
 from topk_decode.decode.window import Window
 from topk_decode.errors import TopkError, TopkWarning
 from topk_decode.index import Selection, get_strategy
-from topk_decode.model.blocks import ModelShape, attention_inputs, final_logits, finish_block, rope
+from topk_decode.model.blocks import ModelShape, attention_inputs, final_logits, rope
 from topk_decode.store.cache_dir import ContextKV
 
 
@@ -244,8 +244,7 @@ class TopKDecoder:
             o_dev, mz_dev = part_o.to(self.device).view(H, T, D), part_mz.to(self.device).view(H, T, 2)
             st.d2h_s += t1 - t0
             st.h2d_s += time.perf_counter() - t2
-            out = merge_with_context(out_w, lse_w, o_dev, mz_dev).to(self.dtype)  # (H, T, D)
-            x = finish_block(layer, x, out[None])
+            x = finish_layer(layer, x, out_w, lse_w, o_dev, mz_dev, self.shape)
         win.advance(T)
         return final_logits(self.model, x[:, -1:])[0]
 

@@ -17,8 +17,8 @@ reads and writes fixed tensors (the transfers included: pinned host buffers), so
 captured once as a CUDA graph and replayed (one launch instead of ~35). The part of a segment on the
 critical path, `layer_boundary`, is compiled with torch.compile, which fuses its small kernels.
 The window lives in fixed-capacity buffers owned here and lent to the conversation being decoded
-(`bind`); the step's length is a device tensor and slots past it are masked. Without capture (CPU, or a failed capture) the same segments run
-eagerly, which is what the CPU tests exercise.
+(`bind`); the step's length is a device tensor and slots past it are masked. Without capture (CPU,
+or a failed capture) the same segments run eagerly, which is what the CPU tests exercise.
 """
 
 from __future__ import annotations
@@ -46,15 +46,16 @@ def start_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sh
 
 def finish_layer(layer, x: torch.Tensor, win_out: torch.Tensor, win_lse: torch.Tensor, o: torch.Tensor,
                  mz: torch.Tensor, shape: ModelShape) -> torch.Tensor:
-    """Merge a layer's window and context parts and finish the layer: (1, 1, C) residual leaving it.
+    """Merge a layer's window and context parts and finish the layer: (1, T, C) residual leaving it.
 
     Args:
-        layer: the layer; x: (1, 1, C) residual entering it.
-        win_out, win_lse: (H, D), (H,) float32 window part; o, mz: (H, D), (H, 2) context part (merge.context_part).
+        layer: the layer; x: (1, T, C) residual entering it.
+        win_out, win_lse: (H, [T,] D), (H, [T]) float32 window part; o, mz: (H, [T,] D), (H, [T,] 2)
+            context part (merge.context_part).
         shape: the model's ModelShape.
     """
-    attn = merge_with_context(win_out, win_lse, o, mz)                        # (H, D) fp32
-    attn = attn.to(x.dtype).view(1, shape.n_heads, 1, shape.head_dim)
+    attn = merge_with_context(win_out, win_lse, o, mz)                        # (H, [T,] D) fp32
+    attn = attn.to(x.dtype).view(1, shape.n_heads, -1, shape.head_dim)
     return finish_block(layer, x, attn)
 
 
