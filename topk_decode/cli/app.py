@@ -92,8 +92,18 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from topk_decode import __version__
+
+        typer.echo(f"topk-decode {__version__}")
+        raise typer.Exit(0)
+
+
 @app.callback(invoke_without_command=True)
-def _root(ctx: typer.Context) -> None:
+def _root(ctx: typer.Context,
+          version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                       help="Print the version and exit.")) -> None:
     # Plain `topk` prints the help (typer's no_args_is_help would surface as a usage *error*).
     if ctx.invoked_subcommand is None:
         typer.echo(ctx.get_help())

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from topk_decode.cli.common import check_device, check_positive, console, parse_options, say_error
+from topk_decode.cli.chat_repl import ChatState, StopRequest, make_reader, read_turn, run_command, say, stdin_closed
+from topk_decode.cli.common import check_device, check_positive, console, parse_options, say_error, say_note
 from topk_decode.errors import TopkError
-
-HELP = """commands:
-  /reset    start a new conversation (the documents stay cached)
-  /k N      change the retrieval budget k (context tokens per query head and layer)
-  /stats    per-step statistics of this conversation
-  /help     this help
-  /quit     leave (Ctrl-D works too)"""
 
 
 def chat_command(
@@ -53,7 +48,7 @@ def chat_command(
     if prompt is not None:
         _answer(session, prompt, max_new_tokens)
         return
-    _interactive(store, session, max_new_tokens)
+    _interactive(ChatState(store, session, max_new_tokens))
 
 
 def _open_store(cache: Path, **kwargs):
@@ -85,78 +80,71 @@ def _answer(session, question: str, max_new_tokens: int) -> None:
     typer.echo()
 
 
-def _stats_table(store, session):
-    """The `/stats` table: per-step means of this conversation and the strategy's counters."""
-    from rich.markup import escape
-    from rich.table import Table
+def _stream_answer(state: ChatState, question: str) -> None:
+    """Stream one answer in the chat; the first Ctrl-C stops it and keeps what was said.
 
-    table = Table(title="decode stats: per-step means", caption=f"strategy {store.config.strategy}, k={store.config.k}")
-    table.add_column("stat")
-    table.add_column("value", justify="right")
-    for name, value in session.stats.items():
-        if isinstance(value, float):
-            text = f"{value:,.2f}"
-        elif isinstance(value, int) and not isinstance(value, bool):
-            text = f"{value:,}"
-        else:
-            text = str(value)  # strategies may report extra counters of any kind
-        table.add_row(escape(str(name)), escape(text))
-    return table
-
-
-def _command(line: str, store, session) -> bool:
-    """Run one in-chat `/command`. Returns False when the chat should end."""
-    cmd, _, arg = line.partition(" ")
-    out = console()
-    if cmd in ("/quit", "/exit", "/q"):
-        return False
-    if cmd == "/reset":
-        session.reset()
-        out.print("(new conversation)")
-    elif cmd == "/k":
+    The answer stops at a token boundary (StopRequest), so the decoder never sees a half-done step:
+    every token shown so far is in the conversation's window, and the token generated when the stop
+    came is shown only if the decoder kept it as the pending token of the next turn.
+    """
+    session, clock = state.session, time.perf_counter
+    conv = session.conv
+    steps0, t0, first = conv.stats.steps, clock(), None
+    pieces = session.ask(question, max_new_tokens=state.max_tokens, stream=True)
+    typer.echo("topk> ", nl=False)
+    started = stopped = False
+    with StopRequest() as stop:
         try:
-            store.set_k(int(arg))
-        except ValueError:
-            raise TopkError(f"/k expects a positive integer, got {arg.strip()!r}") from None
-        out.print(f"(k = {store.config.k})")
-    elif cmd == "/stats":
-        out.print(_stats_table(store, session))
-    elif cmd == "/help":
-        out.print(HELP, markup=False)
-    else:
-        raise TopkError(f"unknown command {cmd} (type /help)")
-    return True
+            for piece in pieces:
+                first = clock() if first is None else first
+                if stop.requested:
+                    stopped = True
+                    if not conv.pending:
+                        break       # generated but never fed back: not part of the conversation
+                if not started:
+                    piece = piece.lstrip()
+                    started = bool(piece)
+                if piece:
+                    typer.echo(piece, nl=False)
+                if stopped:
+                    break
+        finally:
+            pieces.close()
+    now = clock()
+    state.record_answer(conv.stats.steps - steps0, now - t0, (first or now) - t0)
+    typer.echo()
+    if stopped:
+        say("(answer stopped; the conversation keeps it)")
+    elif conv.pending and conv.pending[0] not in state.store.eos_ids:
+        say(f"(answer cut off at max_tokens = {state.max_tokens}; /set max_tokens N allows longer answers)")
 
 
-def _read_line() -> str | None:
-    """One line from the user, or None at end of input (Ctrl-D / closed stdin)."""
-    try:
-        return input("you> ")
-    except EOFError:
-        typer.echo()
-        return None
-
-
-def _interactive(store, session, max_new_tokens: int) -> None:
-    """The read–answer loop. Ctrl-C during an answer stops it and resets the conversation."""
+def _interactive(state: ChatState) -> None:
+    """The read–answer loop (chat_repl.py reads the turns and runs the /commands)."""
+    store = state.store
+    if stdin_closed():
+        say_note("stdin is closed: no questions to read (use --prompt QUESTION, or run in a terminal)")
+        return
+    read = make_reader()
     n_docs = len(store.documents)
-    console().print(f"{store.ckv.n_tokens:,} tokens in {n_docs} document{'s' * (n_docs != 1)} · "
-                    f"strategy {store.config.strategy} · k={store.config.k}. Type /help for commands.",
-                    markup=False)
-    while (line := _read_line()) is not None:
-        line = line.strip()
-        if not line:
-            continue
+    say(f"{store.ckv.n_tokens:,} tokens in {n_docs} document{'s' * (n_docs != 1)} · "
+        f"strategy {store.config.strategy} · k={store.config.k}. Type /help for commands.")
+    while True:
         try:
-            if line.startswith("/"):
-                if not _command(line, store, session):
+            line = read_turn(read)
+            if line is None:
+                break
+            line = line.strip()
+            if not line:
+                continue
+            if line.startswith("/") and "\n" not in line:
+                if not run_command(line, state):
                     break
                 continue
-            typer.echo("topk> ", nl=False)
-            _answer(session, line, max_new_tokens)
+            _stream_answer(state, line)
         except TopkError as e:
-            say_error(e)  # a bad in-chat command must not end the chat
+            say_error(e)  # a bad in-chat command or input line must not end the chat
         except KeyboardInterrupt:
-            # The interrupted step may have reached only some layers: the window is no longer consistent.
-            session.reset()
+            # A second Ctrl-C: the step may have reached only some layers, so the window is no longer consistent.
+            state.reset()
             typer.echo("\n(answer interrupted; conversation reset)")
