@@ -296,7 +296,9 @@ def read_turn(read: Callable[[str], Optional[str]]) -> Optional[str]:
     lines = [body] if body.strip() else []
     while (line := read(CONTINUATION)) is not None:
         if line.rstrip().endswith(FENCE):
-            lines.append(line.rstrip()[:-len(FENCE)])
+            rest = line.rstrip()[:-len(FENCE)]
+            if rest.strip():
+                lines.append(rest)
             break
         lines.append(line)
     return "\n".join(lines)                         # end of input inside a block submits what it holds

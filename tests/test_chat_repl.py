@@ -1,0 +1,250 @@
+"""The chat prompt without a terminal: command table and aliases, /set and /k, multi-line blocks, piped,
+closed and invalid-UTF-8 stdin, the cut-off notice, Ctrl-C that keeps the conversation, and --version.
+
+(Line editing, history and paste need a terminal: they were checked by hand in tmux.)
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from typer.testing import CliRunner
+
+from topk_decode import __version__
+from topk_decode.cli import chat_repl
+from topk_decode.cli.app import app
+from topk_decode.cli.chat_repl import (COMMANDS, SETTINGS, ChatState, PlainReader, StopRequest, find_command,
+                                       help_text, read_turn, run_command)
+from topk_decode.errors import TopkError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def topk(*args: object, input: str | bytes | None = None):
+    result = CliRunner().invoke(app, [str(a) for a in args], input=input)
+    assert "Traceback" not in result.output, result.output
+    return result
+
+
+def fake_state(k: int = 256) -> ChatState:
+    """A ChatState over stand-ins: enough for the commands that only read or set values."""
+    config = SimpleNamespace(k=k, k_per_layer=None)
+
+    def set_k(value: int) -> None:
+        config.k = value
+
+    session = SimpleNamespace(resets=0, stats={})
+    session.reset = lambda: setattr(session, "resets", session.resets + 1)
+    return ChatState(SimpleNamespace(config=config, set_k=set_k), session, max_tokens=256)
+
+
+def reader_of(lines: list[str]):
+    """read(prompt) over a list of lines, recording the prompts it was asked with."""
+    it, prompts = iter(lines), []
+
+    def read(prompt: str):
+        prompts.append(prompt)
+        return next(it, None)
+
+    read.prompts = prompts
+    return read
+
+
+# ---- the command table ---------------------------------------------------------------------------
+@pytest.mark.parametrize("alias, name", [("/clear", "/reset"), ("/bye", "/quit"), ("/exit", "/quit"),
+                                         ("/q", "/quit"), ("/?", "/help")])
+def test_aliases_find_their_command(alias, name):
+    assert find_command(alias) is find_command(name)
+
+
+def test_quit_and_bye_end_the_chat_and_other_commands_do_not(capsys):
+    state = fake_state()
+    assert run_command("/bye", state) is False and run_command("/quit", state) is False
+    assert run_command("/k", state) is True
+
+
+def test_clear_resets_the_conversation_and_the_answer_counters(capsys):
+    state = fake_state()
+    state.record_answer(10, 2.0, 0.5)
+    assert run_command("/clear", state)
+    assert state.session.resets == 1 and state.answers == 0 and state.last_answer is None
+    assert "(new conversation)" in capsys.readouterr().out
+
+
+def test_k_alone_shows_k_and_with_a_number_sets_it(capsys):
+    state = fake_state(k=256)
+    run_command("/k", state)
+    assert "(k = 256)" in capsys.readouterr().out
+    run_command("/k 64", state)
+    assert state.store.config.k == 64 and "(k = 64)" in capsys.readouterr().out
+
+
+def test_set_changes_k_and_max_tokens_and_lists_what_is_settable(capsys):
+    state = fake_state()
+    run_command("/set k 128", state)
+    run_command("/set max_tokens 512", state)
+    run_command("/set max_new_tokens 300", state)   # the alias
+    assert state.store.config.k == 128 and state.max_tokens == 300
+    run_command("/set", state)
+    out = capsys.readouterr().out
+    assert all(s.name in out for s in SETTINGS) and "300" in out and "128" in out
+
+
+@pytest.mark.parametrize("line, fragment", [("/set k 0", "positive integer"), ("/set k abc", "positive integer"),
+                                            ("/set max_tokens 1.5", "positive integer"),
+                                            ("/set nope 3", "unknown setting"), ("/set k", "needs a value"),
+                                            ("/nope", "unknown command"), ("/k -3", "positive integer")])
+def test_bad_commands_raise_one_clear_error_and_change_nothing(line, fragment):
+    state = fake_state(k=256)
+    with pytest.raises(TopkError, match=fragment):
+        run_command(line, state)
+    assert state.store.config.k == 256 and state.max_tokens == 256
+
+
+def test_help_lists_every_command_alias_and_setting():
+    text = help_text()
+    for c in COMMANDS:
+        assert c.name in text and all(a in text for a in c.aliases)
+    for s in SETTINGS:
+        assert s.name in text and all(a in text for a in s.aliases)
+    assert '"""' in text and "Esc-Enter" in text and "Ctrl-C" in text
+
+
+def test_adding_a_command_is_one_table_entry(monkeypatch, capsys):
+    monkeypatch.setattr(chat_repl, "COMMANDS",
+                        COMMANDS + [chat_repl.Command("/ping", "answer pong", lambda s, a: print("pong", a))])
+    assert run_command("/ping  x ", fake_state())
+    assert capsys.readouterr().out == "pong x\n" and "/ping" in help_text()
+
+
+# ---- turns: lines and multi-line blocks -----------------------------------------------------------
+def test_a_plain_line_is_one_turn():
+    assert read_turn(reader_of(["What is prefill?", "next"])) == "What is prefill?"
+
+
+def test_a_fenced_block_is_one_turn_with_its_newlines():
+    read = reader_of(['"""First line', "second line", 'third"""', "after"])
+    assert read_turn(read) == "First line\nsecond line\nthird"
+    assert read.prompts == [chat_repl.PROMPT, chat_repl.CONTINUATION, chat_repl.CONTINUATION]
+    assert read_turn(read) == "after"
+
+
+def test_fences_on_their_own_lines_and_a_one_line_block():
+    assert read_turn(reader_of(['"""', "a", "b", '"""'])) == "a\nb"
+    assert read_turn(reader_of(['"""just this"""'])) == "just this"
+
+
+def test_end_of_input_inside_a_block_submits_what_it_holds_and_end_of_input_is_none():
+    assert read_turn(reader_of(['"""a', "b"])) == "a\nb"
+    assert read_turn(reader_of([])) is None
+
+
+def test_plain_reader_skips_an_invalid_utf8_line_with_one_error_and_goes_on(capsys):
+    read = PlainReader(io.BytesIO("héllo\n".encode() + b"\xff\xfebad\n" + b"last\r\n"), echo_prompt=False)
+    assert read("> ") == "héllo"
+    with pytest.raises(TopkError, match="line 2 is not valid UTF-8"):
+        read("> ")
+    assert read("> ") == "last"
+    assert read("> ") is None
+
+
+def test_stop_request_turns_the_first_ctrl_c_into_a_flag_and_the_second_into_keyboardinterrupt():
+    before = signal.getsignal(signal.SIGINT)
+    with StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+# ---- the chat end to end on a tiny model ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def cache(built_cache) -> Path:
+    return built_cache[0]
+
+
+def test_piped_chat_runs_a_block_and_commands_and_ends_at_end_of_input(cache):
+    result = topk("chat", cache, "--max-new-tokens", 3,
+                  input='/set max_tokens 2\n"""What is\nprefill?"""\n/show\n/stats\n/k\n/clear\n')
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert out.count("topk> ") == 1                           # the two-line block was one question
+    assert "(max_tokens = 2)" in out and "strategy   flat" in out and str(cache) in out
+    assert "tokens_per_s" in out and "answer_tokens" in out and "(k = 256)" in out
+    assert "(new conversation)" in out and not result.stderr.strip()
+
+
+def test_an_answer_stopped_by_max_tokens_says_it_was_cut_off(cache):
+    result = topk("chat", cache, "--max-new-tokens", 2, input="Why?\n/bye\n")
+    assert result.exit_code == 0, result.output
+    assert "(answer cut off at max_tokens = 2;" in result.stdout
+
+
+def test_invalid_utf8_on_stdin_is_one_error_and_the_chat_goes_on(cache):
+    result = topk("chat", cache, "--max-new-tokens", 2, input=b"\xff\xfe?\n/k 8\n")
+    assert result.exit_code == 0, result.output
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: input line 1 is not valid UTF-8"), result.stderr
+    assert "(k = 8)" in result.stdout
+
+
+def _python_m(*args: object, shell_suffix: str = "") -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("TOPK_DEBUG", None)
+    cmd = " ".join([sys.executable, "-m", "topk_decode", *map(str, args)]) + shell_suffix
+    return subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_closed_stdin_exits_zero_with_one_line(cache):
+    proc = _python_m("chat", cache, shell_suffix=" <&-")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("note: stdin is closed"), proc.stderr
+    assert "internal error" not in proc.stderr
+
+
+def test_version_prints_the_package_version():
+    result = topk("--version")
+    assert result.exit_code == 0 and result.stdout.strip() == f"topk-decode {__version__}"
+
+
+def test_ctrl_c_during_an_answer_keeps_exactly_what_was_said(cache, capsys):
+    """Stopped after 3 pieces, the conversation holds the question and the shown tokens: the next answer
+    equals the one of a conversation fed those same tokens directly."""
+    from topk_decode.api import KVStore
+    from topk_decode.cli.chat_cmd import _stream_answer
+
+    store = KVStore.open(cache, k=8, device="cpu")
+    state = ChatState(store, store.session(), max_tokens=20)
+    ask = state.session.ask
+
+    def ask_then_ctrl_c(question, **kw):
+        for i, piece in enumerate(ask(question, **kw)):
+            if i == 3:
+                os.kill(os.getpid(), signal.SIGINT)   # the user presses Ctrl-C while this piece is shown
+            yield piece
+
+    state.session.ask = ask_then_ctrl_c
+    _stream_answer(state, "What does the fox do?")
+    assert "(answer stopped; the conversation keeps it)" in capsys.readouterr().out
+    conv, n = state.session.conv, state.last_answer[0]
+    assert conv.pending == [] and 4 <= n < 20     # stopped early; the last generated token never shown nor fed
+    kept = conv.window.n_new
+    state.session.ask = ask
+    after = state.session.ask("And then?", max_new_tokens=6)
+
+    ref = store.session()
+    q1 = ref._question_ids("What does the fox do?")
+    ref.turns = 1
+    store.decoder.generate(ref.conv, q1, max_new_tokens=n)       # feeds q1 and the first n - 1 tokens
+    ref.conv.pending = []                                         # the n-th was dropped, as above
+    assert ref.conv.window.n_new == kept == len(q1) + n - 1
+    assert ref.ask("And then?", max_new_tokens=6) == after
