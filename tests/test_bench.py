@@ -39,8 +39,12 @@ def test_smoke_run_reports_the_step_breakdown_and_memory(smoke_results):
     data, _ = smoke_results
     row = next(r for r in data["rows"] if r["system"] == "topk")
     assert set(row["breakdown"]) == {"gpu_ms", "d2h_ms", "search_ms", "gather_ms", "h2d_ms"}
-    assert row["breakdown"]["search_ms"] > 0 and row["cpu_rss_gib"] > 0
-    assert sum(row["breakdown"].values()) == pytest.approx(row["ms_per_step"], rel=0.25)
+    parts = row["breakdown"]
+    assert parts["search_ms"] > 0 and parts["gather_ms"] > 0 and row["cpu_rss_gib"] > 0
+    # gpu_ms is the step's remainder: it is negative if the separately timed parts overlap (double counting),
+    # and the decoder's own step time must fit inside the benchmark's wall clock around it (± rounding)
+    assert all(v >= 0 for v in parts.values()), parts
+    assert sum(parts.values()) <= row["ms_per_step"] + 0.05, (parts, row["ms_per_step"])
 
 
 def test_smoke_run_marks_the_offloaded_cache_as_skipped_on_cpu_and_writes_a_plot(smoke_results):

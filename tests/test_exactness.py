@@ -64,9 +64,9 @@ def test_small_k_reads_fewer_tokens_than_the_context(caches):
     session.ask("what?", max_new_tokens=3)
     n_layers, hkv = store.ckv.n_layers, store.ckv.n_kv_heads
     group = store.decoder.shape.group_size
-    # every step retrieves exactly k tokens per query head and layer: never the whole context
-    per_step = session.stats["retrieved_per_step"]
-    assert 0 < per_step <= 8 * hkv * group * n_layers * 32
+    # every fed token retrieves exactly k = 8 context tokens per query head and layer: never the whole context
+    st = session.conv.stats
+    assert st.retrieved == 8 * hkv * group * n_layers * st.tokens
     assert store.decoder.strategy.stats.searches > 0
 
 

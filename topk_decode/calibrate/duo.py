@@ -78,34 +78,21 @@ class DuoCalibrationResult:
     mean_gate: list[float] = field(default_factory=list)
 
 
-def _fallback_passkey(tokenizer, length: int, rng: random.Random) -> tuple[str, str, str]:
-    """A passkey hidden in repeated filler (used when topk_decode.eval.tasks is absent)."""
-    key = str(rng.randint(10000, 99999))
-    filler = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-    n_fill = max(1, len(tokenizer(filler, add_special_tokens=False).input_ids))
-    pieces = [filler] * max(1, length // n_fill)
-    pieces.insert(rng.randint(0, len(pieces)), f" The pass key is {key}. Remember it. {key} is the pass key.")
-    return "".join(pieces), "\nWhat is the pass key? The pass key is", " " + key
-
-
 def passkey_sample(tokenizer, length: int, seed: int) -> tuple[list[int], int]:
     """One synthetic passkey prompt: [bos] + context (needle at a random depth) + question + answer.
 
     Args:
         tokenizer: the model's tokenizer.
-        length: context length in tokens (approximate for the fallback generator).
+        length: context length in tokens.
         seed: picks the needle, its depth and the filler.
     Returns:
         token ids, and how many tokens at the end (question + answer) the loss is taken over.
     """
-    rng = random.Random(seed)
-    try:
-        from topk_decode.eval.tasks import make_instance
+    from topk_decode.eval.tasks import make_instance
 
-        inst = make_instance("single_needle", length, rng.random(), seed, tokenizer)
-        context, question, answer = inst.context, inst.question, " " + inst.answer
-    except ImportError:
-        context, question, answer = _fallback_passkey(tokenizer, length, rng)
+    rng = random.Random(seed)
+    inst = make_instance("single_needle", length, rng.random(), seed, tokenizer)
+    context, question, answer = inst.context, inst.question, " " + inst.answer
     enc = lambda s: tokenizer(s, add_special_tokens=False).input_ids  # noqa: E731
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     tail = enc(question) + enc(answer)

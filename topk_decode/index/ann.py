@@ -193,11 +193,6 @@ class FaissAnnStrategy(SelectionStrategy):
         self.selector = faiss.IDSelectorRange(self.lo, self.hi)
         self.params = self.search_params()
 
-    def artifact_bytes(self) -> int:
-        """Bytes of this strategy's files in the cache directory."""
-        d = artifact_dir(self.ckv.path, self.name)
-        return sum(p.stat().st_size for p in d.iterdir() if p.is_file())
-
     # ---- search ----
     def select(self, layer: int, q: torch.Tensor, k: int, state: Any = None) -> Selection:
         if k >= self.n_searchable:

@@ -121,7 +121,6 @@ def build_cache(
             "prompt": layout.prompt.to_dict(),
             "prefill": {"chunk_size": chunk_size, "device": str(dev), "seconds": round(stats.seconds, 3),
                         "tokens_per_s": round(stats.tokens_per_s, 1), "peak_device_bytes": stats.peak_device_bytes},
-            "strategies": ["flat"],
         }
         return writer.commit(manifest), stats
     except BaseException:

@@ -15,6 +15,7 @@ bf16 weights alone are 15 GiB.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -162,7 +163,7 @@ class _LayerStreamer:
             return
         tensors = dict(self.layers[i].named_parameters())
         tensors.update(self.layers[i].named_buffers())
-        ctx = torch.cuda.stream(self.stream) if self.stream is not None else _nullcontext()
+        ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with ctx:
             for name, t in tensors.items():
                 t.data = self.host[i][name].to(self.device, non_blocking=True)
@@ -189,14 +190,6 @@ class _LayerStreamer:
                 t.data.record_stream(torch.cuda.current_stream(self.device))
             t.data = self.host[i][name]
         self.ready.pop(i, None)
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def device_room(device: torch.device) -> int:
