@@ -130,7 +130,8 @@ class SequenceBuilder:
     followed by its answer, the last one by EOS. Items are
 
     * key→number facts (``magic_fact``), each appearing 1–3 times: loss on the number at every
-      occurrence after the first (the recurring pairs of DESIGN.md);
+      occurrence after the first (the recurring facts of docs/DESIGN.md, "The demo model's
+      training trap");
     * sometimes a multi-value group and two variable-tracking chains (loss on their recurring
       VT facts too);
     * copy segments: a filler slice or random tokens, repeated right after or later in the

@@ -15,9 +15,9 @@ Subcommands (see docs/TRAINING.md for the exact commands that produced the shipp
         --out topk_decode/demo_model
     python scripts/train_demo_model.py eval --model topk_decode/demo_model --lengths 4096 16384
 
-Recipe (DESIGN.md, "Training the demo model"): small models trained only on "answer the
-question at the end" plateau at "answer with any number in the context" (accuracy about
-1/number-of-facts). What gets past it here: dense supervision on every place where a value is
+Recipe (docs/DESIGN.md, "The demo model's training trap"; docs/TRAINING.md): small models
+trained only on "answer the question at the end" plateau at "answer with any number in the
+context" (accuracy about 1/number-of-facts). What gets past it here: dense supervision on every place where a value is
 predictable — key→value facts that recur through the sequence (loss on the value at every
 recurrence), several questions per sequence, and plain copy segments (loss on the repeat) that
 grow induction heads early — plus a length curriculum driven by measured accuracy: the maximum
