@@ -1,7 +1,8 @@
 """The chat prompt without a terminal: command table and aliases, /set and /k, multi-line blocks, piped,
 closed and invalid-UTF-8 stdin, the cut-off notice, Ctrl-C that keeps the conversation, and --version.
 
-(Line editing, history and paste need a terminal: they were checked by hand in tmux.)
+The terminal reader's keys (paste, Esc-Enter, Ctrl-C, Ctrl-D, history) are driven through a prompt_toolkit
+pipe; Ctrl-C during a real answer in a real terminal was checked by hand in tmux.
 """
 
 from __future__ import annotations
@@ -248,3 +249,36 @@ def test_ctrl_c_during_an_answer_keeps_exactly_what_was_said(cache, capsys):
     ref.conv.pending = []                                         # the n-th was dropped, as above
     assert ref.conv.window.n_new == kept == len(q1) + n - 1
     assert ref.ask("And then?", max_new_tokens=6) == after
+
+
+# ---- the terminal reader, driven through a pipe instead of a tty ---------------------------------
+@pytest.fixture
+def terminal(tmp_path, monkeypatch):
+    """terminal(keys) → the lines a TerminalReader returns for those keystrokes (None at Ctrl-D)."""
+    from prompt_toolkit.input import create_pipe_input
+    from prompt_toolkit.output import DummyOutput
+
+    monkeypatch.setenv("TOPK_CHAT_HISTORY", str(tmp_path / "history"))
+
+    def run(keys: str, n: int) -> list:
+        with create_pipe_input() as pipe:
+            read = chat_repl.TerminalReader(input=pipe, output=DummyOutput())
+            pipe.send_text(keys)
+            return [read(chat_repl.PROMPT) for _ in range(n)]
+
+    return run
+
+
+def test_terminal_paste_of_two_lines_is_one_turn_and_esc_enter_adds_a_line(terminal):
+    assert terminal("\x1b[200~first line\nsecond line\x1b[201~\r", 1) == ["first line\nsecond line"]
+    assert terminal("abc\x1b\rdef\r", 1) == ["abc\ndef"]
+
+
+def test_terminal_ctrl_c_clears_the_line_and_ctrl_d_ends_the_input(terminal):
+    assert terminal("half a question\x03real question\r\x04", 2) == ["real question", None]
+
+
+def test_terminal_history_is_kept_in_a_file_across_chats(terminal, tmp_path):
+    assert terminal("What is prefill?\r", 1) == ["What is prefill?"]
+    assert "What is prefill?" in (tmp_path / "history").read_text()
+    assert terminal("\x1b[A\r", 1) == ["What is prefill?"]     # arrow up in a new chat recalls it

@@ -352,9 +352,12 @@ class TerminalReader:
     """Lines from a terminal through prompt_toolkit: editing, history, paste and Esc-Enter newlines.
 
     Ctrl-C clears the line and prompts again; Ctrl-D on an empty line ends the input (None).
+
+    Args:
+        input, output: prompt_toolkit Input / Output (default: the terminal; tests pass a pipe).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, input=None, output=None) -> None:
         from prompt_toolkit import PromptSession
         from prompt_toolkit.history import FileHistory, InMemoryHistory
         from prompt_toolkit.key_binding import KeyBindings
@@ -373,7 +376,7 @@ class TerminalReader:
                 history = FileHistory(str(path))
             except OSError:
                 pass  # a read-only home: history for this chat only
-        self.session = PromptSession(history=history, key_bindings=keys, multiline=False,
+        self.session = PromptSession(history=history, key_bindings=keys, multiline=False, input=input, output=output,
                                      prompt_continuation=lambda width, line, soft: CONTINUATION)
 
     def __call__(self, prompt: str) -> Optional[str]:
