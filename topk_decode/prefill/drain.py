@@ -1,12 +1,10 @@
 """Hand each prefilled layer's KV to `on_layer` from a background thread while the next layer computes.
 
 A synchronous `keys.cpu()` of one layer's KV (512 MiB at 128K tokens for an 8B model) into fresh
-pageable memory ran at ~1.2 GB/s with the GPU idle: 14 s of a 35 s prefill. Here the copy runs on a
-side stream into small reused pinned buffers, and the CPU-side copy into owned tensors and the
-`on_layer` call (the cache writer's disk write) run in a worker thread, overlapped with the next
-layer's compute. Measured on an H100 (random-weight Llama-3-8B, 128K tokens, on_layer keeping every
-layer): 30.4 s → 20.7 s, and 19.0 s with the residual stream on the device too; 18.2 s with a no-op
-on_layer.
+pageable memory is slow and leaves the GPU idle, a large share of the prefill (docs/BENCHMARKS.md,
+"Prefill"). Here the copy runs on a side stream into small reused pinned buffers, and the CPU-side
+copy into owned tensors and the `on_layer` call (the cache writer's disk write) run in a worker
+thread, overlapped with the next layer's compute.
 """
 
 from __future__ import annotations
