@@ -19,10 +19,10 @@ import pytest
 from typer.testing import CliRunner
 
 from topk_decode import __version__
-from topk_decode.cli import chat_repl
+from topk_decode.cli import chat_commands, chat_repl
 from topk_decode.cli.app import app
-from topk_decode.cli.chat_repl import (COMMANDS, SETTINGS, ChatState, PlainReader, StopRequest, find_command,
-                                       help_text, read_turn, run_command)
+from topk_decode.cli.chat_commands import COMMANDS, SETTINGS, ChatState, find_command, help_text, run_command
+from topk_decode.cli.chat_repl import PlainReader, StopRequest, read_turn
 from topk_decode.errors import TopkError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,8 +119,8 @@ def test_help_lists_every_command_alias_and_setting():
 
 
 def test_adding_a_command_is_one_table_entry(monkeypatch, capsys):
-    monkeypatch.setattr(chat_repl, "COMMANDS",
-                        COMMANDS + [chat_repl.Command("/ping", "answer pong", lambda s, a: print("pong", a))])
+    monkeypatch.setattr(chat_commands, "COMMANDS",
+                        COMMANDS + [chat_commands.Command("/ping", "answer pong", lambda s, a: print("pong", a))])
     assert run_command("/ping  x ", fake_state())
     assert capsys.readouterr().out == "pong x\n" and "/ping" in help_text()
 

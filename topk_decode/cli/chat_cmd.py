@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from topk_decode.cli.chat_repl import ChatState, StopRequest, make_reader, read_turn, run_command, say, stdin_closed
+from topk_decode.cli.chat_commands import ChatState, run_command, say
+from topk_decode.cli.chat_repl import StopRequest, make_reader, read_turn, stdin_closed
 from topk_decode.cli.common import check_device, check_positive, console, parse_options, say_error, say_note
 from topk_decode.errors import TopkError
 
@@ -131,7 +132,11 @@ def _interactive(state: ChatState) -> None:
         f"strategy {store.config.strategy} · k={store.config.k}. Type /help for commands.")
     while True:
         try:
-            line = read_turn(read)
+            try:
+                line = read_turn(read)
+            except KeyboardInterrupt:   # Ctrl-C at a plain (non-prompt_toolkit) prompt: drop the line
+                typer.echo()
+                continue
             if line is None:
                 break
             line = line.strip()
