@@ -47,12 +47,9 @@ def serve_command(
     from topk_decode.index import get_strategy
 
     get_strategy(strategy)  # an unknown name fails before the model loads
-    try:
-        import uvicorn
+    import uvicorn
 
-        from topk_decode.serve.app import BATCHING, Server, create_app
-    except ModuleNotFoundError as e:
-        raise TopkError(f"`topk serve` needs {e.name!r}: pip install 'topk-decode[serve]'") from None
+    from topk_decode.serve.app import BATCHING, Server, create_app
     # bind first: a taken port is one error line before minutes of loading, not a log line after
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

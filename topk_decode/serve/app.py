@@ -71,7 +71,7 @@ class Server:
     async def health(self, request: Request) -> JSONResponse:
         w = self.worker
         return JSONResponse({"status": "ok", "model": self.model_id, "batching": BATCHING,
-                             "queue": w.waiting, "running": w.running, "served": w.served,
+                             "queue": w.waiting, "running": w.running, "served": w.served, "cancelled": w.cancelled,
                              "context_tokens": self.store.ckv.n_tokens, "documents": len(self.store.documents)})
 
     async def models(self, request: Request) -> JSONResponse:

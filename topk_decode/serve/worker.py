@@ -79,6 +79,7 @@ class DecodeWorker:
         self.waiting = 0
         self.running = 0
         self.served = 0
+        self.cancelled = 0   # jobs stopped early because their client went away
 
     def submit(self, job: Job) -> None:
         """Queue a job (429 when the queue is full)."""
@@ -98,6 +99,8 @@ class DecodeWorker:
             self.running += 1
         try:
             if job.cancelled.is_set():
+                with self._count:
+                    self.cancelled += 1
                 job.emit("done", None)
                 return
             with self.lock:
@@ -153,6 +156,9 @@ class DecodeWorker:
                     job.emit("text", tail)
         finally:
             pieces.close()   # stops decoding: the conversation is thrown away with the session
+        if finish == "cancelled":
+            with self._count:
+                self.cancelled += 1
         job.emit("done", {"finish_reason": finish or session.finish_reason or "length",
                           "prompt_tokens": n_context + n_prompt, "cached_tokens": n_context,
                           "completion_tokens": session.n_generated, "sources": session.sources})
