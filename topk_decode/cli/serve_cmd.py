@@ -73,5 +73,11 @@ def serve_command(
                     soft_wrap=True)
     if host not in ("127.0.0.1", "localhost", "::1"):
         say_note("the server has no authentication: anyone who can reach this address can use it")
+    class _Uvicorn(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # end the answers in progress first, or the graceful shutdown waits for them to finish
+            server.worker.close()
+            super().handle_exit(sig, frame)
+
     config = uvicorn.Config(create_app(server), log_level="warning", timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
+    _Uvicorn(config).run(sockets=[sock])

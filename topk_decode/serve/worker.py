@@ -46,7 +46,7 @@ class StopText:
         return out
 
 
-@dataclass
+@dataclass(eq=False)   # compared and hashed by identity (kept in a set)
 class Job:
     """One request's generation: its events go to `queue` on the event loop."""
 
@@ -80,6 +80,9 @@ class DecodeWorker:
         self.running = 0
         self.served = 0
         self.cancelled = 0   # jobs stopped early because their client went away
+        self.current: Job | None = None
+        self.pending: set[Job] = set()
+        self.closing = False
 
     def submit(self, job: Job) -> None:
         """Queue a job (429 when the queue is full)."""
@@ -87,14 +90,29 @@ class DecodeWorker:
             if self.waiting + self.running >= self.max_queue:
                 raise APIError(429, f"the queue is full ({self.max_queue} requests); retry later",
                                code="queue_full", type="rate_limit_error")
+            if self.closing:
+                raise _shutting_down()
             self.waiting += 1
+            self.pending.add(job)
         self._pool.submit(self._run, job)
 
     def close(self) -> None:
+        """Server shutdown: queued jobs get a 503, the running one stops at its next token."""
+        with self._count:
+            self.closing = True
+            pending, self.pending = list(self.pending), set()
+        for job in pending:
+            job.cancel()
+            job.emit("error", _shutting_down())
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if (job := self.current) is not None:
+            job.cancel()
 
     def _run(self, job: Job) -> None:
         with self._count:
+            if job not in self.pending:   # close() has answered it already
+                return
+            self.pending.discard(job)
             self.waiting -= 1
             self.running += 1
         try:
@@ -104,6 +122,7 @@ class DecodeWorker:
                 job.emit("done", None)
                 return
             with self.lock:
+                self.current = job
                 self._generate(job)
         except APIError as e:
             job.emit("error", e)
@@ -112,6 +131,7 @@ class DecodeWorker:
         except Exception as e:  # noqa: BLE001 - a failing request must not take the worker down
             job.emit("error", APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
         finally:
+            self.current = None
             with self._count:
                 self.running -= 1
                 self.served += 1
@@ -159,6 +179,13 @@ class DecodeWorker:
         if finish == "cancelled":
             with self._count:
                 self.cancelled += 1
+            if self.closing:      # the client is still there: tell it why the answer ends here
+                job.emit("error", _shutting_down())
+                return
         job.emit("done", {"finish_reason": finish or session.finish_reason or "length",
                           "prompt_tokens": n_context + n_prompt, "cached_tokens": n_context,
                           "completion_tokens": session.n_generated, "sources": session.sources})
+
+
+def _shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down", code="server_shutdown", type="server_error")
