@@ -330,3 +330,42 @@ def test_topk_serve_command_serves_and_stops_on_interrupt(demo_cache):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_prompt_past_the_models_positions_is_a_400_context_length_exceeded(live, store):
+    n = store.decoder.shape.max_positions
+    status, answer = post(live[0], "/v1/chat/completions", json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "amber " * n}]}))
+    assert status == 400 and answer["error"]["code"] == "context_length_exceeded"
+
+
+def test_a_full_queue_answers_429_and_shutdown_answers_queued_requests_503(store):
+    import asyncio
+
+    from topk_decode.serve.schemas import APIError, GenerationRequest
+    from topk_decode.serve.worker import DecodeWorker, Job
+
+    loop = asyncio.new_event_loop()
+    worker = DecodeWorker(store, max_queue=2)
+    request = GenerationRequest(kind="completion", model=MODEL, prompt=" the", max_tokens=5)
+    try:
+        with worker.lock:                   # the decoding thread blocks on the store: jobs pile up
+            jobs = [Job(request, loop), Job(request, loop)]
+            for job in jobs:
+                worker.submit(job)
+            with pytest.raises(APIError) as e:
+                worker.submit(Job(request, loop))
+            assert e.value.status == 429 and e.value.body()["error"]["code"] == "queue_full"
+            deadline = time.monotonic() + 30
+            while worker.waiting != 1:      # the first job is running (waiting for the lock)
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            jobs[0].cancel()
+            worker.close()
+        kind, value = loop.run_until_complete(asyncio.wait_for(jobs[1].queue.get(), 30))
+        assert kind == "error" and value.status == 503
+        with pytest.raises(APIError):
+            worker.submit(Job(request, loop))
+    finally:
+        worker.close()
+        loop.close()

@@ -56,7 +56,10 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def emit(self, kind: str, value) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
+        except RuntimeError:   # the event loop is closed (server gone): nobody is waiting for this
+            pass
 
     def cancel(self) -> None:
         self.cancelled.set()
