@@ -131,6 +131,18 @@ def test_malformed_conversations_are_user_errors(messages, fragment):
         conversation_text(messages, PromptFormat("raw"), None)
 
 
+def test_a_session_replies_to_a_one_message_conversation_as_it_answers_the_question(built_cache):
+    cache, _ = built_cache
+    store = KVStore.open(cache, k=64, device="cpu")
+    q = "what is in the notes?"
+    reply = "".join(store.session().reply([{"role": "user", "content": q}], max_new_tokens=10)).strip()
+    assert reply == store.ask(q, max_new_tokens=10)
+    chat = store.session()
+    chat.ask(q, max_new_tokens=4)
+    with pytest.raises(TopkError, match="fresh"):
+        chat.reply([{"role": "user", "content": q}])
+
+
 # ---- sources ---------------------------------------------------------------------------------------
 def _selection(ids, scores):
     return Selection(torch.tensor(ids, dtype=torch.int64), torch.tensor(scores, dtype=torch.float32))

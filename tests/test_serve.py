@@ -198,17 +198,24 @@ def test_concurrent_clients_get_the_answers_they_get_alone(client):
     assert all(QUESTIONS[k][1] in got[k] for k in QUESTIONS)
 
 
-def test_a_client_dropped_mid_stream_stops_its_generation_and_the_next_is_served(live, client):
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_dropped_client_stops_its_generation_and_the_next_is_served(live, client, stream):
     base, server = live
     before = server.worker.cancelled
     host, port = base.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT)
     # " the" makes the demo model write filler text without an end of turn: a long generation
     conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": " the", "max_tokens": 1000,
-                                                          "stream": True}), {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    assert resp.status == 200
-    assert resp.readline().startswith(b"data: ")   # the answer has started
+                                                          "stream": stream}), {"Content-Type": "application/json"})
+    if stream:
+        resp = conn.getresponse()
+        assert resp.status == 200
+        assert resp.readline().startswith(b"data: ")   # the answer has started
+    else:
+        deadline = time.monotonic() + TIMEOUT
+        while not server.worker.running:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.05)
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
     deadline = time.monotonic() + TIMEOUT
