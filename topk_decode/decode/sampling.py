@@ -42,7 +42,11 @@ class Sampling:
         return self.temperature == 0.0
 
     def pick(self, logits: torch.Tensor) -> int:
-        """The next token id from (V,) logits."""
+        """The next token id.
+
+        Args:
+            logits: (V,) logits of the next token, on any device.
+        """
         if self.greedy:
             return int(torch.argmax(logits))
         probs = torch.softmax(logits.detach().float().cpu() / self.temperature, dim=-1)   # (V,)

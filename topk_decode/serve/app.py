@@ -69,20 +69,24 @@ class Server:
 
     # ---- plain endpoints --------------------------------------------------------------------------
     async def health(self, request: Request) -> JSONResponse:
+        """GET /health: liveness, the batching policy and the queue."""
         w = self.worker
         return JSONResponse({"status": "ok", "model": self.model_id, "batching": BATCHING,
                              "queue": w.waiting, "running": w.running, "served": w.served, "cancelled": w.cancelled,
                              "context_tokens": self.store.ckv.n_tokens, "documents": len(self.store.documents)})
 
     async def models(self, request: Request) -> JSONResponse:
+        """GET /v1/models: the one model this server serves."""
         return JSONResponse({"object": "list", "data": [
             {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "topk-decode"}]})
 
     # ---- generation ---------------------------------------------------------------------------------
     async def chat(self, request: Request):
+        """POST /v1/chat/completions."""
         return await self._generate(request, "chat")
 
     async def completions(self, request: Request):
+        """POST /v1/completions."""
         return await self._generate(request, "completion")
 
     async def _generate(self, request: Request, kind: str):

@@ -31,6 +31,7 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
 
     def body(self) -> dict:
+        """The JSON body OpenAI clients parse."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 

@@ -31,7 +31,11 @@ class StopText:
         self.buf = ""
 
     def feed(self, piece: str) -> tuple[str, bool]:
-        """(text safe to send now, whether a stop sequence was reached)."""
+        """(text safe to send now, whether a stop sequence was reached).
+
+        Args:
+            piece: the next piece of decoded text.
+        """
         self.buf += piece
         hits = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
         if hits:
@@ -42,6 +46,7 @@ class StopText:
         return out, False
 
     def flush(self) -> str:
+        """What was held back, at the end of the answer (no stop sequence came)."""
         out, self.buf = self.buf, ""
         return out
 
@@ -56,12 +61,14 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def emit(self, kind: str, value) -> None:
+        """Hand an event to the request's coroutine (callable from any thread)."""
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
         except RuntimeError:   # the event loop is closed (server gone): nobody is waiting for this
             pass
 
     def cancel(self) -> None:
+        """The client is gone: skip the job if queued, stop it at its next token if running."""
         self.cancelled.set()
 
 
@@ -88,7 +95,11 @@ class DecodeWorker:
         self.closing = False
 
     def submit(self, job: Job) -> None:
-        """Queue a job (429 when the queue is full)."""
+        """Queue a job (429 when the queue is full, 503 once shutting down).
+
+        Args:
+            job: the request's job.
+        """
         with self._count:
             if self.waiting + self.running >= self.max_queue:
                 raise APIError(429, f"the queue is full ({self.max_queue} requests); retry later",
