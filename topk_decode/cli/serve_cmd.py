@@ -66,6 +66,7 @@ def serve_command(
     name = model_name or Path(cache).resolve().name
     server = Server(store, name, max_tokens_limit=max_tokens_limit, default_max_tokens=max_tokens,
                     max_queue=max_queue)
+    server.worker.warm_up()
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     console().print(f"serving {cache} as model '{name}' on http://{shown}:{bound}/v1 ({BATCHING}; "

@@ -110,6 +110,17 @@ class DecodeWorker:
             self.pending.add(job)
         self._pool.submit(self._run, job)
 
+    def warm_up(self) -> None:
+        """Decode two tokens on the decoding thread, so that the one-time work of the first step
+        (torch.compile, CUDA graph capture) happens before the first request, on the thread that will
+        replay it."""
+        def run() -> None:
+            with self.lock:
+                ids = self.store.tokenizer("Hello", add_special_tokens=False).input_ids
+                self.store.generate_ids(ids, max_new_tokens=2)
+
+        self._pool.submit(run).result()
+
     def close(self) -> None:
         """Server shutdown: queued jobs get a 503, the running one stops at its next token."""
         with self._count:
