@@ -269,7 +269,8 @@ class ChatSession:
 
         Args:
             messages: [{"role", "content"}, ...] ending with the user's; rendered after the documents by
-                the chat template (decode/messages.py).
+                the chat template (decode/messages.py). The session's own `system` is not added: a
+                system prompt goes in `messages`.
             max_new_tokens: answer length limit in tokens.
         """
         if self.turns:
