@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import typer
 from typer.core import TyperGroup
 
-from topk_decode.cli import bench_cmd, chat_cmd, duo_cmd, eval_cmd, info_cmd, prefill_cmd
+from topk_decode.cli import bench_cmd, chat_cmd, duo_cmd, eval_cmd, info_cmd, prefill_cmd, serve_cmd
 from topk_decode.cli.common import one_line, say_error, say_warning
 from topk_decode.errors import TopkError, TopkWarning
 
@@ -115,6 +115,7 @@ app.command("info")(info_cmd.info_command)
 app.command("eval")(eval_cmd.eval_command)
 app.command("calibrate-duo")(duo_cmd.calibrate_duo_command)
 app.command("bench")(bench_cmd.bench_command)
+app.command("serve")(serve_cmd.serve_command)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -29,6 +29,10 @@ def chat_command(
     prompt: Annotated[Optional[str], typer.Option(help="Answer this one question, print it and exit.")] = None,
     compile: Annotated[bool, typer.Option("--compile/--no-compile",
                                           help="On CUDA, compile the one-token step (the first token waits for it).")] = True,
+    system: Annotated[Optional[str], typer.Option(help="System prompt (a system turn right after the documents).")] = None,
+    temperature: Annotated[float, typer.Option(help="0 = greedy (exact); > 0 samples.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling: keep the tokens covering this probability.")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option(help="Seed of the sampler (reproducible sampled answers).")] = None,
 ) -> None:
     """Chat with your documents (or answer one --prompt and exit)."""
     check_positive("k", k)
@@ -43,9 +47,12 @@ def chat_command(
     from topk_decode.index import get_strategy
 
     get_strategy(strategy)  # an unknown name fails before the model loads
+    from topk_decode.decode.sampling import Sampling
+
+    Sampling(temperature, top_p, seed)  # bad sampling options fail before the model loads too
     store = _open_store(cache, k=k, k_schedule=k_schedule, strategy=strategy, model=model, device=device, dtype=dtype,
                         n_sink=n_sink, n_tail=n_tail, strategy_options=options, compile=compile)
-    session = store.session()
+    session = store.session(system, temperature=temperature, top_p=top_p, seed=seed, sources=True)
     if prompt is not None:
         _answer(session, prompt, max_new_tokens)
         return

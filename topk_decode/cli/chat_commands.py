@@ -180,6 +180,11 @@ def _cmd_stats(state: ChatState, arg: str) -> None:
     console().print(stats_table(state))
 
 
+def _cmd_sources(state: ChatState, arg: str) -> None:
+    rows = state.session.sources
+    say("\n".join(f"{s['weight']:6.1%}  {s['document']}" for s in rows) or "(no answer yet)")
+
+
 def _cmd_help(state: ChatState, arg: str) -> None:
     say(help_text())
 
@@ -190,6 +195,7 @@ COMMANDS: list[Command] = [
     Command("/set", "change a setting (alone: list them with their values)", _cmd_set, usage="[NAME VALUE]"),
     Command("/k", "show k, or change it (same as /set k N)", _cmd_k, usage="[N]"),
     Command("/stats", "tokens/s of the answers and per-step timings of this conversation", _cmd_stats),
+    Command("/sources", "which documents the last answer drew on (retrieved attention mass)", _cmd_sources),
     Command("/reset", "start a new conversation (the documents stay cached)", _cmd_reset, aliases=("/clear",)),
     Command("/quit", "leave (Ctrl-D on an empty line works too)", _cmd_quit, aliases=("/bye", "/exit", "/q")),
 ]

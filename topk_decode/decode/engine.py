@@ -21,6 +21,7 @@ from topk_decode.config import DecodeConfig
 from topk_decode.decode.context import ContextAttention
 from topk_decode.decode.graphs import StepSegments, finish_layer
 from topk_decode.decode.merge import window_attention
+from topk_decode.decode.sampling import Sampling
 from topk_decode.decode.window import Window
 from topk_decode.errors import TopkError, TopkWarning
 from topk_decode.index import Selection, get_strategy
@@ -92,7 +93,7 @@ class Conversation:
 
 
 class TopKDecoder:
-    """Greedy decoding of a model over a prefilled context with top-k retrieval attention.
+    """Decoding (greedy, or sampled: sampling.py) of a model over a prefilled context with top-k retrieval attention.
 
     Args:
         model: the HF causal LM, already on `device`.
@@ -249,21 +250,23 @@ class TopKDecoder:
         return final_logits(self.model, x[:, -1:])[0]
 
     def stream(self, conv: Conversation, prompt_ids: list[int], max_new_tokens: int,
-               eos_ids: set[int] | None = None) -> Iterator[int]:
-        """Greedy continuation, token by token; the last token stays pending so a next turn continues exactly.
+               eos_ids: set[int] | None = None, sampling: Sampling | None = None) -> Iterator[int]:
+        """Continuation token by token (greedy unless `sampling` says otherwise); the last token stays
+        pending so a next turn continues exactly.
 
         Args:
             conv: the conversation (window + strategy state).
             prompt_ids: tokens appended after whatever the conversation holds.
             max_new_tokens: at most this many generated tokens.
             eos_ids: stop after generating one of these (it is yielded, as HF includes it).
+            sampling: temperature / top-p / seed (None: greedy).
         """
         eos_ids = eos_ids or set()
         if max_new_tokens <= 0:
             return
         logits = self.forward(prompt_ids, conv)
         for i in range(max_new_tokens):
-            tok = int(torch.argmax(logits))
+            tok = sampling.pick(logits) if sampling is not None else int(torch.argmax(logits))
             if tok in eos_ids or i == max_new_tokens - 1:
                 conv.pending = [tok]
                 yield tok
@@ -272,6 +275,6 @@ class TopKDecoder:
             logits = self.forward([tok], conv)
 
     def generate(self, conv: Conversation, prompt_ids: list[int], max_new_tokens: int,
-                 eos_ids: set[int] | None = None) -> list[int]:
+                 eos_ids: set[int] | None = None, sampling: Sampling | None = None) -> list[int]:
         """All of `stream` as a list."""
-        return list(self.stream(conv, prompt_ids, max_new_tokens, eos_ids))
+        return list(self.stream(conv, prompt_ids, max_new_tokens, eos_ids, sampling))

@@ -1,0 +1,378 @@
+"""`topk serve` against a live server on 127.0.0.1, driven by the real `openai` client.
+
+The demo cache (examples/docs prefilled with the shipped demo model) answers "What is the special
+magic number for amber-fox?" with 482, so answers can be checked, not only shapes. One server (uvicorn
+in a thread, a random free port) serves every test of the module; each request has a bounded timeout.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from topk_decode.serve.app import Server, create_app  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "demo-cache"
+TIMEOUT = 120          # seconds any one request may take on a slow shared CPU
+QUESTIONS = {          # examples/QUESTIONS.md
+    "amber-fox": ("What is the special magic number for amber-fox?", "482"),
+    "silver-owl": ("What is the special magic number for silver-owl?", "731"),
+    "quiet-lynx": ("What is the special magic number for quiet-lynx?", "219"),
+}
+
+
+@pytest.fixture(scope="module")
+def demo_cache(tmp_path_factory) -> Path:
+    """examples/docs prefilled with the shipped demo model, on the CPU."""
+    from topk_decode.demo import default_model_dir
+    from topk_decode.prefill.build import build_cache
+
+    model_dir, trained = default_model_dir()
+    if not trained:
+        pytest.skip("the trained demo model is not shipped in this checkout")
+    out = tmp_path_factory.mktemp("serve") / MODEL
+    build_cache(ROOT / "examples" / "docs", out, model_dir, device="cpu")
+    return out
+
+
+@pytest.fixture(scope="module")
+def store(demo_cache):
+    from topk_decode.api import KVStore
+
+    return KVStore.open(demo_cache, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def live(store):
+    """(base_url, Server): the app served by uvicorn in a thread on a free port of 127.0.0.1."""
+    server = Server(store, MODEL, max_tokens_limit=1024, default_max_tokens=64)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", server
+    uv.should_exit = True
+    thread.join(15)
+
+
+@pytest.fixture
+def client(live):
+    return openai.OpenAI(base_url=live[0] + "/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+
+
+def ask(client, question: str, **kw):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}], **kw)
+
+
+def post(base: str, path: str, body: bytes | str) -> tuple[int, dict]:
+    """POST raw bytes; (status, parsed JSON body)."""
+    data = body.encode() if isinstance(body, str) else body
+    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def get(base: str, path: str) -> dict:
+    with urllib.request.urlopen(base + path, timeout=TIMEOUT) as r:
+        return json.loads(r.read())
+
+
+def sources_of(obj) -> list[dict]:
+    """The extra `sources` field an OpenAI response object carries along."""
+    return (obj.model_extra or {}).get("sources")
+
+
+# ---- answers ---------------------------------------------------------------------------------------
+def test_openai_client_gets_the_demo_answer_with_sources_and_usage(client, store):
+    r = ask(client, QUESTIONS["amber-fox"][0])
+    answer = r.choices[0].message.content
+    assert answer == "The special magic number for amber-fox is 482."
+    assert answer == store.ask(QUESTIONS["amber-fox"][0])       # the server answers as the API does
+    assert r.choices[0].finish_reason == "stop"
+    assert r.model == MODEL and r.object == "chat.completion"
+    assert r.usage.prompt_tokens_details.cached_tokens == store.ckv.n_tokens
+    assert r.usage.prompt_tokens > store.ckv.n_tokens and r.usage.completion_tokens > 5
+    src = sources_of(r)
+    assert {s["document"] for s in src} <= {d["name"] for d in store.documents}
+    assert src[0]["document"] == "01_kelorn_harbour.txt"    # where the amber-fox fact is (examples/QUESTIONS.md)
+
+
+def test_streamed_chunks_join_to_the_same_answer_and_the_last_carries_sources(client):
+    question, number = QUESTIONS["quiet-lynx"]
+    plain = ask(client, question).choices[0].message.content
+    chunks = list(ask(client, question, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain and number in text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    last = [c for c in chunks if c.choices][-1]
+    assert last.choices[0].finish_reason == "stop"
+    assert sources_of(last)[0]["document"] == "04_travel_log.txt"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 5
+
+
+def test_raw_stream_is_openai_sse_ending_with_done(live):
+    base = live[0]
+    body = json.dumps({"model": MODEL, "stream": True, "messages": [{"role": "user", "content": QUESTIONS["amber-fox"][0]}]})
+    req = urllib.request.Request(base + "/v1/chat/completions", data=body.encode())
+    with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        events = [e for e in r.read().decode().split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    deltas = [json.loads(e[6:]) for e in events[:-1]]
+    assert all(d["object"] == "chat.completion.chunk" for d in deltas)
+    assert "482" in "".join(d["choices"][0]["delta"].get("content", "") for d in deltas)
+
+
+def test_completions_continue_the_prompt_verbatim_after_the_documents(client):
+    prompt = "\nQuestion: What is the special magic number for silver-owl?\nAnswer:"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20)
+    assert r.choices[0].text.strip() == "The special magic number for silver-owl is 731."
+    streamed = "".join(c.choices[0].text for c in client.completions.create(model=MODEL, prompt=prompt,
+                                                                             max_tokens=20, stream=True))
+    assert streamed == r.choices[0].text
+
+
+def test_stop_sequence_and_max_tokens_end_the_answer(client):
+    r = ask(client, QUESTIONS["amber-fox"][0], stop=[" is "])
+    assert r.choices[0].message.content == "The special magic number for amber-fox"
+    assert r.choices[0].finish_reason == "stop"
+    r = ask(client, QUESTIONS["amber-fox"][0], max_tokens=3)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+
+
+def test_seeded_sampling_repeats_and_a_system_prompt_is_accepted(client):
+    kw = dict(temperature=1.5, top_p=0.95, seed=7, max_tokens=24)
+    a = ask(client, QUESTIONS["silver-owl"][0], **kw).choices[0].message.content
+    b = ask(client, QUESTIONS["silver-owl"][0], **kw).choices[0].message.content
+    assert a == b and a
+    r = client.chat.completions.create(model=MODEL, messages=[
+        {"role": "system", "content": "Answer with the number."},
+        {"role": "user", "content": QUESTIONS["amber-fox"][0]}])
+    assert r.choices[0].message.content   # the demo model has no chat template: a plain line before the question
+
+
+def test_models_and_health(live):
+    base, server = live
+    models = get(base, "/v1/models")
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    health = get(base, "/health")
+    assert health["status"] == "ok" and health["batching"] == "serial queue, batch 1"
+    assert health["queue"] == 0 and health["documents"] == 4
+
+
+# ---- many clients ------------------------------------------------------------------------------------
+def test_concurrent_clients_get_the_answers_they_get_alone(client):
+    serial = {k: ask(client, q).choices[0].message.content for k, (q, _) in QUESTIONS.items()}
+    with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+        futures = {k: pool.submit(ask, client, q, stream=(i % 2 == 1)) for i, (k, (q, _)) in enumerate(QUESTIONS.items())}
+        got = {}
+        for k, f in futures.items():
+            r = f.result(timeout=TIMEOUT * 2)
+            got[k] = r.choices[0].message.content if not isinstance(r, openai.Stream) else \
+                "".join(c.choices[0].delta.content or "" for c in r if c.choices)
+    assert got == serial
+    assert all(QUESTIONS[k][1] in got[k] for k in QUESTIONS)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_dropped_client_stops_its_generation_and_the_next_is_served(live, client, stream):
+    base, server = live
+    before = server.worker.cancelled
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT)
+    # " the" makes the demo model write filler text without an end of turn: a long generation
+    conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": " the", "max_tokens": 1000,
+                                                          "stream": stream}), {"Content-Type": "application/json"})
+    if stream:
+        resp = conn.getresponse()
+        assert resp.status == 200
+        assert resp.readline().startswith(b"data: ")   # the answer has started
+    else:
+        deadline = time.monotonic() + TIMEOUT
+        while not server.worker.running:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.05)
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    deadline = time.monotonic() + TIMEOUT
+    while server.worker.cancelled == before or server.worker.running:
+        assert time.monotonic() < deadline, "the dropped stream was not stopped"
+        time.sleep(0.1)
+    assert server.worker.cancelled == before + 1
+    assert "482" in ask(client, QUESTIONS["amber-fox"][0]).choices[0].message.content
+
+
+def test_load_every_request_of_every_client_is_answered(client):
+    n_clients, n_requests = 4, 3
+    keys = list(QUESTIONS)
+
+    def one_client(c: int) -> list[tuple[str, str]]:
+        out = []
+        for m in range(n_requests):
+            k = keys[(c + m) % len(keys)]
+            r = ask(client, QUESTIONS[k][0], stream=bool(m % 2))
+            text = "".join(x.choices[0].delta.content or "" for x in r if x.choices) if m % 2 else \
+                r.choices[0].message.content
+            out.append((k, text))
+        return out
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(n_clients) as pool:
+        results = [a for f in [pool.submit(one_client, c) for c in range(n_clients)] for a in f.result(timeout=600)]
+    assert len(results) == n_clients * n_requests
+    assert all(QUESTIONS[k][1] in text for k, text in results), results
+    assert time.monotonic() - t0 < 600
+
+
+# ---- bad requests: 4xx JSON, and the server stays up ---------------------------------------------------
+@pytest.mark.parametrize("body, status, param", [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    ({"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
+    ({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+    ({"model": MODEL, "messages": []}, 400, "messages"),
+    ({"model": MODEL, "messages": "hi"}, 400, "messages"),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
+    ({"model": MODEL, "messages": [{"role": "assistant", "content": "hi"}]}, 400, None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10 ** 6}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 5}, 400, "temperature"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": [""]}, 400, "stop"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": 1.5}, 400, "seed"),
+])
+def test_bad_chat_requests_get_openai_shaped_4xx_json(live, body, status, param):
+    base = live[0]
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    got, answer = post(base, "/v1/chat/completions", raw)
+    assert got == status, answer
+    err = answer["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    assert get(base, "/health")["status"] == "ok"
+
+
+def test_openai_client_raises_its_own_errors_for_unknown_model_and_bad_values(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError):
+        ask(client, "hi", max_tokens=100_000)
+    with pytest.raises(openai.BadRequestError):
+        ask(client, "hi", temperature=-1)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="", max_tokens=5)
+    assert "482" in ask(client, QUESTIONS["amber-fox"][0]).choices[0].message.content
+
+
+def test_unknown_routes_and_methods_are_json_errors(live):
+    base = live[0]
+    for method, path, status in [("GET", "/v1/nothing", 404), ("GET", "/v1/chat/completions", 405)]:
+        req = urllib.request.Request(base + path, method=method)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=TIMEOUT)
+        assert e.value.code == status and "error" in json.loads(e.value.read())
+
+
+# ---- the command -----------------------------------------------------------------------------------
+def test_topk_serve_on_a_taken_port_is_one_error_line(demo_cache):
+    from typer.testing import CliRunner
+
+    from topk_decode.cli.app import app
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(app, ["serve", str(demo_cache), "--port", str(port), "--device", "cpu"])
+    assert result.exit_code == 2
+    assert result.stderr.strip().startswith("error: cannot listen on 127.0.0.1:") and "\n" not in result.stderr.strip()
+
+
+def test_topk_serve_command_serves_and_stops_on_interrupt(demo_cache):
+    proc = subprocess.Popen([sys.executable, "-m", "topk_decode", "serve", str(demo_cache), "--port", "0",
+                             "--device", "cpu"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()          # printed once the model is loaded and the port bound
+        assert line.startswith(f"serving {demo_cache} as model '{MODEL}' on http://127.0.0.1:"), line
+        base = line.split(" on ")[1].split("/v1")[0]
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                health = get(base, "/health")
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+                time.sleep(0.2)
+        assert health["model"] == MODEL
+        proc.send_signal(subprocess.signal.SIGINT)
+        proc.wait(timeout=30)
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_prompt_past_the_models_positions_is_a_400_context_length_exceeded(live, store):
+    n = store.decoder.shape.max_positions
+    status, answer = post(live[0], "/v1/chat/completions", json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "amber " * n}]}))
+    assert status == 400 and answer["error"]["code"] == "context_length_exceeded"
+
+
+def test_a_full_queue_answers_429_and_shutdown_answers_queued_requests_503(store):
+    import asyncio
+
+    from topk_decode.serve.schemas import APIError, GenerationRequest
+    from topk_decode.serve.worker import DecodeWorker, Job
+
+    loop = asyncio.new_event_loop()
+    worker = DecodeWorker(store, max_queue=2)
+    request = GenerationRequest(kind="completion", model=MODEL, prompt=" the", max_tokens=5)
+    try:
+        with worker.lock:                   # the decoding thread blocks on the store: jobs pile up
+            jobs = [Job(request, loop), Job(request, loop)]
+            for job in jobs:
+                worker.submit(job)
+            with pytest.raises(APIError) as e:
+                worker.submit(Job(request, loop))
+            assert e.value.status == 429 and e.value.body()["error"]["code"] == "queue_full"
+            deadline = time.monotonic() + 30
+            while worker.waiting != 1:      # the first job is running (waiting for the lock)
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            jobs[0].cancel()
+            worker.close()
+        kind, value = loop.run_until_complete(asyncio.wait_for(jobs[1].queue.get(), 30))
+        assert kind == "error" and value.status == 503
+        with pytest.raises(APIError):
+            worker.submit(Job(request, loop))
+    finally:
+        worker.close()
+        loop.close()

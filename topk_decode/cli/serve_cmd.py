@@ -1,0 +1,84 @@
+"""`topk serve CACHE`: the cache behind an OpenAI-compatible HTTP API (topk_decode/serve/)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from topk_decode.cli.common import check_device, check_positive, console, parse_options, say_note
+from topk_decode.errors import TopkError
+
+
+def serve_command(
+    cache: Annotated[Path, typer.Argument(help="The cache directory written by `topk prefill`.")],
+    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port (0: any free port, printed at start).")] = 8000,
+    k: Annotated[int, typer.Option("--k", "-k", help="Context tokens retrieved per query head and layer.")] = 256,
+    strategy: Annotated[str, typer.Option(help="Selection strategy (flat = exact top-k).")] = "flat",
+    k_schedule: Annotated[str, typer.Option(help="uniform, or linear: k growing over layers at the same total.")] = "uniform",
+    opt: Annotated[Optional[list[str]], typer.Option(help="Strategy option key=value, e.g. nprobe=32 (repeatable).")] = None,
+    model_name: Annotated[Optional[str], typer.Option(help="The model id clients pass (default: the cache's folder name).")] = None,
+    max_tokens: Annotated[int, typer.Option(help="Answer length when a request sets no max_tokens.")] = 256,
+    max_tokens_limit: Annotated[int, typer.Option(help="The largest max_tokens a request may ask for.")] = 4096,
+    max_queue: Annotated[int, typer.Option(help="Requests waiting or running beyond which new ones get a 429.")] = 64,
+    model: Annotated[Optional[Path], typer.Option(help="Checkpoint dir (default: the one the cache records).")] = None,
+    device: Annotated[Optional[str], typer.Option(help="cuda or cpu (default: cuda when available).")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU).")] = None,
+    n_sink: Annotated[int, typer.Option(help="First context tokens kept in the exact GPU window.")] = 4,
+    n_tail: Annotated[int, typer.Option(help="Last context tokens kept in the exact GPU window.")] = 64,
+    compile: Annotated[bool, typer.Option("--compile/--no-compile",
+                                          help="On CUDA, compile the one-token step.")] = True,
+) -> None:
+    """Serve a cache over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
+    check_positive("k", k)
+    check_positive("--max-tokens", max_tokens)
+    check_positive("--max-tokens-limit", max_tokens_limit)
+    check_positive("--max-queue", max_queue)
+    check_device(device)
+    if not 0 <= port <= 65535:
+        raise TopkError(f"--port must be in 0..65535, got {port}")
+    if n_sink < 0 or n_tail < 0:
+        raise TopkError("--n-sink and --n-tail must be ≥ 0")
+    options = parse_options(opt)
+
+    from topk_decode.index import get_strategy
+
+    get_strategy(strategy)  # an unknown name fails before the model loads
+    import uvicorn
+
+    from topk_decode.serve.app import BATCHING, Server, create_app
+    # bind first: a taken port is one error line before minutes of loading, not a log line after
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise TopkError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+    from topk_decode.api import KVStore
+
+    store = KVStore.open(cache, k=k, k_schedule=k_schedule, strategy=strategy, model=model, device=device,
+                         dtype=dtype, n_sink=n_sink, n_tail=n_tail, strategy_options=options, compile=compile)
+    name = model_name or Path(cache).resolve().name
+    server = Server(store, name, max_tokens_limit=max_tokens_limit, default_max_tokens=max_tokens,
+                    max_queue=max_queue)
+    server.worker.warm_up()
+    bound = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    console().print(f"serving {cache} as model '{name}' on http://{shown}:{bound}/v1 ({BATCHING}; "
+                    f"{store.ckv.n_tokens:,} tokens, strategy {strategy}, k={k}). Ctrl-C stops.", markup=False,
+                    soft_wrap=True)
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        say_note("the server has no authentication: anyone who can reach this address can use it")
+    class _Uvicorn(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # end the answers in progress first, or the graceful shutdown waits for them to finish
+            server.worker.close()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(create_app(server), log_level="warning", timeout_graceful_shutdown=5)
+    _Uvicorn(config).run(sockets=[sock])

@@ -1,0 +1,1 @@
+"""`topk serve`: an OpenAI-compatible HTTP server over one cache (Starlette + uvicorn)."""

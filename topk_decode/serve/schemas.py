@@ -1,0 +1,166 @@
+"""Request validation and OpenAI-shaped errors: every bad request becomes a 4xx JSON error, never a 500.
+
+Hand-written checks instead of a schema library, so each error names its parameter the way the
+OpenAI API does: {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_STOP = 4            # OpenAI's limit on stop sequences
+TEMPERATURE_MAX = 2.0   # OpenAI's range for temperature
+
+
+class APIError(Exception):
+    """An error answered as OpenAI-shaped JSON.
+
+    Args:
+        status: HTTP status (4xx for the client's mistakes).
+        message: what went wrong, for a person.
+        param: the request parameter at fault, if any.
+        code: a machine-readable code (e.g. "model_not_found").
+        type: OpenAI's error type.
+    """
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def body(self) -> dict:
+        """The JSON body OpenAI clients parse."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class GenerationRequest:
+    """A validated /v1/chat/completions or /v1/completions request."""
+
+    kind: str                                # "chat" or "completion"
+    model: str
+    messages: list[dict] = field(default_factory=list)   # chat
+    prompt: str = ""                                     # completion
+    stream: bool = False
+    include_usage: bool = False
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+
+def parse_json(raw: bytes) -> dict:
+    """The request body as a JSON object, or a 400."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+        raise APIError(400, f"{name} must be a number", param=name, code="invalid_type")
+    if v > hi or v < lo or (lo_open and v == lo):
+        bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise APIError(400, f"{name} must be in {bound}, got {v}", param=name, code="invalid_value")
+    return float(v)
+
+
+def _integer(body: dict, name: str) -> int | None:
+    v = body.get(name)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+        raise APIError(400, f"{name} must be an integer", param=name, code="invalid_type")
+    return v
+
+
+def _text(content: Any, param: str) -> str:
+    """A message's content: a string, or a list of {"type": "text", "text": ...} parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in content):
+            raise APIError(400, "only text content parts are supported", param=param, code="invalid_value")
+        return "".join(p["text"] for p in content)
+    raise APIError(400, "message content must be a string or a list of text parts", param=param,
+                   code="invalid_type")
+
+
+def parse_request(body: dict, kind: str, model_id: str, max_tokens_limit: int, default_max_tokens: int) -> GenerationRequest:
+    """Validate a chat or completion request.
+
+    Args:
+        body: the parsed JSON body.
+        kind: "chat" or "completion".
+        model_id: the one model this server serves.
+        max_tokens_limit: the largest max_tokens accepted.
+        default_max_tokens: max_tokens when the request gives none.
+    """
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise APIError(400, "model is required (GET /v1/models lists it)", param="model", code="missing_required_parameter")
+    if model != model_id:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {model_id!r}", param="model",
+                       code="model_not_found")
+    req = GenerationRequest(kind=kind, model=model)
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise APIError(400, "messages must be a non-empty list", param="messages",
+                           code="missing_required_parameter" if messages is None else "invalid_value")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m:
+                raise APIError(400, f"messages[{i}] must be an object with a role", param=f"messages[{i}]",
+                               code="invalid_value")
+            req.messages.append({"role": m["role"], "content": _text(m.get("content"), f"messages[{i}].content")})
+        for name in ("tools", "functions"):
+            if body.get(name):
+                raise APIError(400, f"{name} are not supported", param=name, code="unsupported_parameter")
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise APIError(400, "prompt must be a non-empty string", param="prompt", code="invalid_value")
+        req.prompt = prompt
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool) and stream is not None:
+        raise APIError(400, "stream must be a boolean", param="stream", code="invalid_type")
+    req.stream = bool(stream)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise APIError(400, "stream_options must be an object", param="stream_options", code="invalid_type")
+    req.include_usage = bool((options or {}).get("include_usage"))
+    n = _integer(body, "n")
+    if n not in (None, 1):
+        raise APIError(400, "only n=1 is supported", param="n", code="unsupported_value")
+    if body.get("logprobs") or body.get("echo"):
+        name = "logprobs" if body.get("logprobs") else "echo"
+        raise APIError(400, f"{name} is not supported", param=name, code="unsupported_parameter")
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _integer(body, name)
+    if max_tokens is not None and not 1 <= max_tokens <= max_tokens_limit:
+        raise APIError(400, f"{name} must be between 1 and {max_tokens_limit} on this server, got {max_tokens}",
+                       param=name, code="invalid_value")
+    req.max_tokens = max_tokens if max_tokens is not None else default_max_tokens
+    # greedy unless asked: the served caches answer questions, and greedy is the exact path
+    req.temperature = _number(body, "temperature", 0.0, 0.0, TEMPERATURE_MAX)
+    req.top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+    req.seed = _integer(body, "seed")
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (not isinstance(stop, list) or len(stop) > MAX_STOP
+                             or not all(isinstance(s, str) and s for s in stop)):
+        raise APIError(400, f"stop must be a non-empty string or a list of at most {MAX_STOP} of them", param="stop",
+                       code="invalid_value")
+    req.stop = stop or []
+    return req
