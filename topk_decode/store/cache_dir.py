@@ -112,6 +112,9 @@ class CacheWriter:
             (first layer to compute, residual stream entering it or None, why nothing was kept or "").
         """
         layer, files, hidden, why = load_checkpoint(self.tmp, key)
+        if layer == 0:              # nothing usable: start from an empty partial directory
+            shutil.rmtree(self.tmp)
+            (self.tmp / "kv").mkdir(parents=True)
         self.files.update(files)
         self.resumed_from = layer
         return layer, hidden, why
@@ -190,8 +193,11 @@ class CacheWriter:
 
 
 def _write_hook(rel: str, f, arr: np.ndarray) -> None:
-    """Write `arr` to `f`. TOPK_TEST_DIE_WRITING=REL makes the process kill itself (SIGKILL) half-way
-    through writing REL: the tests' stand-in for a pre-empted machine (a kill -9 mid-layer)."""
+    """Write `arr` to `f`. Two test hooks stand in for a pre-empted machine: TOPK_TEST_WRITE_DELAY_S
+    slows every write (time to send a signal), TOPK_TEST_DIE_WRITING=REL kills the process (SIGKILL)
+    half-way through writing REL (a kill -9 mid-layer)."""
+    if os.environ.get("TOPK_TEST_WRITE_DELAY_S"):
+        time.sleep(float(os.environ["TOPK_TEST_WRITE_DELAY_S"]))
     if os.environ.get("TOPK_TEST_DIE_WRITING") == rel:
         import signal
 
@@ -305,6 +311,18 @@ def verify_files(d: PinnedDir | Path, manifest: dict, full: bool | None = None) 
     return len(files) if full else 0
 
 
+def check_cache(path: str | os.PathLike, full: bool = False) -> tuple[dict, str, int]:
+    """Validate a cache without mapping it (`topk info`): manifest schema and checksum, file sizes, and
+    with `full` every file's checksum.
+
+    Returns:
+        (manifest, cache id, number of files hashed).
+    """
+    with _pinned(Path(path)) as d:
+        manifest, cache_id = _load_manifest(d)
+        return manifest, cache_id, verify_files(d, manifest, full)
+
+
 def open_cache(path: str | os.PathLike, verify: bool | None = None) -> ContextKV:
     """Open a cache directory: validate it, then memory-map tokens, keys and values (no copy).
 
@@ -336,4 +354,4 @@ def open_cache(path: str | os.PathLike, verify: bool | None = None) -> ContextKV
     return ContextKV(path=path, manifest=manifest, tokens=tokens, keys=keys, values=values, cache_id=cache_id)
 
 
-__all__ = ["check_output", "CacheWriter", "ContextKV", "open_cache", "read_manifest", "verify_files", "dtype_name"]
+__all__ = ["check_output", "CacheWriter", "ContextKV", "open_cache", "check_cache", "read_manifest", "verify_files", "dtype_name"]
