@@ -325,7 +325,7 @@ def test_kill_9_mid_layer_then_resume_equals_an_uninterrupted_prefill(tmp_path, 
     assert not out.exists() and not (partial / MANIFEST).exists()
     assert (partial / "kv" / "keys.003.bin").stat().st_size < (partial / "kv" / "keys.002.bin").stat().st_size
     # Without --resume the kept work is neither lost nor silently reused.
-    assert_one_line_error(topk("prefill", docs_dir, "--out", out, *args), "finished layers", "--resume")
+    assert_one_line_error(topk("prefill", docs_dir, "--out", out, *args), "finished layer(s)", "--resume")
     result = topk("prefill", docs_dir, "--out", out, *args, "--resume")
     assert result.exit_code == 0, result.output
     assert "resuming at layer 3 of 5" in result.stderr

@@ -162,6 +162,9 @@ def prefill_command(
 
     peak = "n/a on CPU" if stats.peak_device_bytes is None else human_bytes(stats.peak_device_bytes)
     out_console.print(f"wrote {path}", markup=False, soft_wrap=True)
+    if stats.resumed_at_layer:
+        out_console.print(f"resumed at layer {stats.resumed_at_layer}: the figures below cover the layers computed "
+                          "by this run", markup=False)
     out_console.print(f"tokens: {stats.n_tokens:,}   time: {stats.seconds:.2f} s   "
                       f"throughput: {stats.tokens_per_s:,.0f} tok/s   peak GPU memory: {peak}   "
                       f"size on disk: {human_bytes(dir_size(path))}", markup=False)

@@ -140,8 +140,13 @@ def build_cache(
         start, hidden = 0, None
         if resume:
             start, hidden, why = writer.resume_point(key)
-            _say(on_note, f"resuming at layer {start} of {shape.n_layers}: layers 0-{start - 1} verified and kept"
-                 if start else f"nothing to resume in {writer.tmp} ({why or 'no partial prefill'}): starting over")
+            if start:
+                kept = "layer 0" if start == 1 else f"layers 0-{start - 1}"
+                _say(on_note, f"resuming at layer {start} of {shape.n_layers}: {kept} verified and kept")
+            elif writer.found_partial:
+                _say(on_note, f"nothing to resume in {writer.tmp} ({why}): starting over")
+            else:
+                _say(on_note, f"no interrupted prefill of {out} to resume: starting over")
         layer_bytes = 2 * shape.n_kv_heads * n * shape.head_dim * model_dtype.itemsize
         _check_space(out, (shape.n_layers - start) * layer_bytes + 4 * n + 4 * shape.vocab_size, on_note)
         if on_start is not None:
@@ -177,8 +182,9 @@ def build_cache(
         # A full disk needs its space back; any other failure (an interruption, SIGTERM, kill, a crash)
         # keeps a partial prefill that has a checkpoint, for --resume.
         if writer.abort(keep_resumable=not disk):
-            _say(on_note, f"kept {writer.resumable_layers} finished layers in {writer.tmp}: run the same command "
-                          f"with --resume to continue (or delete that directory)")
+            n_kept = writer.resumable_layers
+            _say(on_note, f"kept {n_kept} finished layer{'s' if n_kept > 1 else ''} in {writer.tmp}: run the same "
+                          f"command with --resume to continue (or delete that directory)")
         if disk:
             raise TopkError(f"{unwritable(out, e)}; the partial cache was removed") from None
         raise

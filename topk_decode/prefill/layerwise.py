@@ -40,6 +40,7 @@ class PrefillStats:
     n_tokens: int
     seconds: float
     peak_device_bytes: int | None  # None on CPU
+    resumed_at_layer: int = 0      # > 0: the time covers only the layers from this one on (`--resume`)
 
     @property
     def tokens_per_s(self) -> float:
@@ -379,7 +380,7 @@ def prefill_layers(
         _sync_host(hidden, device)
         last = final_logits(model, hidden[N - 1:N].to(device)[None])[0].cpu()
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return last, PrefillStats(N, time.perf_counter() - t0, peak)
+    return last, PrefillStats(N, time.perf_counter() - t0, peak, resume.start)
 
 
 def _prefill_offloaded(model, ids, on_layer, chunk_size, progress, shape: ModelShape, dtype: torch.dtype,
@@ -416,4 +417,4 @@ def _prefill_offloaded(model, ids, on_layer, chunk_size, progress, shape: ModelS
         for i in list(streamer.ready):
             streamer.release(i)
     peak = torch.cuda.max_memory_allocated(device) if cuda else None
-    return last, PrefillStats(N, time.perf_counter() - t0, peak)
+    return last, PrefillStats(N, time.perf_counter() - t0, peak, resume.start)

@@ -87,10 +87,11 @@ class CacheWriter:
             check_output(self.out, overwrite)
             self.tmp = partial_path(self.out)
             self.resumed_from = 0
+            self.found_partial = self.tmp.exists()
             if self.tmp.exists():
                 kept = checkpoint_layers(self.tmp)
                 if kept and not resume:
-                    raise TopkError(f"an interrupted prefill of {self.out} left {kept} finished layers in "
+                    raise TopkError(f"an interrupted prefill of {self.out} left {kept} finished layer(s) in "
                                     f"{self.tmp}: continue it with --resume, or delete that directory")
                 if not kept:
                     shutil.rmtree(self.tmp)        # nothing to resume: we hold the lock, nobody writes it

@@ -110,7 +110,10 @@ def lock_dir(path: Path, shared: bool) -> int | None:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except (FileNotFoundError, NotADirectoryError):
         return None
-    fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+    except OSError:
+        pass        # a filesystem without flock (some network mounts): the atomic swap still holds
     return fd
 
 
