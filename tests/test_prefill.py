@@ -260,3 +260,41 @@ def test_whole_layer_attention_pass_equals_chunked_attention(monkeypatch):
         torch.testing.assert_close(k1, k0, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(v1, v0, rtol=1e-5, atol=1e-5)
     assert len(kv1) == len(model.model.layers)
+
+
+@pytest.mark.parametrize("where", ["cpu", "cpu-threaded", pytest.param("cuda", marks=pytest.mark.gpu),
+                                   pytest.param("cuda-offloaded", marks=pytest.mark.gpu)])
+def test_prefill_resumed_from_a_checkpoint_equals_an_uninterrupted_one(monkeypatch, where):
+    """Checkpoints hand over the residual stream entering a layer once the layers below it are written;
+    continuing from one gives the same KV and logits, bit for bit."""
+    from topk_decode.prefill.layerwise import prefill_layers
+
+    if where == "cpu-threaded":
+        _threaded(monkeypatch)
+    model, ids = _deep_model(), torch.randint(3, 97, (130,), generator=torch.Generator().manual_seed(4)).tolist()
+    offload = where == "cuda-offloaded"
+    if where == "cuda":
+        model = model.cuda()
+    device = "cuda" if where.startswith("cuda") else None
+    written: dict[int, tuple] = {}
+    checkpoints: dict[int, tuple[list[int], torch.Tensor]] = {}
+
+    def on_layer(layer, k, v):
+        written[layer] = (k, v)
+
+    def checkpoint(next_layer, hidden):
+        assert not hidden.is_cuda
+        checkpoints[next_layer] = (sorted(written), hidden.clone())
+
+    logits, _ = prefill_layers(model, ids, on_layer, chunk_size=37, offload_weights=offload, device=device,
+                               checkpoint=checkpoint, checkpoint_every=0)
+    reference = dict(written)
+    assert sorted(checkpoints) == [1, 2, 3, 4]                             # never after the last layer
+    assert all(done == list(range(layer)) for layer, (done, _) in checkpoints.items())
+    written.clear()
+    resumed, stats = prefill_layers(model, ids, on_layer, chunk_size=37, offload_weights=offload, device=device,
+                                    start_layer=3, hidden=checkpoints[3][1])
+    assert sorted(written) == [3, 4] and stats.resumed_at_layer == 3
+    assert torch.equal(resumed, logits)
+    for layer in (3, 4):
+        assert torch.equal(written[layer][0], reference[layer][0]) and torch.equal(written[layer][1], reference[layer][1])

@@ -56,14 +56,19 @@ def check_output(out: Path, overwrite: bool) -> None:
     `--overwrite` replaces only an empty directory or a directory that is one of our caches and holds
     nothing else (see `is_topk_cache`); anything else is refused, untouched.
     """
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
+    if out.is_symlink():
+        raise TopkError(f"{out} is a symbolic link; pass the directory it points to as --out")
+    if out.exists() and not out.is_dir():
         raise TopkError(f"{out} exists and is not a directory")
     if out.exists() and not overwrite:
         raise TopkError(f"{out} already exists (use --overwrite to replace it)")
-    if out.exists() and any(out.iterdir()):
-        ok, why = is_topk_cache(out)
-        if not ok:
-            raise TopkError(f"{out} is not a topk cache ({why}); refusing to replace it with --overwrite")
+    try:
+        non_empty = out.exists() and any(out.iterdir())
+        ok, why = is_topk_cache(out) if non_empty else (True, "")
+    except OSError as e:
+        raise TopkError(f"cannot inspect {out} ({e.strerror}); refusing to replace it") from None
+    if non_empty and not ok:
+        raise TopkError(f"{out} is not a topk cache ({why}); refusing to replace it with --overwrite")
 
 
 class CacheWriter:
