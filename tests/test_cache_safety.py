@@ -157,6 +157,42 @@ def test_a_reader_opening_during_a_commit_sees_the_old_cache_or_the_new_never_a_
     assert open_cache(cache, verify=True).manifest["documents"][0]["name"] == "new"
 
 
+def test_readers_racing_many_commits_always_see_one_whole_cache(tmp_path):
+    """Stress: a writer thread commits 25 caches (every key of cache i equals i) while a reader opens
+    in a loop; each open must pair cache i's manifest with cache i's files."""
+    cache = tmp_path / "cache"
+
+    def commit(i: int, overwrite: bool) -> None:
+        w = CacheWriter(cache, overwrite=overwrite)
+        for layer in range(2):
+            w.write_layer(layer, torch.full((2, 64, 8), float(i)), torch.full((2, 64, 8), float(i)))
+        w.write_tokens([i] * 64)
+        w.commit({"model": {}, "kv_dtype": "float32", "n_tokens": 64, "shape": {"n_layers": 2, "n_kv_heads": 2,
+                  "head_dim": 8}, "documents": [{"name": str(i), "start": 0, "end": 64}]})
+
+    commit(0, overwrite=False)
+    done = threading.Event()
+
+    def writer() -> None:
+        try:
+            for i in range(1, 26):
+                commit(i, overwrite=True)
+        finally:
+            done.set()
+
+    t = threading.Thread(target=writer)
+    t.start()
+    opened = 0
+    while not done.is_set() or opened == 0:
+        ckv = open_cache(cache, verify=False)
+        i = int(ckv.manifest["documents"][0]["name"])
+        assert ckv.tokens == [i] * 64
+        assert float(ckv.keys[1][1, 63, 7]) == i and float(ckv.values[0][0, 0, 0]) == i
+        opened += 1
+    t.join()
+    assert opened > 0 and int(open_cache(cache).manifest["documents"][0]["name"]) == 25
+
+
 # ---- 5: the manifest and every artifact are verified -----------------------------------------------
 @pytest.mark.parametrize("fix_checksum", [False, True], ids=["edited", "edited-with-new-checksum"])
 def test_an_emptied_files_table_is_refused(tmp_path, fix_checksum):

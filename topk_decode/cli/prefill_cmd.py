@@ -46,7 +46,7 @@ def _progress():
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     err = console(stderr=True)
-    # Outside a terminal (scripts, CI logs) a live bar is only noise: the summary line says it all.
+    # Outside a terminal (scripts, nohup, CI logs) a live bar is only noise: _LogLines prints plain lines instead.
     return Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), _tokens_per_s_column(),
                     TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True,
                     disable=not err.is_terminal)

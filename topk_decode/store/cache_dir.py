@@ -360,4 +360,5 @@ def open_cache(path: str | os.PathLike, verify: bool | None = None) -> ContextKV
     return ContextKV(path=path, manifest=manifest, tokens=tokens, keys=keys, values=values, cache_id=cache_id)
 
 
-__all__ = ["check_output", "CacheWriter", "ContextKV", "open_cache", "check_cache", "read_manifest", "verify_files", "dtype_name"]
+__all__ = ["check_output", "CacheWriter", "ContextKV", "open_cache", "check_cache", "read_manifest", "verify_files",
+           "dtype_name"]

@@ -2,11 +2,12 @@
 
 A layer-wise prefill can continue from layer L only with the residual stream that enters layer L,
 so a checkpoint is: that residual stream (N, C) in `resume/hidden.LLL.bin`, and `resume/state.json`
-(written last, atomically: a kill between the two leaves the previous checkpoint whole) naming L, the sizes + blake2b checksums of the layer files 0..L−1 and of
-the residual stream, and a key of everything the numbers depend on (model fingerprint, token ids,
-chunk size, dtype, device kind). Layers written after the last checkpoint are computed again on
-resume (a checkpoint costs a write of N·C values, so it is taken at most every few seconds, see
-build.py). The directory holds no manifest, so it never opens as a cache.
+(written last, atomically: a kill between the two leaves the previous checkpoint whole) naming L,
+the sizes + blake2b checksums of the layer files 0..L−1 and of the residual stream, and a key of
+everything the numbers depend on (model fingerprint, token ids, chunk size, dtype, device kind).
+Layers written after the last checkpoint are computed again on resume (a checkpoint costs a write
+of N·C values, so it is taken at most every few minutes by default, see build.py).
+The directory holds no manifest, so it never opens as a cache.
 """
 
 from __future__ import annotations
@@ -93,12 +94,20 @@ def load_checkpoint(partial: Path, key: dict) -> tuple[int, dict[str, dict], tor
         (0, {}, None, why not).
     """
     try:
+        return _load_checkpoint(partial, key)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return 0, {}, None, "it holds no readable checkpoint"
+
+
+def _load_checkpoint(partial: Path, key: dict) -> tuple[int, dict[str, dict], torch.Tensor | None, str]:
+    try:
         state = json.loads((partial / STATE).read_text())
         next_layer, files, meta = int(state["next_layer"]), dict(state["files"]), state["hidden"]
     except (OSError, ValueError, KeyError, TypeError):
         return 0, {}, None, "it holds no readable checkpoint"
-    if state.get("key") != key:
-        diff = sorted(k for k in set(key) | set(state.get("key") or {}) if key.get(k) != (state.get("key") or {}).get(k))
+    recorded = state.get("key") if isinstance(state.get("key"), dict) else {}
+    if recorded != key:
+        diff = sorted(k for k in set(key) | set(recorded) if key.get(k) != recorded.get(k))
         return 0, {}, None, f"it was made with other inputs ({', '.join(diff)} differ)"
     for rel, rec in files.items():
         p = partial / rel
