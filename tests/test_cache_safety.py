@@ -261,6 +261,37 @@ def test_a_damaged_duo_pattern_is_a_corrupted_cache_error(tmp_path):
         get_strategy("duo")(open_cache(cache), 2, 290, {}).prepare()
 
 
+@pytest.mark.parametrize("name", ["ivf", "quest"])
+def test_two_openers_of_missing_artifacts_build_them_once(tmp_path, monkeypatch, name):
+    from topk_decode.index import get_strategy
+
+    cache = _small_cache(tmp_path / "cache", "x")
+    cls = get_strategy(name)
+    real = cls.build_artifacts.__func__
+    builds: list[int] = []
+
+    def slow_build(klass, *args, **kwargs):
+        builds.append(1)
+        time.sleep(0.5)                                   # the other opener arrives meanwhile
+        real(klass, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "build_artifacts", classmethod(slow_build))
+    errors: list[BaseException] = []
+
+    def open_one() -> None:
+        try:
+            cls(open_cache(cache), 2, 290, {"nlist": 4} if name == "ivf" else {}).prepare()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=open_one) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and builds == [1]
+
+
 def test_info_says_what_it_checked(tmp_path):
     from topk_decode.index import get_strategy
 

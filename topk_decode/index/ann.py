@@ -32,6 +32,7 @@ from topk_decode.errors import TopkError
 from topk_decode.index.artifacts import (
     artifact_dir,
     artifacts_match,
+    build_lock,
     recorded_options,
     start_artifacts,
     verify_done,
@@ -139,10 +140,11 @@ class FaissAnnStrategy(SelectionStrategy):
     # ---- open ----
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
         wanted = {k: v for k, v in self.build_options(self.ckv, self.options).items() if k in self.options}
-        if not artifacts_match(self.ckv.path, self.name, wanted, self.ckv.cache_id):
-            self.build_artifacts(self.ckv, self.options, progress)
         d = artifact_dir(self.ckv.path, self.name)
-        verify_done(d)          # a truncated or overwritten index file: "corrupted cache", not a Faiss crash
+        with build_lock(self.ckv.path, self.name):
+            if not artifacts_match(self.ckv.path, self.name, wanted, self.ckv.cache_id):
+                self.build_artifacts(self.ckv, self.options, progress)
+            verify_done(d)      # a truncated or overwritten index file: "corrupted cache", not a Faiss crash
         self.built = recorded_options(self.ckv.path, self.name)
         L, H = self.ckv.n_layers, self.ckv.n_kv_heads
         # mmap=False reads the indices into RAM (faster searches, RAM = artifact bytes).

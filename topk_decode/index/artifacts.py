@@ -6,7 +6,9 @@ Every strategy that keeps files (ivf, hnsw, quest, duo, ...) uses these helpers:
     ... write files into d ...
     write_done(d, files, {"options": opts}, ckv.cache_id)
     ...
-    if artifacts_match(ckv.path, name, wanted, ckv.cache_id):   # built, same options, this cache
+    with build_lock(ckv.path, name):               # at open: one process builds, the others wait
+        if not artifacts_match(ckv.path, name, wanted, ckv.cache_id):   # built, same options, this cache
+            build...
         meta = verify_done(artifact_dir(ckv.path, name))       # sizes (+ checksums) or TopkError
 
 `done.json` = {"version": 1, "cache_id": blake2b of the cache's manifest.json the artifacts were built
@@ -18,9 +20,12 @@ versions) counts as not built: the artifacts are rebuilt.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from topk_decode.errors import TopkError
@@ -43,6 +48,32 @@ def _blake2(path: Path) -> str:
         while block := f.read(8 << 20):
             h.update(block)
     return h.hexdigest()
+
+
+@contextmanager
+def build_lock(cache: str | os.PathLike, name: str) -> Iterator[None]:
+    """Hold an exclusive flock on strategy `name`'s directory: two processes opening a cache whose
+    artifacts are missing build them once, the second waits and then finds them done.
+
+    Not re-entrant (flock is per open file): take it once, around "check, build if needed, load".
+    Where the directory cannot be created (a read-only cache) it yields without a lock: nothing can
+    be built there, and the build's own error says so.
+    """
+    d = artifact_dir(cache, name)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass            # no flock on this filesystem: builds may then race, done.json still checks them
+        yield
+    finally:
+        os.close(fd)
 
 
 def start_artifacts(cache: str | os.PathLike, name: str) -> Path:
@@ -157,5 +188,5 @@ def artifacts_match(cache: str | os.PathLike, name: str, wanted: dict, cache_id:
     return all(rec.get(key) == value for key, value in wanted.items())
 
 
-__all__ = ["DONE", "artifact_dir", "start_artifacts", "write_done", "read_done", "verify_done",
+__all__ = ["DONE", "artifact_dir", "build_lock", "start_artifacts", "write_done", "read_done", "verify_done",
            "artifacts_complete", "recorded_options", "artifacts_match"]

@@ -23,6 +23,7 @@ from topk_decode.index.ann import positive_int
 from topk_decode.index.artifacts import (
     artifact_dir,
     artifacts_match,
+    build_lock,
     recorded_options,
     start_artifacts,
     verify_done,
@@ -101,9 +102,10 @@ class QuestStrategy(SelectionStrategy):
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
         wanted = {k: v for k, v in self._build_options(self.options).items() if k in self.options}
-        if not artifacts_match(self.ckv.path, self.name, wanted, self.ckv.cache_id):
-            self.build_artifacts(self.ckv, self.options, progress)
-        verify_done(artifact_dir(self.ckv.path, self.name))   # sizes always; checksums up to 2 GiB
+        with build_lock(self.ckv.path, self.name):
+            if not artifacts_match(self.ckv.path, self.name, wanted, self.ckv.cache_id):
+                self.build_artifacts(self.ckv, self.options, progress)
+            verify_done(artifact_dir(self.ckv.path, self.name))   # sizes always; checksums up to 2 GiB
         built = recorded_options(self.ckv.path, self.name)
         self.page_size = int(built["page_size"])
         raw = self.options.get("dense_layers", 2)
