@@ -355,6 +355,39 @@ def test_out_under_a_read_only_parent_is_one_line(tmp_path, docs_dir, deep_model
         ro.chmod(0o755)
 
 
+@pytest.fixture
+def tiny_mount(tmp_path):
+    """mount(options) → a fresh tmpfs mounted with those options (skips where mounting is not allowed)."""
+    mounted: list[Path] = []
+
+    def mount(options: str) -> Path:
+        d = tmp_path / f"mnt{len(mounted)}"
+        d.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(d)], capture_output=True)
+        if proc.returncode != 0:
+            pytest.skip("cannot mount a tmpfs here (needs root)")
+        mounted.append(d)
+        return d
+
+    yield mount
+    for d in mounted:
+        subprocess.run(["umount", str(d)], capture_output=True)
+
+
+def test_a_really_full_disk_is_one_line_and_leaves_nothing(tiny_mount, docs_dir, deep_model):
+    disk = tiny_mount("size=160k")                      # room for a few layers of the tiny model's KV
+    result = topk("prefill", docs_dir, "--out", disk / "cache", "--model", deep_model, "--device", "cpu",
+                  "--checkpoint-every", 0)
+    assert_one_line_error(result, "no space left on the device", "partial cache was removed")
+    assert list(disk.iterdir()) == []
+
+
+def test_out_on_a_really_read_only_mount_is_one_line(tiny_mount, docs_dir, deep_model):
+    ro = tiny_mount("ro,size=64k")
+    result = topk("prefill", docs_dir, "--out", ro / "sub" / "cache", "--model", deep_model, "--device", "cpu")
+    assert_one_line_error(result, "cannot write the cache at", "Read-only file system")
+
+
 # ---- 8: SIGTERM, plain progress lines, kill -9 then --resume ----------------------------------------
 def test_progress_lines_when_stderr_is_not_a_terminal(tmp_path, docs_dir, deep_model):
     result = topk("prefill", docs_dir, "--out", tmp_path / "cache", "--model", deep_model, "--device", "cpu",

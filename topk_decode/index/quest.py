@@ -95,7 +95,8 @@ class QuestStrategy(SelectionStrategy):
             for tag, t in (("min", mins), ("max", maxs)):
                 raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # bf16 has no numpy dtype
                 files.append(d / f"{tag}.{layer:03d}.bin")
-                raw.contiguous().numpy().tofile(files[-1])
+                with open(files[-1], "wb") as f:           # not tofile: a full disk must keep its errno
+                    f.write(raw.contiguous().numpy().reshape(-1).view(np.uint8).data)
             if progress:
                 progress(layer + 1, ckv.n_layers)
         write_done(d, files, {"options": dict(opts, dtype=dtype_name(ckv.dtype))}, ckv.cache_id)

@@ -210,7 +210,8 @@ def _write_hook(rel: str, f, arr: np.ndarray) -> None:
         f.write(arr.reshape(-1).view(np.uint8)[: arr.nbytes // 2].tobytes())
         f.flush()
         os.kill(os.getpid(), signal.SIGKILL)
-    arr.tofile(f)
+    # Not arr.tofile: on a full disk numpy raises an OSError without errno ("N requested and M written").
+    f.write(arr.reshape(-1).view(np.uint8).data)
 
 
 @dataclass

@@ -63,7 +63,7 @@ def save_checkpoint(partial: Path, key: dict, next_layer: int, files: dict[str, 
     raw = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
     hidden_rel = _hidden_file(next_layer)
     with open(partial / hidden_rel, "wb") as f:
-        raw.tofile(f)
+        f.write(raw.reshape(-1).view(np.uint8).data)      # not tofile: a full disk must keep its errno
     kept = {rel: files[rel] for layer in range(next_layer) for rel in (keys_file(layer), values_file(layer))}
     write_json_atomic(partial / STATE, {
         "key": key, "next_layer": next_layer, "files": kept,
