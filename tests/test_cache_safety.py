@@ -382,6 +382,16 @@ def test_a_really_full_disk_is_one_line_and_leaves_nothing(tiny_mount, docs_dir,
     assert list(disk.iterdir()) == []
 
 
+def test_strategy_artifacts_on_a_full_disk_are_one_line(tiny_mount, tmp_path):
+    from topk_decode.index import get_strategy
+
+    disk = tiny_mount("size=100k")                      # the cache fits, its IVF indices do not
+    cache = shutil.copytree(_small_cache(tmp_path / "cache", "x"), disk / "cache")
+    with pytest.raises(TopkError, match="cannot write the ivf artifacts .*No space left on device"):
+        get_strategy("ivf")(open_cache(cache), 2, 290, {"nlist": 4}).prepare()
+    assert not (cache / "index" / "ivf" / "done.json").exists()
+
+
 def test_out_on_a_really_read_only_mount_is_one_line(tiny_mount, docs_dir, deep_model):
     ro = tiny_mount("ro,size=64k")
     result = topk("prefill", docs_dir, "--out", ro / "sub" / "cache", "--model", deep_model, "--device", "cpu")
@@ -423,6 +433,7 @@ def test_kill_9_mid_layer_then_resume_equals_an_uninterrupted_prefill(tmp_path, 
     assert rc == -signal.SIGKILL, err
     partial = partial_path(out)
     assert not out.exists() and not (partial / MANIFEST).exists()
+    assert_one_line_error(topk("info", out), "cache not found", "--resume")
     assert (partial / "kv" / "keys.003.bin").stat().st_size < (partial / "kv" / "keys.002.bin").stat().st_size
     # Without --resume the kept work is neither lost nor silently reused.
     assert_one_line_error(topk("prefill", docs_dir, "--out", out, *args), "finished layer(s)", "--resume")

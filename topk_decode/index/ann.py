@@ -37,6 +37,8 @@ from topk_decode.index.artifacts import (
     start_artifacts,
     verify_done,
     write_done,
+    write_file,
+    writing,
 )
 from topk_decode.index.base import Selection, SelectionStrategy, exact_scores
 from topk_decode.store.cache_dir import ContextKV
@@ -108,10 +110,11 @@ class FaissAnnStrategy(SelectionStrategy):
         saved_threads = faiss.omp_get_max_threads()
         faiss.omp_set_num_threads(max(1, os.cpu_count() or 1))
         try:
-            files = cls._build_heads(ckv, opts, d, progress)
+            with writing(d, cls.name):
+                files = cls._build_heads(ckv, opts, d, progress)
+                write_done(d, files, {"options": opts}, ckv.cache_id)
         finally:
             faiss.omp_set_num_threads(saved_threads)
-        write_done(d, files, {"options": opts}, ckv.cache_id)
 
     @classmethod
     def _build_heads(cls, ckv: ContextKV, opts: dict, d: Path,
@@ -132,7 +135,7 @@ class FaissAnnStrategy(SelectionStrategy):
                     index.train(x)
                 index.add(x)                                                    # ids 0..N-1 = positions
                 files.append(d / f"l{layer:03d}.h{h:02d}.faiss")
-                faiss.write_index(index, str(files[-1]))
+                write_file(files[-1], faiss.serialize_index(index))
                 if progress:
                     progress(layer * H + h + 1, L * H)
         return files

@@ -76,6 +76,24 @@ def build_lock(cache: str | os.PathLike, name: str) -> Iterator[None]:
         os.close(fd)
 
 
+@contextmanager
+def writing(d: Path, name: str) -> Iterator[None]:
+    """Turn an OS error while writing strategy `name`'s artifacts (a full disk, a read-only cache) into
+    one TopkError line; the directory stays without done.json, so it counts as not built."""
+    try:
+        yield
+    except OSError as e:
+        raise TopkError(f"cannot write the {name} artifacts into {d} ({e.strerror or e}); free some space "
+                        f"or build them where the cache is writable: topk prefill ... --strategy {name}") from None
+
+
+def write_file(path: Path, data) -> None:
+    """Write a bytes-like object to an artifact file (file.write, unlike numpy's tofile, keeps a full
+    disk's errno)."""
+    with open(path, "wb") as f:
+        f.write(data)
+
+
 def start_artifacts(cache: str | os.PathLike, name: str) -> Path:
     """Create (or reuse) strategy `name`'s directory, removing a stale `done.json` before files are rewritten.
 
@@ -188,5 +206,5 @@ def artifacts_match(cache: str | os.PathLike, name: str, wanted: dict, cache_id:
     return all(rec.get(key) == value for key, value in wanted.items())
 
 
-__all__ = ["DONE", "artifact_dir", "build_lock", "start_artifacts", "write_done", "read_done", "verify_done",
+__all__ = ["DONE", "artifact_dir", "build_lock", "writing", "write_file", "start_artifacts", "write_done", "read_done", "verify_done",
            "artifacts_complete", "recorded_options", "artifacts_match"]

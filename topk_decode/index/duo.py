@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from topk_decode.errors import TopkError
-from topk_decode.index.artifacts import artifact_dir, read_done, start_artifacts, verify_done, write_done
+from topk_decode.index.artifacts import artifact_dir, read_done, start_artifacts, verify_done, write_done, writing
 from topk_decode.index.base import Selection
 from topk_decode.index.flat import FlatStrategy, add_in_blocks, default_threads, new_flat_index
 
@@ -129,8 +129,9 @@ class DuoStrategy(FlatStrategy):
                             "or the output of `topk calibrate-duo`)")
         parse_pattern(src, ckv.n_layers, ckv.n_kv_heads)
         out = start_artifacts(ckv.path, cls.name)
-        shutil.copyfile(src, out / PATTERN_FILE)
-        write_done(out, [out / PATTERN_FILE], {"pattern": str(src)}, ckv.cache_id)
+        with writing(out, cls.name):
+            shutil.copyfile(src, out / PATTERN_FILE)
+            write_done(out, [out / PATTERN_FILE], {"pattern": str(src)}, ckv.cache_id)
 
     def _pattern_path(self) -> Path:
         given = self.options.get("pattern")

@@ -28,6 +28,8 @@ from topk_decode.index.artifacts import (
     start_artifacts,
     verify_done,
     write_done,
+    write_file,
+    writing,
 )
 from topk_decode.index.base import Selection, SelectionStrategy, exact_scores
 from topk_decode.store.cache_dir import ContextKV
@@ -90,16 +92,16 @@ class QuestStrategy(SelectionStrategy):
         opts = cls._build_options(dict(options or {}))
         d = start_artifacts(ckv.path, cls.name)
         files = []
-        for layer in range(ckv.n_layers):
-            mins, maxs = page_bounds(ckv.keys[layer], opts["page_size"])
-            for tag, t in (("min", mins), ("max", maxs)):
-                raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # bf16 has no numpy dtype
-                files.append(d / f"{tag}.{layer:03d}.bin")
-                with open(files[-1], "wb") as f:           # not tofile: a full disk must keep its errno
-                    f.write(raw.contiguous().numpy().reshape(-1).view(np.uint8).data)
-            if progress:
-                progress(layer + 1, ckv.n_layers)
-        write_done(d, files, {"options": dict(opts, dtype=dtype_name(ckv.dtype))}, ckv.cache_id)
+        with writing(d, cls.name):
+            for layer in range(ckv.n_layers):
+                mins, maxs = page_bounds(ckv.keys[layer], opts["page_size"])
+                for tag, t in (("min", mins), ("max", maxs)):
+                    raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # bf16 has no numpy dtype
+                    files.append(d / f"{tag}.{layer:03d}.bin")
+                    write_file(files[-1], raw.contiguous().numpy().reshape(-1).view(np.uint8).data)
+                if progress:
+                    progress(layer + 1, ckv.n_layers)
+            write_done(d, files, {"options": dict(opts, dtype=dtype_name(ckv.dtype))}, ckv.cache_id)
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
         wanted = {k: v for k, v in self._build_options(self.options).items() if k in self.options}

@@ -271,7 +271,10 @@ def _load_manifest(d: PinnedDir) -> tuple[dict, str]:
 def _pinned(path: Path) -> PinnedDir:
     """Pin the cache directory at `path`, retrying when a commit removed the one we pinned."""
     if not path.is_dir():
-        raise TopkError(f"cache not found: {path}")
+        partial = partial_path(path)
+        hint = (f" (an interrupted prefill left {partial}: continue it with `topk prefill ... --out {path} "
+                f"--resume`)" if partial.is_dir() else "")
+        raise TopkError(f"cache not found: {path}{hint}")
     for _ in range(5):
         d = PinnedDir(path)
         if not d.emptied() or not path.is_dir():
