@@ -22,8 +22,8 @@ from topk_decode.store.cache_dir import CacheWriter, check_output
 from topk_decode.store.format import LAST_LOGITS, dtype_name
 from topk_decode.store.locking import unwritable
 
-# Default seconds between resume checkpoints: each writes the N × hidden residual stream (2× one layer's
-# KV for an 8B model), so a checkpoint every few minutes costs a few percent and bounds the lost work.
+# Default seconds between resume checkpoints: each writes the N × hidden residual stream (twice one
+# layer's KV for Llama-3-8B), so they are spaced minutes apart: few extra writes, bounded lost work.
 CHECKPOINT_EVERY_S = 300.0
 
 
