@@ -25,20 +25,28 @@ def cache_facts(path: Path, verify: bool = False) -> dict:
         path: the cache directory.
         verify: hash every file against the manifest's checksums (reads the whole cache).
     """
-    from topk_decode.index import STRATEGIES, artifacts_complete
-    from topk_decode.store.cache_dir import read_manifest, verify_files
+    from topk_decode.index import STRATEGIES
+    from topk_decode.index.artifacts import artifact_dir, artifacts_match, read_done, verify_done
+    from topk_decode.store.cache_dir import check_cache
 
-    m = read_manifest(path)
-    verify_files(path, m, full=verify)
+    m, cache_id, hashed = check_cache(path, full=verify)
+    # Ready: strategies that need no files (flat, tokenselect) and those whose artifacts are complete and
+    # were built from this cache; their files are checked (sizes; checksums with `verify`) like the cache's.
+    ready = []
+    for n, cls in sorted(STRATEGIES.items()):
+        if not _needs_artifacts(cls):
+            ready.append(n)
+        elif artifacts_match(path, n, {}, cache_id):
+            d = artifact_dir(path, n)
+            verify_done(d, full=verify)
+            hashed += len(read_done(d)["files"]) if verify else 0
+            ready.append(n)
     files = m["files"]
     kv_bytes = sum(f["bytes"] for rel, f in files.items() if rel.startswith("kv/"))
     key_bytes = sum(f["bytes"] for rel, f in files.items() if rel.startswith("kv/keys."))
     model_dir = Path(m["model"]["path"]) if m["model"].get("path") else None
     present = model_dir is not None and model_dir.is_dir()
     weights = [p for p in model_dir.glob("*") if p.suffix in (".safetensors", ".bin")] if present else []
-    # Ready: strategies that need no files (flat, tokenselect) and those whose artifacts are complete.
-    ready = sorted(n for n, cls in STRATEGIES.items()
-                   if not _needs_artifacts(cls) or artifacts_complete(path, n))
     return {
         "path": str(path.resolve()),
         "model": {**m["model"], "present": present},
@@ -59,14 +67,17 @@ def cache_facts(path: Path, verify: bool = False) -> dict:
         "prefill": m.get("prefill", {}),
         "strategies": ready,
         "strategies_not_built": sorted(n for n in STRATEGIES if n not in ready),
+        # what was really checked: the manifest's schema + checksum always, then sizes or every checksum
         "checked": "checksums" if verify else "sizes",
+        "files_hashed": hashed,
         "created": m.get("created"),
     }
 
 
 def info_command(
     cache: Annotated[Path, typer.Argument(help="The cache directory.")],
-    verify: Annotated[bool, typer.Option("--verify", help="Hash every file against the manifest checksums.")] = False,
+    verify: Annotated[bool, typer.Option("--verify", help="Hash every file (KV, tokens, strategy artifacts) against "
+                                         "its recorded checksum.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the facts as JSON.")] = False,
 ) -> None:
     """Show a cache's model, documents, sizes, prefill statistics and available strategies."""
@@ -85,7 +96,9 @@ def _print(f: dict) -> None:
     out = console()
     say = lambda text: out.print(text, markup=False, soft_wrap=True)  # noqa: E731 - paths may hold [brackets]
     m, s, ram = f["model"], f["shape"], f["ram"]
-    say(f"cache:      {f['path']}  (files OK: {f['checked']} checked)")
+    checked = (f"manifest, sizes and checksums of {f['files_hashed']} files checked" if f["checked"] == "checksums"
+               else "manifest and file sizes checked; --verify also hashes every file")
+    say(f"cache:      {f['path']}  ({checked})")
     say(f"model:      {m.get('path')}{'' if m['present'] else '  (missing: pass --model DIR to chat)'}")
     say(f"            type {m.get('model_type')}, fingerprint {m.get('fingerprint')}, dtype {m.get('dtype')}")
     say(f"tokens:     {f['n_tokens']:,}")

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import signal
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -42,10 +46,55 @@ def _progress():
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     err = console(stderr=True)
-    # Outside a terminal (scripts, CI logs) a live bar is only noise: the summary line says it all.
+    # Outside a terminal (scripts, nohup, CI logs) a live bar is only noise: _LogLines prints plain lines instead.
     return Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), _tokens_per_s_column(),
                     TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True,
                     disable=not err.is_terminal)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a pre-empted machine, `kill`, a job scheduler): unwinds like Ctrl-C does."""
+
+
+@contextmanager
+def _sigterm_unwinds():
+    """Turn SIGTERM into `Terminated` while the prefill runs, so it cleans up (or keeps a resumable
+    partial directory) exactly as Ctrl-C does, instead of dying with its partial directory half-written."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _LogLines:
+    """Plain progress lines on stderr every `every` seconds, for output that is not a terminal (logs, nohup)."""
+
+    def __init__(self, every: float) -> None:
+        self.every, self.done, self.total, self.layers = every, 0, 0, 1
+        self.t0 = self.last = time.monotonic()
+
+    def start(self, n_tokens: int, n_layers: int) -> None:
+        self.n, self.total, self.layers = n_tokens, n_tokens * n_layers, n_layers
+        self.t0 = self.last = time.monotonic()
+
+    def advance(self, tokens: int) -> None:
+        self.done += tokens
+        now = time.monotonic()
+        if now - self.last < self.every or not self.total:
+            return
+        self.last = now
+        layer = min(self.done // max(self.n, 1), self.layers)
+        elapsed = now - self.t0
+        typer.echo(f"prefill: {100 * self.done / self.total:.0f}% ({layer}/{self.layers} layers done, "
+                   f"{elapsed:.0f} s elapsed)", err=True)
 
 
 def prefill_command(
@@ -53,11 +102,17 @@ def prefill_command(
     out: Annotated[Path, typer.Option("--out", "-o", help="The cache directory to create.")],
     model: Annotated[Optional[Path], typer.Option(help="Local HF checkpoint dir (default: the embedded demo model).")] = None,
     chunk_size: Annotated[int, typer.Option(help="Tokens per prefill chunk (bounds peak GPU memory).")] = 4096,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing cache at --out.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing cache at --out (only a topk cache: "
+                                                     "any other directory is refused).")] = False,
     device: Annotated[Optional[str], typer.Option(help="cuda or cpu (default: cuda when available).")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU).")] = None,
     strategy: Annotated[Optional[str], typer.Option(help="Also build these strategies' artifacts: NAME[,NAME...].")] = None,
     opt: Annotated[Optional[list[str]], typer.Option(help="Strategy build option key=value (repeatable).")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted prefill of --out from its last "
+                                         "checkpointed layer (checked against recorded checksums).")] = False,
+    checkpoint_every: Annotated[float, typer.Option(help="Seconds between resume checkpoints.", min=0)] = 300.0,
+    log_every: Annotated[float, typer.Option(help="Seconds between plain progress lines when stderr is not a "
+                                             "terminal.", min=0)] = 30.0,
 ) -> None:
     """Prefill documents once and write each layer's keys/values to a cache directory."""
     # Everything cheap is checked before the model loads: a typo must not cost a prefill.
@@ -78,25 +133,38 @@ def prefill_command(
                      "produces noise; pass --model DIR for real answers")
 
     out_console = console()
-    with _progress() as bar:
+    with _progress() as bar, _sigterm_unwinds():
         state: dict = {}
+        lines = _LogLines(log_every) if bar.disable else None
 
         def on_start(n_tokens: int, n_layers: int, skipped: list[str]) -> None:
             for s in skipped:
                 say_warning(f"skipped {s}")
             state["task"] = bar.add_task(f"prefill {n_tokens:,} tokens × {n_layers} layers",
                                          total=n_tokens * n_layers, layers=n_layers)
+            if lines is not None:
+                lines.start(n_tokens, n_layers)
 
         def progress(tokens: int) -> None:
             bar.advance(state["task"], tokens)
+            if lines is not None:
+                lines.advance(tokens)
 
-        path, stats = build_cache(docs, out, model, chunk_size=chunk_size, overwrite=overwrite, device=device,
-                                  dtype=dtype, on_start=on_start, progress=progress)
+        try:
+            path, stats = build_cache(docs, out, model, chunk_size=chunk_size, overwrite=overwrite, device=device,
+                                      dtype=dtype, on_start=on_start, progress=progress, resume=resume,
+                                      checkpoint_every=checkpoint_every, on_note=say_note)
+        except Terminated:
+            typer.echo("terminated", err=True)
+            raise typer.Exit(143) from None
         if names:
             _build_strategies(bar, path, names, options)
 
     peak = "n/a on CPU" if stats.peak_device_bytes is None else human_bytes(stats.peak_device_bytes)
     out_console.print(f"wrote {path}", markup=False, soft_wrap=True)
+    if stats.resumed_at_layer:
+        out_console.print(f"resumed at layer {stats.resumed_at_layer}: the figures below cover the layers computed "
+                          "by this run", markup=False)
     out_console.print(f"tokens: {stats.n_tokens:,}   time: {stats.seconds:.2f} s   "
                       f"throughput: {stats.tokens_per_s:,.0f} tok/s   peak GPU memory: {peak}   "
                       f"size on disk: {human_bytes(dir_size(path))}", markup=False)

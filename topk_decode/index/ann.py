@@ -18,7 +18,6 @@ default; spherical k-means gave mixed results and is off by default.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -30,56 +29,21 @@ import numpy as np
 import torch
 
 from topk_decode.errors import TopkError
-from topk_decode.index.base import Selection, SelectionStrategy, artifact_dir, exact_scores
+from topk_decode.index.artifacts import (
+    artifact_dir,
+    artifacts_match,
+    build_lock,
+    recorded_options,
+    start_artifacts,
+    verify_done,
+    write_done,
+    write_file,
+    writing,
+)
+from topk_decode.index.base import Selection, SelectionStrategy, exact_scores
 from topk_decode.store.cache_dir import ContextKV
 
-DONE = "done.json"
 _SQ_TYPES = {torch.float16: "QT_fp16", torch.bfloat16: "QT_bf16"}
-
-
-# ---- artifact bookkeeping shared by the strategies that save files --------------------------------
-def recorded_options(cache: Path, name: str) -> dict | None:
-    """The build options recorded in `done.json` of strategy `name`, or None when not (fully) built."""
-    path = artifact_dir(cache, name) / DONE
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text()).get("options", {})
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-def artifacts_match(cache: Path, name: str, wanted: dict) -> bool:
-    """True when the artifacts exist and were built with every option the caller asked for explicitly.
-
-    Args:
-        cache: the cache directory.
-        name: strategy name.
-        wanted: build options the user passed (options left at their default are not compared, so a
-            cache built at prefill with e.g. nlist=4096 opens without repeating it).
-    """
-    rec = recorded_options(cache, name)
-    return rec is not None and all(rec.get(key) == value for key, value in wanted.items())
-
-
-def write_done(cache: Path, name: str, options: dict) -> None:
-    """Mark strategy `name`'s artifacts complete (written last, atomically), recording its build options."""
-    d = artifact_dir(cache, name)
-    tmp = d / (DONE + ".tmp")
-    tmp.write_text(json.dumps({"options": options}, indent=2))
-    os.replace(tmp, d / DONE)
-
-
-def start_artifacts(cache: Path, name: str) -> Path:
-    """Create (or reuse) the artifact directory, removing a stale `done.json` before rewriting files."""
-    d = artifact_dir(cache, name)
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        (d / DONE).unlink(missing_ok=True)
-    except OSError as e:
-        raise TopkError(f"cannot write the {name} index into {d} ({e.strerror}); build it where the cache "
-                        f"is writable: topk prefill ... --strategy {name}") from None
-    return d
 
 
 def as_bool(value: Any) -> bool:
@@ -146,15 +110,18 @@ class FaissAnnStrategy(SelectionStrategy):
         saved_threads = faiss.omp_get_max_threads()
         faiss.omp_set_num_threads(max(1, os.cpu_count() or 1))
         try:
-            cls._build_heads(ckv, opts, d, progress)
+            with writing(d, cls.name):
+                files = cls._build_heads(ckv, opts, d, progress)
+                write_done(d, files, {"options": opts}, ckv.cache_id)
         finally:
             faiss.omp_set_num_threads(saved_threads)
-        write_done(ckv.path, cls.name, opts)
 
     @classmethod
     def _build_heads(cls, ckv: ContextKV, opts: dict, d: Path,
-                     progress: Callable[[int, int], None] | None) -> None:
+                     progress: Callable[[int, int], None] | None) -> list[Path]:
+        """Build and save one index per (layer, KV head); returns the files written."""
         L, H, D = ckv.n_layers, ckv.n_kv_heads, ckv.head_dim
+        files = []
         for layer in range(L):
             for h in range(H):
                 x = ckv.keys[layer][h].float().numpy()                          # (N, D)
@@ -167,16 +134,20 @@ class FaissAnnStrategy(SelectionStrategy):
                 if not index.is_trained:
                     index.train(x)
                 index.add(x)                                                    # ids 0..N-1 = positions
-                faiss.write_index(index, str(d / f"l{layer:03d}.h{h:02d}.faiss"))
+                files.append(d / f"l{layer:03d}.h{h:02d}.faiss")
+                write_file(files[-1], faiss.serialize_index(index))
                 if progress:
                     progress(layer * H + h + 1, L * H)
+        return files
 
     # ---- open ----
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
         wanted = {k: v for k, v in self.build_options(self.ckv, self.options).items() if k in self.options}
-        if not artifacts_match(self.ckv.path, self.name, wanted):
-            self.build_artifacts(self.ckv, self.options, progress)
         d = artifact_dir(self.ckv.path, self.name)
+        with build_lock(self.ckv.path, self.name):
+            if not artifacts_match(self.ckv.path, self.name, wanted, self.ckv.cache_id):
+                self.build_artifacts(self.ckv, self.options, progress)
+            verify_done(d)      # a truncated or overwritten index file: "corrupted cache", not a Faiss crash
         self.built = recorded_options(self.ckv.path, self.name)
         L, H = self.ckv.n_layers, self.ckv.n_kv_heads
         # mmap=False reads the indices into RAM (faster searches, RAM = artifact bytes).

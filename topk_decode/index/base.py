@@ -14,22 +14,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 import torch
 
+from topk_decode.index.artifacts import artifact_dir, artifacts_complete  # noqa: F401 - re-exported
 from topk_decode.store.cache_dir import ContextKV
-
-
-def artifact_dir(cache: Path, name: str) -> Path:
-    """Where strategy `name` keeps its files inside a cache directory."""
-    return Path(cache) / "index" / name
-
-
-def artifacts_complete(cache: Path, name: str) -> bool:
-    """True when strategy `name` finished writing its artifacts in this cache."""
-    return (artifact_dir(cache, name) / "done.json").is_file()
 
 
 @dataclass
@@ -88,7 +78,8 @@ class SelectionStrategy(ABC):
 
         Called by `topk prefill --strategy NAME` (and by `prepare` on first open when missing).
         Artifacts cover all N context tokens; `select` restricts itself to [lo, hi). A strategy's
-        artifacts are complete only once `done.json` exists in its directory (written last).
+        artifacts are complete only once `done.json` exists in its directory (written last, with
+        every file's size and checksum: use the helpers of `topk_decode.index.artifacts`).
         """
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:

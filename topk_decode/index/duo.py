@@ -11,7 +11,6 @@ head has no index, no search and no CPU→GPU traffic: its slots come back as -1
 
 from __future__ import annotations
 
-import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,7 +21,8 @@ import numpy as np
 import torch
 
 from topk_decode.errors import TopkError
-from topk_decode.index.base import Selection, artifact_dir
+from topk_decode.index.artifacts import artifact_dir, read_done, start_artifacts, verify_done, write_done, writing
+from topk_decode.index.base import Selection
 from topk_decode.index.flat import FlatStrategy, add_in_blocks, default_threads, new_flat_index
 
 PATTERN_FILE = "full_attention_heads.tsv"
@@ -128,18 +128,19 @@ class DuoStrategy(FlatStrategy):
             raise TopkError("duo needs a head pattern: pass pattern=PATH (DuoAttention's full_attention_heads.tsv "
                             "or the output of `topk calibrate-duo`)")
         parse_pattern(src, ckv.n_layers, ckv.n_kv_heads)
-        out = artifact_dir(ckv.path, cls.name)
-        out.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, out / PATTERN_FILE)
-        (out / "done.json").write_text(json.dumps({"pattern": str(src)}))
+        out = start_artifacts(ckv.path, cls.name)
+        with writing(out, cls.name):
+            shutil.copyfile(src, out / PATTERN_FILE)
+            write_done(out, [out / PATTERN_FILE], {"pattern": str(src)}, ckv.cache_id)
 
     def _pattern_path(self) -> Path:
         given = self.options.get("pattern")
         if given:
             return Path(given)
-        stored = artifact_dir(self.ckv.path, self.name) / PATTERN_FILE
-        if stored.is_file():
-            return stored
+        d = artifact_dir(self.ckv.path, self.name)
+        if read_done(d) is not None:
+            verify_done(d)          # the stored pattern is the one that was validated at build
+            return d / PATTERN_FILE
         raise TopkError("duo needs a head pattern: pass strategy option pattern=PATH (DuoAttention's "
                         "full_attention_heads.tsv or `topk calibrate-duo` output)")
 

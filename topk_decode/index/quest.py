@@ -19,8 +19,19 @@ import numpy as np
 import torch
 
 from topk_decode.errors import TopkError
-from topk_decode.index.ann import artifacts_match, positive_int, recorded_options, start_artifacts, write_done
-from topk_decode.index.base import Selection, SelectionStrategy, artifact_dir, exact_scores
+from topk_decode.index.ann import positive_int
+from topk_decode.index.artifacts import (
+    artifact_dir,
+    artifacts_match,
+    build_lock,
+    recorded_options,
+    start_artifacts,
+    verify_done,
+    write_done,
+    write_file,
+    writing,
+)
+from topk_decode.index.base import Selection, SelectionStrategy, exact_scores
 from topk_decode.store.cache_dir import ContextKV
 from topk_decode.store.format import as_torch, dtype_name, numpy_storage
 
@@ -80,19 +91,24 @@ class QuestStrategy(SelectionStrategy):
                         progress: Callable[[int, int], None] | None = None) -> None:
         opts = cls._build_options(dict(options or {}))
         d = start_artifacts(ckv.path, cls.name)
-        for layer in range(ckv.n_layers):
-            mins, maxs = page_bounds(ckv.keys[layer], opts["page_size"])
-            for tag, t in (("min", mins), ("max", maxs)):
-                raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # bf16 has no numpy dtype
-                raw.contiguous().numpy().tofile(d / f"{tag}.{layer:03d}.bin")
-            if progress:
-                progress(layer + 1, ckv.n_layers)
-        write_done(ckv.path, cls.name, dict(opts, dtype=dtype_name(ckv.dtype)))
+        files = []
+        with writing(d, cls.name):
+            for layer in range(ckv.n_layers):
+                mins, maxs = page_bounds(ckv.keys[layer], opts["page_size"])
+                for tag, t in (("min", mins), ("max", maxs)):
+                    raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # bf16 has no numpy dtype
+                    files.append(d / f"{tag}.{layer:03d}.bin")
+                    write_file(files[-1], raw.contiguous().numpy().reshape(-1).view(np.uint8).data)
+                if progress:
+                    progress(layer + 1, ckv.n_layers)
+            write_done(d, files, {"options": dict(opts, dtype=dtype_name(ckv.dtype))}, ckv.cache_id)
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
         wanted = {k: v for k, v in self._build_options(self.options).items() if k in self.options}
-        if not artifacts_match(self.ckv.path, self.name, wanted):
-            self.build_artifacts(self.ckv, self.options, progress)
+        with build_lock(self.ckv.path, self.name):
+            if not artifacts_match(self.ckv.path, self.name, wanted, self.ckv.cache_id):
+                self.build_artifacts(self.ckv, self.options, progress)
+            verify_done(artifact_dir(self.ckv.path, self.name))   # sizes always; checksums up to 2 GiB
         built = recorded_options(self.ckv.path, self.name)
         self.page_size = int(built["page_size"])
         raw = self.options.get("dense_layers", 2)

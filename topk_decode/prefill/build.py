@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from topk_decode.errors import TopkError, TopkWarning
@@ -15,9 +19,12 @@ from topk_decode.model.loading import load_model, load_tokenizer, model_fingerpr
 from topk_decode.prefill.documents import collect_documents, layout_context
 from topk_decode.prefill.layerwise import PrefillStats, prefill_layers
 from topk_decode.store.cache_dir import CacheWriter, check_output
-from topk_decode.store.format import dtype_name
+from topk_decode.store.format import LAST_LOGITS, dtype_name
+from topk_decode.store.locking import unwritable
 
-LAST_LOGITS = "last_logits.f32"
+# Default seconds between resume checkpoints: each writes the N × hidden residual stream (twice one
+# layer's KV for Llama-3-8B), so they are spaced minutes apart: few extra writes, bounded lost work.
+CHECKPOINT_EVERY_S = 300.0
 
 
 def pick_device(device: str | None = None) -> torch.device:
@@ -41,14 +48,32 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
 
 
 def warn_leftovers(out: Path) -> None:
-    """Name the partial directories that killed prefills left beside `out` (they can be huge).
+    """Name the partial directories that killed prefills of an older version left beside `out`.
 
-    They are not deleted here: another prefill to the same place may still be writing one.
+    They are not deleted here. (This version's writers use one `.NAME.partial`, kept for --resume.)
     """
     for partial in sorted(out.parent.glob(f".{out.name}.partial-*")):
         size = sum(f.stat().st_size for f in partial.rglob("*") if f.is_file())
         warnings.warn(f"{partial} ({size / 2**30:.2f} GiB) is left over from an interrupted prefill "
                       f"and is not a cache; delete it to free the space", TopkWarning, stacklevel=3)
+
+
+def _say(on_note: Callable[[str], None] | None, text: str) -> None:
+    if on_note is not None:
+        on_note(text)
+    else:
+        warnings.warn(text, TopkWarning, stacklevel=3)
+
+
+def _check_space(out: Path, need: int, on_note: Callable[[str], None] | None) -> None:
+    """Warn before hours of work when the disk visibly cannot hold the cache."""
+    try:
+        free = shutil.disk_usage(out.parent).free
+    except OSError:
+        return
+    if free < need:
+        _say(on_note, f"the cache needs about {need / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB are free "
+                      f"in {out.parent}; the prefill will fail when the disk is full")
 
 
 def build_cache(
@@ -62,6 +87,9 @@ def build_cache(
     on_start: Callable[[int, int, list[str]], None] | None = None,
     progress: Callable[[int], None] | None = None,
     offload_weights: bool = False,
+    resume: bool = False,
+    checkpoint_every: float = CHECKPOINT_EVERY_S,
+    on_note: Callable[[str], None] | None = None,
 ) -> tuple[Path, PrefillStats]:
     """Prefill documents with a model and write the cache directory atomically.
 
@@ -70,13 +98,19 @@ def build_cache(
         out: the cache directory to create.
         model_dir: local HF checkpoint directory.
         chunk_size: prefill chunk length in tokens.
-        overwrite: replace an existing cache at `out` once the new one is complete.
+        overwrite: replace an existing cache at `out` once the new one is complete (only a directory
+            that is a topk cache and nothing else, or an empty one).
         device: "cuda", "cpu", ... (default: CUDA when available).
         dtype: "bf16" / "fp16" / "fp32" (default: bf16 on CUDA, fp32 on CPU).
         on_start: called as on_start(n_tokens, n_layers, skipped_files) before the heavy work.
-        progress: called with the tokens processed by each chunk of each layer.
+        progress: called with the tokens processed by each chunk of each layer (on resume, first
+            with all the tokens of the layers kept).
         offload_weights: keep the weights in CPU RAM and stream one layer at a time to the device
             (prefill an 8B model within a 16 GiB GPU budget).
+        resume: continue the partial prefill an interrupted run of the same command left (its
+            checkpointed layers are verified against their checksums and kept); without one, start over.
+        checkpoint_every: seconds between resume checkpoints (each writes the N × hidden residual stream).
+        on_note: called with one-line notes (resume, kept partial directory); default: TopkWarning.
     Returns:
         the cache path and the prefill statistics.
     """
@@ -84,29 +118,48 @@ def build_cache(
         raise TopkError(f"--chunk-size must be positive, got {chunk_size}")
     out, model_dir = Path(out), Path(model_dir)
     check_output(out, overwrite)
-    warn_leftovers(out)
     documents, skipped = collect_documents(docs)
     fingerprint = model_fingerprint(model_dir)
     tokenizer = load_tokenizer(model_dir)
     layout = layout_context(documents, tokenizer)
     dev = pick_device(device)
     weights_dtype = parse_dtype(dtype) or (torch.bfloat16 if dev.type == "cuda" else None)
-    model = load_model(model_dir, "cpu" if offload_weights else dev, weights_dtype)
-    shape = ModelShape.from_config(model.config)
-    n = len(layout.ids)
-    if n > shape.max_positions:
-        warnings.warn(f"the context has {n} tokens, more than the model's maximum positions "
-                      f"({shape.max_positions}); answers may degrade", TopkWarning, stacklevel=2)
-    if on_start is not None:
-        on_start(n, shape.n_layers, skipped)
-    model_dtype = next(model.parameters()).dtype
-    writer = CacheWriter(out, overwrite=overwrite)
+    writer = CacheWriter(out, overwrite=overwrite, resume=resume)   # the writer lock: one prefill per --out
+    warn_leftovers(out)
     try:
+        model = load_model(model_dir, "cpu" if offload_weights else dev, weights_dtype)
+        shape = ModelShape.from_config(model.config)
+        n = len(layout.ids)
+        if n > shape.max_positions:
+            warnings.warn(f"the context has {n} tokens, more than the model's maximum positions "
+                          f"({shape.max_positions}); answers may degrade", TopkWarning, stacklevel=2)
+        model_dtype = next(model.parameters()).dtype
+        key = {"model": fingerprint, "n_tokens": n, "n_layers": shape.n_layers, "chunk_size": chunk_size,
+               "tokens": hashlib.blake2b(np.asarray(layout.ids, dtype=np.int32).tobytes(), digest_size=16).hexdigest(),
+               "dtype": dtype_name(model_dtype), "device": dev.type, "offload_weights": offload_weights}
+        start, hidden = 0, None
+        if resume:
+            start, hidden, why = writer.resume_point(key)
+            if start:
+                kept = "layer 0" if start == 1 else f"layers 0-{start - 1}"
+                _say(on_note, f"resuming at layer {start} of {shape.n_layers}: {kept} verified and kept")
+            elif writer.found_partial:
+                _say(on_note, f"nothing to resume in {writer.tmp} ({why}): starting over")
+            else:
+                _say(on_note, f"no interrupted prefill of {out} to resume: starting over")
+        layer_bytes = 2 * shape.n_kv_heads * n * shape.head_dim * model_dtype.itemsize
+        _check_space(out, (shape.n_layers - start) * layer_bytes + 4 * n + 4 * shape.vocab_size, on_note)
+        if on_start is not None:
+            on_start(n, shape.n_layers, skipped)
+        if progress is not None and start:
+            progress(n * start)
         # On CUDA, write_layer runs in prefill's drain thread (one layer at a time, in order, overlapped with
         # the next layer's compute); prefill_layers returns or raises only once it is done, so neither
         # commit() nor abort() below can race a write.
-        last_logits, stats = prefill_layers(model, layout.ids, writer.write_layer, chunk_size, progress,
-                                           offload_weights=offload_weights, device=dev)
+        last_logits, stats = prefill_layers(
+            model, layout.ids, writer.write_layer, chunk_size, progress, offload_weights=offload_weights,
+            device=dev, start_layer=start, hidden=hidden, checkpoint_every=checkpoint_every,
+            checkpoint=lambda next_layer, h: writer.checkpoint(key, next_layer, h))
         writer.write_tokens(layout.ids)
         writer.write_array(LAST_LOGITS, last_logits.float())
         manifest = {
@@ -120,9 +173,18 @@ def build_cache(
             "skipped": skipped,
             "prompt": layout.prompt.to_dict(),
             "prefill": {"chunk_size": chunk_size, "device": str(dev), "seconds": round(stats.seconds, 3),
-                        "tokens_per_s": round(stats.tokens_per_s, 1), "peak_device_bytes": stats.peak_device_bytes},
+                        "tokens_per_s": round(stats.tokens_per_s, 1), "peak_device_bytes": stats.peak_device_bytes,
+                        "resumed_at_layer": start},
         }
         return writer.commit(manifest), stats
-    except BaseException:
-        writer.abort()
+    except BaseException as e:
+        disk = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
+        # A full disk needs its space back; any other failure (an interruption, SIGTERM, kill, a crash)
+        # keeps a partial prefill that has a checkpoint, for --resume.
+        if writer.abort(keep_resumable=not disk):
+            n_kept = writer.resumable_layers
+            _say(on_note, f"kept {n_kept} finished layer{'s' if n_kept > 1 else ''} in {writer.tmp}: run the same "
+                          f"command with --resume to continue (or delete that directory)")
+        if disk:
+            raise TopkError(f"{unwritable(out, e)}; the partial cache was removed") from None
         raise

@@ -15,8 +15,8 @@ bf16 weights alone are 15 GiB.
 
 from __future__ import annotations
 
-import contextlib
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -40,6 +40,7 @@ class PrefillStats:
     n_tokens: int
     seconds: float
     peak_device_bytes: int | None  # None on CPU
+    resumed_at_layer: int = 0      # > 0: the time covers only the layers from this one on (`--resume`)
 
     @property
     def tokens_per_s(self) -> float:
@@ -163,7 +164,7 @@ class _LayerStreamer:
             return
         tensors = dict(self.layers[i].named_parameters())
         tensors.update(self.layers[i].named_buffers())
-        ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        ctx = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
         with ctx:
             for name, t in tensors.items():
                 t.data = self.host[i][name].to(self.device, non_blocking=True)
@@ -284,6 +285,39 @@ def _sync_host(hidden: torch.Tensor, device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class _Resume:
+    """Where a prefill starts (layer 0 from the embeddings, or a checkpoint) and when it checkpoints."""
+
+    def __init__(self, start: int, hidden: torch.Tensor | None, fn: Callable[[int, torch.Tensor], None] | None,
+                 every: float) -> None:
+        self.start, self.hidden, self.fn, self.every = start, hidden, fn, every
+        self.last = time.monotonic()
+
+    def residual(self, model, ids: list[int], shape: ModelShape, dtype: torch.dtype, device: torch.device,
+                 embed_device: torch.device, chunk_size: int) -> torch.Tensor:
+        """The (N, C) residual stream entering layer `start`: the embeddings, or the checkpoint's copy."""
+        N = len(ids)
+        hidden = _residual_stream(N, shape, dtype, device)
+        if self.start:
+            hidden.copy_(self.hidden.to(dtype))
+            self.hidden = None
+            return hidden
+        tokens = torch.tensor(ids, dtype=torch.int64)
+        for s in range(0, N, chunk_size):
+            hidden[s:s + chunk_size].copy_(model.model.embed_tokens(tokens[s:s + chunk_size].to(embed_device)))
+        return hidden
+
+    def after_layer(self, next_layer: int, n_layers: int, hidden: torch.Tensor, drain: KVDrain,
+                    device: torch.device) -> None:
+        """Checkpoint when one is due: the layers below `next_layer` are on disk first (drain.wait)."""
+        if self.fn is None or next_layer >= n_layers or time.monotonic() - self.last < self.every:
+            return
+        drain.wait()
+        _sync_host(hidden, device)
+        self.fn(next_layer, hidden.cpu() if hidden.is_cuda else hidden)
+        self.last = time.monotonic()
+
+
 @torch.inference_mode()
 def prefill_layers(
     model,
@@ -293,6 +327,10 @@ def prefill_layers(
     progress: Callable[[int], None] | None = None,
     offload_weights: bool = False,
     device: torch.device | str | None = None,
+    start_layer: int = 0,
+    hidden: torch.Tensor | None = None,
+    checkpoint: Callable[[int, torch.Tensor], None] | None = None,
+    checkpoint_every: float = 60.0,
 ) -> tuple[torch.Tensor, PrefillStats]:
     """Run the model over `ids` layer by layer, handing each layer's KV to `on_layer`.
 
@@ -308,47 +346,53 @@ def prefill_layers(
             `device` (the embedding and LM head run where they are; only the last token's logits
             are computed).
         device: compute device with `offload_weights` (default: CUDA when available).
+        start_layer: resume: compute layers start_layer.. only (`hidden` must then be given).
+        hidden: (N, C) CPU residual stream entering `start_layer` (from a checkpoint).
+        checkpoint: called as checkpoint(next_layer, hidden) with the (N, C) CPU residual stream
+            entering `next_layer`, once every layer below it was handed to `on_layer` and returned;
+            at most every `checkpoint_every` seconds (0: after every layer), never after the last layer.
+        checkpoint_every: seconds between checkpoints.
     Returns:
         the logits (V,) after the last token, and PrefillStats.
     """
+    if start_layer and hidden is None:
+        raise ValueError("start_layer > 0 needs the residual stream entering it (hidden)")
+    resume = _Resume(start_layer, hidden, checkpoint, checkpoint_every)
     shape = ModelShape.from_config(model.config)
     dtype = next(model.parameters()).dtype
     if offload_weights:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        return _prefill_offloaded(model, ids, on_layer, chunk_size, progress, shape, dtype, device)
+        return _prefill_offloaded(model, ids, on_layer, chunk_size, progress, shape, dtype, device, resume)
     device = next(model.parameters()).device
     N = len(ids)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    tokens = torch.tensor(ids, dtype=torch.int64)
-    hidden = _residual_stream(N, shape, dtype, device)                          # (N, C)
-    for s in range(0, N, chunk_size):
-        hidden[s:s + chunk_size].copy_(model.model.embed_tokens(tokens[s:s + chunk_size].to(device)))
+    hidden = resume.residual(model, ids, shape, dtype, device, device, chunk_size)     # (N, C)
     with KVDrain(on_layer, device) as drain:     # leaving it waits for the last layer's on_layer
         for layer_idx, layer in enumerate(model.model.layers):
+            if layer_idx < resume.start:
+                continue
             _run_layer(model, layer_idx, layer, hidden, shape, device, chunk_size, drain, progress)
+            resume.after_layer(layer_idx + 1, shape.n_layers, hidden, drain, device)
         _sync_host(hidden, device)
         last = final_logits(model, hidden[N - 1:N].to(device)[None])[0].cpu()
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return last, PrefillStats(N, time.perf_counter() - t0, peak)
+    return last, PrefillStats(N, time.perf_counter() - t0, peak, resume.start)
 
 
 def _prefill_offloaded(model, ids, on_layer, chunk_size, progress, shape: ModelShape, dtype: torch.dtype,
-                       device: torch.device) -> tuple[torch.Tensor, PrefillStats]:
+                       device: torch.device, resume: _Resume) -> tuple[torch.Tensor, PrefillStats]:
     """`prefill_layers` with the weights on the CPU: one decoder layer on the device at a time."""
     N = len(ids)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    tokens = torch.tensor(ids, dtype=torch.int64)
-    hidden = _residual_stream(N, shape, dtype, device)                          # (N, C)
-    embed_device = model.model.embed_tokens.weight.device
-    for s in range(0, N, chunk_size):                      # the embedding lookup stays where it is
-        hidden[s:s + chunk_size].copy_(model.model.embed_tokens(tokens[s:s + chunk_size].to(embed_device)))
+    embed_device = model.model.embed_tokens.weight.device   # the embedding lookup stays where it is
+    hidden = resume.residual(model, ids, shape, dtype, device, embed_device, chunk_size)   # (N, C)
     rotary = model.model.rotary_emb
     rotary_host = {name: b.data for name, b in rotary.named_buffers()}
     for b in rotary.buffers():
@@ -357,10 +401,13 @@ def _prefill_offloaded(model, ids, on_layer, chunk_size, progress, shape: ModelS
     try:
         with KVDrain(on_layer, device) as drain:          # leaving it waits for the last layer's on_layer
             for layer_idx, layer in enumerate(model.model.layers):
+                if layer_idx < resume.start:
+                    continue
                 streamer.acquire(layer_idx)
                 streamer.prefetch(layer_idx + 1)           # overlaps with this layer's compute
                 _run_layer(model, layer_idx, layer, hidden, shape, device, chunk_size, drain, progress)
                 streamer.release(layer_idx)
+                resume.after_layer(layer_idx + 1, shape.n_layers, hidden, drain, device)
             _sync_host(hidden, device)
             head_device = model.lm_head.weight.device
             last = final_logits(model, hidden[N - 1:N].to(head_device)[None])[0].cpu()
@@ -370,4 +417,4 @@ def _prefill_offloaded(model, ids, on_layer, chunk_size, progress, shape: ModelS
         for i in list(streamer.ready):
             streamer.release(i)
     peak = torch.cuda.max_memory_allocated(device) if cuda else None
-    return last, PrefillStats(N, time.perf_counter() - t0, peak)
+    return last, PrefillStats(N, time.perf_counter() - t0, peak, resume.start)

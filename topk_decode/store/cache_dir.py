@@ -1,8 +1,10 @@
 """Writing a cache directory atomically and opening it as memory-mapped tensors.
 
-A cache is only a cache once `manifest.json` exists: the writer fills a hidden sibling directory,
-writes the manifest last, then renames the directory into place. An interrupted prefill therefore
-leaves only a `.CACHE.partial-*` directory behind, which never opens as a cache.
+A cache is only a cache once `manifest.json` exists: the writer fills the hidden sibling directory
+`.NAME.partial`, writes the manifest last, then swaps the directory into place in one atomic rename.
+An interrupted prefill leaves at most that partial directory, which never opens as a cache (and
+which `--resume` continues, see resume.py). Writers hold a lock; readers pin the directory they
+open (see locking.py): README "Cache format" states the guarantees.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 
 from topk_decode.errors import TopkError
 from topk_decode.store.format import (
+    FORMAT_MARKER,
     FORMAT_VERSION,
     MANIFEST,
     TOKENS,
@@ -28,49 +30,104 @@ from topk_decode.store.format import (
     dtype_name,
     keys_file,
     numpy_storage,
+    partial_path,
     values_file,
 )
+from topk_decode.store.locking import PinnedDir, WriterLock, exchange, lock_dir, unwritable
+from topk_decode.store.manifest import CHECKSUM_FIELD, is_topk_cache, manifest_checksum, validate_manifest
+from topk_decode.store.resume import checkpoint_layers, drop_checkpoint, load_checkpoint, save_checkpoint
 
 # Full checksums are verified at open up to this total size; above it, sizes only (hashing 100+ GiB
 # at every open would take minutes). `topk info --verify` always hashes everything.
 VERIFY_LIMIT_BYTES = 2 << 30
 
 
-def _blake2(path: Path) -> str:
-    """blake2b-128 of a whole file, read in 8 MiB blocks."""
+def _blake2(f) -> str:
+    """blake2b-128 of an open binary file, read in 8 MiB blocks."""
     h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        while block := f.read(8 << 20):
-            h.update(block)
+    while block := f.read(8 << 20):
+        h.update(block)
     return h.hexdigest()
 
 
 def check_output(out: Path, overwrite: bool) -> None:
-    """Refuse to write over anything the user made, and over a cache unless told to."""
+    """Refuse to write over anything the user made, and over a cache unless told to.
+
+    `--overwrite` replaces only an empty directory or a directory that is one of our caches and holds
+    nothing else (see `is_topk_cache`); anything else is refused, untouched.
+    """
+    if out.is_symlink():
+        raise TopkError(f"{out} is a symbolic link; pass the directory it points to as --out")
     if out.exists() and not out.is_dir():
         raise TopkError(f"{out} exists and is not a directory")
     if out.exists() and not overwrite:
         raise TopkError(f"{out} already exists (use --overwrite to replace it)")
-    if out.exists() and any(out.iterdir()) and not (out / MANIFEST).exists():
-        # Never delete a non-empty directory that is not one of our caches.
-        raise TopkError(f"{out} is a non-empty directory that is not a topk cache; refusing to replace it")
+    try:
+        non_empty = out.exists() and any(out.iterdir())
+        ok, why = is_topk_cache(out) if non_empty else (True, "")
+    except OSError as e:
+        raise TopkError(f"cannot inspect {out} ({e.strerror}); refusing to replace it") from None
+    if non_empty and not ok:
+        raise TopkError(f"{out} is not a topk cache ({why}); refusing to replace it with --overwrite")
 
 
 class CacheWriter:
     """Writes one cache directory; nothing is visible at `out` until `commit()`.
 
+    Holds the writer lock of `out` from construction to `commit()` / `abort()`: a second writer of the
+    same `out` fails at once with TopkError.
+
     Args:
         out: the final cache directory.
         overwrite: replace an existing cache at `out` (only once the new one is complete).
+        resume: keep a partial directory left by an interrupted prefill of `out` (see `resume_point`);
+            without it, a partial directory holding a checkpoint is refused, one without is removed.
     """
 
-    def __init__(self, out: str | os.PathLike, overwrite: bool = False) -> None:
+    def __init__(self, out: str | os.PathLike, overwrite: bool = False, resume: bool = False) -> None:
         self.out = Path(out)
-        check_output(self.out, overwrite)
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.partial-", dir=self.out.parent))
-        (self.tmp / "kv").mkdir()
+        self.overwrite = overwrite
+        self.lock = WriterLock(self.out)
+        try:
+            check_output(self.out, overwrite)
+            self.tmp = partial_path(self.out)
+            self.resumed_from = 0
+            self.found_partial = self.tmp.exists()
+            if self.tmp.exists():
+                kept = checkpoint_layers(self.tmp)
+                if kept and not resume:
+                    raise TopkError(f"an interrupted prefill of {self.out} left {kept} finished layer(s) in "
+                                    f"{self.tmp}: continue it with --resume, or delete that directory")
+                if not kept:
+                    shutil.rmtree(self.tmp)        # nothing to resume: we hold the lock, nobody writes it
+            (self.tmp / "kv").mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            self.lock.release()
+            raise unwritable(self.out, e) from None
+        except BaseException:
+            self.lock.release()
+            raise
         self.files: dict[str, dict] = {}
+
+    def resume_point(self, key: dict) -> tuple[int, torch.Tensor | None, str]:
+        """Where a prefill with this key can continue in the partial directory.
+
+        Args:
+            key: what the prefill's numbers depend on (model, tokens, chunk size, dtype, device kind).
+        Returns:
+            (first layer to compute, residual stream entering it or None, why nothing was kept or "").
+        """
+        layer, files, hidden, why = load_checkpoint(self.tmp, key)
+        if layer == 0:              # nothing usable: start from an empty partial directory
+            shutil.rmtree(self.tmp)
+            (self.tmp / "kv").mkdir(parents=True)
+        self.files.update(files)
+        self.resumed_from = layer
+        return layer, hidden, why
+
+    def checkpoint(self, key: dict, next_layer: int, hidden: torch.Tensor) -> None:
+        """Record a resume point: layers below `next_layer` are written; `hidden` (N, C) enters it."""
+        save_checkpoint(self.tmp, key, next_layer, self.files, hidden)
 
     def write_array(self, rel: str, tensor: torch.Tensor) -> None:
         """Write a tensor's raw bytes (C order) to `rel` inside the cache and record size and checksum."""
@@ -81,7 +138,7 @@ class CacheWriter:
         path.parent.mkdir(parents=True, exist_ok=True)
         arr = t.numpy()
         with open(path, "wb") as f:
-            arr.tofile(f)
+            _write_hook(rel, f, arr)
         h = hashlib.blake2b(arr.reshape(-1).view(np.uint8).data, digest_size=16).hexdigest()  # no copy
         self.files[rel] = {"bytes": path.stat().st_size, "blake2b": h}
 
@@ -95,24 +152,66 @@ class CacheWriter:
         self.write_array(TOKENS, torch.tensor(ids, dtype=torch.int32))
 
     def commit(self, manifest: dict) -> Path:
-        """Write the manifest last and move the finished cache into place."""
-        manifest = dict(manifest, format_version=FORMAT_VERSION, files=self.files,
+        """Write the manifest last and swap the finished cache into place (one atomic rename)."""
+        manifest = dict(manifest, format=FORMAT_MARKER, format_version=FORMAT_VERSION, files=self.files,
                         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        manifest[CHECKSUM_FIELD] = manifest_checksum(manifest)
+        validate_manifest(manifest, self.tmp / MANIFEST)        # never commit what a reader would refuse
+        drop_checkpoint(self.tmp)
         tmp_manifest = self.tmp / (MANIFEST + ".tmp")
-        tmp_manifest.write_text(json.dumps(manifest, indent=2))
+        with open(tmp_manifest, "w") as f:
+            f.write(json.dumps(manifest, indent=2))
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp_manifest, self.tmp / MANIFEST)
-        old = None
-        if self.out.exists():
+        check_output(self.out, self.overwrite)     # the user may have put something there meanwhile
+        if self.out.exists() and exchange(self.tmp, self.out):
+            # self.tmp now names the old cache: delete it once no reader is still opening it.
+            fd = lock_dir(self.tmp, shared=False)
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            if fd is not None:
+                os.close(fd)
+        elif self.out.exists():                      # no RENAME_EXCHANGE: two renames
             old = self.out.with_name(f".{self.out.name}.old-{os.getpid()}")
             os.replace(self.out, old)
-        os.replace(self.tmp, self.out)
-        if old is not None:
+            os.replace(self.tmp, self.out)
             shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(self.tmp, self.out)
+        self.lock.release()
         return self.out
 
-    def abort(self) -> None:
-        """Remove the partial directory (the existing cache, if any, is untouched)."""
-        shutil.rmtree(self.tmp, ignore_errors=True)
+    @property
+    def resumable_layers(self) -> int:
+        """Finished layers a `--resume` would keep from the partial directory (0: nothing to resume)."""
+        return checkpoint_layers(self.tmp) if self.tmp.exists() else 0
+
+    def abort(self, keep_resumable: bool = False) -> bool:
+        """Give up: remove the partial directory, or keep it when it holds a checkpoint and `keep_resumable`.
+
+        The existing cache at `out`, if any, is untouched. Returns True when the partial directory was kept.
+        """
+        kept = keep_resumable and self.resumable_layers > 0
+        if not kept:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        self.lock.release()
+        return kept
+
+
+def _write_hook(rel: str, f, arr: np.ndarray) -> None:
+    """Write `arr` to `f`. Two test hooks stand in for a pre-empted machine: TOPK_TEST_WRITE_DELAY_S
+    slows every write (time to send a signal), TOPK_TEST_DIE_WRITING=REL kills the process (SIGKILL)
+    half-way through writing REL (a kill -9 mid-layer)."""
+    if os.environ.get("TOPK_TEST_WRITE_DELAY_S"):
+        time.sleep(float(os.environ["TOPK_TEST_WRITE_DELAY_S"]))
+    if os.environ.get("TOPK_TEST_DIE_WRITING") == rel:
+        import signal
+
+        f.write(arr.reshape(-1).view(np.uint8)[: arr.nbytes // 2].tobytes())
+        f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    # Not arr.tofile: on a full disk numpy raises an OSError without errno ("N requested and M written").
+    f.write(arr.reshape(-1).view(np.uint8).data)
 
 
 @dataclass
@@ -127,6 +226,7 @@ class ContextKV:
     tokens: list[int]
     keys: list[torch.Tensor] = field(repr=False)
     values: list[torch.Tensor] = field(repr=False)
+    cache_id: str = ""   # blake2b of the manifest file: strategy artifacts record it (built for this cache)
 
     @property
     def n_tokens(self) -> int:
@@ -154,68 +254,115 @@ class ContextKV:
         return sum(f["bytes"] for f in self.manifest["files"].values())
 
 
-def read_manifest(path: str | os.PathLike) -> dict:
-    """Read and check the manifest of a cache directory (no array is touched)."""
-    path = Path(path)
-    if not path.is_dir():
-        raise TopkError(f"cache not found: {path}")
-    mf = path / MANIFEST
-    if not mf.is_file():
-        raise TopkError(f"{path} is not a topk cache (no {MANIFEST}; an interrupted prefill?)")
+def _load_manifest(d: PinnedDir) -> tuple[dict, str]:
+    """Read, parse and validate the manifest of a pinned cache directory; also its blake2b (the cache id)."""
+    where = d.path / MANIFEST
+    if d.size(MANIFEST) is None:
+        raise TopkError(f"{d.path} is not a topk cache (no {MANIFEST}; an interrupted prefill?)")
     try:
-        manifest = json.loads(mf.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise TopkError(f"corrupted cache manifest {mf}: {e}") from None
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise TopkError(f"{path} has cache format {manifest.get('format_version')}, this version reads {FORMAT_VERSION}")
-    for key in ("shape", "kv_dtype", "n_tokens", "files", "model"):
-        if key not in manifest:
-            raise TopkError(f"corrupted cache manifest {mf}: missing {key!r}")
-    return manifest
+        with d.open(MANIFEST) as f:
+            raw = f.read()
+        manifest = json.loads(raw)
+    except (OSError, ValueError) as e:
+        raise TopkError(f"corrupted cache manifest {where}: {e}") from None
+    return validate_manifest(manifest, where), hashlib.blake2b(raw, digest_size=16).hexdigest()
 
 
-def verify_files(path: Path, manifest: dict, full: bool | None = None) -> None:
-    """Check every recorded file's size, and its checksum when `full` (default: small caches only)."""
+def _pinned(path: Path) -> PinnedDir:
+    """Pin the cache directory at `path`, retrying when a commit removed the one we pinned."""
+    if not path.is_dir():
+        partial = partial_path(path)
+        hint = (f" (an interrupted prefill left {partial}: continue it with `topk prefill ... --out {path} "
+                f"--resume`)" if partial.is_dir() else "")
+        raise TopkError(f"cache not found: {path}{hint}")
+    for _ in range(5):
+        d = PinnedDir(path)
+        if not d.emptied() or not path.is_dir():
+            return d
+        d.__exit__()            # an old cache, deleted by a commit after we pinned it: pin the new one
+    return PinnedDir(path)
+
+
+def read_manifest(path: str | os.PathLike) -> dict:
+    """Read and validate the manifest of a cache directory (no array is touched)."""
+    with _pinned(Path(path)) as d:
+        return _load_manifest(d)[0]
+
+
+def verify_files(d: PinnedDir | Path, manifest: dict, full: bool | None = None) -> int:
+    """Check every recorded file's size, and its checksum when `full` (default: caches ≤ 2 GiB).
+
+    Args:
+        d: the pinned cache directory (or its path).
+        manifest: the validated manifest (its `files` table covers every file the shapes imply).
+        full: hash every file (True), sizes only (False), or hash only caches ≤ 2 GiB (None).
+    Returns:
+        the number of files hashed.
+    """
+    if isinstance(d, Path):
+        with _pinned(d) as pinned:
+            return verify_files(pinned, manifest, full)
     files = manifest["files"]
     total = sum(f["bytes"] for f in files.values())
     if full is None:
         full = total <= VERIFY_LIMIT_BYTES
     for rel, meta in files.items():
-        p = path / rel
-        if not p.is_file():
+        p = d.path / rel
+        size = d.size(rel)
+        if size is None:
             raise TopkError(f"corrupted cache: missing file {p}")
-        size = p.stat().st_size
         if size != meta["bytes"]:
             raise TopkError(f"corrupted cache: {p} has {size} bytes, expected {meta['bytes']} (truncated?)")
-        if full and _blake2(p) != meta["blake2b"]:
-            raise TopkError(f"corrupted cache: checksum mismatch in {p}")
+    if full:
+        for rel, meta in files.items():
+            with d.open(rel) as f:
+                if _blake2(f) != meta["blake2b"]:
+                    raise TopkError(f"corrupted cache: checksum mismatch in {d.path / rel}")
+    return len(files) if full else 0
+
+
+def check_cache(path: str | os.PathLike, full: bool = False) -> tuple[dict, str, int]:
+    """Validate a cache without mapping it (`topk info`): manifest schema and checksum, file sizes, and
+    with `full` every file's checksum.
+
+    Returns:
+        (manifest, cache id, number of files hashed).
+    """
+    with _pinned(Path(path)) as d:
+        manifest, cache_id = _load_manifest(d)
+        return manifest, cache_id, verify_files(d, manifest, full)
 
 
 def open_cache(path: str | os.PathLike, verify: bool | None = None) -> ContextKV:
     """Open a cache directory: validate it, then memory-map tokens, keys and values (no copy).
+
+    Everything is read through one pinned directory descriptor, so a prefill committing over this
+    cache meanwhile yields the old cache or the new one, never a mix.
 
     Args:
         path: the cache directory.
         verify: hash every file (True), check sizes only (False), or hash only caches ≤ 2 GiB (None).
     """
     path = Path(path)
-    manifest = read_manifest(path)
-    verify_files(path, manifest, verify)
-    shape = manifest["shape"]
-    n, hkv, d = manifest["n_tokens"], shape["n_kv_heads"], shape["head_dim"]
-    name = manifest["kv_dtype"]
-    storage = numpy_storage(name)
+    with _pinned(path) as d:
+        manifest, cache_id = _load_manifest(d)
+        verify_files(d, manifest, verify)
+        shape = manifest["shape"]
+        n, hkv, hd = manifest["n_tokens"], shape["n_kv_heads"], shape["head_dim"]
+        name = manifest["kv_dtype"]
+        storage = numpy_storage(name)
 
-    def mmap(rel: str) -> torch.Tensor:
-        arr = np.memmap(path / rel, dtype=storage, mode="r", shape=(hkv, n, d))
-        return as_torch(arr, name)
+        def mmap(rel: str) -> torch.Tensor:
+            with d.open(rel) as f:    # the map outlives the file object
+                arr = np.memmap(f, dtype=storage, mode="r", shape=(hkv, n, hd))
+            return as_torch(arr, name)
 
-    tokens = np.fromfile(path / TOKENS, dtype=np.int32).tolist()
-    if len(tokens) != n:
-        raise TopkError(f"corrupted cache: {path / TOKENS} holds {len(tokens)} tokens, manifest says {n}")
-    keys = [mmap(keys_file(layer)) for layer in range(shape["n_layers"])]
-    values = [mmap(values_file(layer)) for layer in range(shape["n_layers"])]
-    return ContextKV(path=path, manifest=manifest, tokens=tokens, keys=keys, values=values)
+        with d.open(TOKENS) as f:
+            tokens = np.fromfile(f, dtype=np.int32).tolist()
+        keys = [mmap(keys_file(layer)) for layer in range(shape["n_layers"])]
+        values = [mmap(values_file(layer)) for layer in range(shape["n_layers"])]
+    return ContextKV(path=path, manifest=manifest, tokens=tokens, keys=keys, values=values, cache_id=cache_id)
 
 
-__all__ = ["check_output", "CacheWriter", "ContextKV", "open_cache", "read_manifest", "verify_files", "dtype_name"]
+__all__ = ["check_output", "CacheWriter", "ContextKV", "open_cache", "check_cache", "read_manifest", "verify_files",
+           "dtype_name"]

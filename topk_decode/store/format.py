@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import torch
 
-FORMAT_VERSION = 1
+# v2 (this version): manifest carries FORMAT_MARKER and its own checksum (`manifest_blake2b`); strategy
+# done.json files record their artifacts' sizes and checksums. v1 caches still open (no manifest checksum).
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+FORMAT_MARKER = "topk-decode-cache"
 MANIFEST = "manifest.json"
 TOKENS = "tokens.i32"
+LAST_LOGITS = "last_logits.f32"
+# What a cache directory may hold at its top level (anything else means it is not only ours).
+TOP_LEVEL = frozenset({MANIFEST, TOKENS, LAST_LOGITS, "kv", "index"})
+KV_FILE = re.compile(r"(keys|values)\.\d{3,}\.bin")
+
+
+def lock_path(out: Path) -> Path:
+    """The lock file beside cache `out` that writers hold (flock) for a whole prefill."""
+    return out.with_name(f".{out.name}.lock")
+
+
+def partial_path(out: Path) -> Path:
+    """The one partial directory a prefill of `out` fills before its commit (kept for --resume)."""
+    return out.with_name(f".{out.name}.partial")
 
 
 def keys_file(layer: int) -> str:
