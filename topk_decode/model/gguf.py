@@ -89,8 +89,64 @@ def _require_packages() -> None:
                         f"pip install {' '.join(missing)}  (or pip install 'topk-decode[gguf]')")
 
 
+# GGUF metadata value types → byte size (8 = string, 9 = array are variable).
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
+
+
+class _Header:
+    """A bounds-checked little-endian reader over the header of a GGUF file (no tensor data is read)."""
+
+    def __init__(self, fh, size: int) -> None:
+        self.fh, self.size = fh, size
+
+    def read(self, n: int) -> bytes:
+        if n < 0 or self.fh.tell() + n > self.size:
+            raise EOFError
+        return self.fh.read(n)
+
+    def u32(self) -> int:
+        return struct.unpack("<I", self.read(4))[0]
+
+    def u64(self) -> int:
+        return struct.unpack("<Q", self.read(8))[0]
+
+    def string(self) -> str:
+        return self.read(self.u64()).decode("utf-8", "replace")
+
+    def skip(self, n: int) -> None:
+        if n < 0 or self.fh.tell() + n > self.size:
+            raise EOFError
+        self.fh.seek(n, 1)
+
+    def value(self, vtype: int):
+        """Read one metadata value; arrays are skipped (None): only scalars and strings are needed."""
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            item, count = self.u32(), self.u64()
+            if item == _STRING:
+                for _ in range(count):
+                    self.skip(self.u64())
+            elif item in _SCALAR_SIZES:
+                self.skip(count * _SCALAR_SIZES[item])
+            else:
+                raise ValueError(f"unknown array item type {item}")
+            return None
+        if vtype not in _SCALAR_SIZES:
+            raise ValueError(f"unknown metadata value type {vtype}")
+        raw = self.read(_SCALAR_SIZES[vtype])
+        return int.from_bytes(raw, "little") if vtype in (0, 2, 4, 10) else raw
+
+
+_INSPECTED: dict[tuple, GGUFInfo] = {}
+
+
 def inspect_gguf(path: str | os.PathLike) -> GGUFInfo:
     """Check a GGUF file without loading it: magic, version, architecture, and that no tensor runs past EOF.
+
+    Only the header is parsed (the tokenizer's vocabulary arrays are skipped), so this is fast even
+    for a multi-GB file; the result is remembered per (path, size, mtime) within the process.
 
     Args:
         path: the GGUF file.
@@ -100,35 +156,63 @@ def inspect_gguf(path: str | os.PathLike) -> GGUFInfo:
     p = Path(path)
     if not p.is_file():
         raise TopkError(f"GGUF file not found: {p}")
-    size = p.stat().st_size
+    st = p.stat()
+    key = (str(p.resolve()), st.st_size, st.st_mtime_ns)
+    if key in _INSPECTED:
+        return _INSPECTED[key]
+    size = st.st_size
     with open(p, "rb") as fh:
         head = fh.read(8)
-    if len(head) < 8 or head[:4] != GGUF_MAGIC:
-        raise TopkError(f"not a GGUF file (bad magic {head[:4]!r}, expected b'GGUF'): {p}")
-    version = struct.unpack("<I", head[4:8])[0]
-    if version not in GGUF_VERSIONS:
-        raise TopkError(f"unsupported GGUF version {version} in {p} (supported: {GGUF_VERSIONS})")
-    _require_packages()
-    from gguf import GGUFReader
+        if len(head) < 8 or head[:4] != GGUF_MAGIC:
+            raise TopkError(f"not a GGUF file (bad magic {head[:4]!r}, expected b'GGUF'): {p}")
+        version = struct.unpack("<I", head[4:8])[0]
+        if version not in GGUF_VERSIONS:
+            raise TopkError(f"unsupported GGUF version {version} in {p} (supported: {GGUF_VERSIONS})")
+        _require_packages()
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    try:
-        reader = GGUFReader(p)
-    except Exception as e:  # the parser raises ValueError/IndexError/KeyError... on damaged files
-        raise TopkError(f"corrupt or truncated GGUF file {p} ({size} bytes): "
-                        f"{' '.join(str(e).split()) or type(e).__name__}") from None
-    field = reader.fields.get("general.architecture")
-    if field is None:
-        raise TopkError(f"GGUF file {p} has no general.architecture field")
-    arch = bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
-    data_end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=int(reader.data_offset))
-    n_tensors = len(reader.tensors)
-    del reader  # closes the memory map
+        h = _Header(fh, size)
+        try:
+            n_tensors, n_kv = h.u64(), h.u64()
+            meta = {}
+            for _ in range(n_kv):
+                name = h.string()
+                meta[name] = h.value(h.u32())
+            tensors = []  # (type, n_elements, offset)
+            for _ in range(n_tensors):
+                h.string()
+                dims = [h.u64() for _ in range(h.u32())]
+                ttype, offset = h.u32(), h.u64()
+                n_el = 1
+                for d in dims:
+                    n_el *= d
+                tensors.append((ttype, n_el, offset))
+        except EOFError:
+            raise TopkError(f"truncated GGUF file {p} ({size} bytes): its header runs past the end") from None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise TopkError(f"corrupt GGUF file {p}: {e}") from None
+        header_end = fh.tell()
+    align = meta.get("general.alignment") or 32
+    if not isinstance(align, int) or align & (align - 1):
+        raise TopkError(f"corrupt GGUF file {p}: bad general.alignment {align!r}")
+    data_start = header_end + (-header_end % align)
+    data_end = data_start
+    for ttype, n_el, offset in tensors:
+        try:
+            block, type_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
+        except (ValueError, KeyError):
+            raise TopkError(f"corrupt GGUF file {p}: unknown tensor type {ttype}") from None
+        data_end = max(data_end, data_start + offset + n_el * type_bytes // block)
     if data_end > size:
         raise TopkError(f"truncated GGUF file {p}: its tensors end at byte {data_end} but the file has {size}")
+    arch = meta.get("general.architecture")
+    if not isinstance(arch, str):
+        raise TopkError(f"GGUF file {p} has no general.architecture field")
     if arch not in SUPPORTED_GGUF_ARCHS:
         raise TopkError(f"unsupported GGUF architecture {arch!r} in {p} (supported: {', '.join(SUPPORTED_GGUF_ARCHS)})")
-    return GGUFInfo(path=p, version=version, architecture=arch, n_tensors=n_tensors,
-                    size=size, data_end=data_end)
+    info = GGUFInfo(path=p, version=version, architecture=arch, n_tensors=len(tensors), size=size, data_end=data_end)
+    _INSPECTED[key] = info
+    return info
 
 
 def _memo_file(p: Path) -> Path:
