@@ -214,3 +214,17 @@ def test_chat_with_a_bad_gguf_model_is_one_line_error(tmp_path, cache_home, buil
     f = write_gguf(tmp_path / "m.gguf", "gemma")
     line = _one_line_error(["chat", cache, "--model", f, "--prompt", "hi", "--device", "cpu"])
     assert "unsupported GGUF architecture" in line
+
+
+def test_leftover_of_a_killed_conversion_is_cleaned_and_redone(tmp_path, cache_home, stub_convert):
+    f = write_gguf(tmp_path / "m.gguf")
+    root = cache_home / "topk-decode" / "models"
+    digest = G.gguf_sha256(f)
+    stale = root / f".{digest}.partial-999999"
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text("{}")
+    incomplete = root / digest  # a directory without the marker is not a finished conversion
+    incomplete.mkdir()
+    d = G.converted_dir(f, progress=None)
+    assert d == incomplete and G.converted_source(d) is not None
+    assert not stale.exists() and len(stub_convert) == 1

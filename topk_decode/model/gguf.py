@@ -312,8 +312,10 @@ def converted_dir(path: str | os.PathLike, progress: Progress | None = stderr_pr
     with _locked(root / f"{digest}.lock"):
         if converted_source(final) is not None:  # another process finished it while we waited
             return final
+        # Under the lock nobody else converts this file: partial directories are leftovers of killed runs.
+        for stale in root.glob(f".{digest}.partial-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = root / f".{digest}.partial-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
         say(f"converting {src.name} ({info.architecture}, {info.size / 2**20:.0f} MiB) to a bf16 checkpoint "
             f"once, into {final}")
         t0 = time.perf_counter()
