@@ -228,3 +228,8 @@ def test_leftover_of_a_killed_conversion_is_cleaned_and_redone(tmp_path, cache_h
     d = G.converted_dir(f, progress=None)
     assert d == incomplete and G.converted_source(d) is not None
     assert not stale.exists() and len(stub_convert) == 1
+
+
+def test_missing_gguf_file_is_named_as_such(tmp_path, docs_dir):
+    line = _one_line_error(["prefill", docs_dir, "--out", tmp_path / "cache", "--model", tmp_path / "nope.gguf"])
+    assert "GGUF file not found" in line

@@ -35,9 +35,10 @@ def resolve_model_path(path: str | os.PathLike) -> Path:
 def _check_model_dir(path: Path) -> dict:
     """Read config.json of a checkpoint directory; raise TopkError if it is not a supported model."""
     if not path.exists():
-        raise TopkError(f"model directory not found: {path}")
+        what = "GGUF file" if path.suffix.lower() == ".gguf" else "model directory"
+        raise TopkError(f"{what} not found: {path}")
     if not path.is_dir():
-        raise TopkError(f"model path is not a directory: {path}")
+        raise TopkError(f"model path is neither a directory nor a GGUF file: {path}")
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise TopkError(f"not a Hugging Face checkpoint (no config.json): {path}")
