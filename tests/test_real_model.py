@@ -12,6 +12,7 @@ works end to end through `topk prefill --model FILE.gguf` and `topk chat --promp
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -138,3 +139,10 @@ def test_cli_prefill_with_gguf_then_chat_prompt_answers(smollm2_gguf, tmp_path, 
     assert r.returncode == 0, r.stderr
     assert ANSWER_WORD in r.stdout, r.stdout
     assert "Traceback" not in r.stderr
+    from typer.testing import CliRunner
+
+    from topk_decode.cli.app import app
+
+    info = json.loads(CliRunner().invoke(app, ["info", str(cache), "--json"]).stdout)
+    assert info["model"]["path"] == str(smollm2_gguf.resolve()) and info["model"]["present"]
+    assert info["ram"]["model_weights_bytes"] == GGUF_BYTES
