@@ -386,6 +386,9 @@ def _convert(src: Path, out: Path, say: Progress) -> None:
     fresh.generation_config = loaded.generation_config
     del loaded, state
     say("saving")
-    out.mkdir(parents=True)
-    fresh.save_pretrained(out)
-    tok.save_pretrained(out)
+    try:
+        out.mkdir(parents=True)
+        fresh.save_pretrained(out)
+        tok.save_pretrained(out)
+    except OSError as e:  # disk full, permissions: the caller removes the partial directory
+        raise TopkError(f"could not write the converted model to {out.parent}: {e.strerror or e}") from None
