@@ -34,8 +34,9 @@ GGUF_BYTES = 98_362_432
 # The fact sits mid-document, outside the exact window (first 4 and last 64 tokens): retrieval must find it.
 QUESTION = "What was the name of the Dutch ship that struck the reef?"
 ANSWER_WORD = "Zeevalk"
-# At k = 64 this question's answer is identical to dense; at k = 32 (and 16) SmolLM2 states the same
-# fact in other words ("The Dutch ship that struck the reef was the Zeevalk."), so 64 is the k pinned.
+# At k = 64 this question's answer is identical to dense; at k = 32 SmolLM2 states the same fact in
+# other words ("The Dutch ship that struck the reef was the Zeevalk."; k = 16 was identical again),
+# so 64 is the k pinned.
 SMALL_K = 64
 
 
