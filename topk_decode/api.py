@@ -59,7 +59,7 @@ class KVStore:
         Args:
             docs: a documents directory (.txt/.md, recursive) or one file.
             out: the cache directory to create.
-            model: local HF checkpoint directory (default: the embedded demo model).
+            model: local HF checkpoint directory or GGUF file (default: the embedded demo model).
             chunk_size: prefill chunk length.
             overwrite: replace an existing cache.
             device, dtype: compute device and dtype for the prefill (and the open).
@@ -84,7 +84,8 @@ class KVStore:
             path: the cache directory.
             k: context tokens retrieved per query head and layer.
             strategy: selection strategy name ("flat", ...).
-            model: checkpoint directory (default: the one recorded in the cache); its fingerprint must match.
+            model: checkpoint directory or GGUF file (default: the one recorded in the cache); its
+                fingerprint must match.
             device: "cuda" / "cpu" (default: CUDA when available).
             dtype: compute dtype (default: bf16 on CUDA, fp32 on CPU).
             k_per_layer: per-layer budgets instead of one k.

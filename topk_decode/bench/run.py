@@ -137,7 +137,7 @@ class _Recorder:
 
     def __init__(self, cfg: BenchConfig, env: dict, log: Callable[[str], None]) -> None:
         self.cfg, self.log = cfg, log
-        name = Path(cfg.model).name if Path(cfg.model).is_dir() else cfg.model
+        name = Path(cfg.model).name if Path(cfg.model).exists() else cfg.model  # a directory or a GGUF file
         self.model_name = name
         self.path = Path(cfg.out) / f"bench_{name}.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)

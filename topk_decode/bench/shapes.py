@@ -65,13 +65,15 @@ def build_model(model: str, device: torch.device, dtype: torch.dtype):
     written to disk).
 
     Args:
-        model: a SHAPES name or a checkpoint directory.
+        model: a SHAPES name, a checkpoint directory or a GGUF file.
         device: where the weights live.
         dtype: weight dtype.
     """
     from transformers import AutoModelForCausalLM
 
-    if Path(model).is_dir():
+    from topk_decode.model.gguf import is_gguf_file
+
+    if Path(model).is_dir() or is_gguf_file(model):
         from topk_decode.model.loading import load_model
 
         return load_model(model, device, dtype)

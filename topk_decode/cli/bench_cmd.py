@@ -10,7 +10,7 @@ from topk_decode.cli.common import say_note
 
 
 def bench_command(
-    model: Annotated[str, typer.Option("--model", "-m", help="Named shape with random weights (llama-3-8b, qwen2.5-7b, llama-3.2-1b, tiny) or a checkpoint directory.")] = "llama-3-8b",
+    model: Annotated[str, typer.Option("--model", "-m", help="Named shape with random weights (llama-3-8b, qwen2.5-7b, llama-3.2-1b, tiny) or a checkpoint directory / GGUF file.")] = "llama-3-8b",
     context: Annotated[str, typer.Option("--context", "-c", help="Comma-separated context lengths, e.g. 32K,128K,512K,1M.")] = "32K,128K",
     systems: Annotated[str, typer.Option("--systems", help="Comma-separated: topk, hf-dense, hf-offload.")] = "topk,hf-dense,hf-offload",
     k: Annotated[int, typer.Option("--k", help="Retrieved tokens per query head and layer (flat, exact).")] = 1024,

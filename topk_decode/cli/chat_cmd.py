@@ -21,7 +21,7 @@ def chat_command(
     k_schedule: Annotated[str, typer.Option(help="uniform, or linear: k growing over layers at the same total.")] = "uniform",
     opt: Annotated[Optional[list[str]], typer.Option(help="Strategy option key=value, e.g. nprobe=32 (repeatable).")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Answer length limit in tokens.")] = 256,
-    model: Annotated[Optional[Path], typer.Option(help="Checkpoint dir (default: the one the cache records).")] = None,
+    model: Annotated[Optional[Path], typer.Option(help="Checkpoint dir or GGUF file (default: the one the cache records).")] = None,
     device: Annotated[Optional[str], typer.Option(help="cuda or cpu (default: cuda when available).")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU).")] = None,
     n_sink: Annotated[int, typer.Option(help="First context tokens kept in the exact GPU window.")] = 4,

@@ -11,7 +11,7 @@ from topk_decode.cli.common import check_device, console
 
 
 def calibrate_duo_command(
-    model_dir: Annotated[Path, typer.Argument(help="Local Llama / Qwen2 / Mistral checkpoint directory.")],
+    model_dir: Annotated[Path, typer.Argument(help="Local Llama / Qwen2 / Mistral checkpoint directory or GGUF file.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the gates (full_attention_heads.tsv format).")],
     steps: Annotated[int, typer.Option(help="Adam steps, one synthetic passkey prompt each.")] = 200,
     length: Annotated[int, typer.Option(help="Context tokens per passkey prompt.")] = 2048,

@@ -32,7 +32,7 @@ def parse_list(name: str, text: str, kind: Callable[[str], object]) -> list:
 
 
 def eval_command(
-    model: Annotated[Path | None, typer.Option("--model", help="Checkpoint directory (default: the shipped demo model).")] = None,
+    model: Annotated[Path | None, typer.Option("--model", help="Checkpoint directory or GGUF file (default: the shipped demo model).")] = None,
     tasks: Annotated[str, typer.Option("--tasks", help="Comma-separated tasks (single_needle, multi_key, multi_value, variable_tracking).")] = "single_needle",
     lengths: Annotated[str, typer.Option("--lengths", help="Comma-separated context lengths in tokens.")] = "4096",
     depths: Annotated[str, typer.Option("--depths", help="Comma-separated depths of the asked fact in [0, 1].")] = "0.1,0.5,0.9",

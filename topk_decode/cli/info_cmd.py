@@ -45,8 +45,11 @@ def cache_facts(path: Path, verify: bool = False) -> dict:
     kv_bytes = sum(f["bytes"] for rel, f in files.items() if rel.startswith("kv/"))
     key_bytes = sum(f["bytes"] for rel, f in files.items() if rel.startswith("kv/keys."))
     model_dir = Path(m["model"]["path"]) if m["model"].get("path") else None
-    present = model_dir is not None and model_dir.is_dir()
-    weights = [p for p in model_dir.glob("*") if p.suffix in (".safetensors", ".bin")] if present else []
+    present = model_dir is not None and model_dir.exists()
+    if present and model_dir.is_file():  # a GGUF file: its (quantized) size
+        weights = [model_dir]
+    else:
+        weights = [p for p in model_dir.glob("*") if p.suffix in (".safetensors", ".bin")] if present else []
     return {
         "path": str(path.resolve()),
         "model": {**m["model"], "present": present},

@@ -100,7 +100,7 @@ class _LogLines:
 def prefill_command(
     docs: Annotated[Path, typer.Argument(help="A documents directory (.txt/.md, recursive) or one text file.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="The cache directory to create.")],
-    model: Annotated[Optional[Path], typer.Option(help="Local HF checkpoint dir (default: the embedded demo model).")] = None,
+    model: Annotated[Optional[Path], typer.Option(help="Local HF checkpoint dir or GGUF file (default: the embedded demo model).")] = None,
     chunk_size: Annotated[int, typer.Option(help="Tokens per prefill chunk (bounds peak GPU memory).")] = 4096,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing cache at --out (only a topk cache: "
                                                      "any other directory is refused).")] = False,

@@ -1,4 +1,5 @@
-"""Offline loading of local Llama / Qwen2 / Mistral checkpoints, and the fingerprint a cache records."""
+"""Offline loading of local Llama / Qwen2 / Mistral checkpoints (directories or GGUF files), and the
+fingerprint a cache records."""
 
 from __future__ import annotations
 
@@ -18,12 +19,26 @@ _FINGERPRINT_IGNORED = {"_name_or_path", "transformers_version", "torch_dtype", 
 _SAMPLE_BYTES = 1 << 20
 
 
+def resolve_model_path(path: str | os.PathLike) -> Path:
+    """The checkpoint directory behind a `--model` path: the path itself, or for a GGUF file its
+    converted bf16 directory in the user cache (converted on first use; see `topk_decode.model.gguf`).
+
+    Args:
+        path: a checkpoint directory or a GGUF file.
+    """
+    from topk_decode.model.gguf import converted_dir, is_gguf_file
+
+    path = Path(path)
+    return converted_dir(path) if is_gguf_file(path) else path
+
+
 def _check_model_dir(path: Path) -> dict:
     """Read config.json of a checkpoint directory; raise TopkError if it is not a supported model."""
     if not path.exists():
-        raise TopkError(f"model directory not found: {path}")
+        what = "GGUF file" if path.suffix.lower() == ".gguf" else "model directory"
+        raise TopkError(f"{what} not found: {path}")
     if not path.is_dir():
-        raise TopkError(f"model path is not a directory: {path}")
+        raise TopkError(f"model path is neither a directory nor a GGUF file: {path}")
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise TopkError(f"not a Hugging Face checkpoint (no config.json): {path}")
@@ -47,11 +62,21 @@ def model_fingerprint(path: str | os.PathLike) -> str:
     Two checkpoints with the same config but different weights (e.g. two random inits) differ here,
     because the first and last MiB of each weight file are hashed along with the file sizes.
 
+    A GGUF file's fingerprint is its sha256 (first 16 hex digits), and so is that of the directory it
+    was converted into: a cache built with either opens with the other.
+
     Args:
-        path: the checkpoint directory.
+        path: the checkpoint directory or GGUF file.
     """
+    from topk_decode.model.gguf import converted_source, gguf_fingerprint, is_gguf_file
+
     path = Path(path)
+    if is_gguf_file(path):
+        return gguf_fingerprint(path)
     cfg = _check_model_dir(path)
+    source = converted_source(path)
+    if source is not None and len(source.get("sha256", "")) == 64:
+        return source["sha256"][:16]
     h = hashlib.sha256()
     relevant = {k: v for k, v in sorted(cfg.items()) if k not in _FINGERPRINT_IGNORED}
     h.update(json.dumps(relevant, sort_keys=True).encode())
@@ -78,14 +103,14 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu", dtyp
     """Load a causal LM from a local checkpoint directory, offline, in eval mode.
 
     Args:
-        path: the checkpoint directory (config.json + safetensors).
+        path: the checkpoint directory (config.json + safetensors), or a GGUF file.
         device: where the weights go.
         dtype: weight dtype; default bf16 on CUDA and fp32 on CPU (CPU bf16 matmuls are slow).
     """
     from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
-    path = Path(path)
+    path = resolve_model_path(path)
     _check_model_dir(path)
     device = torch.device(device)
     if dtype is None:
@@ -101,11 +126,12 @@ def load_tokenizer(path: str | os.PathLike):
     """Load the tokenizer saved beside a checkpoint, offline.
 
     Args:
-        path: the checkpoint directory.
+        path: the checkpoint directory, or a GGUF file.
     """
     from transformers import AutoTokenizer
 
+    path = resolve_model_path(path)
     try:
-        return AutoTokenizer.from_pretrained(Path(path), local_files_only=True)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:
         raise TopkError(f"could not load tokenizer from {path}: {str(e).splitlines()[0]}") from None
