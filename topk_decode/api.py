@@ -33,6 +33,13 @@ class KVStore:
     """A prefilled context on disk, opened for top-k decoding.
 
     Use `KVStore.build(docs, out, model)` once, then `KVStore.open(out, k=..., strategy=...)`.
+    `close()` (or a `with` block) stops the store's search threads.
+
+    Threads: one store may be shared by any number of threads. `ask` and `generate_ids` each start
+    their own conversation, and every decoding step holds a store-wide lock, so concurrent calls
+    interleave step by step and each gets exactly the answer it would get alone (no speed-up: the
+    model runs one token at a time anyway). A `ChatSession` belongs to one thread at a time. Opening
+    a store changes no process-wide setting: its search threads set their own OpenMP thread count.
     """
 
     def __init__(self, ckv: ContextKV, model, tokenizer, config: DecodeConfig,
@@ -108,6 +115,16 @@ class KVStore:
         dev = pick_device(device)
         return cls(ckv, load_model(model_dir, dev, parse_dtype(dtype)), load_tokenizer(model_dir), config, progress)
 
+    def close(self) -> None:
+        """Stop the store's search threads (idempotent); decoding afterwards raises TopkError."""
+        self.decoder.close()
+
+    def __enter__(self) -> "KVStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     # ---- facts ----------------------------------------------------------------------------------
     @property
     def context_ids(self) -> list[int]:
@@ -127,7 +144,8 @@ class KVStore:
         """Change the retrieval budget (all layers) for subsequent steps."""
         if not isinstance(k, int) or k <= 0:
             raise TopkError(f"k must be a positive integer, got {k}")
-        self.decoder.config.k, self.decoder.config.k_per_layer = k, None
+        with self.decoder.lock:   # between steps, never inside one
+            self.decoder.config.k, self.decoder.config.k_per_layer = k, None
 
     def document_of(self, position: int) -> str | None:
         """Name of the document holding a context position (for citations)."""

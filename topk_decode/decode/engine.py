@@ -10,6 +10,7 @@ Per step and layer (batch 1):
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -102,6 +103,14 @@ class TopKDecoder:
         progress: optional callback(done, total) while the strategy builds its indices.
         graphs: run one-token steps through fixed-buffer segments replayed as CUDA graphs (see
             graphs.py); None = on CUDA only. True on the CPU runs the same segments eagerly.
+
+    Threads: one decoder serves many conversations, and every step (`forward`) holds `self.lock`.
+    The model runs at batch 1 anyway, so serialising steps costs no throughput, and it covers every
+    piece of shared scratch state at once: the context part's buffers, the strategies' search buffers
+    and counters, the step segments. A conversation's own state (window, strategy state, pending
+    token) is touched only by its own steps, so conversations in different threads interleave step by
+    step and each gets exactly its serial answer. One conversation must not be stepped by two threads
+    at once.
     """
 
     def __init__(self, model, ckv: ContextKV, config: DecodeConfig, last_logits: torch.Tensor | None = None,
@@ -125,6 +134,10 @@ class TopKDecoder:
         self.context = ContextAttention(ckv.values, self.scale)
         self._use_segments = self._cuda if graphs is None else graphs
         self._segments: StepSegments | None = None
+        # Serialises steps over the shared scratch state (see the class docstring); re-entrant so an
+        # observer or a progress callback may call back into the decoder.
+        self.lock = threading.RLock()
+        self.closed = False
         if self.shape.sliding_window and n > self.shape.sliding_window:
             warnings.warn(f"the model's sliding window ({self.shape.sliding_window}) is shorter than the context "
                           f"({n} tokens); top-k decoding attends over the whole context", TopkWarning, stacklevel=2)
@@ -165,9 +178,28 @@ class TopKDecoder:
         st.search_s += t2 - t1
         st.gather_s += t3 - t2b
 
-    @torch.inference_mode()
     def forward(self, ids: list[int], conv: Conversation) -> torch.Tensor:
-        """Feed new tokens (after any pending ones) through the model; return the last token's logits (V,)."""
+        """Feed new tokens (after any pending ones) through the model; return the last token's logits (V,).
+
+        Thread-safe: the step holds the decoder's lock (see the class docstring).
+
+        Args:
+            ids: the new tokens.
+            conv: the conversation they continue.
+        """
+        with self.lock:
+            if self.closed:
+                raise TopkError("the store is closed")
+            return self._forward_locked(ids, conv)
+
+    def close(self) -> None:
+        """Stop the strategy's worker threads; later steps raise TopkError. Idempotent."""
+        with self.lock:        # after any step in flight
+            self.closed = True
+            self.strategy.close()
+
+    @torch.inference_mode()
+    def _forward_locked(self, ids: list[int], conv: Conversation) -> torch.Tensor:
         ids = conv.pending + list(ids)
         conv.pending = []
         if not ids:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,6 +30,7 @@ import torch
 
 from topk_decode.errors import TopkError
 from topk_decode.index.base import Selection, SelectionStrategy, artifact_dir, exact_scores
+from topk_decode.index.threads import HeadPool, default_threads
 from topk_decode.store.cache_dir import ContextKV
 
 DONE = "done.json"
@@ -183,12 +183,8 @@ class FaissAnnStrategy(SelectionStrategy):
         flags = self.IO_FLAGS if as_bool(self.options.get("mmap", True)) else 0
         self.indices = [[faiss.read_index(str(d / f"l{layer:03d}.h{h:02d}.faiss"), flags)
                          for h in range(H)] for layer in range(L)]
-        self.threads = positive_int(self.options, "threads", max(1, os.cpu_count() or 1))
-        self.pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
-        if self.threads > 1:
-            # Faiss parallelises one search over its queries only (G·T of them per head): we run the
-            # heads in parallel ourselves, so each search stays on one OpenMP thread.
-            faiss.omp_set_num_threads(1)
+        self.threads = positive_int(self.options, "threads", default_threads())
+        self.pool = HeadPool(self.threads)  # parallel heads, each search single-threaded (threads.py)
         # The selector must outlive every search that uses it: keep it on the instance.
         self.selector = faiss.IDSelectorRange(self.lo, self.hi)
         self.params = self.search_params()
@@ -209,7 +205,7 @@ class FaissAnnStrategy(SelectionStrategy):
         def one(h: int) -> np.ndarray:
             return row[h].search(qn[h], k, params=params)[1]                    # (Q, k) ids, -1 = none
 
-        parts = list(self.pool.map(one, range(q.shape[0]))) if self.pool else [one(h) for h in range(q.shape[0])]
+        parts = self.pool.map(one, range(q.shape[0]))
         ids = torch.from_numpy(np.stack(parts))                                 # (Hkv, Q, k)
         scores = exact_scores(self.ckv.keys[layer], q, ids)                     # (Hkv, Q, k) exact q·k
         return Selection(ids=ids, scores=scores)

@@ -94,6 +94,12 @@ class SelectionStrategy(ABC):
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Build or load whatever the strategy searches (called once, at open)."""
 
+    def close(self) -> None:
+        """Stop the strategy's worker threads, if it has any (`KVStore.close`)."""
+        pool = getattr(self, "pool", None)
+        if pool is not None:
+            pool.close()
+
     def new_state(self) -> Any:
         """Per-conversation state (e.g. TokenSelect's selection cache); None if stateless."""
         return None

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,7 +22,8 @@ import torch
 
 from topk_decode.errors import TopkError
 from topk_decode.index.base import Selection, artifact_dir
-from topk_decode.index.flat import FlatStrategy, add_in_blocks, default_threads, new_flat_index
+from topk_decode.index.flat import FlatStrategy, add_in_blocks, new_flat_index
+from topk_decode.index.threads import HeadPool, default_threads
 
 PATTERN_FILE = "full_attention_heads.tsv"
 
@@ -159,9 +159,7 @@ class DuoStrategy(FlatStrategy):
         if self.backend not in ("faiss", "torch"):
             raise TopkError(f"unknown duo backend {self.backend!r} (use faiss or torch)")
         self.threads = int(self.options.get("threads") or default_threads())
-        self.pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
-        if self.threads > 1:
-            faiss.omp_set_num_threads(1)  # we parallelise over heads (see flat.py)
+        self.pool = HeadPool(self.threads)  # parallel heads, each search single-threaded (threads.py)
         # Indices only for retrieval heads: a streaming head's memory-mapped keys are never read.
         self.head_index: dict[tuple[int, int], faiss.Index] = {}
         if self.backend != "faiss" or self.n_searchable == 0:
