@@ -79,3 +79,23 @@ def test_chat_sessions_in_threads_keep_their_own_conversation(demo_cache):
         with ThreadPoolExecutor(3) as pool:
             threaded = list(pool.map(two_turns, range(3)))
     assert threaded == serial
+
+
+@pytest.mark.parametrize("strategy,options", [("flat", {"backend": "faiss", "threads": 2}), ("ivf", {"threads": 2})])
+def test_opening_and_decoding_leave_process_thread_settings_alone(built_cache, strategy, options):
+    import faiss
+    import torch
+
+    cache, model_dir = built_cache
+    before = (torch.get_num_threads(), faiss.omp_get_max_threads())
+    with KVStore.open(cache, k=8, strategy=strategy, strategy_options=options, device="cpu") as store:
+        assert (torch.get_num_threads(), faiss.omp_get_max_threads()) == before
+        store.generate_ids([5, 6, 7], max_new_tokens=3)
+        assert (torch.get_num_threads(), faiss.omp_get_max_threads()) == before
+        workers = [t for t in threading.enumerate() if t.name.startswith("topk-heads")]
+        assert workers, "the per-head searches ran on the store's own pool"
+    assert not any(t.is_alive() for t in workers), "close() stops the store's threads"
+    from topk_decode.errors import TopkError
+
+    with pytest.raises(TopkError, match="closed"):
+        store.generate_ids([5], max_new_tokens=1)

@@ -200,24 +200,40 @@ class TopKDecoder:
 
     @torch.inference_mode()
     def _forward_locked(self, ids: list[int], conv: Conversation) -> torch.Tensor:
-        ids = conv.pending + list(ids)
-        conv.pending = []
+        win = conv.window
+        pending = conv.pending
+        ids = pending + list(ids)
         if not ids:
-            if conv.window.n_new == 0 and self.last_logits is not None:
+            if win.n_new == 0 and self.last_logits is not None:
                 return self.last_logits
             raise TopkError("nothing to decode: empty prompt")
-        t_start = time.perf_counter()
-        win = conv.window
         T = len(ids)
+        limit = self.config.max_window_tokens
+        if win.n_new + T > limit:
+            held = f", with the {win.n_new} this conversation holds," if win.n_new else ""
+            raise TopkError(f"the prompt is too long: {T} tokens{held} pass the limit of {limit} tokens after the "
+                            f"context (max_window_tokens); shorten it or start a new conversation")
+        t_start = time.perf_counter()
         pos0 = win.next_position
         if pos0 + T > self.shape.max_positions and not self._warned_positions:
             warnings.warn(f"position {pos0 + T} is past the model's maximum positions "
-                          f"({self.shape.max_positions}); answers may degrade", TopkWarning, stacklevel=2)
+                          f"({self.shape.max_positions}); answers may degrade", TopkWarning, stacklevel=3)
             self._warned_positions = True
-        if T == 1 and self._use_segments:
-            logits = self._forward_one(ids[0], pos0, conv)
-        else:
-            logits = self._forward_eager(ids, pos0, conv)
+        conv.pending = []
+        length0 = win.length
+        try:
+            if T == 1 and self._use_segments:
+                logits = self._forward_one(ids[0], pos0, conv)
+            else:
+                # Chunks of at most prompt_chunk tokens: each one appends to the window and attends to
+                # everything before it, so the result is the one-step result and memory stays bounded.
+                step = self.config.prompt_chunk
+                for s in range(0, T, step):
+                    logits = self._forward_eager(ids[s:s + step], pos0 + s, conv)
+        except BaseException:
+            # A failed or interrupted step leaves the conversation as it was before it.
+            win.length, conv.pending = length0, pending
+            raise
         if self._cuda:
             torch.cuda.current_stream(self.device).synchronize()   # the caller reads the logits next anyway
         conv.stats.steps += 1
