@@ -191,6 +191,25 @@ class KVStore:
                 "strategy": self.config.strategy, "k": self.config.k}
 
 
+def _question_text(question) -> str:
+    """The question as valid text: str (or UTF-8 bytes), no lone surrogates, not empty; else TopkError."""
+    if isinstance(question, (bytes, bytearray)):
+        try:
+            question = bytes(question).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TopkError(f"the question is not valid UTF-8 (byte {e.start})") from None
+    if not isinstance(question, str):
+        raise TopkError(f"the question must be text, got {type(question).__name__}")
+    try:
+        question.encode("utf-8")
+    except UnicodeEncodeError as e:
+        # e.g. a terminal or file read with errors="surrogateescape" that held invalid UTF-8
+        raise TopkError(f"the question is not valid UTF-8 text (character {e.start}: {question[e.start]!r})") from None
+    if not question.strip():
+        raise TopkError("empty question")
+    return question
+
+
 class ChatSession:
     """A conversation over a KVStore: turns accumulate in its own window; `reset()` starts over.
 
@@ -237,8 +256,7 @@ class ChatSession:
             max_new_tokens: answer length limit in tokens.
             stream: return an iterator of text pieces as they are generated.
         """
-        if not question.strip():
-            raise TopkError("empty question")
+        question = _question_text(question)
         ids = self._question_ids(question)
         self.turns += 1
         pieces = self._stream(ids, max_new_tokens)

@@ -115,6 +115,7 @@ class FaissAnnStrategy(SelectionStrategy):
     """
 
     IO_FLAGS: int = 0
+    OPTIONS = {"center": bool, "threads": int, "mmap": bool}
 
     # ---- options ----
     @classmethod
@@ -139,7 +140,7 @@ class FaissAnnStrategy(SelectionStrategy):
     @classmethod
     def build_artifacts(cls, ckv: ContextKV, options: dict | None = None,
                         progress: Callable[[int, int], None] | None = None) -> None:
-        opts = cls.build_options(ckv, dict(options or {}))
+        opts = cls.build_options(ckv, cls.checked_options(options))
         d = start_artifacts(ckv.path, cls.name)
         # Building (k-means, graph insertion) is parallel inside Faiss: undo the single-thread setting
         # an opened strategy may have left for its per-head searches.
@@ -223,6 +224,7 @@ class IvfStrategy(FaissAnnStrategy):
     """
 
     name = "ivf"
+    OPTIONS = {**FaissAnnStrategy.OPTIONS, "nlist": int, "nprobe": int, "spherical": bool}
     # Zero-copy mapping of the lists: the old IO_FLAG_MMAP path was ~15× slower to search here.
     IO_FLAGS = faiss.IO_FLAG_MMAP_IFC
 
@@ -270,6 +272,7 @@ class HnswStrategy(FaissAnnStrategy):
     """
 
     name = "hnsw"
+    OPTIONS = {**FaissAnnStrategy.OPTIONS, "M": int, "efConstruction": int, "efSearch": int}
     IO_FLAGS = faiss.IO_FLAG_MMAP_IFC  # zero-copy mapping of the stored vectors and graph
 
     @classmethod

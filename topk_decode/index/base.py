@@ -19,7 +19,59 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
+from topk_decode.errors import TopkError
 from topk_decode.store.cache_dir import ContextKV
+
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "a boolean (true/false)", str: "a string"}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _coerce(value: Any, kind: type) -> Any:
+    """`value` as `kind` (CLI values arrive as str/int/float), or ValueError."""
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
+            return value.lower() in _TRUE
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            return int(value.strip())
+    elif kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            return float(value.strip())
+    elif kind is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)   # e.g. pattern=2024.tsv stays a path even if it looked like a number
+    raise ValueError(value)
+
+
+def check_options(name: str, declared: dict[str, type], options: dict) -> dict:
+    """Validate strategy options against the names and types a strategy declares.
+
+    Args:
+        name: the strategy's name (for messages).
+        declared: option name → type (int, float, bool or str).
+        options: the given options.
+    Returns:
+        the options with each value converted to its declared type.
+    """
+    out = {}
+    for key, value in options.items():
+        if key not in declared:
+            valid = ", ".join(sorted(declared)) or "none"
+            raise TopkError(f"unknown option {key!r} for strategy {name} (valid options: {valid})")
+        kind = declared[key]
+        try:
+            out[key] = _coerce(value, kind)
+        except (ValueError, TypeError):
+            raise TopkError(f"option {key} of strategy {name} must be {_TYPE_WORDS[kind]}, got {value!r}") from None
+    return out
 
 
 def artifact_dir(cache: Path, name: str) -> Path:
@@ -66,6 +118,9 @@ class SelectionStrategy(ABC):
     """
 
     name: ClassVar[str] = ""
+    # Option name → type (int, float, bool or str); any other option is refused with the valid names
+    # (`check_options`). None: the strategy declares nothing and takes options unchecked.
+    OPTIONS: ClassVar[dict[str, type] | None] = None
     # whether `select` may keep a reference to its query tensor after returning (a selection cache);
     # if not, the decoder hands it the reused buffer the query was copied into instead of a copy
     keeps_query: ClassVar[bool] = True
@@ -73,8 +128,14 @@ class SelectionStrategy(ABC):
     def __init__(self, ckv: ContextKV, lo: int, hi: int, options: dict | None = None) -> None:
         self.ckv = ckv
         self.lo, self.hi = lo, hi
-        self.options = dict(options or {})
+        self.options = self.checked_options(options)
         self.stats = StrategyStats()
+
+    @classmethod
+    def checked_options(cls, options: dict | None) -> dict:
+        """`options` validated against `OPTIONS` (names and types), values converted; TopkError otherwise."""
+        options = dict(options or {})
+        return options if cls.OPTIONS is None else check_options(cls.name, cls.OPTIONS, options)
 
     @property
     def n_searchable(self) -> int:

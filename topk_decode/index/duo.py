@@ -112,6 +112,7 @@ class DuoStrategy(FlatStrategy):
     """
 
     name = "duo"
+    OPTIONS = {"pattern": str, "sparsity": float, "backend": str, "threads": int}
 
     @classmethod
     def build_artifacts(cls, ckv, options: dict | None = None,
@@ -123,7 +124,7 @@ class DuoStrategy(FlatStrategy):
             options: must hold `pattern=PATH` (DuoAttention's file or `topk calibrate-duo` output).
             progress: unused (copying a small file).
         """
-        src = (options or {}).get("pattern")
+        src = cls.checked_options(options).get("pattern")
         if not src:
             raise TopkError("duo needs a head pattern: pass pattern=PATH (DuoAttention's full_attention_heads.tsv "
                             "or the output of `topk calibrate-duo`)")

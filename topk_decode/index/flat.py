@@ -48,6 +48,7 @@ class FlatStrategy(SelectionStrategy):
     """
 
     name = "flat"
+    OPTIONS = {"backend": str, "threads": int}
     keeps_query = False
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:

@@ -70,6 +70,7 @@ class QuestStrategy(SelectionStrategy):
     """
 
     name = "quest"
+    OPTIONS = {"page_size": int, "dense_layers": int}
 
     @classmethod
     def _build_options(cls, options: dict) -> dict:
@@ -78,7 +79,7 @@ class QuestStrategy(SelectionStrategy):
     @classmethod
     def build_artifacts(cls, ckv: ContextKV, options: dict | None = None,
                         progress: Callable[[int, int], None] | None = None) -> None:
-        opts = cls._build_options(dict(options or {}))
+        opts = cls._build_options(cls.checked_options(options))
         d = start_artifacts(ckv.path, cls.name)
         for layer in range(ckv.n_layers):
             mins, maxs = page_bounds(ckv.keys[layer], opts["page_size"])
