@@ -93,3 +93,15 @@ def test_prompt_chunk_must_be_positive(built_cache):
     cache, _ = built_cache
     with pytest.raises(TopkError, match="prompt_chunk"):
         KVStore.open(cache, device="cpu", prompt_chunk=0)
+
+
+def test_a_refused_question_does_not_count_as_a_turn(built_cache):
+    cache, _ = built_cache
+    store = KVStore.open(cache, k=8, device="cpu", max_window_tokens=40)
+    session = store.session()
+    with pytest.raises(TopkError, match="too long"):
+        session.ask("why " * 60, max_new_tokens=3)
+    with pytest.raises(TopkError, match="too long"):
+        list(session.ask("why " * 60, max_new_tokens=3, stream=True))
+    assert session.ask("why?", max_new_tokens=3) == store.session().ask("why?", max_new_tokens=3)
+    assert session.turns == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 from typing import Callable, Iterator
@@ -257,17 +258,30 @@ class ChatSession:
             stream: return an iterator of text pieces as they are generated.
         """
         question = _question_text(question)
+        before = (self.turns, list(self.conv.pending))
         ids = self._question_ids(question)
         self.turns += 1
-        pieces = self._stream(ids, max_new_tokens)
+        pieces = self._stream(ids, max_new_tokens, before)
         return pieces if stream else "".join(pieces).strip()
 
-    def _stream(self, prompt_ids: list[int], max_new_tokens: int) -> Iterator[str]:
-        """Generate and detokenize incrementally (byte-level merges can complete later)."""
+    def _stream(self, prompt_ids: list[int], max_new_tokens: int, before: tuple[int, list[int]]) -> Iterator[str]:
+        """Generate and detokenize incrementally (byte-level merges can complete later).
+
+        Args:
+            prompt_ids: the question's tokens.
+            max_new_tokens: answer length limit.
+            before: (turns, pending) before the question: restored when its prompt step fails (e.g. too long).
+        """
         tok, eos = self.store.tokenizer, self.store.eos_ids
         out: list[int] = []
         shown = ""
-        for t in self.store.decoder.stream(self.conv, prompt_ids, max_new_tokens, eos):
+        steps = self.store.decoder.stream(self.conv, prompt_ids, max_new_tokens, eos)
+        try:
+            first = next(steps, None)
+        except BaseException:
+            self.turns, self.conv.pending = before   # the decoder left the window as it was
+            raise
+        for t in itertools.chain([] if first is None else [first], steps):
             if t in eos:
                 break
             out.append(t)

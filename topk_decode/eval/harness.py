@@ -317,6 +317,7 @@ def _measure(cache: Path, ctx_ids: list[int], prompt_ids: list[int], answer: str
                 verdict = "" if run.correct is None else ("correct, " if run.correct else "wrong, ")
                 log(f"  {method_name(strategy, schedule, k)}: {verdict}mass recall {mr}, "
                     f"KL {run.kl_mean:.2e}, agreement {run.agreement:.2f}")
+        store.close()  # its search threads
         del store  # release the strategy's indices before the cache directory goes
     return ir
 
