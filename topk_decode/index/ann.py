@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from topk_decode.errors import TopkError
-from topk_decode.index.base import Selection, SelectionStrategy, artifact_dir, exact_scores
+from topk_decode.index.base import Selection, SelectionStrategy, artifact_dir, as_bool, exact_scores, positive_int
 from topk_decode.index.threads import HeadPool, default_threads
 from topk_decode.store.cache_dir import ContextKV
 
@@ -80,29 +80,6 @@ def start_artifacts(cache: Path, name: str) -> Path:
         raise TopkError(f"cannot write the {name} index into {d} ({e.strerror}); build it where the cache "
                         f"is writable: topk prefill ... --strategy {name}") from None
     return d
-
-
-def as_bool(value: Any) -> bool:
-    """An option value from the CLI ("1", "true", "no", ...) or Python as a bool."""
-    if isinstance(value, str):
-        if value.lower() in ("1", "true", "yes", "on"):
-            return True
-        if value.lower() in ("0", "false", "no", "off"):
-            return False
-        raise TopkError(f"expected a boolean option value, got {value!r}")
-    return bool(value)
-
-
-def positive_int(options: dict, key: str, default: int) -> int:
-    """Read a positive integer option, raising TopkError on anything else."""
-    raw = options.get(key, default)
-    try:
-        value = int(raw)
-    except (TypeError, ValueError):
-        raise TopkError(f"option {key} must be a positive integer, got {raw!r}") from None
-    if value <= 0:
-        raise TopkError(f"option {key} must be a positive integer, got {raw!r}")
-    return value
 
 
 # ---- the shared Faiss strategy ---------------------------------------------------------------------

@@ -51,6 +51,29 @@ def _coerce(value: Any, kind: type) -> Any:
     raise ValueError(value)
 
 
+def as_bool(value: Any) -> bool:
+    """An option value from the CLI ("1", "true", "no", ...) or Python as a bool."""
+    if isinstance(value, str):
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise TopkError(f"expected a boolean option value, got {value!r}")
+    return bool(value)
+
+
+def positive_int(options: dict, key: str, default: int) -> int:
+    """Read a positive integer option, raising TopkError on anything else."""
+    raw = options.get(key, default)
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        raise TopkError(f"option {key} must be a positive integer, got {raw!r}") from None
+    if value <= 0:
+        raise TopkError(f"option {key} must be a positive integer, got {raw!r}")
+    return value
+
+
 def check_options(name: str, declared: dict[str, type], options: dict) -> dict:
     """Validate strategy options against the names and types a strategy declares.
 

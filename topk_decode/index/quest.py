@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from topk_decode.errors import TopkError
-from topk_decode.index.ann import artifacts_match, positive_int, recorded_options, start_artifacts, write_done
-from topk_decode.index.base import Selection, SelectionStrategy, artifact_dir, exact_scores
+from topk_decode.index.ann import artifacts_match, recorded_options, start_artifacts, write_done
+from topk_decode.index.base import Selection, SelectionStrategy, artifact_dir, exact_scores, positive_int
 from topk_decode.store.cache_dir import ContextKV
 from topk_decode.store.format import as_torch, dtype_name, numpy_storage
 
