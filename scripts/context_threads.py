@@ -1,6 +1,7 @@
 """How the context part's small ops are kept on one thread: per-thread OpenMP vs torch.set_num_threads vs not at all.
 
     python scripts/context_threads.py --context 131072 --layers 4 --reps 20
+    python scripts/context_threads.py --ops-only     # only the small ops, no search or embedding_bag
 
 Synthetic Llama-3-8B-shaped KV (8 KV heads, D = 128, bf16) and the flat strategy's torch backend at
 k = 1024; every layer runs its search, then `ContextAttention.attend`, timed alone, in three variants
@@ -37,13 +38,39 @@ def process_wide(n: int | None):
         torch.set_num_threads(before)
 
 
+def ops_only() -> None:
+    """Median µs of 8 small ops under each variant (three interleaved rounds)."""
+    x, y = torch.randn(32, 1024), torch.empty(32, 1024)
+    variants = {"per_thread": omp_threads, "set_num_threads": process_wide,
+                "all_threads": lambda n: contextlib.nullcontext()}
+    res: dict[str, list[float]] = {}
+    for _ in range(3):
+        for name, manager in variants.items():
+            ts = []
+            for _ in range(300):
+                t = time.perf_counter()
+                with manager(1):
+                    for _ in range(8):
+                        torch.mul(x, 0.1, out=y)
+                        y.sub_(1).exp_()
+                        y.sum(-1)
+                ts.append(1e6 * (time.perf_counter() - t))
+            res.setdefault(name, []).append(round(statistics.median(ts), 1))
+    print(json.dumps({"threads": torch.get_num_threads(), "median_us_per_round": res}, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--context", type=int, default=131072)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--k", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--ops-only", action="store_true", help="time 8 elementwise ops on (32, 1024) fp32, 300 times, "
+                    "per variant, three rounds (no memory traffic: the thread setting's own cost)")
     a = ap.parse_args()
+    if a.ops_only:
+        ops_only()
+        return
     hkv, G, D = 8, 4, 128
     ckv = synthetic_kv(a.layers, hkv, D, a.context, torch.bfloat16)
     strat = get_strategy("flat")(ckv, 0, a.context, {"backend": "torch"})
