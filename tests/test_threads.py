@@ -99,3 +99,28 @@ def test_opening_and_decoding_leave_process_thread_settings_alone(built_cache, s
 
     with pytest.raises(TopkError, match="closed"):
         store.generate_ids([5], max_new_tokens=1)
+
+
+def test_threads_sharing_the_one_token_segments_get_the_serial_answers(built_cache):
+    """The fixed-buffer segments of the CUDA-graph path (run eagerly on the CPU) are shared by every
+    conversation of a decoder: threads must still get their serial tokens."""
+    from topk_decode.config import DecodeConfig
+    from topk_decode.decode.engine import TopKDecoder
+    from topk_decode.model.loading import load_model
+    from topk_decode.store.cache_dir import open_cache
+
+    cache, model_dir = built_cache
+    dec = TopKDecoder(load_model(model_dir, "cpu"), open_cache(cache),
+                      DecodeConfig(k=8, strategy_options={"backend": "torch"}), graphs=True)
+    prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14], [20]]
+    serial = [dec.generate(dec.new_conversation(), p, 8) for p in prompts]
+    start = threading.Barrier(4)
+
+    def run(i: int) -> list[list[int]]:
+        start.wait()
+        return [dec.generate(dec.new_conversation(), prompts[(i + j) % 4], 8) for j in range(3)]
+
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(run, range(4)))
+    assert got == [[serial[(i + j) % 4] for j in range(3)] for i in range(4)]
+    dec.close()

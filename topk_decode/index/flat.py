@@ -98,7 +98,9 @@ class FlatStrategy(SelectionStrategy):
         keys = self.ckv.keys[layer]                                          # (Hkv, N, D) memmap
         half = keys.dtype in (torch.float16, torch.bfloat16)
         if half and torch.equal(q.to(keys.dtype).float(), q):
-            return _half_scan(keys, q, k, self.lo, self.hi, self.stats, self._buffers)
+            # Reused buffers only for one-token steps (Q = G): prompt chunks vary in length, and a kept
+            # (Hkv, Q, N) buffer per length would pile up.
+            return _half_scan(keys, q, k, self.lo, self.hi, self.stats, self._buffers if q.shape[1] <= 64 else None)
         scores, ids = _fp32_scan(keys, q, k, self.lo, self.hi)
         return Selection(ids=ids, scores=scores, full=True)
 
