@@ -105,3 +105,17 @@ def test_a_refused_question_does_not_count_as_a_turn(built_cache):
         list(session.ask("why " * 60, max_new_tokens=3, stream=True))
     assert session.ask("why?", max_new_tokens=3) == store.session().ask("why?", max_new_tokens=3)
     assert session.turns == 1
+
+
+def test_prompts_of_many_lengths_do_not_pile_up_search_buffers(tmp_path, model_factory, docs_dir):
+    from topk_decode.prefill.build import build_cache
+
+    cache = tmp_path / "bf16"
+    build_cache(docs_dir, cache, model_factory("llama_gqa"), chunk_size=97, device="cpu", dtype="bf16")
+    store = KVStore.open(cache, k=8, device="cpu", dtype="bf16", strategy_options={"backend": "torch"})
+    for n in (40, 45, 33):
+        store.generate_ids(PROMPT[:n], max_new_tokens=3)
+    kept = store.decoder.strategy._buffers
+    assert kept, "one-token steps reuse their scan buffers (the half-precision path ran)"
+    kept_q = {key[1] for key in kept if key[0] != "sel" and key[0] != "sel32"}
+    assert kept_q == {store.decoder.shape.group_size}, kept_q   # none kept for the prompts' lengths
