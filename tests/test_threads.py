@@ -124,3 +124,20 @@ def test_threads_sharing_the_one_token_segments_get_the_serial_answers(built_cac
         got = list(pool.map(run, range(4)))
     assert got == [[serial[(i + j) % 4] for j in range(3)] for i in range(4)]
     dec.close()
+
+
+def test_the_small_op_thread_limit_applies_to_the_calling_thread_only():
+    import torch
+
+    from topk_decode.index import threads
+
+    if threads._OMP is None or torch.get_num_threads() < 2:
+        pytest.skip("needs torch's OpenMP runtime and ≥ 2 threads")
+    full = torch.get_num_threads()
+    seen = {}
+    with threads.omp_threads(1):
+        seen["here"] = torch.get_num_threads()
+        other = threading.Thread(target=lambda: seen.setdefault("other", torch.get_num_threads()))
+        other.start()
+        other.join()
+    assert seen == {"here": 1, "other": full} and torch.get_num_threads() == full

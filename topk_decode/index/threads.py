@@ -31,9 +31,10 @@ def default_threads() -> int:
 
 def _torch_openmp():
     """The OpenMP runtime torch's CPU ops run on, if it can be reached and is per-thread; else None."""
-    names = ("libgomp.so.1", "libiomp5.so", "libomp.so", "libomp.dylib")
-    candidates = [Path(torch.__file__).parent / "lib" / n for n in names]
-    for path in [str(p) for p in candidates if p.exists()] + [None]:   # None: symbols already loaded
+    lib_dir = Path(torch.__file__).parent / "lib"
+    candidates = [p for pattern in ("libgomp*.so*", "libiomp*.so*", "libomp*.so*", "libomp*.dylib")
+                  for p in sorted(lib_dir.glob(pattern))]
+    for path in [str(p) for p in candidates] + [None]:   # None: the symbols the process has already loaded
         try:
             lib = ctypes.CDLL(path)
             set_n, get_n = lib.omp_set_num_threads, lib.omp_get_max_threads
@@ -58,10 +59,19 @@ def omp_threads(n: int | None) -> Iterator[None]:
     """Run the body's torch CPU ops on at most `n` OpenMP threads, on this thread only.
 
     Args:
-        n: the thread count; None (or a runtime we cannot reach) leaves everything as it is.
+        n: the thread count; None leaves everything as it is. Where torch's OpenMP runtime cannot be
+            reached (not seen on Linux wheels), torch.set_num_threads is switched around the body instead.
     """
-    if n is None or _OMP is None:
+    if n is None:
         yield
+        return
+    if _OMP is None:   # no per-thread control reachable: fall back to torch's process-wide setting
+        before = torch.get_num_threads()
+        torch.set_num_threads(min(n, before))
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
         return
     before = _OMP.omp_get_max_threads()
     if before <= n:
