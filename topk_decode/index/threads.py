@@ -105,7 +105,12 @@ class HeadPool:
                       if threads > 1 else None)
 
     def map(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
-        """[fn(i) for i in items], in parallel when the pool has threads."""
+        """[fn(i) for i in items], in parallel when the pool has threads.
+
+        Args:
+            fn: the per-item work (one KV head's search).
+            items: the items (head indices).
+        """
         return list(self._pool.map(fn, items)) if self._pool else [fn(i) for i in items]
 
     def close(self) -> None:
