@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 from typing import Callable, Iterator
@@ -36,6 +37,13 @@ class KVStore:
     """A prefilled context on disk, opened for top-k decoding.
 
     Use `KVStore.build(docs, out, model)` once, then `KVStore.open(out, k=..., strategy=...)`.
+    `close()` (or a `with` block) stops the store's search threads.
+
+    Threads: one store may be shared by any number of threads. `ask` and `generate_ids` each start
+    their own conversation, and every decoding step holds a store-wide lock, so concurrent calls
+    interleave step by step and each gets exactly the answer it would get alone (no speed-up: the
+    model runs one token at a time anyway). A `ChatSession` belongs to one thread at a time. Opening
+    a store changes no process-wide setting: its search threads set their own OpenMP thread count.
     """
 
     def __init__(self, ckv: ContextKV, model, tokenizer, config: DecodeConfig,
@@ -77,7 +85,8 @@ class KVStore:
              model: str | os.PathLike | None = None, device: str | None = None, dtype: str | None = None,
              k_per_layer: list[int] | None = None, k_schedule: str = "uniform", n_sink: int = 4, n_tail: int = 64,
              strategy_options: dict | None = None, verify: bool | None = None,
-             progress: Callable[[int, int], None] | None = None, compile: bool = True) -> "KVStore":
+             progress: Callable[[int, int], None] | None = None, compile: bool = True,
+             prompt_chunk: int = 512, max_window_tokens: int = 65536) -> "KVStore":
         """Open a cache for decoding: the model goes to the device, the context KV stays memory-mapped.
 
         Args:
@@ -95,10 +104,13 @@ class KVStore:
             verify: hash every cache file (True), sizes only (False), or auto (None: caches ≤ 2 GiB).
             progress: callback(done, total) while the strategy builds its indices.
             compile: on CUDA, compile the one-token step with torch.compile (DecodeConfig.compile).
+            prompt_chunk: a longer prompt runs through the model in chunks of this many tokens (bounded memory).
+            max_window_tokens: most tokens a conversation may add after the context; a longer prompt gets
+                a TopkError (DecodeConfig).
         """
         config = DecodeConfig(k=k, k_per_layer=k_per_layer, k_schedule=k_schedule, strategy=strategy,
                               strategy_options=dict(strategy_options or {}), n_sink=n_sink, n_tail=n_tail,
-                              compile=compile)
+                              compile=compile, prompt_chunk=prompt_chunk, max_window_tokens=max_window_tokens)
         ckv = open_cache(path, verify=verify)
         config.validate(ckv.n_layers)
         recorded = ckv.manifest["model"]
@@ -111,6 +123,16 @@ class KVStore:
                             f"({recorded['path']}, fingerprint {recorded['fingerprint']})")
         dev = pick_device(device)
         return cls(ckv, load_model(model_dir, dev, parse_dtype(dtype)), load_tokenizer(model_dir), config, progress)
+
+    def close(self) -> None:
+        """Stop the store's search threads (idempotent); decoding afterwards raises TopkError."""
+        self.decoder.close()
+
+    def __enter__(self) -> "KVStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---- facts ----------------------------------------------------------------------------------
     @property
@@ -131,7 +153,8 @@ class KVStore:
         """Change the retrieval budget (all layers) for subsequent steps."""
         if not isinstance(k, int) or k <= 0:
             raise TopkError(f"k must be a positive integer, got {k}")
-        self.decoder.config.k, self.decoder.config.k_per_layer = k, None
+        with self.decoder.lock:   # between steps, never inside one
+            self.decoder.config.k, self.decoder.config.k_per_layer = k, None
 
     def document_of(self, position: int) -> str | None:
         """Name of the document holding a context position (for citations)."""
@@ -182,6 +205,25 @@ class KVStore:
         return {"path": str(self.ckv.path), "model": m["model"], "n_tokens": self.ckv.n_tokens,
                 "documents": len(m["documents"]), "bytes_on_disk": self.ckv.nbytes(),
                 "strategy": self.config.strategy, "k": self.config.k}
+
+
+def _question_text(question) -> str:
+    """The question as valid text: str (or UTF-8 bytes), no lone surrogates, not empty; else TopkError."""
+    if isinstance(question, (bytes, bytearray)):
+        try:
+            question = bytes(question).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TopkError(f"the question is not valid UTF-8 (byte {e.start})") from None
+    if not isinstance(question, str):
+        raise TopkError(f"the question must be text, got {type(question).__name__}")
+    try:
+        question.encode("utf-8")
+    except UnicodeEncodeError as e:
+        # e.g. a terminal or file read with errors="surrogateescape" that held invalid UTF-8
+        raise TopkError(f"the question is not valid UTF-8 text (character {e.start}: {question[e.start]!r})") from None
+    if not question.strip():
+        raise TopkError("empty question")
+    return question
 
 
 class ChatSession:
@@ -258,11 +300,11 @@ class ChatSession:
             max_new_tokens: answer length limit in tokens.
             stream: return an iterator of text pieces as they are generated.
         """
-        if not question.strip():
-            raise TopkError("empty question")
+        question = _question_text(question)
+        before = (self.turns, list(self.conv.pending))
         ids = self._question_ids(question)
         self.turns += 1
-        pieces = self._stream(ids, max_new_tokens)
+        pieces = self._stream(ids, max_new_tokens, before)
         return pieces if stream else "".join(pieces).strip()
 
     def reply(self, messages: list[dict], max_new_tokens: int = 256) -> Iterator[str]:
@@ -277,8 +319,9 @@ class ChatSession:
         if self.turns:
             raise TopkError("reply() starts a conversation: call it on a fresh session (or after reset())")
         text = conversation_text(messages, self.store.prompt_format, self.store.tokenizer)
+        before = (self.turns, list(self.conv.pending))
         self.turns = sum(m.get("role") == "user" for m in messages)
-        return self._stream(self.store.tokenizer(text, add_special_tokens=False).input_ids, max_new_tokens)
+        return self._stream(self.store.tokenizer(text, add_special_tokens=False).input_ids, max_new_tokens, before)
 
     def complete(self, text: str, max_new_tokens: int = 256) -> Iterator[str]:
         """Stream the continuation of `text` appended verbatim after the cached documents (a fresh session).
@@ -292,22 +335,37 @@ class ChatSession:
         ids = self.store.tokenizer(text, add_special_tokens=False).input_ids
         if not ids:
             raise TopkError("empty prompt")
+        before = (self.turns, list(self.conv.pending))
         self.turns = 1
-        return self._stream(ids, max_new_tokens)
+        return self._stream(ids, max_new_tokens, before)
 
     def count_tokens(self, text: str) -> int:
         """Tokens of `text` as it would be appended after the context."""
         return len(self.store.tokenizer(text, add_special_tokens=False).input_ids)
 
-    def _stream(self, prompt_ids: list[int], max_new_tokens: int) -> Iterator[str]:
-        """Generate and detokenize incrementally (byte-level merges can complete later)."""
+    def _stream(self, prompt_ids: list[int], max_new_tokens: int,
+                before: tuple[int, list[int]] | None = None) -> Iterator[str]:
+        """Generate and detokenize incrementally (byte-level merges can complete later).
+
+        Args:
+            prompt_ids: the question's tokens.
+            max_new_tokens: answer length limit.
+            before: (turns, pending) before the question: restored when its prompt step fails (e.g. too long).
+        """
         tok, eos = self.store.tokenizer, self.store.eos_ids
         out: list[int] = []
         shown = ""
         self.finish_reason, self.n_generated = "length", 0
         if self.tracker is not None:
             self.tracker.reset()
-        for t in self.store.decoder.stream(self.conv, prompt_ids, max_new_tokens, eos, self.sampling):
+        steps = self.store.decoder.stream(self.conv, prompt_ids, max_new_tokens, eos, self.sampling)
+        try:
+            first = next(steps, None)
+        except BaseException:
+            if before is not None:
+                self.turns, self.conv.pending = before   # the decoder left the window as it was
+            raise
+        for t in itertools.chain([] if first is None else [first], steps):
             self.n_generated += 1
             if t in eos:
                 self.finish_reason = "stop"

@@ -22,6 +22,12 @@ class DecodeConfig:
             prefix of the question and the end of the last document).
         compile: on CUDA, fuse the small ops of each layer's one-token step (norms, RoPE, merge,
             residuals) with torch.compile; the first step pays the compilation (decode/graphs.py).
+        prompt_chunk: a longer prompt goes through the model in chunks of this many tokens, each
+            attending exactly to everything before it: the step's working memory grows with
+            prompt_chunk × window instead of the prompt's length squared.
+        max_window_tokens: most tokens a conversation may add after the context (prompts and
+            answers); the window's memory grows linearly with it. A prompt that would pass it is
+            refused with a TopkError, and the conversation is left as it was.
     """
 
     k: int = 256
@@ -32,6 +38,8 @@ class DecodeConfig:
     n_sink: int = 4
     n_tail: int = 64
     compile: bool = True
+    prompt_chunk: int = 512
+    max_window_tokens: int = 65536
 
     def validate(self, n_layers: int) -> None:
         """Raise TopkError for budgets that make no sense."""
@@ -49,6 +57,10 @@ class DecodeConfig:
         self._n_layers = n_layers  # the schedule needs the depth; k itself may change later (set_k)
         if self.n_sink < 0 or self.n_tail < 0:
             raise TopkError("n_sink and n_tail must be ≥ 0")
+        for name in ("prompt_chunk", "max_window_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise TopkError(f"{name} must be a positive integer, got {value!r}")
 
     def k_for_layer(self, layer: int) -> int:
         """The retrieval budget of one layer."""

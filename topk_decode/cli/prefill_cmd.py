@@ -22,6 +22,7 @@ from topk_decode.cli.common import (
     say_note,
     say_warning,
 )
+from topk_decode.errors import TopkError
 
 
 def _tokens_per_s_column():
@@ -120,6 +121,11 @@ def prefill_command(
     check_device(device)
     names = parse_strategy_names(strategy)
     options = parse_options(opt)
+    if options and not names:
+        raise TopkError("--opt sets strategy build options: name the strategies with --strategy NAME[,NAME...]")
+    from topk_decode.index import split_options
+
+    per_strategy = split_options(names, options)   # unknown or mistyped options fail before the prefill
 
     from topk_decode.prefill.build import build_cache, parse_dtype
 
@@ -158,7 +164,7 @@ def prefill_command(
             typer.echo("terminated", err=True)
             raise typer.Exit(143) from None
         if names:
-            _build_strategies(bar, path, names, options)
+            _build_strategies(bar, path, names, per_strategy)
 
     peak = "n/a on CPU" if stats.peak_device_bytes is None else human_bytes(stats.peak_device_bytes)
     out_console.print(f"wrote {path}", markup=False, soft_wrap=True)
@@ -170,7 +176,7 @@ def prefill_command(
                       f"size on disk: {human_bytes(dir_size(path))}", markup=False)
 
 
-def _build_strategies(bar, path: Path, names: list[str], options: dict) -> None:
+def _build_strategies(bar, path: Path, names: list[str], options: dict[str, dict]) -> None:
     """Build each named strategy's artifacts inside the finished cache, one progress task each."""
     from topk_decode.index import prepare_artifacts
     from topk_decode.store import open_cache
@@ -183,7 +189,7 @@ def _build_strategies(bar, path: Path, names: list[str], options: dict) -> None:
             bar.update(task, completed=done, total=total)
 
         try:
-            prepare_artifacts(ckv, [name], options, progress)
+            prepare_artifacts(ckv, [name], options[name], progress)
         except BaseException:
             # The prefill itself is complete and valid: say so, so nobody re-runs hours of prefill.
             say_note(f"the cache {path} is complete; only the {name} artifacts were not built")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from topk_decode.index import Selection
+from topk_decode.index.threads import omp_threads
 
 
 class ContextAttention:
@@ -35,6 +36,7 @@ class ContextAttention:
 
     # The softmax ops before the weighted sum touch 32K floats each: on a many-core host the fork/join
     # of a parallel region costs more than the work, so they run on this many threads (None: all).
+    # Set per call on the calling thread only (index/threads.py), never process-wide.
     small_op_threads: int | None = 1
 
     def __init__(self, values: list[torch.Tensor], scale: float) -> None:
@@ -81,10 +83,7 @@ class ContextAttention:
         # when needed. (numpy's ufuncs on the same memory measured slower, docs/BENCHMARKS.md.)
         R = hkv * Q
         w, w_low, rows, aux = self._buffers(R, K)            # (R, K) fp32, values' dtype, (R·K,) int64
-        threads = torch.get_num_threads()
-        if self.small_op_threads:
-            torch.set_num_threads(min(threads, self.small_op_threads))
-        try:
+        with omp_threads(self.small_op_threads):
             torch.mul(sel.scores.view(R, K), self.scale, out=w)                      # scaled logits
             ids = sel.ids.view(R, K)
             empty = not sel.full and bool(ids.min() < 0)
@@ -99,8 +98,6 @@ class ContextAttention:
             if w_low is not w:
                 w_low.copy_(w)
             torch.add(ids.view(hkv, Q, K), self._row_base, out=rows.view(hkv, Q, K))   # rows of values_flat
-        finally:
-            torch.set_num_threads(threads)
         # F.embedding_bag straight into `o` (mode 0 = sum; its .out form saves a copy)
         torch.ops.aten._embedding_bag_forward_only.out(
             self.values_flat[layer], rows, self._bag_offsets(R, K), False, 0, False, w_low.view(-1), False, -1,

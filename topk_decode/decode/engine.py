@@ -10,6 +10,7 @@ Per step and layer (batch 1):
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -103,6 +104,14 @@ class TopKDecoder:
         progress: optional callback(done, total) while the strategy builds its indices.
         graphs: run one-token steps through fixed-buffer segments replayed as CUDA graphs (see
             graphs.py); None = on CUDA only. True on the CPU runs the same segments eagerly.
+
+    Threads: one decoder serves many conversations, and every step (`forward`) holds `self.lock`.
+    The model runs at batch 1 anyway, so serialising steps costs no throughput, and it covers every
+    piece of shared scratch state at once: the context part's buffers, the strategies' search buffers
+    and counters, the step segments. A conversation's own state (window, strategy state, pending
+    token) is touched only by its own steps, so conversations in different threads interleave step by
+    step and each gets exactly its serial answer. One conversation must not be stepped by two threads
+    at once.
     """
 
     def __init__(self, model, ckv: ContextKV, config: DecodeConfig, last_logits: torch.Tensor | None = None,
@@ -126,6 +135,10 @@ class TopKDecoder:
         self.context = ContextAttention(ckv.values, self.scale)
         self._use_segments = self._cuda if graphs is None else graphs
         self._segments: StepSegments | None = None
+        # Serialises steps over the shared scratch state (see the class docstring); re-entrant so an
+        # observer or a progress callback may call back into the decoder.
+        self.lock = threading.RLock()
+        self.closed = False
         if self.shape.sliding_window and n > self.shape.sliding_window:
             warnings.warn(f"the model's sliding window ({self.shape.sliding_window}) is shorter than the context "
                           f"({n} tokens); top-k decoding attends over the whole context", TopkWarning, stacklevel=2)
@@ -166,27 +179,62 @@ class TopKDecoder:
         st.search_s += t2 - t1
         st.gather_s += t3 - t2b
 
-    @torch.inference_mode()
     def forward(self, ids: list[int], conv: Conversation) -> torch.Tensor:
-        """Feed new tokens (after any pending ones) through the model; return the last token's logits (V,)."""
-        ids = conv.pending + list(ids)
-        conv.pending = []
+        """Feed new tokens (after any pending ones) through the model; return the last token's logits (V,).
+
+        Thread-safe: the step holds the decoder's lock (see the class docstring).
+
+        Args:
+            ids: the new tokens.
+            conv: the conversation they continue.
+        """
+        with self.lock:
+            if self.closed:
+                raise TopkError("the store is closed")
+            return self._forward_locked(ids, conv)
+
+    def close(self) -> None:
+        """Stop the strategy's worker threads; later steps raise TopkError. Idempotent."""
+        with self.lock:        # after any step in flight
+            self.closed = True
+            self.strategy.close()
+
+    @torch.inference_mode()
+    def _forward_locked(self, ids: list[int], conv: Conversation) -> torch.Tensor:
+        win = conv.window
+        pending = conv.pending
+        ids = pending + list(ids)
         if not ids:
-            if conv.window.n_new == 0 and self.last_logits is not None:
+            if win.n_new == 0 and self.last_logits is not None:
                 return self.last_logits
             raise TopkError("nothing to decode: empty prompt")
-        t_start = time.perf_counter()
-        win = conv.window
         T = len(ids)
+        limit = self.config.max_window_tokens
+        if win.n_new + T > limit:
+            held = f", with the {win.n_new} this conversation holds," if win.n_new else ""
+            raise TopkError(f"the prompt is too long: {T} tokens{held} pass the limit of {limit} tokens after the "
+                            f"context (max_window_tokens); shorten it or start a new conversation")
+        t_start = time.perf_counter()
         pos0 = win.next_position
         if pos0 + T > self.shape.max_positions and not self._warned_positions:
             warnings.warn(f"position {pos0 + T} is past the model's maximum positions "
-                          f"({self.shape.max_positions}); answers may degrade", TopkWarning, stacklevel=2)
+                          f"({self.shape.max_positions}); answers may degrade", TopkWarning, stacklevel=3)
             self._warned_positions = True
-        if T == 1 and self._use_segments:
-            logits = self._forward_one(ids[0], pos0, conv)
-        else:
-            logits = self._forward_eager(ids, pos0, conv)
+        conv.pending = []
+        length0 = win.length
+        try:
+            if T == 1 and self._use_segments:
+                logits = self._forward_one(ids[0], pos0, conv)
+            else:
+                # Chunks of at most prompt_chunk tokens: each one appends to the window and attends to
+                # everything before it, so the result is the one-step result and memory stays bounded.
+                step = self.config.prompt_chunk
+                for s in range(0, T, step):
+                    logits = self._forward_eager(ids[s:s + step], pos0 + s, conv)
+        except BaseException:
+            # A failed or interrupted step leaves the conversation as it was before it.
+            win.length, conv.pending = length0, pending
+            raise
         if self._cuda:
             torch.cuda.current_stream(self.device).synchronize()   # the caller reads the logits next anyway
         conv.stats.steps += 1

@@ -26,7 +26,7 @@ from topk_decode.api import KVStore, _eos_ids
 from topk_decode.config import DecodeConfig
 from topk_decode.errors import TopkError
 from topk_decode.eval.metrics import FidelityObserver, dense_reference, is_correct, teacher_forced
-from topk_decode.index import STRATEGIES
+from topk_decode.index import STRATEGIES, split_options
 from topk_decode.model.loading import load_model, load_tokenizer, model_fingerprint
 from topk_decode.prefill.build import build_cache, parse_dtype, pick_device
 from topk_decode.store.cache_dir import open_cache
@@ -89,6 +89,7 @@ class EvalConfig:
         for s in self.strategies:
             if s not in STRATEGIES:
                 raise TopkError(f"unknown strategy {s!r} (available: {', '.join(sorted(STRATEGIES))})")
+        split_options(self.strategies, self.strategy_options)   # unknown or mistyped options fail early
         if self.docs is not None and not self.question.strip():
             raise TopkError("--question must not be empty")
         if not self.tasks or not self.lengths or not self.depths or not self.strategies or not self.ks:
@@ -299,9 +300,11 @@ def _measure(cache: Path, ctx_ids: list[int], prompt_ids: list[int], answer: str
     log(f"{head['task']} len={head['length']} depth={head['depth']} seed={head['seed']}: {len(ctx_ids)} tokens, "
         f"dense {dense_text.strip()!r} {verdict}")
     ks = sorted(set(cfg.ks))
+    per_strategy = split_options(cfg.strategies, cfg.strategy_options)
     for strategy in cfg.strategies:
         # one store per strategy (its indices are built once); k only changes what a search returns
-        dc = DecodeConfig(k=ks[-1], strategy=strategy, strategy_options=dict(cfg.strategy_options),
+        # options given once for all strategies: each gets its own (index.split_options)
+        dc = DecodeConfig(k=ks[-1], strategy=strategy, strategy_options=per_strategy[strategy],
                           n_sink=cfg.n_sink, n_tail=cfg.n_tail)
         store = KVStore(open_cache(cache, verify=False), m.model, tok, dc)
         for schedule in cfg.k_schedules:
@@ -314,6 +317,7 @@ def _measure(cache: Path, ctx_ids: list[int], prompt_ids: list[int], answer: str
                 verdict = "" if run.correct is None else ("correct, " if run.correct else "wrong, ")
                 log(f"  {method_name(strategy, schedule, k)}: {verdict}mass recall {mr}, "
                     f"KL {run.kl_mean:.2e}, agreement {run.agreement:.2f}")
+        store.close()  # its search threads
         del store  # release the strategy's indices before the cache directory goes
     return ir
 

@@ -28,17 +28,40 @@ def get_strategy(name: str) -> type[SelectionStrategy]:
         raise TopkError(f"unknown strategy {name!r} (available: {', '.join(sorted(STRATEGIES))})") from None
 
 
+def split_options(names: list[str], options: dict | None) -> dict[str, dict]:
+    """Options given once for several strategies (`--strategy ivf,hnsw --opt nlist=64`), split per strategy.
+
+    Every option must belong to at least one of the strategies (else TopkError with the valid names);
+    each strategy gets only its own, validated and converted (`SelectionStrategy.checked_options`).
+
+    Args:
+        names: strategy names.
+        options: the options as given.
+    """
+    options = dict(options or {})
+    classes = [get_strategy(n) for n in names]
+    if len(classes) == 1:
+        return {names[0]: classes[0].checked_options(options)}
+    known = set().union(*[set(c.OPTIONS or options) for c in classes])
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TopkError(f"unknown option {unknown[0]!r} for strategies {', '.join(names)} "
+                        f"(valid options: {', '.join(sorted(known)) or 'none'})")
+    return {n: c.checked_options({k: v for k, v in options.items() if c.OPTIONS is None or k in c.OPTIONS})
+            for n, c in zip(names, classes)}
+
+
 def prepare_artifacts(ckv, names: list[str], options: dict | None = None, progress=None) -> None:
     """Build and save in the cache directory what the named strategies need (`topk prefill --strategy`).
 
     Args:
         ckv: the opened cache (`topk_decode.store.open_cache`).
         names: strategy names.
-        options: strategy options (e.g. {"nlist": 1024}).
+        options: strategy options (e.g. {"nlist": 1024}), split between the strategies (`split_options`).
         progress: callback(done, total).
     """
-    for name in names:
-        get_strategy(name).build_artifacts(ckv, options, progress)
+    for name, opts in split_options(names, options).items():
+        get_strategy(name).build_artifacts(ckv, opts, progress)
 
 
-__all__ = ["prepare_artifacts", "artifact_dir", "artifacts_complete", "Selection", "SelectionStrategy", "STRATEGIES", "get_strategy", "exact_scores", "FlatStrategy"]
+__all__ = ["prepare_artifacts", "split_options", "artifact_dir", "artifacts_complete", "Selection", "SelectionStrategy", "STRATEGIES", "get_strategy", "exact_scores", "FlatStrategy"]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,33 +39,13 @@ from topk_decode.index.artifacts import (
     write_file,
     writing,
 )
-from topk_decode.index.base import Selection, SelectionStrategy, exact_scores
+from topk_decode.index.base import Selection, SelectionStrategy, as_bool, exact_scores, positive_int
+from topk_decode.index.threads import HeadPool, default_threads
 from topk_decode.store.cache_dir import ContextKV
 
 _SQ_TYPES = {torch.float16: "QT_fp16", torch.bfloat16: "QT_bf16"}
 
 
-def as_bool(value: Any) -> bool:
-    """An option value from the CLI ("1", "true", "no", ...) or Python as a bool."""
-    if isinstance(value, str):
-        if value.lower() in ("1", "true", "yes", "on"):
-            return True
-        if value.lower() in ("0", "false", "no", "off"):
-            return False
-        raise TopkError(f"expected a boolean option value, got {value!r}")
-    return bool(value)
-
-
-def positive_int(options: dict, key: str, default: int) -> int:
-    """Read a positive integer option, raising TopkError on anything else."""
-    raw = options.get(key, default)
-    try:
-        value = int(raw)
-    except (TypeError, ValueError):
-        raise TopkError(f"option {key} must be a positive integer, got {raw!r}") from None
-    if value <= 0:
-        raise TopkError(f"option {key} must be a positive integer, got {raw!r}")
-    return value
 
 
 # ---- the shared Faiss strategy ---------------------------------------------------------------------
@@ -79,6 +58,7 @@ class FaissAnnStrategy(SelectionStrategy):
     """
 
     IO_FLAGS: int = 0
+    OPTIONS = {"center": bool, "threads": int, "mmap": bool}
 
     # ---- options ----
     @classmethod
@@ -103,7 +83,7 @@ class FaissAnnStrategy(SelectionStrategy):
     @classmethod
     def build_artifacts(cls, ckv: ContextKV, options: dict | None = None,
                         progress: Callable[[int, int], None] | None = None) -> None:
-        opts = cls.build_options(ckv, dict(options or {}))
+        opts = cls.build_options(ckv, cls.checked_options(options))
         d = start_artifacts(ckv.path, cls.name)
         # Building (k-means, graph insertion) is parallel inside Faiss: undo the single-thread setting
         # an opened strategy may have left for its per-head searches.
@@ -154,12 +134,8 @@ class FaissAnnStrategy(SelectionStrategy):
         flags = self.IO_FLAGS if as_bool(self.options.get("mmap", True)) else 0
         self.indices = [[faiss.read_index(str(d / f"l{layer:03d}.h{h:02d}.faiss"), flags)
                          for h in range(H)] for layer in range(L)]
-        self.threads = positive_int(self.options, "threads", max(1, os.cpu_count() or 1))
-        self.pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
-        if self.threads > 1:
-            # Faiss parallelises one search over its queries only (G·T of them per head): we run the
-            # heads in parallel ourselves, so each search stays on one OpenMP thread.
-            faiss.omp_set_num_threads(1)
+        self.threads = positive_int(self.options, "threads", default_threads())
+        self.pool = HeadPool(self.threads)  # parallel heads, each search single-threaded (threads.py)
         # The selector must outlive every search that uses it: keep it on the instance.
         self.selector = faiss.IDSelectorRange(self.lo, self.hi)
         self.params = self.search_params()
@@ -175,7 +151,7 @@ class FaissAnnStrategy(SelectionStrategy):
         def one(h: int) -> np.ndarray:
             return row[h].search(qn[h], k, params=params)[1]                    # (Q, k) ids, -1 = none
 
-        parts = list(self.pool.map(one, range(q.shape[0]))) if self.pool else [one(h) for h in range(q.shape[0])]
+        parts = self.pool.map(one, range(q.shape[0]))
         ids = torch.from_numpy(np.stack(parts))                                 # (Hkv, Q, k)
         scores = exact_scores(self.ckv.keys[layer], q, ids)                     # (Hkv, Q, k) exact q·k
         return Selection(ids=ids, scores=scores)
@@ -193,6 +169,7 @@ class IvfStrategy(FaissAnnStrategy):
     """
 
     name = "ivf"
+    OPTIONS = {**FaissAnnStrategy.OPTIONS, "nlist": int, "nprobe": int, "spherical": bool}
     # Zero-copy mapping of the lists: the old IO_FLAG_MMAP path was ~15× slower to search here.
     IO_FLAGS = faiss.IO_FLAG_MMAP_IFC
 
@@ -240,6 +217,7 @@ class HnswStrategy(FaissAnnStrategy):
     """
 
     name = "hnsw"
+    OPTIONS = {**FaissAnnStrategy.OPTIONS, "M": int, "efConstruction": int, "efSearch": int}
     IO_FLAGS = faiss.IO_FLAG_MMAP_IFC  # zero-copy mapping of the stored vectors and graph
 
     @classmethod

@@ -19,7 +19,82 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from topk_decode.index.artifacts import artifact_dir, artifacts_complete  # noqa: F401 - re-exported
+from topk_decode.errors import TopkError
 from topk_decode.store.cache_dir import ContextKV
+
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "a boolean (true/false)", str: "a string"}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _coerce(value: Any, kind: type) -> Any:
+    """`value` as `kind` (CLI values arrive as str/int/float), or ValueError."""
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
+            return value.lower() in _TRUE
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            return int(value.strip())
+    elif kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            return float(value.strip())
+    elif kind is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)   # e.g. pattern=2024.tsv stays a path even if it looked like a number
+    raise ValueError(value)
+
+
+def as_bool(value: Any) -> bool:
+    """An option value from the CLI ("1", "true", "no", ...) or Python as a bool."""
+    if isinstance(value, str):
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise TopkError(f"expected a boolean option value, got {value!r}")
+    return bool(value)
+
+
+def positive_int(options: dict, key: str, default: int) -> int:
+    """Read a positive integer option, raising TopkError on anything else."""
+    raw = options.get(key, default)
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        raise TopkError(f"option {key} must be a positive integer, got {raw!r}") from None
+    if value <= 0:
+        raise TopkError(f"option {key} must be a positive integer, got {raw!r}")
+    return value
+
+
+def check_options(name: str, declared: dict[str, type], options: dict) -> dict:
+    """Validate strategy options against the names and types a strategy declares.
+
+    Args:
+        name: the strategy's name (for messages).
+        declared: option name → type (int, float, bool or str).
+        options: the given options.
+    Returns:
+        the options with each value converted to its declared type.
+    """
+    out = {}
+    for key, value in options.items():
+        if key not in declared:
+            valid = ", ".join(sorted(declared)) or "none"
+            raise TopkError(f"unknown option {key!r} for strategy {name} (valid options: {valid})")
+        kind = declared[key]
+        try:
+            out[key] = _coerce(value, kind)
+        except (ValueError, TypeError):
+            raise TopkError(f"option {key} of strategy {name} must be {_TYPE_WORDS[kind]}, got {value!r}") from None
+    return out
 
 
 @dataclass
@@ -56,6 +131,9 @@ class SelectionStrategy(ABC):
     """
 
     name: ClassVar[str] = ""
+    # Option name → type (int, float, bool or str); any other option is refused with the valid names
+    # (`check_options`). None: the strategy declares nothing and takes options unchecked.
+    OPTIONS: ClassVar[dict[str, type] | None] = None
     # whether `select` may keep a reference to its query tensor after returning (a selection cache);
     # if not, the decoder hands it the reused buffer the query was copied into instead of a copy
     keeps_query: ClassVar[bool] = True
@@ -63,8 +141,14 @@ class SelectionStrategy(ABC):
     def __init__(self, ckv: ContextKV, lo: int, hi: int, options: dict | None = None) -> None:
         self.ckv = ckv
         self.lo, self.hi = lo, hi
-        self.options = dict(options or {})
+        self.options = self.checked_options(options)
         self.stats = StrategyStats()
+
+    @classmethod
+    def checked_options(cls, options: dict | None) -> dict:
+        """`options` validated against `OPTIONS` (names and types), values converted; TopkError otherwise."""
+        options = dict(options or {})
+        return options if cls.OPTIONS is None else check_options(cls.name, cls.OPTIONS, options)
 
     @property
     def n_searchable(self) -> int:
@@ -84,6 +168,12 @@ class SelectionStrategy(ABC):
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Build or load whatever the strategy searches (called once, at open)."""
+
+    def close(self) -> None:
+        """Stop the strategy's worker threads, if it has any (`KVStore.close`)."""
+        pool = getattr(self, "pool", None)
+        if pool is not None:
+            pool.close()
 
     def new_state(self) -> Any:
         """Per-conversation state (e.g. TokenSelect's selection cache); None if stateless."""

@@ -12,7 +12,6 @@ head has no index, no search and no CPU→GPU traffic: its slots come back as -1
 from __future__ import annotations
 
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,7 +22,8 @@ import torch
 from topk_decode.errors import TopkError
 from topk_decode.index.artifacts import artifact_dir, read_done, start_artifacts, verify_done, write_done, writing
 from topk_decode.index.base import Selection
-from topk_decode.index.flat import FlatStrategy, add_in_blocks, default_threads, new_flat_index
+from topk_decode.index.flat import FlatStrategy, add_in_blocks, new_flat_index
+from topk_decode.index.threads import HeadPool, default_threads
 
 PATTERN_FILE = "full_attention_heads.tsv"
 
@@ -112,6 +112,7 @@ class DuoStrategy(FlatStrategy):
     """
 
     name = "duo"
+    OPTIONS = {"pattern": str, "sparsity": float, "backend": str, "threads": int}
 
     @classmethod
     def build_artifacts(cls, ckv, options: dict | None = None,
@@ -123,7 +124,7 @@ class DuoStrategy(FlatStrategy):
             options: must hold `pattern=PATH` (DuoAttention's file or `topk calibrate-duo` output).
             progress: unused (copying a small file).
         """
-        src = (options or {}).get("pattern")
+        src = cls.checked_options(options).get("pattern")
         if not src:
             raise TopkError("duo needs a head pattern: pass pattern=PATH (DuoAttention's full_attention_heads.tsv "
                             "or the output of `topk calibrate-duo`)")
@@ -160,9 +161,7 @@ class DuoStrategy(FlatStrategy):
         if self.backend not in ("faiss", "torch"):
             raise TopkError(f"unknown duo backend {self.backend!r} (use faiss or torch)")
         self.threads = int(self.options.get("threads") or default_threads())
-        self.pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
-        if self.threads > 1:
-            faiss.omp_set_num_threads(1)  # we parallelise over heads (see flat.py)
+        self.pool = HeadPool(self.threads)  # parallel heads, each search single-threaded (threads.py)
         # Indices only for retrieval heads: a streaming head's memory-mapped keys are never read.
         self.head_index: dict[tuple[int, int], faiss.Index] = {}
         if self.backend != "faiss" or self.n_searchable == 0:

@@ -11,8 +11,6 @@ certificate that the result is the exact top-k (see `_half_scan`). It is the fas
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import faiss
@@ -21,14 +19,10 @@ import torch
 
 from topk_decode.index.base import Selection, SelectionStrategy
 from topk_decode.index.select_topk import topk_by_threshold
+from topk_decode.index.threads import HeadPool, default_threads
 
 _SQ_TYPES = {torch.float16: "QT_fp16", torch.bfloat16: "QT_bf16"}
 _TORCH_BLOCK = 1 << 16  # keys per matmul block: bounds the fp32 temporary to ~32 MiB per head at D=128
-
-
-def default_threads() -> int:
-    """Threads for per-head searches: one per core, Faiss itself single-threaded inside each."""
-    return max(1, os.cpu_count() or 1)
 
 
 def new_flat_index(d: int, dtype: torch.dtype) -> faiss.Index:
@@ -54,6 +48,7 @@ class FlatStrategy(SelectionStrategy):
     """
 
     name = "flat"
+    OPTIONS = {"backend": str, "threads": int}
     keeps_query = False
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
@@ -64,13 +59,9 @@ class FlatStrategy(SelectionStrategy):
             raise TopkError(f"unknown flat backend {self.backend!r} (use faiss or torch)")
         self.threads = int(self.options.get("threads") or default_threads())
         self._buffers: dict = {}
-        self.pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
-        if self.threads > 1 and self.backend == "faiss":
-            # Faiss parallelises one search over its queries only; with G·T queries per head we
-            # parallelise over heads ourselves, so each search must stay on one thread. (Not for the
-            # torch backend: Faiss and torch share the OpenMP runtime, and this would leave torch's
-            # batched scan on one core.)
-            faiss.omp_set_num_threads(1)
+        # Per-head searches in parallel, each single-threaded on the pool's own workers (threads.py);
+        # the torch backend's batched scan runs on the caller's thread with all its threads.
+        self.pool = HeadPool(self.threads)
         self.indices: list[list[faiss.Index]] = []
         if self.backend != "faiss" or self.n_searchable == 0:
             return
@@ -86,7 +77,7 @@ class FlatStrategy(SelectionStrategy):
             self.indices.append(row)
 
     def _map(self, fn, items):
-        return list(self.pool.map(fn, items)) if self.pool else [fn(i) for i in items]
+        return self.pool.map(fn, items)
 
     def select(self, layer: int, q: torch.Tensor, k: int, state: Any = None) -> Selection:
         if k >= self.n_searchable:
@@ -107,7 +98,9 @@ class FlatStrategy(SelectionStrategy):
         keys = self.ckv.keys[layer]                                          # (Hkv, N, D) memmap
         half = keys.dtype in (torch.float16, torch.bfloat16)
         if half and torch.equal(q.to(keys.dtype).float(), q):
-            return _half_scan(keys, q, k, self.lo, self.hi, self.stats, self._buffers)
+            # Reused buffers only for one-token steps (Q = G): prompt chunks vary in length, and a kept
+            # (Hkv, Q, N) buffer per length would pile up.
+            return _half_scan(keys, q, k, self.lo, self.hi, self.stats, self._buffers if q.shape[1] <= 64 else None)
         scores, ids = _fp32_scan(keys, q, k, self.lo, self.hi)
         return Selection(ids=ids, scores=scores, full=True)
 

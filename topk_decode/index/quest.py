@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from topk_decode.errors import TopkError
-from topk_decode.index.ann import positive_int
 from topk_decode.index.artifacts import (
     artifact_dir,
     artifacts_match,
@@ -31,7 +30,7 @@ from topk_decode.index.artifacts import (
     write_file,
     writing,
 )
-from topk_decode.index.base import Selection, SelectionStrategy, exact_scores
+from topk_decode.index.base import Selection, SelectionStrategy, exact_scores, positive_int
 from topk_decode.store.cache_dir import ContextKV
 from topk_decode.store.format import as_torch, dtype_name, numpy_storage
 
@@ -81,6 +80,7 @@ class QuestStrategy(SelectionStrategy):
     """
 
     name = "quest"
+    OPTIONS = {"page_size": int, "dense_layers": int}
 
     @classmethod
     def _build_options(cls, options: dict) -> dict:
@@ -89,7 +89,7 @@ class QuestStrategy(SelectionStrategy):
     @classmethod
     def build_artifacts(cls, ckv: ContextKV, options: dict | None = None,
                         progress: Callable[[int, int], None] | None = None) -> None:
-        opts = cls._build_options(dict(options or {}))
+        opts = cls._build_options(cls.checked_options(options))
         d = start_artifacts(ckv.path, cls.name)
         files = []
         with writing(d, cls.name):

@@ -69,6 +69,7 @@ class TokenSelectStrategy(SelectionStrategy):
     """
 
     name = "tokenselect"
+    OPTIONS = {"threshold": float}
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
         try:

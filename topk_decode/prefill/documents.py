@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,27 @@ class Document:
 
     name: str
     text: str
+
+
+def safe_name(name: str) -> str:
+    """A file name as it may appear in the context and in messages: one line, nothing invisible.
+
+    Control, format and line/paragraph-separator characters (and backslashes, so the result is
+    unambiguous) become backslash escapes, so a name cannot start a line of its own in the context
+    (e.g. forge a `### Document:` separator or a fact) nor drive a terminal. Ordinary names are unchanged.
+
+    Args:
+        name: the document's relative path.
+    """
+    out = []
+    for ch in name:
+        if ch == "\\":
+            out.append("\\\\")
+        elif unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp", "Cs", "Co", "Cn"):
+            out.append(ch.encode("unicode_escape").decode("ascii"))
+        else:
+            out.append(ch)
+    return "".join(out)
 
 
 def collect_documents(path: str | os.PathLike) -> tuple[list[Document], list[str]]:
@@ -42,7 +64,8 @@ def collect_documents(path: str | os.PathLike) -> tuple[list[Document], list[str
             raise TopkError(f"no files in {path}")
     docs, skipped = [], []
     for f in files:
-        rel = str(f.relative_to(root))
+        raw = str(f.relative_to(root))
+        rel = safe_name(raw)   # for messages; the Document keeps the raw name
         if f.suffix.lower() not in TEXT_SUFFIXES and not path.is_file():
             skipped.append(f"{rel} (not .txt/.md)")
             continue
@@ -57,7 +80,10 @@ def collect_documents(path: str | os.PathLike) -> tuple[list[Document], list[str
         if not text.strip():
             skipped.append(f"{rel} (empty)")
             continue
-        docs.append(Document(rel, text))
+        if "\x00" in text:   # valid UTF-8, but text files hold no NUL bytes: binary, as git decides
+            skipped.append(f"{rel} (binary: contains NUL bytes)")
+            continue
+        docs.append(Document(raw, text))
     if not docs:
         raise TopkError(f"no readable text in {path} (looked for non-empty UTF-8 {'/'.join(TEXT_SUFFIXES)} files)")
     return docs, skipped
@@ -108,7 +134,11 @@ def prompt_format(tokenizer) -> PromptFormat:
 
 
 def document_header(name: str) -> str:
-    """The separator line in front of each document."""
+    """The separator line in front of each document.
+
+    Args:
+        name: the name as it appears (already passed through `safe_name`).
+    """
     return f"\n\n### Document: {name}\n\n"
 
 
@@ -140,7 +170,8 @@ def layout_context(docs: list[Document], tokenizer) -> ContextLayout:
     table = []
     for i, d in enumerate(docs):
         start = len(ids)
-        header = document_header(d.name) if i or fmt.kind == "chat" or len(docs) > 1 else ""
+        name = safe_name(d.name)   # a name must not inject lines into the context (nor the terminal)
+        header = document_header(name) if i or fmt.kind == "chat" or len(docs) > 1 else ""
         ids += tokenizer(header + d.text, add_special_tokens=False).input_ids
-        table.append({"name": d.name, "start": start, "end": len(ids)})
+        table.append({"name": name, "start": start, "end": len(ids)})
     return ContextLayout(ids, table, fmt)
