@@ -2,11 +2,12 @@
 
 The keys are added in the precision they were stored in (fp32 → IndexFlatIP; fp16 / bf16 →
 IndexScalarQuantizer QT_fp16 / QT_bf16, which decodes them exactly), so the returned scores are the
-exact fp32 inner products of the stored keys: recall 1.0 by construction. The `torch` backend scans
-the memory-mapped keys directly (no second copy of the keys in RAM): all KV heads in one batched
-matmul, in the keys' own half precision, followed by an exact fp32 rescoring of the candidates with a
-certificate that the result is the exact top-k (see `_half_scan`). It is the faster backend on a
-16-core host (docs/BENCHMARKS.md).
+exact fp32 inner products of the stored keys: recall 1.0 by construction. The `torch` backend (the
+default) scans the memory-mapped keys directly (no second copy of the keys in RAM, nothing built at
+open): all KV heads in one batched matmul, in the keys' own half precision, followed by an exact fp32
+rescoring of the candidates with a certificate that the result is the exact top-k (see `_half_scan`).
+It is the faster backend on a 16-core host (docs/BENCHMARKS.md); `backend=faiss` stays available.
+Faiss is imported only when the faiss backend is used.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-import faiss
 import numpy as np
 import torch
 
 from topk_decode.index.base import Selection, SelectionStrategy
 from topk_decode.index.select_topk import topk_by_threshold
 
+# The torch scan reads the memory map in place and is the faster backend (docs/BENCHMARKS.md).
+DEFAULT_BACKEND = "torch"
 _SQ_TYPES = {torch.float16: "QT_fp16", torch.bfloat16: "QT_bf16"}
 _TORCH_BLOCK = 1 << 16  # keys per matmul block: bounds the fp32 temporary to ~32 MiB per head at D=128
 
@@ -31,15 +33,17 @@ def default_threads() -> int:
     return max(1, os.cpu_count() or 1)
 
 
-def new_flat_index(d: int, dtype: torch.dtype) -> faiss.Index:
+def new_flat_index(d: int, dtype: torch.dtype) -> "faiss.Index":
     """An exact inner-product index that stores vectors in `dtype`'s precision."""
+    import faiss
+
     if dtype in _SQ_TYPES:
         qtype = getattr(faiss.ScalarQuantizer, _SQ_TYPES[dtype])
         return faiss.IndexScalarQuantizer(d, qtype, faiss.METRIC_INNER_PRODUCT)
     return faiss.IndexFlatIP(d)
 
 
-def add_in_blocks(index: faiss.Index, keys: torch.Tensor, block: int = 1 << 18) -> None:
+def add_in_blocks(index: "faiss.Index", keys: torch.Tensor, block: int = 1 << 18) -> None:
     """Add (M, D) keys to a Faiss index as fp32 blocks (bounded temporary memory)."""
     for s in range(0, keys.shape[0], block):
         index.add(np.ascontiguousarray(keys[s:s + block].float().numpy()))
@@ -49,7 +53,7 @@ class FlatStrategy(SelectionStrategy):
     """Exact top-k per query head.
 
     Options:
-        backend: "faiss" (default) or "torch".
+        backend: "torch" (default: zero-copy scan of the memory map) or "faiss" (indices copied into RAM at open).
         threads: parallel head searches (default: CPU cores).
     """
 
@@ -57,7 +61,7 @@ class FlatStrategy(SelectionStrategy):
     keeps_query = False
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
-        self.backend = self.options.get("backend", "faiss")
+        self.backend = self.options.get("backend", DEFAULT_BACKEND)
         if self.backend not in ("faiss", "torch"):
             from topk_decode.errors import TopkError
 
@@ -65,13 +69,15 @@ class FlatStrategy(SelectionStrategy):
         self.threads = int(self.options.get("threads") or default_threads())
         self._buffers: dict = {}
         self.pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
+        if self.backend == "faiss":
+            import faiss
         if self.threads > 1 and self.backend == "faiss":
             # Faiss parallelises one search over its queries only; with G·T queries per head we
             # parallelise over heads ourselves, so each search must stay on one thread. (Not for the
             # torch backend: Faiss and torch share the OpenMP runtime, and this would leave torch's
             # batched scan on one core.)
             faiss.omp_set_num_threads(1)
-        self.indices: list[list[faiss.Index]] = []
+        self.indices: list = []
         if self.backend != "faiss" or self.n_searchable == 0:
             return
         L, H = self.ckv.n_layers, self.ckv.n_kv_heads

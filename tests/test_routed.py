@@ -1,0 +1,157 @@
+"""routed: clustered layout, routing under a keys-read budget, exactness when the budget covers the context."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from topk_decode import KVStore
+from topk_decode.errors import TopkError
+from topk_decode.index import artifact_dir, get_strategy
+from topk_decode.index.base import exact_scores
+from topk_decode.index.cluster import KMeansConfig, build_layer
+from topk_decode.store.cache_dir import CacheWriter, open_cache
+from conftest import hf_greedy
+
+
+@pytest.fixture(scope="module")
+def own_cache(tmp_path_factory, built_cache):
+    """A private copy of the shared tiny cache (our artifacts must not leak into other tests' cache)."""
+    cache, model_dir = built_cache
+    dst = tmp_path_factory.mktemp("routed") / "cache"
+    shutil.copytree(cache, dst)
+    return dst, model_dir
+
+
+@pytest.fixture(scope="module")
+def clustered_cache(tmp_path_factory):
+    """2 layers × 2 KV heads × 3000 bf16 keys (D=16) drawn around 40 well-separated centres."""
+    out = tmp_path_factory.mktemp("clustered") / "cache"
+    gen = torch.Generator().manual_seed(0)
+    n, hkv, d, layers = 3000, 2, 16, 2
+    w = CacheWriter(out)
+    for layer in range(layers):
+        centres = 4 * torch.randn(hkv, 40, d, generator=gen)
+        which = torch.randint(0, 40, (hkv, n), generator=gen)
+        keys = centres.gather(1, which[..., None].expand(hkv, n, d)) + 0.3 * torch.randn(hkv, n, d, generator=gen)
+        w.write_layer(layer, keys.bfloat16(), torch.randn(hkv, n, d, generator=gen).bfloat16())
+    w.write_tokens(list(range(n)))
+    w.commit({"model": {"path": "none", "fingerprint": "none"}, "kv_dtype": "bfloat16", "n_tokens": n,
+              "shape": {"n_layers": layers, "n_heads": 4, "n_kv_heads": hkv, "head_dim": d}, "documents": []})
+    return out
+
+
+def _open(cache, name, options=None, lo=3, hi=None):
+    ckv = open_cache(cache)
+    strat = get_strategy(name)(ckv, lo, hi if hi is not None else ckv.n_tokens - 5, options or {})
+    strat.prepare()
+    return strat
+
+
+def _queries(hkv=2, q=4, d=16, seed=1):
+    return torch.randn(hkv, q, d, generator=torch.Generator().manual_seed(seed)).bfloat16().float()
+
+
+def test_layout_is_a_cluster_contiguous_permutation_of_every_head():
+    keys = torch.randn(2, 500, 8)
+    values = torch.randn(2, 500, 8)
+    lay = build_layer(keys, values, KMeansConfig(cluster_size=20, iters=3), torch.device("cpu"))
+    for h in range(2):
+        assert sorted(lay.pos[h].tolist()) == list(range(500))
+        assert torch.equal(lay.keys[h], keys[h][lay.pos[h]])
+        assert torch.equal(lay.values[h], values[h][lay.pos[h]])
+        assert lay.offsets[h, 0] == 0 and lay.offsets[h, -1] == 500
+        for c in range(lay.offsets.shape[1] - 1):   # centroid = mean of the cluster's raw keys
+            s, e = lay.offsets[h, c], lay.offsets[h, c + 1]
+            if e > s:
+                assert torch.allclose(lay.centroids[h, c], keys[h][lay.pos[h, s:e]].mean(0), atol=1e-5)
+
+
+def test_routed_reads_the_probe_fraction_and_returns_exact_scores_inside_the_range(clustered_cache):
+    strat = _open(clustered_cache, "routed", {"cluster_size": 32, "probe_fraction": 0.1}, lo=3, hi=2990)
+    q = _queries()
+    sel = strat.select(0, q, 16)
+    assert sel.ids.shape == (2, 4, 16)
+    assert sel.ids.min() >= 3 and sel.ids.max() < 2990
+    assert torch.allclose(sel.scores, exact_scores(strat.ckv.keys[0], q, sel.ids), atol=1e-4)
+    read = strat.keys_read_fraction()
+    assert 0.1 <= read < 0.1 + 2 * 32 * 4 / 2987   # the budget plus at most the last cluster's overshoot
+
+
+def test_routed_finds_most_of_the_exact_top_k_on_clustered_keys(clustered_cache):
+    # 4 queries per KV head, each of whose top-32 sits in one or two of the 40 groups of ~75 keys: 20 % covers them
+    routed = _open(clustered_cache, "routed", {"cluster_size": 32, "probe_fraction": 0.2})
+    flat = _open(clustered_cache, "flat")
+    q = _queries(seed=3)
+    a, b = routed.select(1, q, 32).ids, flat.select(1, q, 32).ids
+    recall = sum(len(set(a[h, i].tolist()) & set(b[h, i].tolist())) for h in range(2) for i in range(4)) / (8 * 32)
+    assert recall >= 0.95
+
+
+def test_routed_probing_every_cluster_equals_flat(clustered_cache):
+    routed = _open(clustered_cache, "routed", {"cluster_size": 32, "probe_fraction": 1})
+    flat = _open(clustered_cache, "flat")
+    q = _queries(seed=5)
+    a, b = routed.select(0, q, 50), flat.select(0, q, 50)
+    assert torch.equal(a.ids.sort(-1).values, b.ids.sort(-1).values)
+    assert torch.allclose(a.scores.sort(-1).values, b.scores.sort(-1).values, atol=1e-4)
+
+
+def test_flat_faiss_backend_still_matches_the_default_torch_backend(clustered_cache):
+    pytest.importorskip("faiss")
+    torch_ = _open(clustered_cache, "flat")
+    assert torch_.backend == "torch"
+    faiss_ = _open(clustered_cache, "flat", {"backend": "faiss", "threads": 1})
+    q = _queries(seed=7)
+    a, b = torch_.select(0, q, 20), faiss_.select(0, q, 20)
+    assert torch.equal(a.ids.sort(-1).values, b.ids.sort(-1).values)
+
+
+def test_artifacts_are_reused_and_rebuilt_when_the_cluster_size_changes(clustered_cache):
+    _open(clustered_cache, "routed", {"cluster_size": 32})
+    done = artifact_dir(clustered_cache, "routed") / "done.json"
+    assert json.loads(done.read_text())["options"]["cluster_size"] == 32
+    stamp = done.stat().st_mtime_ns
+    _open(clustered_cache, "routed")                         # default options: reuse what was built
+    assert done.stat().st_mtime_ns == stamp
+    _open(clustered_cache, "routed", {"cluster_size": 50})
+    assert json.loads(done.read_text())["options"]["cluster_size"] == 50
+
+
+@pytest.mark.parametrize("options", [{"probe_fraction": 0}, {"probe_fraction": "all"}, {"cluster_size": -1},
+                                     {"nprobe": 3}])
+def test_bad_routed_options_raise_topk_errors(clustered_cache, options):
+    with pytest.raises(TopkError):
+        _open(clustered_cache, "routed", options)
+
+
+def test_routed_reproduces_hf_generate_when_budget_covers_context(own_cache):
+    cache, model_dir = own_cache
+    store = KVStore.open(cache, k=100_000, strategy="routed", device="cpu")
+    prompt = [5, 17, 42, 99]
+    assert store.generate_ids(prompt, max_new_tokens=10) == hf_greedy(model_dir, store.context_ids + prompt, 10)
+
+
+def test_routed_probing_every_cluster_decodes_like_flat_with_small_k(own_cache):
+    cache, _ = own_cache
+    prompt = [5, 17, 42, 99]
+    flat = KVStore.open(cache, k=24, strategy="flat", device="cpu").generate_ids(prompt, 8)
+    routed = KVStore.open(cache, k=24, strategy="routed", strategy_options={"probe_fraction": 1, "cluster_size": 16},
+                          device="cpu").generate_ids(prompt, 8)
+    assert routed == flat
+
+
+def test_routed_returns_ids_inside_the_range_during_decoding(own_cache):
+    cache, _ = own_cache
+    store = KVStore.open(cache, k=8, strategy="routed", device="cpu", n_sink=4, n_tail=64,
+                         strategy_options={"probe_fraction": 0.05, "cluster_size": 16})
+    lo, hi = store.decoder.strategy.lo, store.decoder.strategy.hi
+    seen = []
+    conv = store.decoder.new_conversation()
+    conv.observer = lambda layer, q, sel, c: seen.append(sel.ids[sel.ids >= 0])
+    store.decoder.generate(conv, [5, 17, 42], 4)
+    ids = torch.cat(seen)
+    assert ids.numel() > 0 and ids.min() >= lo and ids.max() < hi
