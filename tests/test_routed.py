@@ -155,3 +155,17 @@ def test_routed_returns_ids_inside_the_range_during_decoding(own_cache):
     store.decoder.generate(conv, [5, 17, 42], 4)
     ids = torch.cat(seen)
     assert ids.numel() > 0 and ids.min() >= lo and ids.max() < hi
+
+
+def test_bench_runs_routed_and_reports_the_share_of_keys_read(tmp_path):
+    from topk_decode.bench.run import run_bench, smoke_config
+
+    cfg = smoke_config(str(tmp_path))
+    cfg.systems, cfg.offload_prefill, cfg.contexts = ["topk"], False, [1024]
+    cfg.strategy, cfg.strategy_options, cfg.k = "flat,routed", {"probe_fraction": 0.2, "cluster_size": 16}, 16
+    data = run_bench(cfg, log=lambda line: None)
+    rows = {r["strategy"]: r for r in data["rows"] if r["system"] == "topk"}
+    assert rows["flat"]["status"] == "ok" and rows["flat"]["keys_read_pct"] == 100
+    row = rows["routed"]
+    assert row["status"] == "ok" and row["tokens_per_s"] > 0
+    assert 20 <= row["keys_read_pct"] < 30   # 20 % plus at most one cluster of 16 per head and step

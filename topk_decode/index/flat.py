@@ -24,6 +24,10 @@ from topk_decode.index.select_topk import topk_by_threshold
 
 # The torch scan reads the memory map in place and is the faster backend (docs/BENCHMARKS.md).
 DEFAULT_BACKEND = "torch"
+# Scoring kernel of the torch backend; "blocks" reads the keys closer to the DRAM bandwidth than one
+# batched matmul with 4 query rows (scripts/scan_bandwidth.py, docs/BENCHMARKS.md).
+DEFAULT_SCAN = "blocks"
+_SCAN_BLOCK = 1 << 14   # keys per task: 4 MiB of bf16 keys at D=128, a (Q, block) output that stays in cache
 _SQ_TYPES = {torch.float16: "QT_fp16", torch.bfloat16: "QT_bf16"}
 _TORCH_BLOCK = 1 << 16  # keys per matmul block: bounds the fp32 temporary to ~32 MiB per head at D=128
 
@@ -55,6 +59,8 @@ class FlatStrategy(SelectionStrategy):
     Options:
         backend: "torch" (default: zero-copy scan of the memory map) or "faiss" (indices copied into RAM at open).
         threads: parallel head searches (default: CPU cores).
+        scan: torch backend's scoring kernel: "blocks" (default: threads over (head, block of keys), each
+            a single-threaded bf16 matmul over a cache-sized block) or "bmm" (one batched matmul).
     """
 
     name = "flat"
@@ -67,6 +73,11 @@ class FlatStrategy(SelectionStrategy):
 
             raise TopkError(f"unknown flat backend {self.backend!r} (use faiss or torch)")
         self.threads = int(self.options.get("threads") or default_threads())
+        self.scan = self.options.get("scan", DEFAULT_SCAN)
+        if self.scan not in ("blocks", "bmm"):
+            from topk_decode.errors import TopkError
+
+            raise TopkError(f"unknown flat scan {self.scan!r} (use blocks or bmm)")
         self._buffers: dict = {}
         self.pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
         if self.backend == "faiss":
@@ -113,7 +124,8 @@ class FlatStrategy(SelectionStrategy):
         keys = self.ckv.keys[layer]                                          # (Hkv, N, D) memmap
         half = keys.dtype in (torch.float16, torch.bfloat16)
         if half and torch.equal(q.to(keys.dtype).float(), q):
-            return _half_scan(keys, q, k, self.lo, self.hi, self.stats, self._buffers)
+            pool = self.pool if self.scan == "blocks" else None
+            return _half_scan(keys, q, k, self.lo, self.hi, self.stats, self._buffers, pool)
         scores, ids = _fp32_scan(keys, q, k, self.lo, self.hi)
         return Selection(ids=ids, scores=scores, full=True)
 
@@ -159,8 +171,33 @@ _THRESHOLD_MAX_THREADS = 4
 _HALF_REL_ERR = 2.0 ** -7
 
 
+def _scan_blocks(qh: torch.Tensor, keys: torch.Tensor, out: torch.Tensor, pool: ThreadPoolExecutor) -> None:
+    """out = qh @ keysᵀ per head, computed as (head, block) tasks on `pool`, torch single-threaded in each.
+
+    One batched matmul with Q = 4 query rows is a matrix-vector product: torch's CPU kernel then reads
+    the keys well below the memory bandwidth; independent block tasks keep every core streaming.
+
+    Args:
+        qh: (Hkv, Q, D) queries in the keys' dtype; keys: (Hkv, N, D); out: (Hkv, Q, N) in the keys' dtype.
+        pool: the worker threads.
+    """
+    hkv, n, _ = keys.shape
+
+    def one(task: tuple[int, int]) -> None:
+        h, s = task
+        e = min(s + _SCAN_BLOCK, n)
+        out[h, :, s:e] = torch.mm(qh[h], keys[h, s:e].t())                   # (Q, block)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        list(pool.map(one, [(h, s) for h in range(hkv) for s in range(0, n, _SCAN_BLOCK)]))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _half_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, stats,
-               buffers: dict | None = None) -> Selection:
+               buffers: dict | None = None, pool: ThreadPoolExecutor | None = None) -> Selection:
     """Exact top-k through a half-precision scan: no fp32 copy of the keys is ever made.
 
     1. scores in the keys' dtype with one batched matmul over the memory map (fp32 accumulation);
@@ -174,6 +211,7 @@ def _half_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, st
         k: results per query; lo, hi: the searchable range.
         stats: the strategy's StrategyStats (counts fp32 rescans).
         buffers: reusable score buffers keyed by shape (no 8-64 MiB allocation per layer and step).
+        pool: when given, the half-precision scores are computed by `_scan_blocks` on it.
     """
     hkv, n, d = keys.shape
     Q, M = q.shape[1], hi - lo
@@ -184,7 +222,10 @@ def _half_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, st
         approx = buffers.get((hkv, Q, n, keys.dtype))
         if approx is None:
             approx = buffers[(hkv, Q, n, keys.dtype)] = torch.empty((hkv, Q, n), dtype=keys.dtype)
-        torch.bmm(q.to(keys.dtype), keys.transpose(1, 2), out=approx)      # (Hkv, Q, N) half
+        if pool is not None:
+            _scan_blocks(q.to(keys.dtype), keys, approx, pool)
+        else:
+            torch.bmm(q.to(keys.dtype), keys.transpose(1, 2), out=approx)  # (Hkv, Q, N) half
     else:
         approx = torch.bmm(q.to(keys.dtype), keys.transpose(1, 2))
     approx[..., :lo] = float("-inf")
