@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-# Points per distance block: bounds the (block, C) score temporary (e.g. 8192 × 16384 × 4 B = 512 MiB at 1M keys).
-_BLOCK_ELEMS = 1 << 27
+# Scores per distance block: bounds the (block, C) temporaries to ~200 MiB (k-means runs inside the
+# decoder's GPU budget, next to the weights).
+_BLOCK_ELEMS = 1 << 25
 
 
 @dataclass
@@ -93,8 +94,9 @@ def _update(x: torch.Tensor, labels: torch.Tensor, cent: torch.Tensor) -> torch.
     return torch.where(counts[:, None] > 0, fresh, cent)
 
 
-def kmeans(keys: torch.Tensor, n_clusters: int, cfg: KMeansConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cluster one head's keys (centred) and return every key's cluster and the key mean.
+def kmeans(keys: torch.Tensor, n_clusters: int, cfg: KMeansConfig,
+           device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cluster one head's keys (centred); return every key's cluster and each cluster's statistics.
 
     Args:
         keys: (N, D) keys of one (layer, KV head), any float dtype, on the CPU.
@@ -102,30 +104,46 @@ def kmeans(keys: torch.Tensor, n_clusters: int, cfg: KMeansConfig, device: torch
         cfg: iterations, CPU sample and time budget, seed.
         device: where to compute (cuda: all points every iteration; cpu: subsampled and time-bounded).
     Returns:
-        labels (N,) int64 cluster of every key (on the CPU), mean (D,) float32.
+        labels (N,) int64 cluster of every key, centroids (C, D) float32 mean of each cluster's raw keys
+        (0 when empty), spread (C,) float32 mean squared distance of its keys to it per dimension; on the CPU.
     """
-    n = keys.shape[0]
+    n, d = keys.shape
     gen = torch.Generator().manual_seed(cfg.seed)
     on_gpu = device.type == "cuda"
     # bf16 keys are matmul'd in bf16 on the GPU (assignments only group keys; exact scores come later)
     work_dtype = keys.dtype if on_gpu and keys.dtype in (torch.bfloat16, torch.float16) else torch.float32
-    x = keys.to(device)
-    mean = x.float().mean(0)                                                # (D,)
-    x = (x.float() - mean).to(work_dtype)                                   # (N, D) centred
+    x = keys.to(device=device, dtype=work_dtype, copy=True)                 # never the (read-only) map itself
+    mean = x.mean(0, dtype=torch.float32)                                   # (D,)
+    x -= mean.to(work_dtype)                                                # (N, D) centred, in place
     init = torch.randperm(n, generator=gen)[:n_clusters].to(device)
     cent = x.index_select(0, init).float()                                  # (C, D)
     if on_gpu:
         train = x
     else:
         m = min(n, cfg.cpu_sample * n_clusters)
-        train = x if m == n else x.index_select(0, torch.randperm(n, generator=gen)[:m])
+        train = x if m == n else x.index_select(0, torch.randperm(n, generator=gen)[:m].to(device))
     t0 = time.perf_counter()
-    for it in range(cfg.iters):
+    for _ in range(cfg.iters):
         cent = _update(train, _assign(train, cent), cent)
         if not on_gpu and time.perf_counter() - t0 > cfg.cpu_seconds:
             break
     labels = _assign(x, cent)
-    return labels.cpu(), mean.cpu()
+    del x, train
+    # statistics of the final clusters from the exact keys (not the centred working copy), in blocks
+    C = n_clusters
+    counts = torch.bincount(labels, minlength=C).clamp(min=1).float()       # (C,)
+    cents = torch.zeros((C, d), device=device)
+    spread = torch.zeros(C, device=device)
+    step = 1 << 17
+    for s in range(0, n, step):
+        cents.index_add_(0, labels[s:s + step], keys[s:s + step].to(device).float())
+    cents /= counts[:, None]
+    for s in range(0, n, step):
+        lab = labels[s:s + step]
+        sq = ((keys[s:s + step].to(device).float() - cents.index_select(0, lab)) ** 2).sum(-1)   # (b,)
+        spread.index_add_(0, lab, sq)
+    spread /= counts * d
+    return labels.cpu(), cents.cpu(), spread.cpu()
 
 
 def build_layer(keys: torch.Tensor, values: torch.Tensor | None, cfg: KMeansConfig,
@@ -148,19 +166,17 @@ def build_layer(keys: torch.Tensor, values: torch.Tensor | None, cfg: KMeansConf
     spread = torch.zeros((hkv, C), dtype=torch.float32)
     for h in range(hkv):
         kh = keys[h]
-        labels, _ = kmeans(kh, C, cfg, device)
+        try:
+            labels, cents[h], spread[h] = kmeans(kh, C, cfg, device)
+        except torch.OutOfMemoryError:      # the GPU budget is taken (e.g. by the weights): the CPU path
+            torch.cuda.empty_cache()
+            labels, cents[h], spread[h] = kmeans(kh, C, cfg, torch.device("cpu"))
         perm = torch.sort(labels, stable=True).indices                        # (N,) rows grouped by cluster
-        counts = torch.bincount(labels, minlength=C)
-        offsets[h, 1:] = torch.cumsum(counts, 0)
+        offsets[h, 1:] = torch.cumsum(torch.bincount(labels, minlength=C), 0)
         pos[h] = perm
         torch.index_select(kh, 0, perm, out=out_k[h])
         if values is not None:
             torch.index_select(values[h], 0, perm, out=out_v[h])
-        kf = out_k[h].float()                                                 # (N, D) in cluster order
-        sums = torch.zeros((C, d)).index_add_(0, labels[perm], kf)
-        cents[h] = sums / counts.clamp(min=1)[:, None].float()
-        sq = ((kf - cents[h][labels[perm]]) ** 2).sum(-1)                     # (N,)
-        spread[h] = torch.zeros(C).index_add_(0, labels[perm], sq) / (counts.clamp(min=1).float() * d)
     return LayerLayout(out_k, out_v, pos, offsets, cents, spread)
 
 
