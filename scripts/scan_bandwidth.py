@@ -100,6 +100,7 @@ def main() -> None:
     ap.add_argument("--dram-gib", type=float, default=4.0)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--skip", nargs="*", default=[], help="any of dram flat variants routed")
+    ap.add_argument("--profile", action="store_true", help="print a torch profile of routed select (stderr)")
     ap.add_argument("--out", default=None, help="append the JSON lines here too")
     a = ap.parse_args()
     outf = open(a.out, "a") if a.out else None
@@ -148,7 +149,11 @@ def main() -> None:
         routed = RoutedStrategy(ckv, lo, hi, {"cluster_size": a.cluster_size})
         routed.prepare()
         build_s = time.perf_counter() - t
+        import topk_decode.index.routed as routed_mod
+
         for pf in a.probe_fraction:
+          for route_threads in (1, None):
+            routed_mod._SMALL_OP_THREADS = route_threads
             routed.probe_fraction = pf
             routed.stats.extra.update(keys_read=0, keys_searchable=0)
             sels = []
@@ -157,7 +162,10 @@ def main() -> None:
             read = routed.keys_read_fraction()
             budget = max(int(pf * (hi - lo)), 2 * a.k)
             it = iter(qs * 2)
+            threads = torch.get_num_threads()
+            torch.set_num_threads(route_threads or threads)
             route_ms = _timed(lambda: routed.route(0, next(it), budget), a.reps)
+            torch.set_num_threads(threads)
             rec = []
             for sel, ids in zip(sels[:len(qs)], exact):
                 for h in range(a.kv_heads):
@@ -165,9 +173,17 @@ def main() -> None:
                         rec.append(len(set(sel.ids[h, i].tolist()) & set(ids[h, i].tolist())) / a.k)
             gbs = read * key_bytes / ms / 1e6
             emit({"what": "routed", "probe_fraction": pf, "cluster_size": a.cluster_size, "build_s": round(build_s, 1),
+                  "route_threads": route_threads or threads,
                   "ms_per_layer": round(ms, 3), "route_ms": round(route_ms, 3), "keys_read_pct": round(100 * read, 2),
                   "read_gb_s": round(gbs, 1), "pct_of_dram": pct(gbs), "id_recall_random_keys": round(sum(rec) / len(rec), 3)})
+            if a.profile and route_threads == 1:
+                from torch.profiler import profile
 
+                with profile() as prof:
+                    for q in qs:
+                        routed.select(0, q, a.k)
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18), file=sys.stderr)
+        routed_mod._SMALL_OP_THREADS = 1
 
 if __name__ == "__main__":
     main()

@@ -169,3 +169,12 @@ def test_bench_runs_routed_and_reports_the_share_of_keys_read(tmp_path):
     row = rows["routed"]
     assert row["status"] == "ok" and row["tokens_per_s"] > 0
     assert 20 <= row["keys_read_pct"] < 30   # 20 % plus at most one cluster of 16 per head and step
+
+
+def test_flat_blocks_scan_equals_the_batched_scan_under_inference_mode(clustered_cache):
+    bmm = _open(clustered_cache, "flat", {"scan": "bmm"})
+    blocks = _open(clustered_cache, "flat", {"scan": "blocks", "threads": 2})
+    q = _queries(seed=9)
+    with torch.inference_mode():     # the decoder's mode: the worker threads must write its buffers
+        a, b = bmm.select(0, q, 20), blocks.select(0, q, 20)
+    assert torch.equal(a.ids.sort(-1).values, b.ids.sort(-1).values)

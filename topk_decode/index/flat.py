@@ -24,9 +24,9 @@ from topk_decode.index.select_topk import topk_by_threshold
 
 # The torch scan reads the memory map in place and is the faster backend (docs/BENCHMARKS.md).
 DEFAULT_BACKEND = "torch"
-# Scoring kernel of the torch backend; "blocks" reads the keys closer to the DRAM bandwidth than one
-# batched matmul with 4 query rows (scripts/scan_bandwidth.py, docs/BENCHMARKS.md).
-DEFAULT_SCAN = "blocks"
+# Scoring kernel of the torch backend: on the 16-core GPU host one batched matmul reads the keys at
+# ~60 % of the DRAM bandwidth and the threaded blocks at ~17 % (scripts/scan_bandwidth.py, docs/BENCHMARKS.md).
+DEFAULT_SCAN = "bmm"
 _SCAN_BLOCK = 1 << 14   # keys per task: 4 MiB of bf16 keys at D=128, a (Q, block) output that stays in cache
 _SQ_TYPES = {torch.float16: "QT_fp16", torch.bfloat16: "QT_bf16"}
 _TORCH_BLOCK = 1 << 16  # keys per matmul block: bounds the fp32 temporary to ~32 MiB per head at D=128
@@ -59,8 +59,8 @@ class FlatStrategy(SelectionStrategy):
     Options:
         backend: "torch" (default: zero-copy scan of the memory map) or "faiss" (indices copied into RAM at open).
         threads: parallel head searches (default: CPU cores).
-        scan: torch backend's scoring kernel: "blocks" (default: threads over (head, block of keys), each
-            a single-threaded bf16 matmul over a cache-sized block) or "bmm" (one batched matmul).
+        scan: torch backend's scoring kernel: "bmm" (default: one batched matmul) or "blocks" (threads
+            over (head, block of keys), each a single-threaded bf16 matmul over a cache-sized block).
     """
 
     name = "flat"
@@ -182,11 +182,13 @@ def _scan_blocks(qh: torch.Tensor, keys: torch.Tensor, out: torch.Tensor, pool: 
         pool: the worker threads.
     """
     hkv, n, _ = keys.shape
+    inference = torch.is_inference_mode_enabled()   # worker threads do not inherit it
 
     def one(task: tuple[int, int]) -> None:
         h, s = task
         e = min(s + _SCAN_BLOCK, n)
-        out[h, :, s:e] = torch.mm(qh[h], keys[h, s:e].t())                   # (Q, block)
+        with torch.inference_mode(inference):
+            out[h, :, s:e] = torch.mm(qh[h], keys[h, s:e].t())               # (Q, block)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -36,6 +36,10 @@ from topk_decode.store.format import as_torch, dtype_name, numpy_storage
 
 # Every query must find at least k candidates: read at least this many keys per k.
 _MIN_READ_PER_K = 2
+# Routing is ~20 ops on a few thousand elements each: on a many-core host the fork/join of a parallel
+# region costs more than the work (as for the context part, decode/context.py), so it runs on this many
+# threads (None: all); the scan that follows uses all of them.
+_SMALL_OP_THREADS: int | None = 1
 
 
 def _fraction(options: dict, key: str, default: float) -> float:
@@ -130,7 +134,13 @@ class RoutedStrategy(SelectionStrategy):
         self.scale = 1.0 / math.sqrt(self.ckv.head_dim)
         hkv, n = self.ckv.n_kv_heads, self.ckv.n_tokens
         self._row_base = (torch.arange(hkv) * n).view(hkv, 1)                  # (Hkv, 1) flat row of head h
-        self._log_sizes = [lay.sizes.float().log() for lay in self.layouts]      # (Hkv, C), −inf when empty
+        # Per layer, what routing reads every step, laid out for one baddbmm: centroids as (Hkv, D, C),
+        # log cluster sizes as the bias (−inf for an empty cluster), the spread scaled by s²/2.
+        self._cent_t = [lay.centroids.transpose(1, 2).contiguous() for lay in self.layouts]
+        self._bias = [lay.sizes.float().log().unsqueeze(1) for lay in self.layouts]      # (Hkv, 1, C)
+        self._spread = [(lay.spread * (0.5 * self.scale ** 2)).unsqueeze(1) for lay in self.layouts]
+        self._sizes = [lay.sizes for lay in self.layouts]
+        self._starts = [lay.offsets[:, :-1] + self._row_base for lay in self.layouts]   # (Hkv, C) flat rows
         self.stats.extra.update(keys_read=0, keys_searchable=0)
 
     def _load(self, built: dict) -> list[LayerLayout]:
@@ -163,39 +173,41 @@ class RoutedStrategy(SelectionStrategy):
         Returns:
             rows (Hkv, Mmax) int64 and valid (Hkv, Mmax) bool (False on padding).
         """
-        lay = self.layouts[layer]
-        hkv, C = lay.sizes.shape
-        logit = torch.bmm(q, lay.centroids.transpose(1, 2)).mul_(self.scale)    # (Hkv, Q, C)
-        logit += self._log_sizes[layer][:, None, :]
+        sizes_all = self._sizes[layer]
+        hkv, C = sizes_all.shape
+        logit = torch.baddbmm(self._bias[layer], q, self._cent_t[layer], alpha=self.scale)   # (Hkv, Q, C)
         if self.use_spread:
-            qn = (q * q).sum(-1, keepdim=True) * (0.5 * self.scale ** 2)        # (Hkv, Q, 1)
-            logit += qn * lay.spread[:, None, :]
+            logit.addcmul_(q.square().sum(-1, keepdim=True), self._spread[layer])
         share = (logit - torch.logsumexp(logit, dim=-1, keepdim=True)).amax(1)  # (Hkv, C) union over queries
         # Only the first clusters by share are needed: a top-k of twice the expected count, and the
         # full sort only when some head's largest clusters did not reach the budget (rare).
         guess = min(C, 2 * -(-budget * C // self.ckv.n_tokens) + 16)
-        order = share.topk(guess, dim=-1).indices                              # (Hkv, guess) by share
-        sizes = lay.sizes.gather(1, order)
-        if guess < C and bool((sizes.sum(1) < budget).any()):
+        order = share.topk(guess, dim=-1, sorted=True).indices                 # (Hkv, guess) by share
+        sizes = sizes_all.gather(1, order)
+        cums = sizes.cumsum(1)
+        if guess < C and bool((cums[:, -1] < budget).any()):
             order = share.argsort(dim=-1, descending=True)                      # (Hkv, C)
-            sizes = lay.sizes.gather(1, order)
-        n_take = ((sizes.cumsum(1) < budget).sum(1) + 1).clamp_(max=order.shape[1])  # (Hkv,) clusters per head
-        width = int(n_take.max())
-        take = torch.arange(width)[None, :] < n_take[:, None]                   # (Hkv, W)
-        lens = (sizes[:, :width] * take).reshape(-1)                            # (Hkv·W,)
-        starts = (lay.offsets.gather(1, order[:, :width]) + self._row_base).reshape(-1)
-        per_head = lens.view(hkv, width).sum(1)                                 # (Hkv,)
-        total, m_max = int(per_head.sum()), int(per_head.max())
-        run_start = torch.cumsum(lens, 0) - lens                                # where each run begins in the flat list
-        rows = torch.repeat_interleave(starts - run_start, lens, output_size=total) + torch.arange(total)
-        head_of = torch.repeat_interleave(torch.arange(hkv), per_head, output_size=total)
-        within = torch.arange(total) - (torch.cumsum(per_head, 0) - per_head)[head_of]
-        padded = self._row_base.expand(hkv, m_max).reshape(-1).clone()          # padding reads row 0 of its head
-        padded[head_of * m_max + within] = rows
-        valid = torch.arange(m_max)[None, :] < per_head[:, None]
+            sizes = sizes_all.gather(1, order)
+            cums = sizes.cumsum(1)
+        n_take = (cums < budget).sum(1, keepdim=True)                           # (Hkv, 1) clusters per head − 1
+        width = min(int(n_take.max()) + 1, order.shape[1])
+        lens = sizes[:, :width].masked_fill(torch.arange(width) > n_take, 0)    # (Hkv, W) 0 past the budget
+        starts = self._starts[layer].gather(1, order[:, :width])                # (Hkv, W) flat rows
+        per_head = lens.sum(1)                                                  # (Hkv,)
+        m_max = int(per_head.max())
+        # Row r of head h's padded list: run i where cum[i-1] ≤ r < cum[i], row starts[i] + r − cum[i-1].
+        # Padding (r ≥ per_head[h]) reads head h's first row and is masked by `valid`.
+        cum = lens.cumsum(1)                                                    # (Hkv, W)
+        r = torch.arange(m_max).repeat(hkv, 1)                                   # (Hkv, Mmax), contiguous for searchsorted
+        run = torch.searchsorted(cum, r, right=True).clamp_(max=width - 1)      # (Hkv, Mmax)
+        run_start = (cum - lens).gather(1, run)
+        rows = starts.gather(1, run) + (r - run_start)
+        valid = r < per_head[:, None]
+        rows = torch.where(valid, rows, self._row_base)
+        total = int(per_head.sum())
         self.stats.extra["keys_read"] += total
         self.stats.extra["keys_searchable"] += hkv * self.n_searchable
-        return padded.view(hkv, m_max), valid
+        return rows, valid
 
     def select(self, layer: int, q: torch.Tensor, k: int, state: Any = None) -> Selection:
         M = self.n_searchable
@@ -206,17 +218,24 @@ class RoutedStrategy(SelectionStrategy):
         hkv, Q, D = q.shape
         # probe_fraction 1 reads every cluster (sinks and tail are in clusters too, so M keys may not be all)
         budget = self.ckv.n_tokens if self.probe_fraction >= 1 else max(math.ceil(self.probe_fraction * M), _MIN_READ_PER_K * k)
-        rows, valid = self.route(layer, q, budget)                              # (Hkv, Mmax)
+        threads = torch.get_num_threads()
+        if _SMALL_OP_THREADS:
+            torch.set_num_threads(min(threads, _SMALL_OP_THREADS))
+        try:
+            rows, valid = self.route(layer, q, budget)                          # (Hkv, Mmax)
+        finally:
+            torch.set_num_threads(threads)
         m_max = rows.shape[1]
         k_low, k32, scores = self._buffers(hkv * m_max, Q, D, lay.keys.dtype)
         torch.index_select(lay.keys.reshape(-1, D), 0, rows.view(-1), out=k_low)   # (Hkv·Mmax, D) contiguous runs
         pos = lay.pos.reshape(-1).index_select(0, rows.view(-1)).view(hkv, m_max)
-        valid &= (pos >= self.lo) & (pos < self.hi)
+        bad = ~valid | (pos < self.lo) | (pos >= self.hi)                        # padding, sinks, tail
         if k32 is not k_low:
             k32.copy_(k_low)                                                    # exact upcast, into a reused buffer
         torch.bmm(q, k32.view(hkv, m_max, D).transpose(1, 2), out=scores)       # (Hkv, Q, Mmax) exact fp32
-        scores.masked_fill_(~valid[:, None, :], float("-inf"))
-        top = scores.topk(min(k, m_max), dim=-1)
+        if bool(bad.any()):
+            scores.masked_fill_(bad[:, None, :], float("-inf"))
+        top = scores.topk(min(k, m_max), dim=-1, sorted=False)
         ids = pos[:, None, :].expand(hkv, Q, m_max).gather(-1, top.indices)     # (Hkv, Q, K) original positions
         scores, empty = top.values, torch.isinf(top.values)
         full = not bool(empty.any())
