@@ -132,7 +132,7 @@ def main() -> None:
     exact = [flat.select(0, q, a.k).ids for q in qs]
     pct = (lambda gbs: None if dram is None else round(100 * gbs / dram, 1))
     if "flat" not in a.skip:
-        for scan in ("blocks", "bmm"):
+        for scan in ("bmm", "kq", "blocks"):
             f = FlatStrategy(ckv, lo, hi, {"scan": scan})
             f.prepare()
             it = iter(qs * 2)

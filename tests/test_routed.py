@@ -70,15 +70,18 @@ def test_layout_is_a_cluster_contiguous_permutation_of_every_head():
                 assert torch.allclose(lay.centroids[h, c], keys[h][lay.pos[h, s:e]].mean(0), atol=1e-5)
 
 
-def test_routed_reads_the_probe_fraction_and_returns_exact_scores_inside_the_range(clustered_cache):
-    strat = _open(clustered_cache, "routed", {"cluster_size": 32, "probe_fraction": 0.1}, lo=3, hi=2990)
+@pytest.mark.parametrize("lo,hi", [(3, 2990), (0, 3000)])   # padding masked as a sink row / by its own mask
+def test_routed_reads_the_probe_fraction_and_returns_exact_scores_inside_the_range(clustered_cache, lo, hi):
+    strat = _open(clustered_cache, "routed", {"cluster_size": 32, "probe_fraction": 0.1}, lo=lo, hi=hi)
     q = _queries()
     sel = strat.select(0, q, 16)
     assert sel.ids.shape == (2, 4, 16)
-    assert sel.ids.min() >= 3 and sel.ids.max() < 2990
+    assert sel.ids.min() >= lo and sel.ids.max() < hi
     assert torch.allclose(sel.scores, exact_scores(strat.ckv.keys[0], q, sel.ids), atol=1e-4)
+    for h in range(2):   # no position twice in one query's answer (padding never wins)
+        assert all(len(set(sel.ids[h, i].tolist())) == 16 for i in range(4))
     read = strat.keys_read_fraction()
-    assert 0.1 <= read < 0.1 + 2 * 32 * 4 / 2987   # the budget plus at most the last cluster's overshoot
+    assert 0.1 <= read < 0.1 + 2 * 32 * 4 / (hi - lo)   # the budget plus at most the last cluster's overshoot
 
 
 def test_routed_finds_most_of_the_exact_top_k_on_clustered_keys(clustered_cache):
@@ -171,10 +174,11 @@ def test_bench_runs_routed_and_reports_the_share_of_keys_read(tmp_path):
     assert 20 <= row["keys_read_pct"] < 30   # 20 % plus at most one cluster of 16 per head and step
 
 
-def test_flat_blocks_scan_equals_the_batched_scan_under_inference_mode(clustered_cache):
+@pytest.mark.parametrize("scan", ["blocks", "kq"])
+def test_flat_scan_kernels_equal_the_batched_scan_under_inference_mode(clustered_cache, scan):
     bmm = _open(clustered_cache, "flat", {"scan": "bmm"})
-    blocks = _open(clustered_cache, "flat", {"scan": "blocks", "threads": 2})
+    other = _open(clustered_cache, "flat", {"scan": scan, "threads": 2})
     q = _queries(seed=9)
     with torch.inference_mode():     # the decoder's mode: the worker threads must write its buffers
-        a, b = bmm.select(0, q, 20), blocks.select(0, q, 20)
+        a, b = bmm.select(0, q, 20), other.select(0, q, 20)
     assert torch.equal(a.ids.sort(-1).values, b.ids.sort(-1).values)

@@ -59,8 +59,9 @@ class FlatStrategy(SelectionStrategy):
     Options:
         backend: "torch" (default: zero-copy scan of the memory map) or "faiss" (indices copied into RAM at open).
         threads: parallel head searches (default: CPU cores).
-        scan: torch backend's scoring kernel: "bmm" (default: one batched matmul) or "blocks" (threads
-            over (head, block of keys), each a single-threaded bf16 matmul over a cache-sized block).
+        scan: torch backend's scoring kernel: "bmm" (default: one batched matmul q·Kᵀ), "kq" (K·qᵀ, the
+            keys as the tall operand, then a transpose of the scores) or "blocks" (threads over (head,
+            block of keys), each a single-threaded bf16 matmul over a cache-sized block).
     """
 
     name = "flat"
@@ -74,10 +75,10 @@ class FlatStrategy(SelectionStrategy):
             raise TopkError(f"unknown flat backend {self.backend!r} (use faiss or torch)")
         self.threads = int(self.options.get("threads") or default_threads())
         self.scan = self.options.get("scan", DEFAULT_SCAN)
-        if self.scan not in ("blocks", "bmm"):
+        if self.scan not in ("blocks", "bmm", "kq"):
             from topk_decode.errors import TopkError
 
-            raise TopkError(f"unknown flat scan {self.scan!r} (use blocks or bmm)")
+            raise TopkError(f"unknown flat scan {self.scan!r} (use bmm, kq or blocks)")
         self._buffers: dict = {}
         self.pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
         if self.backend == "faiss":
@@ -125,7 +126,7 @@ class FlatStrategy(SelectionStrategy):
         half = keys.dtype in (torch.float16, torch.bfloat16)
         if half and torch.equal(q.to(keys.dtype).float(), q):
             pool = self.pool if self.scan == "blocks" else None
-            return _half_scan(keys, q, k, self.lo, self.hi, self.stats, self._buffers, pool)
+            return _half_scan(keys, q, k, self.lo, self.hi, self.stats, self._buffers, pool, self.scan == "kq")
         scores, ids = _fp32_scan(keys, q, k, self.lo, self.hi)
         return Selection(ids=ids, scores=scores, full=True)
 
@@ -199,7 +200,7 @@ def _scan_blocks(qh: torch.Tensor, keys: torch.Tensor, out: torch.Tensor, pool: 
 
 
 def _half_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, stats,
-               buffers: dict | None = None, pool: ThreadPoolExecutor | None = None) -> Selection:
+               buffers: dict | None = None, pool: ThreadPoolExecutor | None = None, kq: bool = False) -> Selection:
     """Exact top-k through a half-precision scan: no fp32 copy of the keys is ever made.
 
     1. scores in the keys' dtype with one batched matmul over the memory map (fp32 accumulation);
@@ -214,6 +215,7 @@ def _half_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, st
         stats: the strategy's StrategyStats (counts fp32 rescans).
         buffers: reusable score buffers keyed by shape (no 8-64 MiB allocation per layer and step).
         pool: when given, the half-precision scores are computed by `_scan_blocks` on it.
+        kq: compute them as keys @ qᵀ (keys the tall operand, (Hkv, N, Q)) and transpose the scores.
     """
     hkv, n, d = keys.shape
     Q, M = q.shape[1], hi - lo
@@ -226,6 +228,12 @@ def _half_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, st
             approx = buffers[(hkv, Q, n, keys.dtype)] = torch.empty((hkv, Q, n), dtype=keys.dtype)
         if pool is not None:
             _scan_blocks(q.to(keys.dtype), keys, approx, pool)
+        elif kq:
+            tall = buffers.get(("kq", hkv, Q, n, keys.dtype))
+            if tall is None:
+                tall = buffers[("kq", hkv, Q, n, keys.dtype)] = torch.empty((hkv, n, Q), dtype=keys.dtype)
+            torch.bmm(keys, q.to(keys.dtype).transpose(1, 2), out=tall)     # (Hkv, N, Q) half
+            approx.copy_(tall.transpose(1, 2))
         else:
             torch.bmm(q.to(keys.dtype), keys.transpose(1, 2), out=approx)  # (Hkv, Q, N) half
     else:

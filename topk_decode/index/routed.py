@@ -36,10 +36,10 @@ from topk_decode.store.format import as_torch, dtype_name, numpy_storage
 
 # Every query must find at least k candidates: read at least this many keys per k.
 _MIN_READ_PER_K = 2
-# Routing is ~20 ops on a few thousand elements each: on a many-core host the fork/join of a parallel
-# region costs more than the work (as for the context part, decode/context.py), so it runs on this many
-# threads (None: all); the scan that follows uses all of them.
-_SMALL_OP_THREADS: int | None = 1
+# Threads of the routing ops (None: all). One thread was tried (its ~20 ops are small, as the context
+# part's, decode/context.py) and lost on the 16-core host: re-waking the pool for the scan after it
+# costs more, and the centroid product is not small at 1M (docs/BENCHMARKS.md).
+_SMALL_OP_THREADS: int | None = None
 
 
 def _fraction(options: dict, key: str, default: float) -> float:
@@ -141,6 +141,15 @@ class RoutedStrategy(SelectionStrategy):
         self._spread = [(lay.spread * (0.5 * self.scale ** 2)).unsqueeze(1) for lay in self.layouts]
         self._sizes = [lay.sizes for lay in self.layouts]
         self._starts = [lay.offsets[:, :-1] + self._row_base for lay in self.layouts]   # (Hkv, C) flat rows
+        # Per layout row, whether its position is outside [lo, hi) (sinks, tail): one gather per step
+        # instead of two compares of the positions. Padding reads such a row of its head when there is one
+        # (then the flag alone masks padding too), else the head's first row, masked by `valid`.
+        self._outside = [((lay.pos < self.lo) | (lay.pos >= self.hi)).reshape(-1) for lay in self.layouts]
+        self._pad_rows = []
+        for lay, out in zip(self.layouts, self._outside):
+            has = out.view(hkv, n).any(1)
+            first = out.view(hkv, n).to(torch.uint8).argmax(1)                  # first outside row per head
+            self._pad_rows.append((self._row_base[:, 0] + first).view(hkv, 1) if bool(has.all()) else None)
         self.stats.extra.update(keys_read=0, keys_searchable=0)
 
     def _load(self, built: dict) -> list[LayerLayout]:
@@ -171,7 +180,8 @@ class RoutedStrategy(SelectionStrategy):
         Args:
             layer: layer index; q: (Hkv, Q, D) float32 queries; budget: keys to read per head (at least).
         Returns:
-            rows (Hkv, Mmax) int64 and valid (Hkv, Mmax) bool (False on padding).
+            rows (Hkv, Mmax) int64, and valid (Hkv, Mmax) bool (False on padding) or None when every
+            padding row is a sink/tail row (masked with them).
         """
         sizes_all = self._sizes[layer]
         hkv, C = sizes_all.shape
@@ -203,11 +213,12 @@ class RoutedStrategy(SelectionStrategy):
         run_start = (cum - lens).gather(1, run)
         rows = starts.gather(1, run) + (r - run_start)
         valid = r < per_head[:, None]
-        rows = torch.where(valid, rows, self._row_base)
+        pad = self._pad_rows[layer]
+        rows = torch.where(valid, rows, self._row_base if pad is None else pad)
         total = int(per_head.sum())
         self.stats.extra["keys_read"] += total
         self.stats.extra["keys_searchable"] += hkv * self.n_searchable
-        return rows, valid
+        return rows, (valid if pad is None else None)
 
     def select(self, layer: int, q: torch.Tensor, k: int, state: Any = None) -> Selection:
         M = self.n_searchable
@@ -229,7 +240,9 @@ class RoutedStrategy(SelectionStrategy):
         k_low, k32, scores = self._buffers(hkv * m_max, Q, D, lay.keys.dtype)
         torch.index_select(lay.keys.reshape(-1, D), 0, rows.view(-1), out=k_low)   # (Hkv·Mmax, D) contiguous runs
         pos = lay.pos.reshape(-1).index_select(0, rows.view(-1)).view(hkv, m_max)
-        bad = ~valid | (pos < self.lo) | (pos >= self.hi)                        # padding, sinks, tail
+        bad = self._outside[layer].index_select(0, rows.view(-1)).view(hkv, m_max)   # sinks, tail (and padding)
+        if valid is not None:
+            bad |= ~valid
         if k32 is not k_low:
             k32.copy_(k_low)                                                    # exact upcast, into a reused buffer
         torch.bmm(q, k32.view(hkv, m_max, D).transpose(1, 2), out=scores)       # (Hkv, Q, Mmax) exact fp32
