@@ -34,7 +34,7 @@ if [ "$phase" = 2 ] || [ "$phase" = all ]; then
       --out "$OUT" 2>&1 | tee "$OUT/log_llama1b.txt"; snap
 fi
 if [ "$phase" = scan ]; then
-  $PY scripts/scan_bandwidth.py --n 131072 --kv-heads 8 --group 4 --k 1024 --probe-fraction 0.04 0.02 --profile \
+  $PY scripts/scan_bandwidth.py --n 131072 --kv-heads 8 --group 4 --k 1024 --probe-fraction 0.04 0.02 --profile --layers 32 \
       --out "$OUT/scan_bandwidth.jsonl" 2>&1 | tee "$OUT/log_scan.txt"; snap
 fi
 if [ "$phase" = scan1m ]; then

@@ -100,6 +100,8 @@ def main() -> None:
     ap.add_argument("--dram-gib", type=float, default=4.0)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--skip", nargs="*", default=[], help="any of dram flat variants routed")
+    ap.add_argument("--layers", type=int, default=1, help="with > 1: also time routed and flat over every layer per "
+                    "step (each layer's data cold, as in decoding) on a synthetic cache of this many layers")
     ap.add_argument("--profile", action="store_true", help="print a torch profile of routed select (stderr)")
     ap.add_argument("--out", default=None, help="append the JSON lines here too")
     a = ap.parse_args()
@@ -183,7 +185,19 @@ def main() -> None:
                     for q in qs:
                         routed.select(0, q, a.k)
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18), file=sys.stderr)
-        routed_mod._SMALL_OP_THREADS = 1
+        routed_mod._SMALL_OP_THREADS = None
+    if a.layers > 1:
+        del ckv, flat
+        ckv = synthetic_kv(a.layers, a.kv_heads, a.head_dim, a.n, torch.bfloat16, 0)
+        for name, strat in (("routed", RoutedStrategy(ckv, lo, hi, {"cluster_size": a.cluster_size,
+                                                                    "probe_fraction": a.probe_fraction[0]})),
+                            ("flat", FlatStrategy(ckv, lo, hi, {}))):
+            strat.prepare()
+            ms = _timed(lambda: [strat.select(layer, qs[layer % len(qs)], a.k) for layer in range(a.layers)],
+                        max(3, a.reps // 2))
+            emit({"what": f"{name}_all_layers", "layers": a.layers, "ms_per_step": round(ms, 2),
+                  "ms_per_layer": round(ms / a.layers, 3)})
+            del strat
 
 if __name__ == "__main__":
     main()
