@@ -37,6 +37,10 @@ if [ "$phase" = scan ]; then
   $PY scripts/scan_bandwidth.py --n 131072 --kv-heads 8 --group 4 --k 1024 --probe-fraction 0.04 0.02 --profile --layers 32 \
       --out "$OUT/scan_bandwidth.jsonl" 2>&1 | tee "$OUT/log_scan.txt"; snap
 fi
+if [ "$phase" = scan32 ]; then   # routed with clusters of 32 (finer routing, twice the centroids)
+  $PY scripts/scan_bandwidth.py --n 131072 --kv-heads 8 --group 4 --k 1024 --probe-fraction 0.04 --cluster-size 32 \
+      --skip dram flat variants --out "$OUT/scan_bandwidth.jsonl" 2>&1 | tee "$OUT/log_scan32.txt"; snap
+fi
 if [ "$phase" = scan1m ]; then
   $PY scripts/scan_bandwidth.py --n 1048576 --kv-heads 4 --group 7 --k 1024 --probe-fraction 0.02 --skip dram variants \
       --out "$OUT/scan_bandwidth.jsonl" 2>&1 | tee "$OUT/log_scan1m.txt"; snap
