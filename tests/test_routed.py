@@ -84,9 +84,10 @@ def test_routed_reads_the_probe_fraction_and_returns_exact_scores_inside_the_ran
     assert 0.1 <= read < 0.1 + 2 * 32 * 4 / (hi - lo)   # the budget plus at most the last cluster's overshoot
 
 
-def test_routed_finds_most_of_the_exact_top_k_on_clustered_keys(clustered_cache):
+@pytest.mark.parametrize("spread", [False, True])
+def test_routed_finds_most_of_the_exact_top_k_on_clustered_keys(clustered_cache, spread):
     # 4 queries per KV head, each of whose top-32 sits in one or two of the 40 groups of ~75 keys: 20 % covers them
-    routed = _open(clustered_cache, "routed", {"cluster_size": 32, "probe_fraction": 0.2})
+    routed = _open(clustered_cache, "routed", {"cluster_size": 32, "probe_fraction": 0.2, "spread": spread})
     flat = _open(clustered_cache, "flat")
     q = _queries(seed=3)
     a, b = routed.select(1, q, 32).ids, flat.select(1, q, 32).ids

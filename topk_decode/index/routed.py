@@ -5,9 +5,10 @@ are clustered into clusters of ~`cluster_size` tokens and stored cluster-contigu
 Per step and layer, for each KV head:
 
 1. routing (CPU): each of its G·T queries estimates the share of its attention mass in every cluster c
-   from the cluster's centroid μ_c, size n_c and spread σ_c² (mean squared distance per dimension):
-   log m_c ≈ log n_c + s·q·μ_c + s²·|q|²·σ_c²/2 (the log-mean-exp of s·q·k for keys spread isotropically
-   around μ_c; s = 1/√D), normalised over the clusters. A cluster's priority for the head is the largest
+   from the cluster's centroid μ_c and size n_c: log m_c ≈ log n_c + s·q·μ_c (s = 1/√D), normalised over
+   the clusters; with `spread=true` also + s²·|q|²·σ_c²/2 (σ_c² the mean squared distance to μ_c per
+   dimension: the log-mean-exp of s·q·k for keys spread isotropically around μ_c; not better on real keys,
+   so off by default, docs/STRATEGIES.md). A cluster's priority for the head is the largest
    share any of its queries gives it (the union over the G query heads);
 2. the clusters are taken by priority until `probe_fraction` of the head's keys (at least 2·k) are read;
 3. their keys (contiguous runs) are scanned exactly in fp32, and every query takes its exact top-k among
@@ -57,20 +58,22 @@ class RoutedStrategy(SelectionStrategy):
     """Clustered keys, mass-estimate routing, exact top-k over the routed clusters.
 
     Build options (recorded in done.json; a different value rebuilds):
-        cluster_size: target tokens per cluster (default 64).
+        cluster_size: target tokens per cluster (default 32: on real keys 16 routes better and 64 worse at
+            the same keys read, while the centroids routing reads every step grow as 1/S; docs/STRATEGIES.md).
         iters: Lloyd iterations of k-means (default 6; on a CPU also bounded by time, cluster.py).
         store_values: also store the values cluster-contiguously (default True; not read by the
             context part yet).
     Search options:
         probe_fraction: share of a KV head's searchable keys read per step (default 0.04, so that
             with the last cluster's overshoot at most ~5 % are read).
-        spread: include the clusters' spread in the mass estimate (default True).
+        spread: include the clusters' spread in the mass estimate (default False: neutral to slightly
+            worse on real keys, docs/STRATEGIES.md).
     """
 
     name = "routed"
     keeps_query = False
-    BUILD_DEFAULTS = {"cluster_size": 64, "iters": 6, "store_values": True}
-    SEARCH_DEFAULTS = {"probe_fraction": 0.04, "spread": True}
+    BUILD_DEFAULTS = {"cluster_size": 32, "iters": 6, "store_values": True}
+    SEARCH_DEFAULTS = {"probe_fraction": 0.04, "spread": False}
 
     # ---- options / build -------------------------------------------------------------------------
     @classmethod
