@@ -183,3 +183,16 @@ def test_flat_scan_kernels_equal_the_batched_scan_under_inference_mode(clustered
     with torch.inference_mode():     # the decoder's mode: the worker threads must write its buffers
         a, b = bmm.select(0, q, 20), other.select(0, q, 20)
     assert torch.equal(a.ids.sort(-1).values, b.ids.sort(-1).values)
+
+
+def test_prefill_builds_the_layout_and_open_reuses_it(tmp_path, clustered_cache):
+    from topk_decode.index import prepare_artifacts
+
+    cache = tmp_path / "cache"
+    shutil.copytree(clustered_cache, cache)
+    shutil.rmtree(artifact_dir(cache, "routed"), ignore_errors=True)
+    prepare_artifacts(open_cache(cache), ["routed"], {"cluster_size": 24, "nlist": 7})   # other strategies' options ignored
+    done = artifact_dir(cache, "routed") / "done.json"
+    stamp = done.stat().st_mtime_ns
+    strat = _open(cache, "routed")
+    assert done.stat().st_mtime_ns == stamp and strat.layouts[0].offsets.shape[1] == -(-3000 // 24) + 1
