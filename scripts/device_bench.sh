@@ -4,6 +4,8 @@
 #   bash scripts/device_bench.sh 2    # 512K / 1M: Llama-3-8B and Qwen2.5-7B on synthetic KV; Llama-3.2-1B 32K/128K
 #   bash scripts/device_bench.sh all  # 1 then 2
 #   bash scripts/device_bench.sh nographs  # Llama-3-8B top-k rows without CUDA graphs (the comparison)
+#   bash scripts/device_bench.sh scan      # DRAM floor vs flat / routed scan per layer (Llama-3-8B at 128K, Qwen2.5-7B at 1M)
+#   bash scripts/device_bench.sh routed    # flat and routed side by side: Llama-3-8B 128K (prefill KV), Qwen2.5-7B 1M (synthetic)
 # Results (JSON, PNG, logs) go to $RES (default ./bench-results); with SNAP=file.tgz the folder is also
 # archived there after every step (a run cut short keeps what it measured). Needs faiss-cpu, typer, rich.
 set -o pipefail
@@ -30,6 +32,31 @@ if [ "$phase" = 2 ] || [ "$phase" = all ]; then
       --no-offload-prefill --out "$OUT/long" 2>&1 | tee "$OUT/log_llama8b_long.txt"; snap
   $PY -m topk_decode bench --model llama-3.2-1b --context 32K,128K --gpu-memory "$budget" --k 1024 --steps 16 \
       --out "$OUT" 2>&1 | tee "$OUT/log_llama1b.txt"; snap
+fi
+if [ "$phase" = scan ]; then
+  $PY scripts/scan_bandwidth.py --n 131072 --kv-heads 8 --group 4 --k 1024 --probe-fraction 0.04 0.02 --profile --layers 32 \
+      --out "$OUT/scan_bandwidth.jsonl" 2>&1 | tee "$OUT/log_scan.txt"; snap
+fi
+if [ "$phase" = scan32 ]; then   # routed with clusters of 32 (finer routing, twice the centroids)
+  $PY scripts/scan_bandwidth.py --n 131072 --kv-heads 8 --group 4 --k 1024 --probe-fraction 0.04 --cluster-size 32 \
+      --skip dram flat variants --out "$OUT/scan_bandwidth.jsonl" 2>&1 | tee "$OUT/log_scan32.txt"; snap
+fi
+if [ "$phase" = scan1m ]; then
+  $PY scripts/scan_bandwidth.py --n 1048576 --kv-heads 4 --group 7 --k 1024 --probe-fraction 0.02 --skip dram variants \
+      --out "$OUT/scan_bandwidth.jsonl" 2>&1 | tee "$OUT/log_scan1m.txt"; snap
+fi
+# Through run_bench directly (no CLI): the same as `topk bench --strategy flat,routed --systems topk ...`.
+bench() {  # model contexts strategies steps extra-python-kwargs
+  $PY -c "from topk_decode.bench.run import BenchConfig, run_bench
+run_bench(BenchConfig(model='$1', contexts=[$2], systems=['topk'], strategy='$3', steps=$4, warmup=2,
+                      gpu_memory=int('${budget%GiB}') << 30, offload_prefill=False, out='$OUT/routed', $5))"
+}
+if [ "$phase" = routed ]; then
+  bench llama-3-8b 131072 flat,routed 8 "" 2>&1 | tee "$OUT/log_routed_llama8b.txt"; snap
+fi
+if [ "$phase" = routed1m ]; then
+  bench qwen2.5-7b 1048576 routed 8 "strategy_options={'probe_fraction': 0.02, 'store_values': False}" \
+      2>&1 | tee "$OUT/log_routed_qwen7b.txt"; snap
 fi
 if [ "$phase" = nographs ]; then
   $PY -m topk_decode bench --model llama-3-8b --context 32K,128K --systems topk --no-graphs --no-offload-prefill \

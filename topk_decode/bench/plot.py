@@ -23,9 +23,14 @@ def plot_results(data: dict, out: str | Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     rows = data["rows"]
-    for i, (system, label) in enumerate(_LABELS.items()):
-        ok = sorted((r["context"], r["tokens_per_s"]) for r in rows if r["system"] == system and r["status"] == "ok")
-        missing = sorted(r["context"] for r in rows if r["system"] == system and r["status"] != "ok")
+    # one line per top-k strategy (rows of older files carry no strategy: flat)
+    names = sorted({r.get("strategy", "flat") for r in rows if r["system"] == "topk"}) or ["flat"]
+    labels = {(s, None): l for s, l in _LABELS.items() if s != "topk"}
+    labels = {**{("topk", n): _LABELS["topk"] if n == "flat" else f"top-k {n}, GPU budget" for n in names}, **labels}
+    for i, ((system, strat), label) in enumerate(labels.items()):
+        mine = [r for r in rows if r["system"] == system and (strat is None or r.get("strategy", "flat") == strat)]
+        ok = sorted((r["context"], r["tokens_per_s"]) for r in mine if r["status"] == "ok")
+        missing = sorted(r["context"] for r in mine if r["status"] != "ok")
         if ok:
             (line,) = ax.plot([c for c, _ in ok], [t for _, t in ok], marker="o", label=label)
             color = line.get_color()

@@ -3,7 +3,8 @@
 Per context length N, in this order (so that the most important rows land first):
 1. our layer-wise prefill of N random tokens (weights resident), whose KV the decode then uses
    (`kv: prefill`); above `prefill_max` the KV is synthetic instead (`kv: synthetic`, see synthetic.py);
-2. top-k decoding (flat, exact) under the GPU budget, with the per-step breakdown;
+2. top-k decoding (`strategy`: flat, exact, by default; or e.g. routed) under the GPU budget, with the
+   per-step breakdown and the share of the searchable keys the search read per step;
 3. HF dense `DynamicCache` and HF `DynamicCache(offloading=True)`: prefill + decode, where they fit
    (estimated before trying; OOM caught) — they run without the budget, and each row says whether its
    peak would have fit it;
@@ -43,7 +44,10 @@ class BenchConfig:
         model: a named shape (llama-3-8b, qwen2.5-7b, llama-3.2-1b, tiny) or a checkpoint directory.
         contexts: context lengths N in tokens.
         systems: any of "topk", "hf-dense", "hf-offload".
-        k: retrieved tokens per query head and layer (flat, exact).
+        k: retrieved tokens per query head and layer.
+        strategy: the selection strategy of the top-k rows (flat: exact; routed: clustered, reads a share);
+            comma-separated names ("flat,routed") decode over the same context KV one after the other.
+        strategy_options: options of the non-flat strategies (e.g. {"probe_fraction": 0.02}).
         backend: flat search backend ("torch" scans the memory map; "faiss" builds indices).
         steps, warmup: timed and untimed decode steps per row (HF offloaded: `hf_offload_steps`).
         hf_offload_steps: timed steps of the (slow) offloaded baseline.
@@ -64,6 +68,8 @@ class BenchConfig:
     contexts: list[int] = field(default_factory=lambda: [32768, 131072])
     systems: list[str] = field(default_factory=lambda: list(SYSTEMS))
     k: int = 1024
+    strategy: str = "flat"
+    strategy_options: dict = field(default_factory=dict)
     backend: str = "torch"
     steps: int = 16
     warmup: int = 3
@@ -90,6 +96,10 @@ class BenchConfig:
             raise TopkError(f"--kv must be auto, prefill or synthetic, got {self.kv!r}")
         if not self.contexts or min(self.contexts) < 128:
             raise TopkError("context lengths must be at least 128 tokens")
+        from topk_decode.index import get_strategy
+
+        for name in strategies(self):
+            get_strategy(name)   # unknown names fail here, before any model is built
         if self.k <= 0 or self.steps <= 0 or self.warmup < 0:
             raise TopkError("k and steps must be positive, warmup ≥ 0")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -172,11 +182,19 @@ def _prefill(model, tokens: list[int], chunk: int, offload: bool, device: torch.
     return ckv, stats
 
 
+def strategies(cfg: BenchConfig) -> list[str]:
+    """The strategy names of the top-k rows, in order."""
+    return [s.strip() for s in cfg.strategy.split(",") if s.strip()]
+
+
 @torch.inference_mode()
-def _topk_decode(model, ckv, cfg: BenchConfig, device: torch.device) -> dict:
-    """Greedy top-k decoding over `ckv`: tokens/s and the per-step breakdown."""
-    config = DecodeConfig(k=cfg.k, strategy="flat", strategy_options={"backend": cfg.backend}, compile=cfg.compile)
+def _topk_decode(model, ckv, cfg: BenchConfig, device: torch.device, strategy: str = "flat") -> dict:
+    """Greedy top-k decoding over `ckv` with one strategy: tokens/s and the per-step breakdown."""
+    options = {"backend": cfg.backend} if strategy == "flat" else dict(cfg.strategy_options)
+    config = DecodeConfig(k=cfg.k, strategy=strategy, strategy_options=options, compile=cfg.compile)
+    t_open = time.perf_counter()
     decoder = TopKDecoder(model, ckv, config, graphs=cfg.graphs and device.type == "cuda")
+    open_s = time.perf_counter() - t_open      # includes building the strategy's layout (routed: k-means)
     conv = decoder.new_conversation()
     t_first = time.perf_counter()
     logits = decoder.forward([5], conv)          # the first one-token step captures (and compiles) the graphs
@@ -184,15 +202,21 @@ def _topk_decode(model, ckv, cfg: BenchConfig, device: torch.device) -> dict:
     for _ in range(cfg.warmup):
         logits = decoder.forward([int(torch.argmax(logits))], conv)
     conv.stats = type(conv.stats)()
+    extra = decoder.strategy.stats.extra
+    read0, total0 = extra.get("keys_read", 0), extra.get("keys_searchable", 0)
     t0 = time.perf_counter()
     for _ in range(cfg.steps):
         logits = decoder.forward([int(torch.argmax(logits))], conv)
     wall = time.perf_counter() - t0
+    read, total = extra.get("keys_read", 0) - read0, extra.get("keys_searchable", 0) - total0
+    # flat reads every searchable key; strategies that read a share count what they read
+    keys_read_pct = 100.0 if strategy == "flat" else (round(100 * read / total, 2) if total else None)
     s = conv.stats.summary()
     rss, hwm = cpu_rss()
     breakdown = {k: round(s[k], 2) for k in ("gpu_ms", "d2h_ms", "search_ms", "gather_ms", "h2d_ms")}
     return {"tokens_per_s": cfg.steps / wall, "ms_per_step": 1e3 * wall / cfg.steps, "breakdown": breakdown,
-            "steps": cfg.steps, "k": cfg.k, "backend": cfg.backend,
+            "steps": cfg.steps, "k": cfg.k, "strategy_options": options,
+            "keys_read_pct": keys_read_pct, "open_s": round(open_s, 1),
             "cuda_graphs": decoder._segments is not None and decoder._segments.graphs is not None,
             "compiled": decoder._segments is not None and decoder._segments.compiled,
             "first_step_s": round(first_step_s, 2),
@@ -285,8 +309,10 @@ def _run_topk(rec, model, shape, tokens, kv, real, cfg, device, dtype, budget) -
         rec.data.setdefault("synthetic_build_s", {})[str(n)] = round(time.perf_counter() - t, 1)
     release(device)
     set_gpu_budget(device, budget)
-    _try(rec, "topk", n, lambda: _topk_decode(model, ckv, cfg, device), device,
-         kv="prefill" if real else "synthetic", kv_gib=_gib(kv), gpu_budget_gib=_gib(budget))
+    for name in strategies(cfg):
+        _try(rec, "topk", n, lambda: _topk_decode(model, ckv, cfg, device, name), device,
+             kv="prefill" if real else "synthetic", kv_gib=_gib(kv), gpu_budget_gib=_gib(budget), strategy=name)
+        release(device)
     set_gpu_budget(device, None)
     del ckv
     release(device)

@@ -13,7 +13,9 @@ def bench_command(
     model: Annotated[str, typer.Option("--model", "-m", help="Named shape with random weights (llama-3-8b, qwen2.5-7b, llama-3.2-1b, tiny) or a checkpoint directory / GGUF file.")] = "llama-3-8b",
     context: Annotated[str, typer.Option("--context", "-c", help="Comma-separated context lengths, e.g. 32K,128K,512K,1M.")] = "32K,128K",
     systems: Annotated[str, typer.Option("--systems", help="Comma-separated: topk, hf-dense, hf-offload.")] = "topk,hf-dense,hf-offload",
-    k: Annotated[int, typer.Option("--k", help="Retrieved tokens per query head and layer (flat, exact).")] = 1024,
+    k: Annotated[int, typer.Option("--k", help="Retrieved tokens per query head and layer.")] = 1024,
+    strategy: Annotated[str, typer.Option("--strategy", help="Selection strategy of the top-k rows: flat (exact) or e.g. routed.")] = "flat",
+    opt: Annotated[Optional[list[str]], typer.Option("--opt", help="Strategy option key=value, e.g. probe_fraction=0.02 (repeatable).")] = None,
     backend: Annotated[str, typer.Option("--backend", help="Flat search backend: torch or faiss.")] = "torch",
     steps: Annotated[int, typer.Option("--steps", help="Timed decode steps per row.")] = 16,
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed decode steps before timing.")] = 3,
@@ -33,13 +35,15 @@ def bench_command(
     """Measure decode tokens/s (with a per-step breakdown), peak GPU memory and CPU RSS of top-k decoding
     beside HF transformers dense and offloaded decoding, at several context lengths."""
     from topk_decode.bench.measure import parse_bytes, parse_tokens
+    from topk_decode.cli.common import parse_options
     from topk_decode.bench.run import BenchConfig, run_bench, smoke_config
 
     if smoke:
         cfg = smoke_config(out)
     else:
         cfg = BenchConfig(model=model, contexts=[parse_tokens(c) for c in context.split(",") if c.strip()],
-                          systems=[s.strip() for s in systems.split(",") if s.strip()], k=k, backend=backend,
+                          systems=[s.strip() for s in systems.split(",") if s.strip()], k=k, strategy=strategy,
+                          strategy_options=parse_options(opt), backend=backend,
                           steps=steps, warmup=warmup, gpu_memory=parse_bytes(gpu_memory) if gpu_memory else None,
                           kv=kv, prefill_max=parse_tokens(prefill_max), hf_max=parse_tokens(hf_max),
                           prefill_chunk=prefill_chunk, offload_prefill=offload_prefill, graphs=graphs, compile=compile, device=device, dtype=dtype,
@@ -56,7 +60,7 @@ def _print_table(data: dict) -> None:
     from rich.table import Table
 
     t = Table(title=f"topk bench — {data['model']['name']}")
-    for col in ("system", "context", "kv", "tok/s", "ms/step", "prefill tok/s", "peak GPU GiB", "RSS GiB", "status"):
+    for col in ("system", "context", "kv", "tok/s", "ms/step", "prefill tok/s", "keys read %", "peak GPU GiB", "RSS GiB", "status"):
         t.add_column(col)
     fmt = lambda v, f="{:,.2f}": "" if v is None else f.format(v)  # noqa: E731
     for r in data["rows"]:
@@ -64,5 +68,6 @@ def _print_table(data: dict) -> None:
         t.add_row(r["system"], f"{r['context']:,}", r.get("kv") or "", fmt(r.get("tokens_per_s")) if decode else "",
                   fmt(r.get("ms_per_step"), "{:,.1f}"),
                   fmt(r.get("tokens_per_s") if not decode else r.get("prefill_tokens_per_s"), "{:,.0f}"),
+                  fmt(r.get("keys_read_pct"), "{:,.1f}"),
                   fmt(r.get("peak_gpu_gib")), fmt(r.get("cpu_rss_gib")), r["status"])
     console().print(t)

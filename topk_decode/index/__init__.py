@@ -9,6 +9,7 @@ from topk_decode.index.ann import HnswStrategy, IvfStrategy
 from topk_decode.index.quest import QuestStrategy
 from topk_decode.index.tokenselect import TokenSelectStrategy
 from topk_decode.index.duo import DuoStrategy
+from topk_decode.index.routed import RoutedStrategy
 
 STRATEGIES: dict[str, type[SelectionStrategy]] = {
     FlatStrategy.name: FlatStrategy,
@@ -17,6 +18,7 @@ STRATEGIES: dict[str, type[SelectionStrategy]] = {
     QuestStrategy.name: QuestStrategy,
     TokenSelectStrategy.name: TokenSelectStrategy,
     DuoStrategy.name: DuoStrategy,
+    RoutedStrategy.name: RoutedStrategy,
 }
 
 

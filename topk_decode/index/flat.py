@@ -2,18 +2,18 @@
 
 The keys are added in the precision they were stored in (fp32 → IndexFlatIP; fp16 / bf16 →
 IndexScalarQuantizer QT_fp16 / QT_bf16, which decodes them exactly), so the returned scores are the
-exact fp32 inner products of the stored keys: recall 1.0 by construction. The `torch` backend scans
-the memory-mapped keys directly (no second copy of the keys in RAM): all KV heads in one batched
-matmul, in the keys' own half precision, followed by an exact fp32 rescoring of the candidates with a
-certificate that the result is the exact top-k (see `_half_scan`). It is the faster backend on a
-16-core host (docs/BENCHMARKS.md).
+exact fp32 inner products of the stored keys: recall 1.0 by construction. The `torch` backend (the
+default) scans the memory-mapped keys directly (no second copy of the keys in RAM, nothing built at
+open): all KV heads in one batched matmul, in the keys' own half precision, followed by an exact fp32
+rescoring of the candidates with a certificate that the result is the exact top-k (see `_half_scan`).
+It is the faster backend on a 16-core host (docs/BENCHMARKS.md); `backend=faiss` stays available.
+Faiss is imported only when the faiss backend is used.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-import faiss
 import numpy as np
 import torch
 
@@ -21,19 +21,27 @@ from topk_decode.index.base import Selection, SelectionStrategy
 from topk_decode.index.select_topk import topk_by_threshold
 from topk_decode.index.threads import HeadPool, default_threads
 
+# The torch scan reads the memory map in place and is the faster backend (docs/BENCHMARKS.md).
+DEFAULT_BACKEND = "torch"
+# Scoring kernel of the torch backend: on the 16-core GPU host one batched matmul reads the keys at
+# ~60 % of the DRAM bandwidth and the threaded blocks at ~17 % (scripts/scan_bandwidth.py, docs/BENCHMARKS.md).
+DEFAULT_SCAN = "bmm"
+_SCAN_BLOCK = 1 << 14   # keys per task: 4 MiB of bf16 keys at D=128, a (Q, block) output that stays in cache
 _SQ_TYPES = {torch.float16: "QT_fp16", torch.bfloat16: "QT_bf16"}
 _TORCH_BLOCK = 1 << 16  # keys per matmul block: bounds the fp32 temporary to ~32 MiB per head at D=128
 
 
-def new_flat_index(d: int, dtype: torch.dtype) -> faiss.Index:
+def new_flat_index(d: int, dtype: torch.dtype) -> "faiss.Index":
     """An exact inner-product index that stores vectors in `dtype`'s precision."""
+    import faiss
+
     if dtype in _SQ_TYPES:
         qtype = getattr(faiss.ScalarQuantizer, _SQ_TYPES[dtype])
         return faiss.IndexScalarQuantizer(d, qtype, faiss.METRIC_INNER_PRODUCT)
     return faiss.IndexFlatIP(d)
 
 
-def add_in_blocks(index: faiss.Index, keys: torch.Tensor, block: int = 1 << 18) -> None:
+def add_in_blocks(index: "faiss.Index", keys: torch.Tensor, block: int = 1 << 18) -> None:
     """Add (M, D) keys to a Faiss index as fp32 blocks (bounded temporary memory)."""
     for s in range(0, keys.shape[0], block):
         index.add(np.ascontiguousarray(keys[s:s + block].float().numpy()))
@@ -43,26 +51,34 @@ class FlatStrategy(SelectionStrategy):
     """Exact top-k per query head.
 
     Options:
-        backend: "faiss" (default) or "torch".
+        backend: "torch" (default: zero-copy scan of the memory map) or "faiss" (indices copied into RAM at open).
         threads: parallel head searches (default: CPU cores).
+        scan: torch backend's scoring kernel: "bmm" (default: one batched matmul q·Kᵀ), "kq" (K·qᵀ, the
+            keys as the tall operand, then a transpose of the scores) or "blocks" (threads over (head,
+            block of keys), each a single-threaded bf16 matmul over a cache-sized block).
     """
 
     name = "flat"
-    OPTIONS = {"backend": str, "threads": int}
+    OPTIONS = {"backend": str, "threads": int, "scan": str}
     keeps_query = False
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
-        self.backend = self.options.get("backend", "faiss")
+        self.backend = self.options.get("backend", DEFAULT_BACKEND)
         if self.backend not in ("faiss", "torch"):
             from topk_decode.errors import TopkError
 
             raise TopkError(f"unknown flat backend {self.backend!r} (use faiss or torch)")
         self.threads = int(self.options.get("threads") or default_threads())
+        self.scan = self.options.get("scan", DEFAULT_SCAN)
+        if self.scan not in ("blocks", "bmm", "kq"):
+            from topk_decode.errors import TopkError
+
+            raise TopkError(f"unknown flat scan {self.scan!r} (use bmm, kq or blocks)")
         self._buffers: dict = {}
         # Per-head searches in parallel, each single-threaded on the pool's own workers (threads.py);
         # the torch backend's batched scan runs on the caller's thread with all its threads.
         self.pool = HeadPool(self.threads)
-        self.indices: list[list[faiss.Index]] = []
+        self.indices: list = []
         if self.backend != "faiss" or self.n_searchable == 0:
             return
         L, H = self.ckv.n_layers, self.ckv.n_kv_heads
@@ -100,7 +116,9 @@ class FlatStrategy(SelectionStrategy):
         if half and torch.equal(q.to(keys.dtype).float(), q):
             # Reused buffers only for one-token steps (Q = G): prompt chunks vary in length, and a kept
             # (Hkv, Q, N) buffer per length would pile up.
-            return _half_scan(keys, q, k, self.lo, self.hi, self.stats, self._buffers if q.shape[1] <= 64 else None)
+            buffers = self._buffers if q.shape[1] <= 64 else None
+            pool = self.pool if self.scan == "blocks" else None
+            return _half_scan(keys, q, k, self.lo, self.hi, self.stats, buffers, pool, self.scan == "kq")
         scores, ids = _fp32_scan(keys, q, k, self.lo, self.hi)
         return Selection(ids=ids, scores=scores, full=True)
 
@@ -146,8 +164,31 @@ _THRESHOLD_MAX_THREADS = 4
 _HALF_REL_ERR = 2.0 ** -7
 
 
+def _scan_blocks(qh: torch.Tensor, keys: torch.Tensor, out: torch.Tensor, pool: HeadPool) -> None:
+    """out = qh @ keysᵀ per head, computed as (head, block) tasks on `pool`, torch single-threaded in each.
+
+    One batched matmul with Q = 4 query rows is a matrix-vector product: torch's CPU kernel then reads
+    the keys well below the memory bandwidth; independent block tasks keep every core streaming.
+
+    Args:
+        qh: (Hkv, Q, D) queries in the keys' dtype; keys: (Hkv, N, D); out: (Hkv, Q, N) in the keys' dtype.
+        pool: the worker threads.
+    """
+    hkv, n, _ = keys.shape
+    inference = torch.is_inference_mode_enabled()   # worker threads do not inherit it
+
+    def one(task: tuple[int, int]) -> None:
+        h, s = task
+        e = min(s + _SCAN_BLOCK, n)
+        with torch.inference_mode(inference):
+            out[h, :, s:e] = torch.mm(qh[h], keys[h, s:e].t())               # (Q, block)
+
+    # HeadPool's workers run torch on one OpenMP thread each (threads.py): the tasks are the parallelism
+    pool.map(one, [(h, s) for h in range(hkv) for s in range(0, n, _SCAN_BLOCK)])
+
+
 def _half_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, stats,
-               buffers: dict | None = None) -> Selection:
+               buffers: dict | None = None, pool: HeadPool | None = None, kq: bool = False) -> Selection:
     """Exact top-k through a half-precision scan: no fp32 copy of the keys is ever made.
 
     1. scores in the keys' dtype with one batched matmul over the memory map (fp32 accumulation);
@@ -161,6 +202,8 @@ def _half_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, st
         k: results per query; lo, hi: the searchable range.
         stats: the strategy's StrategyStats (counts fp32 rescans).
         buffers: reusable score buffers keyed by shape (no 8-64 MiB allocation per layer and step).
+        pool: when given, the half-precision scores are computed by `_scan_blocks` on it.
+        kq: compute them as keys @ qᵀ (keys the tall operand, (Hkv, N, Q)) and transpose the scores.
     """
     hkv, n, d = keys.shape
     Q, M = q.shape[1], hi - lo
@@ -171,7 +214,16 @@ def _half_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, st
         approx = buffers.get((hkv, Q, n, keys.dtype))
         if approx is None:
             approx = buffers[(hkv, Q, n, keys.dtype)] = torch.empty((hkv, Q, n), dtype=keys.dtype)
-        torch.bmm(q.to(keys.dtype), keys.transpose(1, 2), out=approx)      # (Hkv, Q, N) half
+        if pool is not None:
+            _scan_blocks(q.to(keys.dtype), keys, approx, pool)
+        elif kq:
+            tall = buffers.get(("kq", hkv, Q, n, keys.dtype))
+            if tall is None:
+                tall = buffers[("kq", hkv, Q, n, keys.dtype)] = torch.empty((hkv, n, Q), dtype=keys.dtype)
+            torch.bmm(keys, q.to(keys.dtype).transpose(1, 2), out=tall)     # (Hkv, N, Q) half
+            approx.copy_(tall.transpose(1, 2))
+        else:
+            torch.bmm(q.to(keys.dtype), keys.transpose(1, 2), out=approx)  # (Hkv, Q, N) half
     else:
         approx = torch.bmm(q.to(keys.dtype), keys.transpose(1, 2))
     approx[..., :lo] = float("-inf")

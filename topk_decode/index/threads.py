@@ -17,7 +17,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, TypeVar
 
-import faiss
 import torch
 
 T = TypeVar("T")
@@ -87,7 +86,12 @@ def omp_threads(n: int | None) -> Iterator[None]:
 def _single_threaded_worker() -> None:
     # Faiss parallelises one search over its queries only (G·T of them per head): the pool runs the
     # heads in parallel, so each search stays on one thread. Set on the worker only (see the module doc).
-    faiss.omp_set_num_threads(1)
+    try:
+        import faiss   # optional at import time: the torch scan paths (flat, routed) run without it
+    except ImportError:
+        faiss = None
+    if faiss is not None:
+        faiss.omp_set_num_threads(1)
     if _OMP is not None:
         _OMP.omp_set_num_threads(1)
 

@@ -1,0 +1,203 @@
+"""How close the CPU search gets to the host's memory bandwidth: DRAM read floor, flat scan, routed scan.
+
+On one host, one JSON line per measurement:
+  dram      — GB/s of summing a large fp32 tensor (all threads), the read floor;
+  flat      — ms per layer of FlatStrategy.select (torch backend) over Hkv × N × D bf16 keys, the
+              key bytes / time as GB/s and as % of the dram figure; plus its bmm stage alone and
+              alternative scan kernels for that stage (`scan_variants`);
+  routed    — ms per layer of RoutedStrategy.select, keys read %, GB/s of the keys it read, its
+              routing stage alone, and id recall of flat's exact top-k (random keys cluster poorly:
+              this recall is a floor, not the fidelity on a real model).
+
+Usage (Llama-3-8B shape at 128K, one layer):
+  python scripts/scan_bandwidth.py --n 131072 --kv-heads 8 --group 4 --k 1024 --out scan.jsonl
+Figures: docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's package, not an installed one
+from topk_decode.bench.synthetic import synthetic_kv
+
+
+def _timed(fn, reps: int) -> float:
+    """Median milliseconds of fn() over reps calls, after one warm-up."""
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(1e3 * (time.perf_counter() - t))
+    return sorted(ts)[len(ts) // 2]
+
+
+def dram_bandwidth(gib: float = 4.0, reps: int = 5) -> dict:
+    """Read bandwidth of `x.sum()` over a gib-GiB fp32 tensor (already resident), all torch threads."""
+    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+    ms = _timed(lambda: x.sum(), reps)
+    # the same read split over threads by hand (one chunk each, no reduction tree)
+    n_thr = torch.get_num_threads()
+    chunks = x.chunk(n_thr)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with ThreadPoolExecutor(n_thr) as pool:
+        ms_thr = _timed(lambda: list(pool.map(lambda c: c.sum(), chunks)), reps)
+    torch.set_num_threads(prev)
+    best = min(ms, ms_thr)
+    return {"what": "dram", "gib": gib, "threads": n_thr, "sum_ms": round(ms, 2), "threaded_sum_ms": round(ms_thr, 2),
+            "gb_s": round(x.numel() * 4 / best / 1e6, 1)}
+
+
+def scan_variants(keys: torch.Tensor, q: torch.Tensor, reps: int) -> dict:
+    """ms of the half-precision scoring stage (q·k for all keys, no top-k) by several kernels.
+
+    bmm: one batched (Hkv, Q, D) × (Hkv, D, N) matmul (what flat runs today);
+    mm_kq: per head (N, D) × (D, Q), keys as the tall operand;
+    blocks_T: threads over (head, block of 16K keys), torch single-threaded inside each block.
+    """
+    hkv, n, d = keys.shape
+    qb = q.to(keys.dtype)
+    out = torch.empty((hkv, q.shape[1], n), dtype=keys.dtype)
+    out_t = torch.empty((hkv, n, q.shape[1]), dtype=keys.dtype)
+    res = {"bmm_ms": _timed(lambda: torch.bmm(qb, keys.transpose(1, 2), out=out), reps)}
+    qt = qb.transpose(1, 2).contiguous()                                       # (Hkv, D, Q)
+    res["mm_kq_ms"] = _timed(lambda: [torch.mm(keys[h], qt[h], out=out_t[h]) for h in range(hkv)], reps)
+    res["bmm_kq_ms"] = _timed(lambda: torch.bmm(keys, qt, out=out_t), reps)
+    block = 1 << 14
+    tasks = [(h, s) for h in range(hkv) for s in range(0, n, block)]
+    n_thr = torch.get_num_threads()
+
+    def one(t):
+        h, s = t
+        torch.mm(keys[h, s:s + block], qt[h], out=out_t[h, s:s + block])
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with ThreadPoolExecutor(n_thr) as pool:
+        res["blocks_threads_ms"] = _timed(lambda: list(pool.map(one, tasks)), reps)
+    torch.set_num_threads(prev)
+    return {k: round(v, 3) for k, v in res.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=131072, help="keys per head (context length)")
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--group", type=int, default=4, help="query heads per KV head")
+    ap.add_argument("--k", type=int, default=1024)
+    ap.add_argument("--probe-fraction", type=float, nargs="+", default=[0.04], help="routed budgets to time")
+    ap.add_argument("--cluster-size", type=int, default=64)
+    ap.add_argument("--dram-gib", type=float, default=4.0)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--skip", nargs="*", default=[], help="any of dram flat variants routed")
+    ap.add_argument("--layers", type=int, default=1, help="with > 1: also time routed and flat over every layer per "
+                    "step (each layer's data cold, as in decoding) on a synthetic cache of this many layers")
+    ap.add_argument("--profile", action="store_true", help="print a torch profile of routed select (stderr)")
+    ap.add_argument("--out", default=None, help="append the JSON lines here too")
+    a = ap.parse_args()
+    outf = open(a.out, "a") if a.out else None
+
+    def emit(row: dict) -> None:
+        row = {"n": a.n, "kv_heads": a.kv_heads, "head_dim": a.head_dim, "group": a.group, "k": a.k,
+               "threads": torch.get_num_threads(), **row}
+        line = json.dumps(row)
+        print(line, flush=True)
+        if outf:
+            outf.write(line + "\n")
+            outf.flush()
+
+    dram = None
+    if "dram" not in a.skip:
+        r = dram_bandwidth(a.dram_gib)
+        dram = r["gb_s"]
+        emit(r)
+    from topk_decode.index.flat import FlatStrategy
+    from topk_decode.index.routed import RoutedStrategy
+
+    ckv = synthetic_kv(1, a.kv_heads, a.head_dim, a.n, torch.bfloat16, 0)
+    key_bytes = a.kv_heads * a.n * a.head_dim * 2
+    gen = torch.Generator().manual_seed(1)
+    qs = [torch.randn((a.kv_heads, a.group, a.head_dim), generator=gen).bfloat16().float() for _ in range(a.reps + 1)]
+    lo, hi = 4, a.n - 64
+    flat = FlatStrategy(ckv, lo, hi, {})
+    flat.prepare()
+    exact = [flat.select(0, q, a.k).ids for q in qs]
+    pct = (lambda gbs: None if dram is None else round(100 * gbs / dram, 1))
+    if "flat" not in a.skip:
+        for scan in ("bmm", "kq", "blocks"):
+            f = FlatStrategy(ckv, lo, hi, {"scan": scan})
+            f.prepare()
+            it = iter(qs * 2)
+            ms = _timed(lambda: f.select(0, next(it), a.k), a.reps)
+            gbs = key_bytes / ms / 1e6
+            emit({"what": "flat", "backend": f.backend, "scan": scan, "ms_per_layer": round(ms, 2),
+                  "key_gb_s": round(gbs, 1), "pct_of_dram": pct(gbs), "dram_gb_s": dram})
+    if "variants" not in a.skip:
+        v = scan_variants(ckv.keys[0], qs[0], a.reps)
+        emit({"what": "flat_scan_stage", **v,
+              **{k.replace("_ms", "_pct_of_dram"): pct(key_bytes / ms / 1e6) for k, ms in v.items()}})
+    if "routed" not in a.skip:
+        t = time.perf_counter()
+        routed = RoutedStrategy(ckv, lo, hi, {"cluster_size": a.cluster_size})
+        routed.prepare()
+        build_s = time.perf_counter() - t
+        import topk_decode.index.routed as routed_mod
+
+        for pf in a.probe_fraction:
+          for route_threads in (1, None):
+            routed_mod._SMALL_OP_THREADS = route_threads
+            routed.probe_fraction = pf
+            routed.stats.extra.update(keys_read=0, keys_searchable=0)
+            sels = []
+            it = iter(qs * 2)
+            ms = _timed(lambda: sels.append(routed.select(0, next(it), a.k)), a.reps)
+            read = routed.keys_read_fraction()
+            budget = max(int(pf * (hi - lo)), 2 * a.k)
+            it = iter(qs * 2)
+            threads = torch.get_num_threads()
+            torch.set_num_threads(route_threads or threads)
+            route_ms = _timed(lambda: routed.route(0, next(it), budget), a.reps)
+            torch.set_num_threads(threads)
+            rec = []
+            for sel, ids in zip(sels[:len(qs)], exact):
+                for h in range(a.kv_heads):
+                    for i in range(a.group):
+                        rec.append(len(set(sel.ids[h, i].tolist()) & set(ids[h, i].tolist())) / a.k)
+            gbs = read * key_bytes / ms / 1e6
+            emit({"what": "routed", "probe_fraction": pf, "cluster_size": a.cluster_size, "build_s": round(build_s, 1),
+                  "route_threads": route_threads or threads,
+                  "ms_per_layer": round(ms, 3), "route_ms": round(route_ms, 3), "keys_read_pct": round(100 * read, 2),
+                  "read_gb_s": round(gbs, 1), "pct_of_dram": pct(gbs), "id_recall_random_keys": round(sum(rec) / len(rec), 3)})
+            if a.profile and route_threads == 1:
+                from torch.profiler import profile
+
+                with profile() as prof:
+                    for q in qs:
+                        routed.select(0, q, a.k)
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18), file=sys.stderr)
+        routed_mod._SMALL_OP_THREADS = None
+    if a.layers > 1:
+        del ckv, flat
+        ckv = synthetic_kv(a.layers, a.kv_heads, a.head_dim, a.n, torch.bfloat16, 0)
+        for name, strat in (("routed", RoutedStrategy(ckv, lo, hi, {"cluster_size": a.cluster_size,
+                                                                    "probe_fraction": a.probe_fraction[0]})),
+                            ("flat", FlatStrategy(ckv, lo, hi, {}))):
+            strat.prepare()
+            ms = _timed(lambda: [strat.select(layer, qs[layer % len(qs)], a.k) for layer in range(a.layers)],
+                        max(3, a.reps // 2))
+            emit({"what": f"{name}_all_layers", "layers": a.layers, "ms_per_step": round(ms, 2),
+                  "ms_per_layer": round(ms / a.layers, 3)})
+            del strat
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""routed: clustered layout, routing under a keys-read budget, exactness when the budget covers the context."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from topk_decode import KVStore
+from topk_decode.errors import TopkError
+from topk_decode.index import artifact_dir, get_strategy
+from topk_decode.index.base import exact_scores
+from topk_decode.index.cluster import KMeansConfig, build_layer
+from topk_decode.index.artifacts import recorded_options
+from topk_decode.store.cache_dir import CacheWriter, open_cache
+from conftest import hf_greedy
+
+
+@pytest.fixture(scope="module")
+def own_cache(tmp_path_factory, built_cache):
+    """A private copy of the shared tiny cache (our artifacts must not leak into other tests' cache)."""
+    cache, model_dir = built_cache
+    dst = tmp_path_factory.mktemp("routed") / "cache"
+    shutil.copytree(cache, dst)
+    return dst, model_dir
+
+
+@pytest.fixture(scope="module")
+def clustered_cache(tmp_path_factory):
+    """2 layers × 2 KV heads × 3000 bf16 keys (D=16) drawn around 40 well-separated centres."""
+    out = tmp_path_factory.mktemp("clustered") / "cache"
+    gen = torch.Generator().manual_seed(0)
+    n, hkv, d, layers = 3000, 2, 16, 2
+    w = CacheWriter(out)
+    for layer in range(layers):
+        centres = 4 * torch.randn(hkv, 40, d, generator=gen)
+        which = torch.randint(0, 40, (hkv, n), generator=gen)
+        keys = centres.gather(1, which[..., None].expand(hkv, n, d)) + 0.3 * torch.randn(hkv, n, d, generator=gen)
+        w.write_layer(layer, keys.bfloat16(), torch.randn(hkv, n, d, generator=gen).bfloat16())
+    w.write_tokens(list(range(n)))
+    w.commit({"model": {"path": "none", "fingerprint": "none"}, "kv_dtype": "bfloat16", "n_tokens": n,
+              "shape": {"n_layers": layers, "n_heads": 4, "n_kv_heads": hkv, "head_dim": d}, "documents": []})
+    return out
+
+
+def _open(cache, name, options=None, lo=3, hi=None):
+    ckv = open_cache(cache)
+    strat = get_strategy(name)(ckv, lo, hi if hi is not None else ckv.n_tokens - 5, options or {})
+    strat.prepare()
+    return strat
+
+
+def _queries(hkv=2, q=4, d=16, seed=1):
+    return torch.randn(hkv, q, d, generator=torch.Generator().manual_seed(seed)).bfloat16().float()
+
+
+def test_layout_is_a_cluster_contiguous_permutation_of_every_head():
+    keys = torch.randn(2, 500, 8)
+    values = torch.randn(2, 500, 8)
+    lay = build_layer(keys, values, KMeansConfig(cluster_size=20, iters=3), torch.device("cpu"))
+    for h in range(2):
+        assert sorted(lay.pos[h].tolist()) == list(range(500))
+        assert torch.equal(lay.keys[h], keys[h][lay.pos[h]])
+        assert torch.equal(lay.values[h], values[h][lay.pos[h]])
+        assert lay.offsets[h, 0] == 0 and lay.offsets[h, -1] == 500
+        for c in range(lay.offsets.shape[1] - 1):   # centroid = mean of the cluster's raw keys
+            s, e = lay.offsets[h, c], lay.offsets[h, c + 1]
+            if e > s:
+                assert torch.allclose(lay.centroids[h, c], keys[h][lay.pos[h, s:e]].mean(0), atol=1e-5)
+
+
+@pytest.mark.parametrize("lo,hi", [(3, 2990), (0, 3000)])   # padding masked as a sink row / by its own mask
+def test_routed_reads_the_probe_fraction_and_returns_exact_scores_inside_the_range(clustered_cache, lo, hi):
+    strat = _open(clustered_cache, "routed", {"cluster_size": 32, "probe_fraction": 0.1}, lo=lo, hi=hi)
+    q = _queries()
+    sel = strat.select(0, q, 16)
+    assert sel.ids.shape == (2, 4, 16)
+    assert sel.ids.min() >= lo and sel.ids.max() < hi
+    assert torch.allclose(sel.scores, exact_scores(strat.ckv.keys[0], q, sel.ids), atol=1e-4)
+    for h in range(2):   # no position twice in one query's answer (padding never wins)
+        assert all(len(set(sel.ids[h, i].tolist())) == 16 for i in range(4))
+    read = strat.keys_read_fraction()
+    assert 0.1 <= read < 0.1 + 2 * 32 * 4 / (hi - lo)   # the budget plus at most the last cluster's overshoot
+
+
+@pytest.mark.parametrize("spread", [False, True])
+def test_routed_finds_most_of_the_exact_top_k_on_clustered_keys(clustered_cache, spread):
+    # 4 queries per KV head, each of whose top-32 sits in one or two of the 40 groups of ~75 keys: 20 % covers them
+    routed = _open(clustered_cache, "routed", {"cluster_size": 32, "probe_fraction": 0.2, "spread": spread})
+    flat = _open(clustered_cache, "flat")
+    q = _queries(seed=3)
+    a, b = routed.select(1, q, 32).ids, flat.select(1, q, 32).ids
+    recall = sum(len(set(a[h, i].tolist()) & set(b[h, i].tolist())) for h in range(2) for i in range(4)) / (8 * 32)
+    assert recall >= 0.95
+
+
+def test_routed_probing_every_cluster_equals_flat(clustered_cache):
+    routed = _open(clustered_cache, "routed", {"cluster_size": 32, "probe_fraction": 1})
+    flat = _open(clustered_cache, "flat")
+    q = _queries(seed=5)
+    a, b = routed.select(0, q, 50), flat.select(0, q, 50)
+    assert torch.equal(a.ids.sort(-1).values, b.ids.sort(-1).values)
+    assert torch.allclose(a.scores.sort(-1).values, b.scores.sort(-1).values, atol=1e-4)
+
+
+def test_flat_faiss_backend_still_matches_the_default_torch_backend(clustered_cache):
+    pytest.importorskip("faiss")
+    torch_ = _open(clustered_cache, "flat")
+    assert torch_.backend == "torch"
+    faiss_ = _open(clustered_cache, "flat", {"backend": "faiss", "threads": 1})
+    q = _queries(seed=7)
+    a, b = torch_.select(0, q, 20), faiss_.select(0, q, 20)
+    assert torch.equal(a.ids.sort(-1).values, b.ids.sort(-1).values)
+
+
+def test_artifacts_are_reused_and_rebuilt_when_the_cluster_size_changes(clustered_cache):
+    _open(clustered_cache, "routed", {"cluster_size": 32})
+    done = artifact_dir(clustered_cache, "routed") / "done.json"
+    assert recorded_options(clustered_cache, "routed")["cluster_size"] == 32
+    stamp = done.stat().st_mtime_ns
+    _open(clustered_cache, "routed")                         # default options: reuse what was built
+    assert done.stat().st_mtime_ns == stamp
+    _open(clustered_cache, "routed", {"cluster_size": 50})
+    assert recorded_options(clustered_cache, "routed")["cluster_size"] == 50
+
+
+@pytest.mark.parametrize("options", [{"probe_fraction": 0}, {"probe_fraction": "all"}, {"cluster_size": -1},
+                                     {"nprobe": 3}])
+def test_bad_routed_options_raise_topk_errors(clustered_cache, options):
+    with pytest.raises(TopkError):
+        _open(clustered_cache, "routed", options)
+
+
+def test_routed_reproduces_hf_generate_when_budget_covers_context(own_cache):
+    cache, model_dir = own_cache
+    store = KVStore.open(cache, k=100_000, strategy="routed", device="cpu")
+    prompt = [5, 17, 42, 99]
+    assert store.generate_ids(prompt, max_new_tokens=10) == hf_greedy(model_dir, store.context_ids + prompt, 10)
+
+
+def test_routed_probing_every_cluster_decodes_like_flat_with_small_k(own_cache):
+    cache, _ = own_cache
+    prompt = [5, 17, 42, 99]
+    flat = KVStore.open(cache, k=24, strategy="flat", device="cpu").generate_ids(prompt, 8)
+    routed = KVStore.open(cache, k=24, strategy="routed", strategy_options={"probe_fraction": 1, "cluster_size": 16},
+                          device="cpu").generate_ids(prompt, 8)
+    assert routed == flat
+
+
+def test_routed_returns_ids_inside_the_range_during_decoding(own_cache):
+    cache, _ = own_cache
+    store = KVStore.open(cache, k=8, strategy="routed", device="cpu", n_sink=4, n_tail=64,
+                         strategy_options={"probe_fraction": 0.05, "cluster_size": 16})
+    lo, hi = store.decoder.strategy.lo, store.decoder.strategy.hi
+    seen = []
+    conv = store.decoder.new_conversation()
+    conv.observer = lambda layer, q, sel, c: seen.append(sel.ids[sel.ids >= 0])
+    store.decoder.generate(conv, [5, 17, 42], 4)
+    ids = torch.cat(seen)
+    assert ids.numel() > 0 and ids.min() >= lo and ids.max() < hi
+
+
+def test_bench_runs_routed_and_reports_the_share_of_keys_read(tmp_path):
+    from topk_decode.bench.run import run_bench, smoke_config
+
+    cfg = smoke_config(str(tmp_path))
+    cfg.systems, cfg.offload_prefill, cfg.contexts = ["topk"], False, [1024]
+    cfg.strategy, cfg.strategy_options, cfg.k = "flat,routed", {"probe_fraction": 0.2, "cluster_size": 16}, 16
+    data = run_bench(cfg, log=lambda line: None)
+    rows = {r["strategy"]: r for r in data["rows"] if r["system"] == "topk"}
+    assert rows["flat"]["status"] == "ok" and rows["flat"]["keys_read_pct"] == 100
+    row = rows["routed"]
+    assert row["status"] == "ok" and row["tokens_per_s"] > 0
+    assert 20 <= row["keys_read_pct"] < 30   # 20 % plus at most one cluster of 16 per head and step
+
+
+@pytest.mark.parametrize("scan", ["blocks", "kq"])
+def test_flat_scan_kernels_equal_the_batched_scan_under_inference_mode(clustered_cache, scan):
+    bmm = _open(clustered_cache, "flat", {"scan": "bmm"})
+    other = _open(clustered_cache, "flat", {"scan": scan, "threads": 2})
+    q = _queries(seed=9)
+    with torch.inference_mode():     # the decoder's mode: the worker threads must write its buffers
+        a, b = bmm.select(0, q, 20), other.select(0, q, 20)
+    assert torch.equal(a.ids.sort(-1).values, b.ids.sort(-1).values)
+
+
+def test_prefill_builds_the_layout_and_open_reuses_it(tmp_path, clustered_cache):
+    from topk_decode.index import prepare_artifacts
+
+    cache = tmp_path / "cache"
+    shutil.copytree(clustered_cache, cache)
+    shutil.rmtree(artifact_dir(cache, "routed"), ignore_errors=True)
+    prepare_artifacts(open_cache(cache), ["routed"], {"cluster_size": 24})
+    done = artifact_dir(cache, "routed") / "done.json"
+    stamp = done.stat().st_mtime_ns
+    strat = _open(cache, "routed")
+    assert done.stat().st_mtime_ns == stamp and strat.layouts[0].offsets.shape[1] == -(-3000 // 24) + 1

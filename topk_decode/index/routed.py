@@ -1,0 +1,290 @@
+"""routed: read only the clusters a query routes to, then take the exact top-k of what was read.
+
+Built once per cache (`topk prefill --strategy routed`, or on first open): per (layer, KV head) the keys
+are clustered into clusters of ~`cluster_size` tokens and stored cluster-contiguously (cluster.py).
+Per step and layer, for each KV head:
+
+1. routing (CPU): each of its G·T queries estimates the share of its attention mass in every cluster c
+   from the cluster's centroid μ_c and size n_c: log m_c ≈ log n_c + s·q·μ_c (s = 1/√D), normalised over
+   the clusters; with `spread=true` also + s²·|q|²·σ_c²/2 (σ_c² the mean squared distance to μ_c per
+   dimension: the log-mean-exp of s·q·k for keys spread isotropically around μ_c; not better on real keys,
+   so off by default, docs/STRATEGIES.md). A cluster's priority for the head is the largest
+   share any of its queries gives it (the union over the G query heads);
+2. the clusters are taken by priority until `probe_fraction` of the head's keys (at least 2·k) are read;
+3. their keys (contiguous runs) are scanned exactly in fp32, and every query takes its exact top-k among
+   them. Ids are ORIGINAL positions, so the decoder's context part is unchanged (it reads the original
+   values by id; the permuted values in the layout are not used by it yet, see docs/STRATEGIES.md).
+
+When the budget covers the searchable range (k ≥ hi − lo, or `probe_fraction` = 1) the result is the
+exact top-k, as flat's.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from topk_decode.errors import TopkError
+from topk_decode.index.artifacts import (
+    artifact_dir,
+    artifacts_match,
+    build_lock,
+    recorded_options,
+    start_artifacts,
+    verify_done,
+    write_done,
+    write_file,
+    writing,
+)
+from topk_decode.index.base import Selection, SelectionStrategy, as_bool, positive_int
+from topk_decode.index.cluster import KMeansConfig, LayerLayout, build_layer, kmeans_device
+from topk_decode.store.cache_dir import ContextKV
+from topk_decode.store.format import as_torch, dtype_name, numpy_storage
+
+# Every query must find at least k candidates: read at least this many keys per k.
+_MIN_READ_PER_K = 2
+# Threads of the routing ops (None: all). One thread was tried (its ~20 ops are small, as the context
+# part's, decode/context.py) and lost on the 16-core host: re-waking the pool for the scan after it
+# costs more, and the centroid product is not small at 1M (docs/BENCHMARKS.md).
+_SMALL_OP_THREADS: int | None = None
+
+
+def _fraction(options: dict, key: str, default: float) -> float:
+    raw = options.get(key, default)
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise TopkError(f"option {key} must be a number in (0, 1], got {raw!r}") from None
+    if not 0 < value <= 1:
+        raise TopkError(f"option {key} must be a number in (0, 1], got {raw!r}")
+    return value
+
+
+class RoutedStrategy(SelectionStrategy):
+    """Clustered keys, mass-estimate routing, exact top-k over the routed clusters.
+
+    Build options (recorded in done.json; a different value rebuilds):
+        cluster_size: target tokens per cluster (default 32: on real keys 16 routes better and 64 worse at
+            the same keys read, while the centroids routing reads every step grow as 1/S; docs/STRATEGIES.md).
+        iters: Lloyd iterations of k-means (default 6; on a CPU also bounded by time, cluster.py).
+        store_values: also store the values cluster-contiguously (default True; not read by the
+            context part yet).
+    Search options:
+        probe_fraction: share of a KV head's searchable keys read per step (default 0.04, so that
+            with the last cluster's overshoot at most ~5 % are read).
+        spread: include the clusters' spread in the mass estimate (default False: neutral to slightly
+            worse on real keys, docs/STRATEGIES.md).
+    """
+
+    name = "routed"
+    keeps_query = False
+    BUILD_DEFAULTS = {"cluster_size": 32, "iters": 6, "store_values": True}
+    SEARCH_DEFAULTS = {"probe_fraction": 0.04, "spread": False}
+    OPTIONS = {"cluster_size": int, "iters": int, "store_values": bool, "probe_fraction": float, "spread": bool}
+
+    # ---- options / build -------------------------------------------------------------------------
+    @classmethod
+    def build_options(cls, options: dict) -> dict:
+        """Validated build options (defaults filled in)."""
+        return {"cluster_size": positive_int(options, "cluster_size", cls.BUILD_DEFAULTS["cluster_size"]),
+                "iters": positive_int(options, "iters", cls.BUILD_DEFAULTS["iters"]),
+                "store_values": as_bool(options.get("store_values", cls.BUILD_DEFAULTS["store_values"]))}
+
+    @staticmethod
+    def _on_disk(ckv: ContextKV) -> bool:
+        """False for in-RAM contexts (the benchmark's), whose layout stays in RAM."""
+        return Path(ckv.path).is_dir()
+
+    @classmethod
+    def build_artifacts(cls, ckv: ContextKV, options: dict | None = None,
+                        progress: Callable[[int, int], None] | None = None) -> None:
+        opts = cls.build_options(cls.checked_options(options))
+        d = start_artifacts(ckv.path, cls.name)
+        files = []
+        with writing(d, cls.name):
+            for layer, lay in enumerate(cls._layouts(ckv, opts, progress)):
+                for tag, t in cls._arrays(lay).items():
+                    raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t   # bf16 has no numpy dtype
+                    files.append(d / f"{tag}.{layer:03d}.bin")
+                    write_file(files[-1], raw.contiguous().numpy().reshape(-1).view(np.uint8).data)
+            n_clusters = -(-ckv.n_tokens // opts["cluster_size"])
+            meta = {"options": dict(opts, dtype=dtype_name(ckv.dtype), n_clusters=n_clusters)}
+            write_done(d, files, meta, ckv.cache_id)
+
+    @staticmethod
+    def _layouts(ckv: ContextKV, opts: dict, progress):
+        cfg = KMeansConfig(cluster_size=opts["cluster_size"], iters=opts["iters"])
+        device = kmeans_device()
+        for layer in range(ckv.n_layers):
+            values = ckv.values[layer] if opts["store_values"] else None
+            yield build_layer(ckv.keys[layer], values, cfg, device)
+            if progress:
+                progress(layer + 1, ckv.n_layers)
+
+    @staticmethod
+    def _arrays(lay: LayerLayout) -> dict[str, torch.Tensor]:
+        arrays = {"keys": lay.keys, "pos": lay.pos.to(torch.int32), "offsets": lay.offsets,
+                  "centroids": lay.centroids, "spread": lay.spread}
+        if lay.values is not None:
+            arrays["values"] = lay.values
+        return arrays
+
+    def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
+        o = self.options
+        self.probe_fraction = _fraction(o, "probe_fraction", self.SEARCH_DEFAULTS["probe_fraction"])
+        self.use_spread = as_bool(o.get("spread", self.SEARCH_DEFAULTS["spread"]))
+        opts = self.build_options(o)
+        if not self._on_disk(self.ckv):
+            self.layouts = list(self._layouts(self.ckv, opts, progress))
+        else:
+            wanted = {k: v for k, v in opts.items() if k in o}
+            with build_lock(self.ckv.path, self.name):
+                if not artifacts_match(self.ckv.path, self.name, wanted, self.ckv.cache_id):
+                    self.build_artifacts(self.ckv, o, progress)
+                verify_done(artifact_dir(self.ckv.path, self.name))   # sizes always; checksums up to 2 GiB
+            self.layouts = self._load(recorded_options(self.ckv.path, self.name))
+        self.scale = 1.0 / math.sqrt(self.ckv.head_dim)
+        hkv, n = self.ckv.n_kv_heads, self.ckv.n_tokens
+        self._row_base = (torch.arange(hkv) * n).view(hkv, 1)                  # (Hkv, 1) flat row of head h
+        # Per layer, what routing reads every step, laid out for one baddbmm: centroids as (Hkv, D, C),
+        # log cluster sizes as the bias (−inf for an empty cluster), the spread scaled by s²/2.
+        self._cent_t = [lay.centroids.transpose(1, 2).contiguous() for lay in self.layouts]
+        self._bias = [lay.sizes.float().log().unsqueeze(1) for lay in self.layouts]      # (Hkv, 1, C)
+        self._spread = [(lay.spread * (0.5 * self.scale ** 2)).unsqueeze(1) for lay in self.layouts]
+        self._sizes = [lay.sizes for lay in self.layouts]
+        self._starts = [lay.offsets[:, :-1] + self._row_base for lay in self.layouts]   # (Hkv, C) flat rows
+        # Per layout row, whether its position is outside [lo, hi) (sinks, tail): one gather per step
+        # instead of two compares of the positions. Padding reads such a row of its head when there is one
+        # (then the flag alone masks padding too), else the head's first row, masked by `valid`.
+        self._outside = [((lay.pos < self.lo) | (lay.pos >= self.hi)).reshape(-1) for lay in self.layouts]
+        self._pad_rows = []
+        for lay, out in zip(self.layouts, self._outside):
+            has = out.view(hkv, n).any(1)
+            first = out.view(hkv, n).to(torch.uint8).argmax(1)                  # first outside row per head
+            self._pad_rows.append((self._row_base[:, 0] + first).view(hkv, 1) if bool(has.all()) else None)
+        self.stats.extra.update(keys_read=0, keys_searchable=0)
+
+    def _load(self, built: dict) -> list[LayerLayout]:
+        """Memory-map the permuted keys/values/positions; read the small per-cluster arrays into RAM."""
+        d = artifact_dir(self.ckv.path, self.name)
+        hkv, n, D = self.ckv.n_kv_heads, self.ckv.n_tokens, self.ckv.head_dim
+        C, dt = int(built["n_clusters"]), built["dtype"]
+
+        def arr(tag: str, layer: int, dtype: np.dtype, shape: tuple, name: str | None = None) -> torch.Tensor:
+            m = np.memmap(d / f"{tag}.{layer:03d}.bin", dtype=dtype, mode="r", shape=shape)
+            return as_torch(m, name) if name else torch.from_numpy(np.array(m))
+
+        out = []
+        for layer in range(self.ckv.n_layers):
+            values = arr("values", layer, numpy_storage(dt), (hkv, n, D), dt) if built.get("store_values") else None
+            out.append(LayerLayout(
+                keys=arr("keys", layer, numpy_storage(dt), (hkv, n, D), dt), values=values,
+                pos=arr("pos", layer, np.int32, (hkv, n)).long(),
+                offsets=arr("offsets", layer, np.int64, (hkv, C + 1)),
+                centroids=arr("centroids", layer, np.float32, (hkv, C, D)),
+                spread=arr("spread", layer, np.float32, (hkv, C))))
+        return out
+
+    # ---- search ----------------------------------------------------------------------------------
+    def route(self, layer: int, q: torch.Tensor, budget: int) -> torch.Tensor:
+        """Rows of the layout's flat (Hkv·N, D) keys to read, per head, padded: (Hkv, Mmax) int64 and its valid mask.
+
+        Args:
+            layer: layer index; q: (Hkv, Q, D) float32 queries; budget: keys to read per head (at least).
+        Returns:
+            rows (Hkv, Mmax) int64, and valid (Hkv, Mmax) bool (False on padding) or None when every
+            padding row is a sink/tail row (masked with them).
+        """
+        sizes_all = self._sizes[layer]
+        hkv, C = sizes_all.shape
+        logit = torch.baddbmm(self._bias[layer], q, self._cent_t[layer], alpha=self.scale)   # (Hkv, Q, C)
+        if self.use_spread:
+            logit.addcmul_(q.square().sum(-1, keepdim=True), self._spread[layer])
+        share = (logit - torch.logsumexp(logit, dim=-1, keepdim=True)).amax(1)  # (Hkv, C) union over queries
+        # Only the first clusters by share are needed: a top-k of twice the expected count, and the
+        # full sort only when some head's largest clusters did not reach the budget (rare).
+        guess = min(C, 2 * -(-budget * C // self.ckv.n_tokens) + 16)
+        order = share.topk(guess, dim=-1, sorted=True).indices                 # (Hkv, guess) by share
+        sizes = sizes_all.gather(1, order)
+        cums = sizes.cumsum(1)
+        if guess < C and bool((cums[:, -1] < budget).any()):
+            order = share.argsort(dim=-1, descending=True)                      # (Hkv, C)
+            sizes = sizes_all.gather(1, order)
+            cums = sizes.cumsum(1)
+        n_take = (cums < budget).sum(1, keepdim=True)                           # (Hkv, 1) clusters per head − 1
+        width = min(int(n_take.max()) + 1, order.shape[1])
+        lens = sizes[:, :width].masked_fill(torch.arange(width) > n_take, 0)    # (Hkv, W) 0 past the budget
+        starts = self._starts[layer].gather(1, order[:, :width])                # (Hkv, W) flat rows
+        per_head = lens.sum(1)                                                  # (Hkv,)
+        m_max = int(per_head.max())
+        # Row r of head h's padded list: run i where cum[i-1] ≤ r < cum[i], row starts[i] + r − cum[i-1].
+        # Padding (r ≥ per_head[h]) reads head h's first row and is masked by `valid`.
+        cum = lens.cumsum(1)                                                    # (Hkv, W)
+        r = torch.arange(m_max).repeat(hkv, 1)                                   # (Hkv, Mmax), contiguous for searchsorted
+        run = torch.searchsorted(cum, r, right=True).clamp_(max=width - 1)      # (Hkv, Mmax)
+        run_start = (cum - lens).gather(1, run)
+        rows = starts.gather(1, run) + (r - run_start)
+        valid = r < per_head[:, None]
+        pad = self._pad_rows[layer]
+        rows = torch.where(valid, rows, self._row_base if pad is None else pad)
+        total = int(per_head.sum())
+        self.stats.extra["keys_read"] += total
+        self.stats.extra["keys_searchable"] += hkv * self.n_searchable
+        return rows, (valid if pad is None else None)
+
+    def select(self, layer: int, q: torch.Tensor, k: int, state: Any = None) -> Selection:
+        M = self.n_searchable
+        if k >= M:
+            return self.all_tokens(q, layer)
+        self.stats.searches += 1
+        lay = self.layouts[layer]
+        hkv, Q, D = q.shape
+        # probe_fraction 1 reads every cluster (sinks and tail are in clusters too, so M keys may not be all)
+        budget = self.ckv.n_tokens if self.probe_fraction >= 1 else max(math.ceil(self.probe_fraction * M), _MIN_READ_PER_K * k)
+        threads = torch.get_num_threads()
+        if _SMALL_OP_THREADS:
+            torch.set_num_threads(min(threads, _SMALL_OP_THREADS))
+        try:
+            rows, valid = self.route(layer, q, budget)                          # (Hkv, Mmax)
+        finally:
+            torch.set_num_threads(threads)
+        m_max = rows.shape[1]
+        k_low, k32, scores = self._buffers(hkv * m_max, Q, D, lay.keys.dtype)
+        torch.index_select(lay.keys.reshape(-1, D), 0, rows.view(-1), out=k_low)   # (Hkv·Mmax, D) contiguous runs
+        pos = lay.pos.reshape(-1).index_select(0, rows.view(-1)).view(hkv, m_max)
+        bad = self._outside[layer].index_select(0, rows.view(-1)).view(hkv, m_max)   # sinks, tail (and padding)
+        if valid is not None:
+            bad |= ~valid
+        if k32 is not k_low:
+            k32.copy_(k_low)                                                    # exact upcast, into a reused buffer
+        torch.bmm(q, k32.view(hkv, m_max, D).transpose(1, 2), out=scores)       # (Hkv, Q, Mmax) exact fp32
+        if bool(bad.any()):
+            scores.masked_fill_(bad[:, None, :], float("-inf"))
+        top = scores.topk(min(k, m_max), dim=-1, sorted=False)
+        ids = pos[:, None, :].expand(hkv, Q, m_max).gather(-1, top.indices)     # (Hkv, Q, K) original positions
+        scores, empty = top.values, torch.isinf(top.values)
+        full = not bool(empty.any())
+        if not full:   # fewer than k valid keys were read for some query: empty slots
+            ids, scores = ids.masked_fill(empty, -1), scores.masked_fill(empty, 0.0)
+        return Selection(ids=ids, scores=scores, full=full)
+
+    def _buffers(self, rows: int, Q: int, D: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """Gather, fp32 and score buffers reused across layers and steps (fresh 10-50 MiB tensors per layer
+        would be page-faulted in every time); grown when a step reads more rows than any before."""
+        cap = getattr(self, "_cap", None)
+        if cap is None or cap[0] < rows or cap[1] != (Q, D, dtype):
+            n = int(rows * 1.25)
+            low = torch.empty((n, D), dtype=dtype)
+            self._buf = (low, low if dtype == torch.float32 else torch.empty((n, D)), torch.empty(n * Q))
+            self._cap = (n, (Q, D, dtype))
+        low, k32, sc = self._buf
+        return low[:rows], k32[:rows], sc[:rows * Q].view(self.ckv.n_kv_heads, Q, rows // self.ckv.n_kv_heads)
+
+    def keys_read_fraction(self) -> float | None:
+        """Keys read / searchable keys over all searches so far (None before the first search)."""
+        s = self.stats.extra
+        return s["keys_read"] / s["keys_searchable"] if s.get("keys_searchable") else None
