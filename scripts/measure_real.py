@@ -159,10 +159,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtype", default=None, help="bf16/fp16/fp32 (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--budget-minutes", type=float, default=None, help="skip lengths that would not fit")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out-dir", default="real_results")
     args = p.parse_args(argv)
 
     check_faiss()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     from topk_decode.cli.common import parse_options
     from topk_decode.cli.eval_cmd import parse_k_list
     from topk_decode.errors import TopkError
@@ -204,16 +209,23 @@ def main(argv: list[str] | None = None) -> None:
                              fidelity_steps=args.fidelity_steps, device=args.device, dtype=args.dtype,
                              n_sink=args.n_sink, n_tail=args.n_tail, strategy_options=options)
             t0 = time.perf_counter()
-            result = run_eval(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
-            seconds = time.perf_counter() - t0
-            last = (length, seconds)
-            path = save_json(result, out_dir / f"real_{name}_{length}.json")
-            data = json.loads(path.read_text())
-            data["seconds"] = seconds
-            path.write_text(json.dumps(data, indent=1))
-            per_length.append(data)
-            print(f"{length} tokens: {seconds:.0f} s → {path}", file=sys.stderr)
-            (out_dir / f"real_{name}.md").write_text(markdown(per_length, name))
+            path = out_dir / f"real_{name}_{length}.json"
+
+            def write(result, done: bool) -> dict:
+                # written after every strategy, so a run stopped early keeps what it measured
+                save_json(result, path)
+                data = json.loads(path.read_text())
+                data["seconds"] = time.perf_counter() - t0
+                data["complete"] = done
+                path.write_text(json.dumps(data, indent=1))
+                (out_dir / f"real_{name}.md").write_text(markdown(per_length + [data], name))
+                return data
+
+            result = run_eval(cfg, log=lambda m: print(m, file=sys.stderr, flush=True),
+                              checkpoint=lambda r: write(r, False))
+            per_length.append(write(result, True))
+            last = (length, per_length[-1]["seconds"])
+            print(f"{length} tokens: {last[1]:.0f} s → {path}", file=sys.stderr)
     except TopkError as e:
         sys.exit(f"error: {e}")
     print(markdown(per_length, name))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -164,3 +165,21 @@ def test_cli_rejects_a_bad_percentage_in_one_line():
                        cwd=REPO, capture_output=True, text=True)
     assert r.returncode != 0
     assert "error:" in r.stderr and "abc" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_measure_real_writes_json_and_a_markdown_table_and_skips_unknown_strategies(model_factory, tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("measure_real", REPO / "scripts" / "measure_real.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    md = model_factory("llama_gqa", chat=True)
+    mod.main(["--model", str(md), "--lengths", "2500", "--tasks", "real_needle,real_vt", "--strategies",
+              "flat,no_such_strategy,duo", "--duo-steps", "0", "--k", "1%,100%", "--device", "cpu",
+              "--out-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "'no_such_strategy' is not registered" in err and "duo skipped" in err
+    table = (tmp_path / f"real_{md.name}.md").read_text()
+    assert "| dense |" in table and "| flat@1% |" in table and "| flat@100% |" in table
+    data = json.loads((tmp_path / f"real_{md.name}_2500.json").read_text())
+    assert data["seconds"] > 0 and data["contexts"][0]["questions"] == 2

@@ -385,12 +385,14 @@ def _measure(cache: Path, ctx_ids: list[int], prompt_ids: list[int], answer: str
     return ir
 
 
-def run_eval(cfg: EvalConfig, log: Callable[[str], None] | None = None) -> EvalResult:
+def run_eval(cfg: EvalConfig, log: Callable[[str], None] | None = None,
+             checkpoint: Callable[[EvalResult], None] | None = None) -> EvalResult:
     """Run dense and every (strategy, k) on the same seeded instances (or on `cfg.docs`, fidelity only).
 
     Args:
         cfg: what to evaluate.
         log: called with one progress line per instance and run.
+        checkpoint: real tasks: called with the partial result after each strategy of each context.
     Returns:
         the EvalResult (see `EvalResult.to_dict` for the JSON layout).
     """
@@ -426,7 +428,11 @@ def run_eval(cfg: EvalConfig, log: Callable[[str], None] | None = None) -> EvalR
                 suite = make_suite(real, length, seed, tokenizer, per_task=cfg.questions)
             except ValueError as e:
                 raise TopkError(str(e)) from None
-            instances, info = eval_suite(suite, loaded, cfg, log)
+            def partial(done: list[InstanceResult], info: dict) -> None:
+                checkpoint(EvalResult(result.config, result.environment, result.instances + done,
+                                      result.contexts + [info]))
+
+            instances, info = eval_suite(suite, loaded, cfg, log, partial if checkpoint else None)
             result.instances += instances
             result.contexts.append(info)
     for task in [t for t in cfg.tasks if t not in REAL_TASKS]:

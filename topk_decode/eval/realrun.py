@@ -82,7 +82,20 @@ class DenseContext:
         return tokens, torch.stack(logits)
 
 
-def eval_suite(suite: RealSuite, m: _Loaded, cfg, log: Callable[[str], None]) -> tuple[list[InstanceResult], dict]:
+def _means(runs: list) -> str:
+    """A progress summary of one (strategy, k) over the questions (the JSON has every value)."""
+    def mean(xs):
+        xs = [x for x in xs if x is not None]
+        return sum(xs) / len(xs) if xs else float("nan")
+
+    return (f"mass recall {mean([r.mass_recall for r in runs]):.4f}, id recall {mean([r.id_recall for r in runs]):.4f}, "
+            f"KL {mean([r.kl_mean for r in runs]):.2e} (max {max(r.kl_max for r in runs):.2e}), "
+            f"agreement {mean([r.agreement for r in runs]):.3f}, {sum(r.seconds for r in runs):.0f} s")
+
+
+def eval_suite(suite: RealSuite, m: _Loaded, cfg, log: Callable[[str], None],
+               checkpoint: Callable[[list[InstanceResult], dict], None] | None = None
+               ) -> tuple[list[InstanceResult], dict]:
     """Prefill one suite, answer every question densely, then with every strategy × schedule × k.
 
     Args:
@@ -90,6 +103,8 @@ def eval_suite(suite: RealSuite, m: _Loaded, cfg, log: Callable[[str], None]) ->
         m: the loaded model and tokenizer.
         cfg: the EvalConfig (strategies, ks, schedules, device, window, options).
         log: progress lines.
+        checkpoint: called with the results so far and the context's info after each strategy (a long
+            run keeps what it measured if it is stopped).
     Returns:
         one InstanceResult per question, and a dict describing the context (tokens, timings, hash).
     """
@@ -123,6 +138,9 @@ def eval_suite(suite: RealSuite, m: _Loaded, cfg, log: Callable[[str], None]) ->
             results.append(ir)
             refs.append((q, prompt_ids, d_tokens, d_logits))
         del dense
+        info = {"length": suite.length, "seed": suite.seed, "n_context_tokens": n_ctx, "layout": fmt.kind,
+                "prefill_seconds": prefill_s, "python": suite.python, "context_sha": suite.sha,
+                "qa_topics": suite.qa_topics, "questions": len(suite.questions)}
         ks = sorted({(resolve_k(k, n_ctx), None if isinstance(k, int) else str(k)) for k in cfg.ks},
                     key=lambda kl: (kl[0], kl[1] or ""))
         for strategy in cfg.strategies:
@@ -136,17 +154,18 @@ def eval_suite(suite: RealSuite, m: _Loaded, cfg, log: Callable[[str], None]) ->
                 store.decoder.config.k_schedule = schedule
                 for k, label in ks:
                     right = same = 0
+                    runs = []
                     for (q, prompt_ids, d_tokens, d_logits), ir in zip(refs, results):
                         run = _run_one(store, strategy, schedule, k, prompt_ids, d_tokens, d_logits, q.answer,
                                        q.max_new_tokens, cfg.fidelity_steps > 0, check=q.check, k_label=label,
                                        observe_steps=cfg.fidelity_steps)
                         ir.runs.append(run)
+                        runs.append(run)
                         right += bool(run.correct)
                         same += bool(run.same_as_dense)
                     log(f"    {method_name(strategy, schedule, label or k)} (k={k}): {right}/{len(refs)} correct, "
-                        f"{same}/{len(refs)} same as dense")
+                        f"{same}/{len(refs)} same as dense, {_means(runs)}")
             del store
-        info = {"length": suite.length, "seed": suite.seed, "n_context_tokens": n_ctx, "layout": fmt.kind,
-                "prefill_seconds": prefill_s, "python": suite.python, "context_sha": suite.sha,
-                "qa_topics": suite.qa_topics, "questions": len(suite.questions)}
+            if checkpoint is not None:
+                checkpoint(results, info)
         return results, info
