@@ -11,3 +11,11 @@ topk eval --tasks single_needle,multi_key --lengths 4096 --depths 0.1,0.5,0.9 --
 topk eval --tasks single_needle,multi_key --lengths 16384 --depths 0.1,0.5,0.9 --seeds 1 \
     --strategies flat --k "$ks" --device cpu --fidelity-steps 8 \
     --out "$out/eval_16k.json" --plot "$out/plots_16k" --markdown | tee "$out/eval_16k.txt"
+
+# Real models over real text (docs/EVAL.md, "Real models"): one prefill per length serves every question.
+# Usage: REAL_MODELS="/path/smollm2-135m /path/qwen2.5-coder-0.5b" scripts/run_eval.sh [OUT_DIR]
+for m in ${REAL_MODELS:-}; do
+    python scripts/measure_real.py --model "$m" --lengths "${REAL_LENGTHS:-4096}" \
+        --strategies flat,ivf,hnsw,quest,duo,tokenselect,routed --k 0.5%,1%,2%,5% --questions 1 \
+        --device cpu --out-dir "$out/real" | tee "$out/real_$(basename "$m").txt"
+done

@@ -26,7 +26,7 @@ from topk_decode.api import KVStore, _eos_ids
 from topk_decode.config import DecodeConfig
 from topk_decode.errors import TopkError
 from topk_decode.eval.metrics import FidelityObserver, dense_reference, is_correct, teacher_forced
-from topk_decode.index import STRATEGIES, split_options
+from topk_decode.index import STRATEGIES, get_strategy, split_options
 from topk_decode.model.loading import load_model, load_tokenizer, model_fingerprint
 from topk_decode.prefill.build import build_cache, parse_dtype, pick_device
 from topk_decode.store.cache_dir import open_cache
@@ -38,20 +38,28 @@ class EvalConfig:
 
     Args:
         model: checkpoint directory (default: the shipped demo model).
-        tasks: task names of `topk_decode.eval.tasks.TASKS`.
+        tasks: task names of `topk_decode.eval.tasks.TASKS` (demo filler, one prefill per instance) or
+            `topk_decode.eval.realtext.REAL_TASKS` (Python's documentation, one prefill per length and
+            seed serving every real task's questions).
         lengths: context lengths in tokens.
         depths: depths of the asked fact, in [0, 1].
-        seeds: instances per (task, length, depth), seeded first_seed, first_seed+1, ...
+        seeds: instances per (task, length, depth), seeded first_seed, first_seed+1, ...; for the real
+            tasks, contexts per length.
         first_seed: the first instance seed.
         strategies: selection strategies to compare with dense.
-        ks: retrieval budgets per query head and layer.
+        ks: retrieval budgets per query head and layer: ints, or "x%" strings for a share of the
+            context's tokens (resolved per context, `resolve_k`).
         k_schedules: per-layer budget schedules to compare ("uniform", "linear": same total k·L).
         fidelity_steps: teacher-forced decode steps measured per run (at least the answer's length
             is always decoded); 0 turns the per-layer attention metrics off (KL/agreement stay).
+            Real tasks decode every question's full answer budget (KL and agreement on every step)
+            and measure the attention metrics on the first `fidelity_steps` steps (prompt step included).
         device, dtype: compute device / dtype for prefill, dense and top-k (default: CUDA+bf16 if
             available, else CPU+fp32).
         n_sink, n_tail: exact window of the top-k decoder (as `KVStore.open`).
-        strategy_options: options passed to every strategy.
+        strategy_options: options passed to every strategy; a key "name.option" goes to strategy
+            `name` only (e.g. "duo.pattern").
+        questions: questions per real task in each context.
         chunk_size: prefill chunk length.
         work_dir: where the temporary caches go (default: the system temp dir).
         docs: a documents folder or file: fidelity only, on these documents and `question` (laid out
@@ -66,7 +74,7 @@ class EvalConfig:
     seeds: int = 1
     first_seed: int = 0
     strategies: list[str] = field(default_factory=lambda: ["flat"])
-    ks: list[int] = field(default_factory=lambda: [1, 4, 16, 64, 256, 1024])
+    ks: list[int | str] = field(default_factory=lambda: [1, 4, 16, 64, 256, 1024])
     k_schedules: list[str] = field(default_factory=lambda: ["uniform"])
     fidelity_steps: int = 8
     device: str | None = None
@@ -78,14 +86,16 @@ class EvalConfig:
     work_dir: str | None = None
     docs: str | None = None
     question: str = "What are these documents about?"
+    questions: int = 2
 
     def validate(self) -> None:
         """Raise TopkError for settings that make no sense."""
+        from topk_decode.eval.realtext import REAL_TASKS
         from topk_decode.eval.tasks import TASKS
 
         for t in self.tasks:
-            if t not in TASKS:
-                raise TopkError(f"unknown task {t!r} (available: {', '.join(TASKS)})")
+            if t not in TASKS and t not in REAL_TASKS:
+                raise TopkError(f"unknown task {t!r} (available: {', '.join(TASKS + REAL_TASKS)})")
         for s in self.strategies:
             if s not in STRATEGIES:
                 raise TopkError(f"unknown strategy {s!r} (available: {', '.join(sorted(STRATEGIES))})")
@@ -103,12 +113,48 @@ class EvalConfig:
         for sch in self.k_schedules:
             if sch not in SCHEDULES:
                 raise TopkError(f"unknown k schedule {sch!r} (available: {', '.join(SCHEDULES)})")
-        if any(k <= 0 for k in self.ks):
-            raise TopkError(f"k must be positive integers, got {self.ks}")
+        for k in self.ks:
+            resolve_k(k, 1)     # raises on a bad value
+        if self.questions < 1:
+            raise TopkError(f"--questions must be at least 1, got {self.questions}")
         if self.seeds < 1:
             raise TopkError(f"--seeds must be at least 1, got {self.seeds}")
         if self.fidelity_steps < 0:
             raise TopkError(f"--fidelity-steps must be ≥ 0, got {self.fidelity_steps}")
+
+
+def resolve_k(k: int | str, n_context: int) -> int:
+    """A budget for a context of n_context tokens: an int as is, "x%" as max(1, round(x/100 · n_context)).
+
+    Args:
+        k: a positive int, or a string "x%" with 0 < x ≤ 100.
+        n_context: the context's token count.
+    """
+    if isinstance(k, str) and k.strip().endswith("%"):
+        try:
+            frac = float(k.strip()[:-1]) / 100.0
+        except ValueError:
+            raise TopkError(f"k {k!r} is not a number or a percentage") from None
+        if not 0.0 < frac <= 1.0:
+            raise TopkError(f"k {k!r} must be a percentage in (0, 100]")
+        return max(1, round(frac * n_context))
+    if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
+        raise TopkError(f"k must be positive integers or percentages, got {k!r}")
+    return k
+
+
+def strategy_options(options: dict, strategy: str) -> dict:
+    """The options one strategy gets: plain keys, and "strategy.key" keys addressed to it (prefix dropped).
+
+    Args:
+        options: all strategy options of the run.
+        strategy: the strategy's name.
+    """
+    cls = get_strategy(strategy)
+    # plain keys go to the strategies that declare them (index.split_options checks that each belongs to one)
+    out = {k: v for k, v in options.items() if "." not in k and (cls.OPTIONS is None or k in cls.OPTIONS)}
+    out.update({k.split(".", 1)[1]: v for k, v in options.items() if k.startswith(strategy + ".")})
+    return cls.checked_options(out)
 
 
 @dataclass
@@ -131,9 +177,11 @@ class RunResult:
     layer_mass_recall: list[float] | None = None
     head_mass_recall: list[list[float]] | None = None   # (layers, query heads)
     seconds: float = 0.0
+    k_label: str | None = None          # the budget as requested ("1%"), when it differs from k
+    same_as_dense: bool | None = None   # the generated tokens equal dense's, token for token
 
 
-def method_name(strategy: str, schedule: str, k: int) -> str:
+def method_name(strategy: str, schedule: str, k: int | str) -> str:
     """How a run is labelled in tables: "flat@16", or "flat/linear@16" for a non-uniform schedule."""
     return f"{strategy}@{k}" if schedule == "uniform" else f"{strategy}/{schedule}@{k}"
 
@@ -155,6 +203,7 @@ class InstanceResult:
     prefill_seconds: float
     dense_seconds: float
     runs: list[RunResult] = field(default_factory=list)
+    question: str | None = None     # real tasks: the question asked (several share one context)
 
 
 @dataclass
@@ -164,19 +213,29 @@ class EvalResult:
     config: dict
     environment: dict
     instances: list[InstanceResult] = field(default_factory=list)
+    contexts: list[dict] = field(default_factory=list)    # real tasks: one entry per prefilled context
 
     def to_dict(self) -> dict:
         """Plain dict: config, environment, per-instance results and the aggregated summary."""
         from topk_decode.eval.report import summarize
 
-        return {"config": self.config, "environment": self.environment, "summary": summarize(self),
-                "instances": [asdict(i) for i in self.instances]}
+        out = {"config": self.config, "environment": self.environment, "summary": summarize(self),
+               "instances": [asdict(i) for i in self.instances]}
+        if self.contexts:
+            out["contexts"] = self.contexts
+        return out
 
 
 def environment(model_dir: Path, trained: bool | None, device: torch.device) -> dict:
     """Facts needed to reproduce or compare a run: machine, versions, model, date."""
-    import faiss
     import transformers
+
+    try:
+        import faiss
+
+        faiss_version = faiss.__version__
+    except ImportError:
+        faiss_version = None
 
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
@@ -184,7 +243,7 @@ def environment(model_dir: Path, trained: bool | None, device: torch.device) -> 
                    f"{torch.get_num_threads()} torch threads",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "python": platform.python_version(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "faiss": faiss.__version__,
+        "transformers": transformers.__version__, "faiss": faiss_version,
         "model": str(model_dir), "model_fingerprint": model_fingerprint(model_dir), "trained_demo_model": trained,
     }
 
@@ -216,12 +275,18 @@ def _context_cache(inst, tokenizer, model_dir: Path, cfg: EvalConfig, tmp: Path)
 
 
 def _run_one(store: KVStore, strategy: str, schedule: str, k: int, prompt_ids: list[int], dense_tokens: list[int],
-             dense_logits: torch.Tensor, answer: str | None, answer_steps: int, observe: bool) -> RunResult:
-    """Teacher-forced fidelity + free-running correctness of one (strategy, k)."""
+             dense_logits: torch.Tensor, answer: str | None, answer_steps: int, observe: bool,
+             check: Callable[[str], bool] | None = None, k_label: str | None = None,
+             observe_steps: int | None = None) -> RunResult:
+    """Teacher-forced fidelity + free-running correctness of one (strategy, k).
+
+    `check` judges the decoded generation (default: `is_correct` against `answer`); `k_label` is
+    the budget as requested, e.g. "1%"; `observe_steps` limits the attention metrics to the first steps.
+    """
     t0 = time.perf_counter()
     store.set_k(k)
     obs = FidelityObserver(store.decoder) if observe else None
-    tf = teacher_forced(store.decoder, prompt_ids, dense_tokens, dense_logits, obs)
+    tf = teacher_forced(store.decoder, prompt_ids, dense_tokens, dense_logits, obs, observe_steps)
     n_ans = min(answer_steps, len(dense_tokens))
     if answer is None:
         gen = None   # fidelity only: no answer to check
@@ -233,9 +298,11 @@ def _run_one(store: KVStore, strategy: str, schedule: str, k: int, prompt_ids: l
         gen = store.generate_ids(prompt_ids, answer_steps)
     text = store.tokenizer.decode(gen, skip_special_tokens=True) if gen is not None else None
     fid = obs.result() if obs is not None else None
+    correct = None if answer is None or text is None else (check(text) if check else is_correct(text, answer))
     return RunResult(
         strategy=strategy, k=k, schedule=schedule, generated=text,
-        correct=is_correct(text, answer) if answer is not None else None, steps=len(tf.matches),
+        correct=correct, steps=len(tf.matches), k_label=k_label,
+        same_as_dense=None if gen is None else list(gen) == list(dense_tokens[:answer_steps]),
         agreement=sum(tf.matches) / max(len(tf.matches), 1), kl_mean=tf.kl_mean, kl_max=tf.kl_max,
         mass_recall=fid.mass_recall if fid else None, id_recall=fid.id_recall if fid else None,
         output_rel_error=fid.output_rel_error if fid else None, score_error=fid.score_error if fid else None,
@@ -299,35 +366,38 @@ def _measure(cache: Path, ctx_ids: list[int], prompt_ids: list[int], answer: str
     verdict = "" if answer is None else ("correct " if ir.dense_correct else "wrong ") + f"(expected {answer!r})"
     log(f"{head['task']} len={head['length']} depth={head['depth']} seed={head['seed']}: {len(ctx_ids)} tokens, "
         f"dense {dense_text.strip()!r} {verdict}")
-    ks = sorted(set(cfg.ks))
-    per_strategy = split_options(cfg.strategies, cfg.strategy_options)
+    ks = sorted({(resolve_k(k, len(ctx_ids)), None if isinstance(k, int) else str(k)) for k in cfg.ks},
+                key=lambda kl: (kl[0], kl[1] or ""))
+    split_options(cfg.strategies, {k: v for k, v in cfg.strategy_options.items() if "." not in k})  # unknown names
     for strategy in cfg.strategies:
         # one store per strategy (its indices are built once); k only changes what a search returns
-        # options given once for all strategies: each gets its own (index.split_options)
-        dc = DecodeConfig(k=ks[-1], strategy=strategy, strategy_options=per_strategy[strategy],
+        dc = DecodeConfig(k=ks[-1][0], strategy=strategy,
+                          strategy_options=strategy_options(cfg.strategy_options, strategy),
                           n_sink=cfg.n_sink, n_tail=cfg.n_tail)
         store = KVStore(open_cache(cache, verify=False), m.model, tok, dc)
         for schedule in cfg.k_schedules:
             store.decoder.config.k_schedule = schedule
-            for k in ks:
+            for k, label in ks:
                 run = _run_one(store, strategy, schedule, k, prompt_ids, dense_tokens, dense_logits,
-                               answer, answer_steps, cfg.fidelity_steps > 0)
+                               answer, answer_steps, cfg.fidelity_steps > 0, k_label=label)
                 ir.runs.append(run)
                 mr = "-" if run.mass_recall is None else f"{run.mass_recall:.4f}"
                 verdict = "" if run.correct is None else ("correct, " if run.correct else "wrong, ")
-                log(f"  {method_name(strategy, schedule, k)}: {verdict}mass recall {mr}, "
+                log(f"  {method_name(strategy, schedule, label or k)}: {verdict}mass recall {mr}, "
                     f"KL {run.kl_mean:.2e}, agreement {run.agreement:.2f}")
         store.close()  # its search threads
         del store  # release the strategy's indices before the cache directory goes
     return ir
 
 
-def run_eval(cfg: EvalConfig, log: Callable[[str], None] | None = None) -> EvalResult:
+def run_eval(cfg: EvalConfig, log: Callable[[str], None] | None = None,
+             checkpoint: Callable[[EvalResult], None] | None = None) -> EvalResult:
     """Run dense and every (strategy, k) on the same seeded instances (or on `cfg.docs`, fidelity only).
 
     Args:
         cfg: what to evaluate.
         log: called with one progress line per instance and run.
+        checkpoint: real tasks: called with the partial result after each strategy of each context.
     Returns:
         the EvalResult (see `EvalResult.to_dict` for the JSON layout).
     """
@@ -353,7 +423,24 @@ def run_eval(cfg: EvalConfig, log: Callable[[str], None] | None = None) -> EvalR
     if cfg.docs is not None:
         result.instances.append(_eval_documents(loaded, cfg, log))
         return result
-    for task in cfg.tasks:
+    from topk_decode.eval.realtext import REAL_TASKS, make_suite
+    from topk_decode.eval.realrun import eval_suite
+
+    real = [t for t in cfg.tasks if t in REAL_TASKS]
+    for length in cfg.lengths if real else []:
+        for seed in range(cfg.first_seed, cfg.first_seed + cfg.seeds):
+            try:
+                suite = make_suite(real, length, seed, tokenizer, per_task=cfg.questions)
+            except ValueError as e:
+                raise TopkError(str(e)) from None
+            def partial(done: list[InstanceResult], info: dict) -> None:
+                checkpoint(EvalResult(result.config, result.environment, result.instances + done,
+                                      result.contexts + [info]))
+
+            instances, info = eval_suite(suite, loaded, cfg, log, partial if checkpoint else None)
+            result.instances += instances
+            result.contexts.append(info)
+    for task in [t for t in cfg.tasks if t not in REAL_TASKS]:
         for length in cfg.lengths:
             for depth in cfg.depths:
                 for seed in range(cfg.first_seed, cfg.first_seed + cfg.seeds):

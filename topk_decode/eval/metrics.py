@@ -268,7 +268,7 @@ class TeacherForced:
 
 
 def teacher_forced(decoder, prompt_ids: list[int], dense_tokens: list[int], dense_logits: torch.Tensor,
-                   observer: Callable | None = None) -> TeacherForced:
+                   observer: Callable | None = None, observe_steps: int | None = None) -> TeacherForced:
     """Feed the prompt, then the dense tokens, through the top-k decoder; compare every step's logits.
 
     Args:
@@ -277,6 +277,8 @@ def teacher_forced(decoder, prompt_ids: list[int], dense_tokens: list[int], dens
         dense_tokens: the dense reference's generated tokens (fed back one by one).
         dense_logits: (steps, V) the dense logits each dense token was chosen from.
         observer: optional `Conversation.observer` (attention fidelity).
+        observe_steps: observe only the first this many steps (the prompt step counts as one);
+            None: every step. Attention metrics over the whole context cost more than the step itself.
     """
     conv = decoder.new_conversation()
     conv.observer = observer
@@ -288,5 +290,7 @@ def teacher_forced(decoder, prompt_ids: list[int], dense_tokens: list[int], dens
         kls.append(float(kl_divergence(dense_logits[i], lf)))
         matches.append(int(torch.argmax(lf)) == tok)
         if i + 1 < len(dense_tokens):
+            if observe_steps is not None and i + 1 >= observe_steps:
+                conv.observer = None
             logits = decoder.forward([tok], conv)
     return TeacherForced(matches=matches, kl_mean=sum(kls) / max(len(kls), 1), kl_max=max(kls, default=0.0))

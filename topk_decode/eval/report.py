@@ -27,9 +27,23 @@ def _worst_layer(rows: list[list[float | None] | None]) -> float | None:
     return min((m for m in means if m is not None), default=None)
 
 
-def _order(length: int, strategy: str, schedule: str, k: int) -> tuple:
+def k_value(k: int | str | None) -> float:
+    """A budget as a number for sorting and plotting: 16 → 16.0, "0.5%" → 0.5 (percentages after ints)."""
+    if k is None:
+        return 0.0
+    if isinstance(k, str):
+        return 1e12 + float(k.rstrip("%")) if k.endswith("%") else float(k)
+    return float(k)
+
+
+def _k_plot(k: int | str) -> float:
+    """x coordinate of a budget in plots: k, or the percentage's number for "x%"."""
+    return float(str(k).rstrip("%"))
+
+
+def _order(length: int, strategy: str, schedule: str, k: int | str) -> tuple:
     """Rows by length, strategy, uniform schedule first, then k."""
-    return length, strategy, schedule != "uniform", schedule, k
+    return length, strategy, schedule != "uniform", schedule, k_value(k)
 
 
 def summarize(result) -> dict:
@@ -42,32 +56,38 @@ def summarize(result) -> dict:
          "layer_mass_recall": {"length": {"strategy@k": [per-layer mean]}}}; a method is "dense",
         "strategy@k", or "strategy/schedule@k" for a non-uniform per-layer schedule.
     """
-    acc: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
+    acc: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0])     # correct, n, same answer as dense
     fid: dict[tuple, list] = defaultdict(list)
     layers: dict[tuple[int, str], list[list[float]]] = defaultdict(list)
     for inst in result.instances:
-        key = (inst.task, inst.length, inst.depth)
+        # real tasks spread their questions over depths (each question's depth is in the JSON): one row per task
+        key = (inst.task, inst.length, None if inst.task.startswith("real_") else inst.depth)
         if inst.answer is not None:    # documents mode has no answer: fidelity only
             acc[key + (DENSE, None, None, None)][0] += int(inst.dense_correct)
             acc[key + (DENSE, None, None, None)][1] += 1
+            acc[key + (DENSE, None, None, None)][2] += 1
         for r in inst.runs:
-            m = method_name(r.strategy, r.schedule, r.k)
+            kk = r.k_label or r.k
+            m = method_name(r.strategy, r.schedule, kk)
             if r.correct is not None:
-                acc[key + (m, r.strategy, r.schedule, r.k)][0] += int(r.correct)
-                acc[key + (m, r.strategy, r.schedule, r.k)][1] += 1
-            fid[(inst.length, r.strategy, r.schedule, r.k)].append(r)
+                cell = acc[key + (m, r.strategy, r.schedule, kk)]
+                cell[0] += int(r.correct)
+                cell[1] += 1
+                cell[2] += int(bool(r.same_as_dense))
+            fid[(inst.length, r.strategy, r.schedule, kk)].append(r)
             if r.layer_mass_recall is not None:
                 layers[(inst.length, m)].append(r.layer_mass_recall)
     accuracy = [{"task": t, "length": n, "depth": d, "method": m, "strategy": s, "schedule": sch, "k": k,
-                 "correct": c, "n": total, "accuracy": c / total}
-                for (t, n, d, m, s, sch, k), (c, total) in acc.items()]
+                 "correct": c, "n": total, "accuracy": c / total, "same_as_dense": same}
+                for (t, n, d, m, s, sch, k), (c, total, same) in acc.items()]
     fidelity = [{"length": n, "strategy": s, "schedule": sch, "k": k, "method": method_name(s, sch, k), "n": len(rs),
                  "mass_recall": _mean([r.mass_recall for r in rs]), "id_recall": _mean([r.id_recall for r in rs]),
                  "worst_layer_mass_recall": _worst_layer([r.layer_mass_recall for r in rs]),
                  "output_rel_error": _mean([r.output_rel_error for r in rs]),
                  "score_error_max": max((r.score_error for r in rs if r.score_error is not None), default=None),
                  "kl_mean": _mean([r.kl_mean for r in rs]), "kl_max": max(r.kl_max for r in rs),
-                 "agreement": _mean([r.agreement for r in rs])}
+                 "agreement": _mean([r.agreement for r in rs]),
+                 "resolved_k": sorted({r.k for r in rs})}
                 for (n, s, sch, k), rs in sorted(fid.items(), key=lambda kv: _order(*kv[0]))]
     layer_means: dict[str, dict[str, list]] = defaultdict(dict)
     for (n, m), rows in layers.items():
@@ -97,13 +117,14 @@ def accuracy_table_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     methods: list[str] = [DENSE]
     cells: dict[tuple, dict[str, str]] = defaultdict(dict)
     order = sorted({(r["method"] != DENSE, r["strategy"] or "", r["schedule"] not in (None, "uniform"),
-                     r["schedule"] or "", r["k"] or 0, r["method"])
+                     r["schedule"] or "", k_value(r["k"]), r["method"])
                     for r in summary["accuracy"]})
     methods = [m for *_, m in order]
     for r in summary["accuracy"]:
         cells[(r["task"], r["length"], r["depth"])][r["method"]] = f"{r['correct']}/{r['n']}"
     header = ["task", "length", "depth"] + methods
-    rows = [[t, str(n), f"{d:g}"] + [cells[(t, n, d)].get(m, "") for m in methods] for (t, n, d) in sorted(cells)]
+    rows = [[t, str(n), "all" if d is None else f"{d:g}"] + [cells[(t, n, d)].get(m, "") for m in methods]
+            for (t, n, d) in sorted(cells, key=lambda c: (c[0], c[1], -1.0 if c[2] is None else c[2]))]
     return header, rows
 
 
@@ -179,7 +200,7 @@ def write_plots(result, out_dir: str | Path) -> list[Path]:
     for r in summary["accuracy"]:
         label = DENSE if r["strategy"] is None else (r["strategy"] if r["schedule"] == "uniform"
                                                      else f"{r['strategy']}/{r['schedule']}")
-        key = (r["length"], label, r["k"])
+        key = (r["length"], label, None if r["k"] is None else _k_plot(r["k"]))
         pooled[key][0] += r["correct"]
         pooled[key][1] += r["n"]
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -198,7 +219,7 @@ def write_plots(result, out_dir: str | Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6, 4))
     for n in sorted({r["length"] for r in summary["fidelity"]}):
         for s in sorted({(r["strategy"], r["schedule"]) for r in summary["fidelity"]}):
-            pts = [(r["k"], r["mass_recall"]) for r in summary["fidelity"]
+            pts = [(_k_plot(r["k"]), r["mass_recall"]) for r in summary["fidelity"]
                    if r["length"] == n and (r["strategy"], r["schedule"]) == s and r["mass_recall"] is not None]
             s = s[0] if s[1] == "uniform" else f"{s[0]}/{s[1]}"
             if pts:
@@ -210,7 +231,7 @@ def write_plots(result, out_dir: str | Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6, 4))
     n_layers = 0
     for n, methods in sorted(summary["layer_mass_recall"].items(), key=lambda kv: int(kv[0])):
-        for method, vals in sorted(methods.items(), key=lambda kv: (kv[0].split("@")[0], int(kv[0].split("@")[1]))):
+        for method, vals in sorted(methods.items(), key=lambda kv: (kv[0].split("@")[0], k_value(kv[0].split("@")[1]))):
             ax.plot(range(len(vals)), vals, marker="o", label=f"{method}, {n} tokens")
             n_layers = max(n_layers, len(vals))
     ax.set_xticks(range(n_layers))

@@ -1,0 +1,172 @@
+"""Running a real-text suite (`topk_decode/eval/realtext.py`): one prefill, many questions.
+
+Per suite:
+  1. the context is written to one document and prefilled once with `build_cache` (the product
+     path, chat template included: questions go through the cache's prompt format, as `store.ask`);
+  2. dense reference per question: the HF model with full attention over the *stored* context KV
+     (a fresh `DynamicCache` per question holding the cache's keys and values, then the prompt and
+     greedy decoding), so the context is never prefilled twice; tests/test_realtext.py checks it
+     against the HF model run over context + prompt from scratch;
+  3. per strategy (its indices built once for all questions) × schedule × k: every question on a
+     fresh conversation, teacher-forced for fidelity and free-running for the answer, through the
+     harness's `_run_one` (same metrics and observer as the demo tasks).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from topk_decode.api import KVStore
+from topk_decode.config import DecodeConfig
+from topk_decode.eval.harness import InstanceResult, _Loaded, _run_one, method_name, resolve_k, strategy_options
+from topk_decode.eval.realtext import RealSuite
+from topk_decode.prefill.build import build_cache
+from topk_decode.prefill.documents import PromptFormat
+from topk_decode.store.cache_dir import ContextKV, open_cache
+
+
+class DenseContext:
+    """Dense attention over a stored context: HF greedy decoding on a cache that holds the context KV.
+
+    Args:
+        model: the HF causal LM.
+        ckv: the opened cache (its keys/values are copied to the model's device and dtype once).
+    """
+
+    def __init__(self, model, ckv: ContextKV) -> None:
+        p = next(model.parameters())
+        self.model = model
+        # (1, Hkv, N, D) per layer, as the HF cache holds them
+        self.kv = [(ckv.keys[i][None].to(p.device, p.dtype), ckv.values[i][None].to(p.device, p.dtype))
+                   for i in range(ckv.n_layers)]
+
+    def _cache(self):
+        from transformers import DynamicCache
+
+        c = DynamicCache(config=self.model.config)
+        for i, (k, v) in enumerate(self.kv):
+            c.update(k, v, i)      # the first update keeps the tensors; later steps concatenate copies
+        return c
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], n_steps: int, eos_ids: set[int]) -> tuple[list[int], torch.Tensor]:
+        """Greedy decoding after context + prompt, as `metrics.dense_reference` but on the stored context.
+
+        Args:
+            prompt_ids: tokens after the context.
+            n_steps: at most this many generated tokens (stops after an eos, which is kept).
+            eos_ids: token ids that end generation.
+        Returns:
+            the generated tokens and the (steps, V) fp32 CPU logits each was chosen from.
+        """
+        dev = self.kv[0][0].device
+        cache = self._cache()
+        out = self.model(input_ids=torch.tensor([prompt_ids], device=dev), past_key_values=cache, use_cache=True,
+                         logits_to_keep=1)
+        tokens: list[int] = []
+        logits: list[torch.Tensor] = []
+        for _ in range(n_steps):
+            step = out.logits[0, -1].float().cpu()                       # (V,)
+            tok = int(torch.argmax(step))
+            tokens.append(tok)
+            logits.append(step)
+            if tok in eos_ids or len(tokens) == n_steps:
+                break
+            out = self.model(input_ids=torch.tensor([[tok]], device=dev), past_key_values=out.past_key_values,
+                             use_cache=True)
+        return tokens, torch.stack(logits)
+
+
+def _means(runs: list) -> str:
+    """A progress summary of one (strategy, k) over the questions (the JSON has every value)."""
+    def mean(xs):
+        xs = [x for x in xs if x is not None]
+        return sum(xs) / len(xs) if xs else float("nan")
+
+    return (f"mass recall {mean([r.mass_recall for r in runs]):.4f}, id recall {mean([r.id_recall for r in runs]):.4f}, "
+            f"KL {mean([r.kl_mean for r in runs]):.2e} (max {max(r.kl_max for r in runs):.2e}), "
+            f"agreement {mean([r.agreement for r in runs]):.3f}, {sum(r.seconds for r in runs):.0f} s")
+
+
+def eval_suite(suite: RealSuite, m: _Loaded, cfg, log: Callable[[str], None],
+               checkpoint: Callable[[list[InstanceResult], dict], None] | None = None
+               ) -> tuple[list[InstanceResult], dict]:
+    """Prefill one suite, answer every question densely, then with every strategy × schedule × k.
+
+    Args:
+        suite: the context and its questions.
+        m: the loaded model and tokenizer.
+        cfg: the EvalConfig (strategies, ks, schedules, device, window, options).
+        log: progress lines.
+        checkpoint: called with the results so far and the context's info after each strategy (a long
+            run keeps what it measured if it is stopped).
+    Returns:
+        one InstanceResult per question, and a dict describing the context (tokens, timings, hash).
+    """
+    tok = m.tokenizer
+    with tempfile.TemporaryDirectory(prefix="topk-eval-", dir=cfg.work_dir) as tmp:
+        doc = Path(tmp) / "document.txt"
+        doc.write_text(suite.context, encoding="utf-8")
+        t0 = time.perf_counter()
+        cache, _ = build_cache(doc, Path(tmp) / "cache", m.model_dir, chunk_size=cfg.chunk_size, device=cfg.device,
+                               dtype=cfg.dtype)
+        prefill_s = time.perf_counter() - t0
+        ckv = open_cache(cache, verify=False)
+        n_ctx = ckv.n_tokens
+        fmt = PromptFormat(**ckv.manifest.get("prompt", {"kind": "raw"}))
+        log(f"real suite len={suite.length} seed={suite.seed}: {n_ctx} context tokens ({fmt.kind} layout), "
+            f"prefill {prefill_s:.1f} s, {len(suite.questions)} questions")
+        dense = DenseContext(m.model, ckv)
+        results: list[InstanceResult] = []
+        refs = []
+        for q in suite.questions:
+            prompt_ids = tok(fmt.question_text(q.question, first_turn=True), add_special_tokens=False).input_ids
+            t1 = time.perf_counter()
+            d_tokens, d_logits = dense.generate(prompt_ids, max(q.max_new_tokens, 1), m.eos)
+            d_text = tok.decode(d_tokens, skip_special_tokens=True)
+            ir = InstanceResult(task=q.task, length=suite.length, depth=q.depth, seed=suite.seed, answer=q.answer,
+                                layout=fmt.kind, n_context_tokens=n_ctx, n_prompt_tokens=len(prompt_ids),
+                                dense_generated=d_text, dense_correct=q.check(d_text), prefill_seconds=prefill_s,
+                                dense_seconds=time.perf_counter() - t1, question=q.question)
+            log(f"  {q.task} depth={q.depth:.2f}: dense {d_text.strip()!r} "
+                f"{'correct' if ir.dense_correct else 'wrong'} (expected {q.answer!r})")
+            results.append(ir)
+            refs.append((q, prompt_ids, d_tokens, d_logits))
+        del dense
+        info = {"length": suite.length, "seed": suite.seed, "n_context_tokens": n_ctx, "layout": fmt.kind,
+                "prefill_seconds": prefill_s, "python": suite.python, "context_sha": suite.sha,
+                "qa_topics": suite.qa_topics, "questions": len(suite.questions)}
+        ks = sorted({(resolve_k(k, n_ctx), None if isinstance(k, int) else str(k)) for k in cfg.ks},
+                    key=lambda kl: (kl[0], kl[1] or ""))
+        for strategy in cfg.strategies:
+            t1 = time.perf_counter()
+            dc = DecodeConfig(k=max(k for k, _ in ks), strategy=strategy,
+                              strategy_options=strategy_options(cfg.strategy_options, strategy),
+                              n_sink=cfg.n_sink, n_tail=cfg.n_tail, compile=False)
+            store = KVStore(ckv, m.model, tok, dc)
+            log(f"  {strategy}: opened in {time.perf_counter() - t1:.1f} s")
+            for schedule in cfg.k_schedules:
+                store.decoder.config.k_schedule = schedule
+                for k, label in ks:
+                    right = same = 0
+                    runs = []
+                    for (q, prompt_ids, d_tokens, d_logits), ir in zip(refs, results):
+                        run = _run_one(store, strategy, schedule, k, prompt_ids, d_tokens, d_logits, q.answer,
+                                       q.max_new_tokens, cfg.fidelity_steps > 0, check=q.check, k_label=label,
+                                       observe_steps=cfg.fidelity_steps)
+                        ir.runs.append(run)
+                        runs.append(run)
+                        right += bool(run.correct)
+                        same += bool(run.same_as_dense)
+                    log(f"    {method_name(strategy, schedule, label or k)} (k={k}): {right}/{len(refs)} correct, "
+                        f"{same}/{len(refs)} same as dense, {_means(runs)}")
+            store.close()  # its search threads
+            del store
+            if checkpoint is not None:
+                checkpoint(results, info)
+        return results, info
