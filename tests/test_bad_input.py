@@ -30,7 +30,7 @@ def one_error_line(result) -> str:
 @pytest.mark.parametrize("strategy,options,fragment", [
     ("ivf", {"nprob": 1}, "unknown option 'nprob' for strategy ivf (valid options: center, mmap, nlist, nprobe, "
                           "spherical, threads)"),
-    ("flat", {"nprobe": 4}, "unknown option 'nprobe' for strategy flat (valid options: backend, threads)"),
+    ("flat", {"nprobe": 4}, "unknown option 'nprobe' for strategy flat (valid options: backend, scan, threads)"),
     ("ivf", {"nprobe": "many"}, "option nprobe of strategy ivf must be an integer, got 'many'"),
     ("hnsw", {"center": "maybe"}, "option center of strategy hnsw must be a boolean"),
     ("tokenselect", {"threshold": "high"}, "option threshold of strategy tokenselect must be a number"),
