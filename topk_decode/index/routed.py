@@ -68,12 +68,14 @@ class RoutedStrategy(SelectionStrategy):
             with the last cluster's overshoot at most ~5 % are read).
         spread: include the clusters' spread in the mass estimate (default False: neutral to slightly
             worse on real keys, docs/STRATEGIES.md).
+        sizes: include log n_c (the cluster's size) in the estimate (default True); False ranks clusters
+            by s·q·μ_c alone, as IVF probes.
     """
 
     name = "routed"
     keeps_query = False
     BUILD_DEFAULTS = {"cluster_size": 32, "iters": 6, "store_values": True}
-    SEARCH_DEFAULTS = {"probe_fraction": 0.04, "spread": False}
+    SEARCH_DEFAULTS = {"probe_fraction": 0.04, "spread": False, "sizes": True}
 
     # ---- options / build -------------------------------------------------------------------------
     @classmethod
@@ -122,6 +124,7 @@ class RoutedStrategy(SelectionStrategy):
         o = self.options
         self.probe_fraction = _fraction(o, "probe_fraction", self.SEARCH_DEFAULTS["probe_fraction"])
         self.use_spread = as_bool(o.get("spread", self.SEARCH_DEFAULTS["spread"]))
+        use_sizes = as_bool(o.get("sizes", self.SEARCH_DEFAULTS["sizes"]))
         unknown = set(o) - set(self.BUILD_DEFAULTS) - set(self.SEARCH_DEFAULTS)
         if unknown:
             raise TopkError(f"unknown routed option(s) {', '.join(sorted(unknown))} "
@@ -141,6 +144,8 @@ class RoutedStrategy(SelectionStrategy):
         # log cluster sizes as the bias (−inf for an empty cluster), the spread scaled by s²/2.
         self._cent_t = [lay.centroids.transpose(1, 2).contiguous() for lay in self.layouts]
         self._bias = [lay.sizes.float().log().unsqueeze(1) for lay in self.layouts]      # (Hkv, 1, C)
+        if not use_sizes:     # 0 for every non-empty cluster, −inf for the empty ones
+            self._bias = [torch.where(torch.isinf(b), b, 0.0) for b in self._bias]
         self._spread = [(lay.spread * (0.5 * self.scale ** 2)).unsqueeze(1) for lay in self.layouts]
         self._sizes = [lay.sizes for lay in self.layouts]
         self._starts = [lay.offsets[:, :-1] + self._row_base for lay in self.layouts]   # (Hkv, C) flat rows
