@@ -5,10 +5,11 @@ are clustered into clusters of ~`cluster_size` tokens and stored cluster-contigu
 Per step and layer, for each KV head:
 
 1. routing (CPU): each of its G·T queries estimates the share of its attention mass in every cluster c
-   from the cluster's centroid μ_c and size n_c: log m_c ≈ log n_c + s·q·μ_c (s = 1/√D), normalised over
-   the clusters; with `spread=true` also + s²·|q|²·σ_c²/2 (σ_c² the mean squared distance to μ_c per
-   dimension: the log-mean-exp of s·q·k for keys spread isotropically around μ_c; not better on real keys,
-   so off by default, docs/STRATEGIES.md). A cluster's priority for the head is the largest
+   from the cluster's centroid μ_c: log m_c ≈ s·q·μ_c (s = 1/√D), normalised over the clusters; with
+   `sizes=true` plus log n_c (n_c keys of the cluster), with `spread=true` plus s²·|q|²·σ_c²/2 (σ_c² the
+   mean squared distance to μ_c per dimension: the log-mean-exp of s·q·k for keys spread isotropically
+   around μ_c). Both terms lowered recall on real keys, so both are off by default (docs/STRATEGIES.md).
+   A cluster's priority for the head is the largest
    share any of its queries gives it (the union over the G query heads);
 2. the clusters are taken by priority until `probe_fraction` of the head's keys (at least 2·k) are read;
 3. their keys (contiguous runs) are scanned exactly in fp32, and every query takes its exact top-k among
@@ -68,14 +69,14 @@ class RoutedStrategy(SelectionStrategy):
             with the last cluster's overshoot at most ~5 % are read).
         spread: include the clusters' spread in the mass estimate (default False: neutral to slightly
             worse on real keys, docs/STRATEGIES.md).
-        sizes: include log n_c (the cluster's size) in the estimate (default True); False ranks clusters
-            by s·q·μ_c alone, as IVF probes.
+        sizes: include log n_c (the cluster's size) in the estimate (default False: clusters ranked by
+            s·q·μ_c alone, as IVF probes, had the higher id recall at the same mass on real keys).
     """
 
     name = "routed"
     keeps_query = False
     BUILD_DEFAULTS = {"cluster_size": 32, "iters": 6, "store_values": True}
-    SEARCH_DEFAULTS = {"probe_fraction": 0.04, "spread": False, "sizes": True}
+    SEARCH_DEFAULTS = {"probe_fraction": 0.04, "spread": False, "sizes": False}
 
     # ---- options / build -------------------------------------------------------------------------
     @classmethod
