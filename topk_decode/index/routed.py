@@ -183,8 +183,8 @@ class RoutedStrategy(SelectionStrategy):
         return out
 
     # ---- search ----------------------------------------------------------------------------------
-    def route(self, layer: int, q: torch.Tensor, budget: int) -> torch.Tensor:
-        """Rows of the layout's flat (Hkv·N, D) keys to read, per head, padded: (Hkv, Mmax) int64 and its valid mask.
+    def route(self, layer: int, q: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows of the layout's flat (Hkv·N, D) keys to read, per head, padded to the longest head's list.
 
         Args:
             layer: layer index; q: (Hkv, Q, D) float32 queries; budget: keys to read per head (at least).
@@ -215,7 +215,7 @@ class RoutedStrategy(SelectionStrategy):
         per_head = lens.sum(1)                                                  # (Hkv,)
         m_max = int(per_head.max())
         # Row r of head h's padded list: run i where cum[i-1] ≤ r < cum[i], row starts[i] + r − cum[i-1].
-        # Padding (r ≥ per_head[h]) reads head h's first row and is masked by `valid`.
+        # Padding (r ≥ per_head[h]) reads a sink/tail row of head h (masked with them), else its first row.
         cum = lens.cumsum(1)                                                    # (Hkv, W)
         r = torch.arange(m_max).repeat(hkv, 1)                                   # (Hkv, Mmax), contiguous for searchsorted
         run = torch.searchsorted(cum, r, right=True).clamp_(max=width - 1)      # (Hkv, Mmax)
