@@ -99,7 +99,7 @@ class EvalConfig:
         for s in self.strategies:
             if s not in STRATEGIES:
                 raise TopkError(f"unknown strategy {s!r} (available: {', '.join(sorted(STRATEGIES))})")
-        split_options(self.strategies, self.strategy_options)   # unknown or mistyped options fail early
+        split_options(self.strategies, {k: v for k, v in self.strategy_options.items() if "." not in k})  # unknown options fail early
         if self.docs is not None and not self.question.strip():
             raise TopkError("--question must not be empty")
         if not self.tasks or not self.lengths or not self.depths or not self.strategies or not self.ks:

@@ -5,10 +5,11 @@ are clustered into clusters of ~`cluster_size` tokens and stored cluster-contigu
 Per step and layer, for each KV head:
 
 1. routing (CPU): each of its G·T queries estimates the share of its attention mass in every cluster c
-   from the cluster's centroid μ_c and size n_c: log m_c ≈ log n_c + s·q·μ_c (s = 1/√D), normalised over
-   the clusters; with `spread=true` also + s²·|q|²·σ_c²/2 (σ_c² the mean squared distance to μ_c per
-   dimension: the log-mean-exp of s·q·k for keys spread isotropically around μ_c; not better on real keys,
-   so off by default, docs/STRATEGIES.md). A cluster's priority for the head is the largest
+   from the cluster's centroid μ_c: log m_c ≈ s·q·μ_c (s = 1/√D), normalised over the clusters; with
+   `sizes=true` plus log n_c (n_c keys of the cluster), with `spread=true` plus s²·|q|²·σ_c²/2 (σ_c² the
+   mean squared distance to μ_c per dimension: the log-mean-exp of s·q·k for keys spread isotropically
+   around μ_c). Both terms lowered recall on real keys, so both are off by default (docs/STRATEGIES.md).
+   A cluster's priority for the head is the largest
    share any of its queries gives it (the union over the G query heads);
 2. the clusters are taken by priority until `probe_fraction` of the head's keys (at least 2·k) are read;
 3. their keys (contiguous runs) are scanned exactly in fp32, and every query takes its exact top-k among
@@ -78,13 +79,16 @@ class RoutedStrategy(SelectionStrategy):
             with the last cluster's overshoot at most ~5 % are read).
         spread: include the clusters' spread in the mass estimate (default False: neutral to slightly
             worse on real keys, docs/STRATEGIES.md).
+        sizes: include log n_c (the cluster's size) in the estimate (default False: clusters ranked by
+            s·q·μ_c alone, as IVF probes, had the higher id recall at the same mass on real keys).
     """
 
     name = "routed"
     keeps_query = False
     BUILD_DEFAULTS = {"cluster_size": 32, "iters": 6, "store_values": True}
-    SEARCH_DEFAULTS = {"probe_fraction": 0.04, "spread": False}
-    OPTIONS = {"cluster_size": int, "iters": int, "store_values": bool, "probe_fraction": float, "spread": bool}
+    SEARCH_DEFAULTS = {"probe_fraction": 0.04, "spread": False, "sizes": False}
+    OPTIONS = {"cluster_size": int, "iters": int, "store_values": bool, "probe_fraction": float, "spread": bool,
+               "sizes": bool}
 
     # ---- options / build -------------------------------------------------------------------------
     @classmethod
@@ -137,6 +141,7 @@ class RoutedStrategy(SelectionStrategy):
         o = self.options
         self.probe_fraction = _fraction(o, "probe_fraction", self.SEARCH_DEFAULTS["probe_fraction"])
         self.use_spread = as_bool(o.get("spread", self.SEARCH_DEFAULTS["spread"]))
+        use_sizes = as_bool(o.get("sizes", self.SEARCH_DEFAULTS["sizes"]))
         opts = self.build_options(o)
         if not self._on_disk(self.ckv):
             self.layouts = list(self._layouts(self.ckv, opts, progress))
@@ -154,6 +159,8 @@ class RoutedStrategy(SelectionStrategy):
         # log cluster sizes as the bias (−inf for an empty cluster), the spread scaled by s²/2.
         self._cent_t = [lay.centroids.transpose(1, 2).contiguous() for lay in self.layouts]
         self._bias = [lay.sizes.float().log().unsqueeze(1) for lay in self.layouts]      # (Hkv, 1, C)
+        if not use_sizes:     # 0 for every non-empty cluster, −inf for the empty ones
+            self._bias = [torch.where(torch.isinf(b), b, 0.0) for b in self._bias]
         self._spread = [(lay.spread * (0.5 * self.scale ** 2)).unsqueeze(1) for lay in self.layouts]
         self._sizes = [lay.sizes for lay in self.layouts]
         self._starts = [lay.offsets[:, :-1] + self._row_base for lay in self.layouts]   # (Hkv, C) flat rows
@@ -190,8 +197,8 @@ class RoutedStrategy(SelectionStrategy):
         return out
 
     # ---- search ----------------------------------------------------------------------------------
-    def route(self, layer: int, q: torch.Tensor, budget: int) -> torch.Tensor:
-        """Rows of the layout's flat (Hkv·N, D) keys to read, per head, padded: (Hkv, Mmax) int64 and its valid mask.
+    def route(self, layer: int, q: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows of the layout's flat (Hkv·N, D) keys to read, per head, padded to the longest head's list.
 
         Args:
             layer: layer index; q: (Hkv, Q, D) float32 queries; budget: keys to read per head (at least).
@@ -222,7 +229,7 @@ class RoutedStrategy(SelectionStrategy):
         per_head = lens.sum(1)                                                  # (Hkv,)
         m_max = int(per_head.max())
         # Row r of head h's padded list: run i where cum[i-1] ≤ r < cum[i], row starts[i] + r − cum[i-1].
-        # Padding (r ≥ per_head[h]) reads head h's first row and is masked by `valid`.
+        # Padding (r ≥ per_head[h]) reads a sink/tail row of head h (masked with them), else its first row.
         cum = lens.cumsum(1)                                                    # (Hkv, W)
         r = torch.arange(m_max).repeat(hkv, 1)                                   # (Hkv, Mmax), contiguous for searchsorted
         run = torch.searchsorted(cum, r, right=True).clamp_(max=width - 1)      # (Hkv, Mmax)
