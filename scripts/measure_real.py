@@ -52,8 +52,9 @@ def convert_gguf(path: Path, out_root: Path) -> Path:
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16)
     # a GGUF-loaded model refuses save_pretrained: rebuild it from its config and load the weights
-    fresh = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.bfloat16)
+    fresh = AutoModelForCausalLM.from_config(loaded.config).to(torch.bfloat16)
     fresh.load_state_dict(loaded.state_dict())
+    fresh.generation_config = loaded.generation_config
     tmp = out.with_name(out.name + ".partial")
     fresh.save_pretrained(tmp)
     tok.save_pretrained(tmp)
