@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--budget-minutes", type=float, default=None, help="skip lengths that would not fit")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out-dir", default="real_results")
+    p.add_argument("--convert-dir", default=None, help="where a .gguf is converted (default: OUT_DIR/converted)")
     args = p.parse_args(argv)
 
     check_faiss()
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     model = Path(args.model)
     if model.suffix == ".gguf":
-        model = convert_gguf(model, out_dir / "converted")
+        model = convert_gguf(model, Path(args.convert_dir) if args.convert_dir else out_dir / "converted")
     name = model.name
     strategies = usable_strategies([s.strip() for s in args.strategies.split(",") if s.strip()])
     try:
