@@ -52,8 +52,9 @@ def convert_gguf(path: Path, out_root: Path) -> Path:
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16)
     # a GGUF-loaded model refuses save_pretrained: rebuild it from its config and load the weights
-    fresh = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.bfloat16)
+    fresh = AutoModelForCausalLM.from_config(loaded.config).to(torch.bfloat16)
     fresh.load_state_dict(loaded.state_dict())
+    fresh.generation_config = loaded.generation_config
     tmp = out.with_name(out.name + ".partial")
     fresh.save_pretrained(tmp)
     tok.save_pretrained(tmp)
@@ -161,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--budget-minutes", type=float, default=None, help="skip lengths that would not fit")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out-dir", default="real_results")
+    p.add_argument("--convert-dir", default=None, help="where a .gguf is converted (default: OUT_DIR/converted)")
     args = p.parse_args(argv)
 
     check_faiss()
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     model = Path(args.model)
     if model.suffix == ".gguf":
-        model = convert_gguf(model, out_dir / "converted")
+        model = convert_gguf(model, Path(args.convert_dir) if args.convert_dir else out_dir / "converted")
     name = model.name
     strategies = usable_strategies([s.strip() for s in args.strategies.split(",") if s.strip()])
     try:

@@ -48,7 +48,10 @@ class DenseContext:
     def _cache(self):
         from transformers import DynamicCache
 
-        c = DynamicCache(config=self.model.config)
+        try:
+            c = DynamicCache(config=self.model.config)
+        except TypeError:      # transformers versions whose DynamicCache takes no config
+            c = DynamicCache()
         for i, (k, v) in enumerate(self.kv):
             c.update(k, v, i)      # the first update keeps the tensors; later steps concatenate copies
         return c
