@@ -21,7 +21,6 @@ versions) counts as not built: the artifacts are rebuilt.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from topk_decode.errors import TopkError
+from topk_decode.store.format import blake2_file
 
 DONE = "done.json"
 DONE_VERSION = 1
@@ -40,14 +40,6 @@ VERIFY_LIMIT_BYTES = 2 << 30
 def artifact_dir(cache: str | os.PathLike, name: str) -> Path:
     """Where strategy `name` keeps its files inside a cache directory."""
     return Path(cache) / "index" / name
-
-
-def _blake2(path: Path) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        while block := f.read(8 << 20):
-            h.update(block)
-    return h.hexdigest()
 
 
 @contextmanager
@@ -126,7 +118,7 @@ def write_done(d: Path, files: list[Path], meta: dict, cache_id: str = "") -> No
     for p in files:
         p = Path(p)
         rel = p.relative_to(d).as_posix() if p.is_absolute() else p.as_posix()
-        table[rel] = {"bytes": (d / rel).stat().st_size, "blake2b": _blake2(d / rel)}
+        table[rel] = {"bytes": (d / rel).stat().st_size, "blake2b": blake2_file(d / rel)}
     tmp = d / (DONE + ".tmp")
     with open(tmp, "w") as f:
         json.dump({"version": DONE_VERSION, "cache_id": cache_id, "meta": meta, "files": table}, f, indent=2)
@@ -172,7 +164,7 @@ def verify_done(d: Path, full: bool | None = None) -> dict:
         if p.stat().st_size != rec["bytes"]:
             raise TopkError(f"corrupted cache: {p} has {p.stat().st_size} bytes, expected {rec['bytes']} "
                             f"(truncated?; delete {d} to rebuild)")
-        if full and _blake2(p) != rec["blake2b"]:
+        if full and blake2_file(p) != rec["blake2b"]:
             raise TopkError(f"corrupted cache: checksum mismatch in {p} (delete {d} to rebuild)")
     return done["meta"]
 

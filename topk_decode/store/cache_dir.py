@@ -22,6 +22,7 @@ import torch
 
 from topk_decode.errors import TopkError
 from topk_decode.store.format import (
+    blake2_stream,
     FORMAT_MARKER,
     FORMAT_VERSION,
     MANIFEST,
@@ -40,14 +41,6 @@ from topk_decode.store.resume import checkpoint_layers, drop_checkpoint, load_ch
 # Full checksums are verified at open up to this total size; above it, sizes only (hashing 100+ GiB
 # at every open would take minutes). `topk info --verify` always hashes everything.
 VERIFY_LIMIT_BYTES = 2 << 30
-
-
-def _blake2(f) -> str:
-    """blake2b-128 of an open binary file, read in 8 MiB blocks."""
-    h = hashlib.blake2b(digest_size=16)
-    while block := f.read(8 << 20):
-        h.update(block)
-    return h.hexdigest()
 
 
 def check_output(out: Path, overwrite: bool) -> None:
@@ -316,7 +309,7 @@ def verify_files(d: PinnedDir | Path, manifest: dict, full: bool | None = None) 
     if full:
         for rel, meta in files.items():
             with d.open(rel) as f:
-                if _blake2(f) != meta["blake2b"]:
+                if blake2_stream(f) != meta["blake2b"]:
                     raise TopkError(f"corrupted cache: checksum mismatch in {d.path / rel}")
     return len(files) if full else 0
 

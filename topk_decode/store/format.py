@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import re
 from pathlib import Path
 
@@ -76,3 +78,17 @@ def as_torch(arr: np.ndarray, name: str) -> torch.Tensor:
         warnings.simplefilter("ignore", UserWarning)
         t = torch.from_numpy(arr)
     return t.view(torch_dtype(name))
+
+
+def blake2_stream(f) -> str:
+    """blake2b-128 of an open binary file from its position to the end, read in 8 MiB blocks."""
+    h = hashlib.blake2b(digest_size=16)
+    while block := f.read(8 << 20):
+        h.update(block)
+    return h.hexdigest()
+
+
+def blake2_file(path) -> str:
+    """blake2b-128 of a whole file (the checksum every cache file and artifact records)."""
+    with open(path, "rb") as f:
+        return blake2_stream(f)

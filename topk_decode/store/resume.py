@@ -20,22 +20,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from topk_decode.store.format import as_torch, dtype_name, keys_file, numpy_storage, values_file
+from topk_decode.store.format import as_torch, blake2_file, dtype_name, keys_file, numpy_storage, values_file
 
 STATE = "resume/state.json"
 
 
 def _hidden_file(next_layer: int) -> str:
     return f"resume/hidden.{next_layer:03d}.bin"
-
-
-def blake2_file(path: Path) -> str:
-    """blake2b-128 of a whole file, read in 8 MiB blocks."""
-    h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        while block := f.read(8 << 20):
-            h.update(block)
-    return h.hexdigest()
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:
