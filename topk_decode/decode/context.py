@@ -86,7 +86,7 @@ class ContextAttention:
         with omp_threads(self.small_op_threads):
             torch.mul(sel.scores.view(R, K), self.scale, out=w)                      # scaled logits
             ids = sel.ids.view(R, K)
-            empty = not sel.full and bool(ids.min() < 0)
+            empty = not sel.no_empty_slots and bool(ids.min() < 0)
             if empty:
                 w.masked_fill_(ids < 0, float("-inf"))
                 ids = ids.clamp(min=0)

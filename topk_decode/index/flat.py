@@ -120,7 +120,7 @@ class FlatStrategy(SelectionStrategy):
             pool = self.pool if self.scan == "blocks" else None
             return _half_scan(keys, q, k, self.lo, self.hi, self.stats, buffers, pool, self.scan == "kq")
         scores, ids = _fp32_scan(keys, q, k, self.lo, self.hi)
-        return Selection(ids=ids, scores=scores, full=True)
+        return Selection(ids=ids, scores=scores, no_empty_slots=True)
 
     def _torch_topk(self, layer: int, h: int, q: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
         """One head's exact top-k (used by strategies that search a subset of heads, e.g. duo).
@@ -256,4 +256,4 @@ def _half_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, st
             s, ix = _fp32_scan(keys[h:h + 1], q[h:h + 1, i:i + 1], k, lo, hi)
             scores[h, i], ids[h, i] = s[0, 0], ix[0, 0]
         stats.extra["fp32_rescans"] = stats.extra.get("fp32_rescans", 0) + len(bad)
-    return Selection(ids=ids, scores=scores, full=True)     # k < M here: every slot holds a token
+    return Selection(ids=ids, scores=scores, no_empty_slots=True)     # k < M here: every slot holds a token
