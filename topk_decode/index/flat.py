@@ -122,7 +122,7 @@ class FlatStrategy(SelectionStrategy):
         scores, ids = _fp32_scan(keys, q, k, self.lo, self.hi)
         return Selection(ids=ids, scores=scores, no_empty_slots=True)
 
-    def _torch_topk(self, layer: int, h: int, q: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def torch_search(self, layer: int, h: int, q: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
         """One head's exact top-k (used by strategies that search a subset of heads, e.g. duo).
 
         Args:
