@@ -217,8 +217,8 @@ def _topk_decode(model, ckv, cfg: BenchConfig, device: torch.device, strategy: s
     return {"tokens_per_s": cfg.steps / wall, "ms_per_step": 1e3 * wall / cfg.steps, "breakdown": breakdown,
             "steps": cfg.steps, "k": cfg.k, "strategy_options": options,
             "keys_read_pct": keys_read_pct, "open_s": round(open_s, 1),
-            "cuda_graphs": decoder._segments is not None and decoder._segments.graphs is not None,
-            "compiled": decoder._segments is not None and decoder._segments.compiled,
+            "cuda_graphs": decoder.segments is not None and decoder.segments.graphs is not None,
+            "compiled": decoder.segments is not None and decoder.segments.compiled,
             "first_step_s": round(first_step_s, 2),
             "fp32_rescans": decoder.strategy.stats.extra.get("fp32_rescans", 0),
             "peak_gpu_gib": _gib(peak_gpu(device)), "cpu_rss_gib": _gib(rss), "cpu_peak_rss_gib": _gib(hwm)}

@@ -195,6 +195,24 @@ class TopKDecoder:
                 raise TopkError("the store is closed")
             return self._forward_locked(ids, conv)
 
+    @property
+    def segments(self) -> StepSegments | None:
+        """The one-token step's fixed-buffer segments (graphs.py): None until the first one-token step
+        on the segment path, and after `reset_segments`. Read-only: for inspection (`.graphs`,
+        `.compiled`, `.capacity`) and profiling."""
+        return self._segments
+
+    def reset_segments(self, compile: bool | None = None) -> None:
+        """Drop the step's segments; the next one-token step builds (captures, compiles) new ones.
+
+        Args:
+            compile: when given, set `config.compile` first, so the new segments are compiled or not.
+        """
+        with self.lock:        # between steps, never inside one
+            if compile is not None:
+                self.config.compile = compile
+            self._segments = None
+
     def close(self) -> None:
         """Stop the strategy's worker threads; later steps raise TopkError. Idempotent."""
         with self.lock:        # after any step in flight
