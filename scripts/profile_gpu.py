@@ -20,7 +20,6 @@ from topk_decode.bench.shapes import build_model
 from topk_decode.bench.synthetic import synthetic_kv
 from topk_decode.config import DecodeConfig
 from topk_decode.decode.engine import TopKDecoder
-from topk_decode.decode.graphs import StepSegments
 from topk_decode.model.blocks import ModelShape, attention_inputs, finish_block, rope
 from topk_decode.prefill import layerwise
 from topk_decode.prefill.layerwise import chunk_attention, prefill_layers
@@ -205,7 +204,7 @@ _VARIANTS = {
 
 def _floors(dec, conv, logits, steps: int, device) -> tuple[dict, torch.Tensor]:
     """The GPU side alone: graphs replayed back to back, with a per-layer sync, and whole steps without the CPU part."""
-    seg = dec._segments
+    seg = dec.segments
     L = dec.shape.n_layers
     ev = [torch.cuda.Event() for _ in range(L)]
 
@@ -245,9 +244,8 @@ def profile_decode(model, n: int, k: int, steps: int, out: Path, device, variant
         settings = {"compile": True, "threads": threads, **_VARIANTS[name]}
         torch.set_num_threads(settings.pop("threads"))
         compile = settings.pop("compile")
-        if compile != dec._segments.compiled:      # a new capture, compiled or not
-            dec._segments = StepSegments(model, shape, device, capture=True, scale=dec.scale, compile=compile,
-                                         context_dtype=dec.context.dtype)
+        if compile != dec.segments.compiled:       # a new capture, compiled or not (at the next step)
+            dec.reset_segments(compile=compile)
         key = name if name not in res["variants"] else f"{name}#{i}"
         res["variants"][key], logits = _steps(dec, conv, logits, steps)
         print(key, res["variants"][key], flush=True)

@@ -102,13 +102,13 @@ def test_streaming_heads_are_never_searched_and_return_only_empty_ids(built_cach
     strat = open_duo(cache, pattern, backend=backend, threads=1)
     searched: list[tuple[int, int]] = []
     if backend == "torch":
-        real = FlatStrategy._torch_topk
+        real = FlatStrategy.torch_search
 
         def spy(self, layer, h, q, k):
             searched.append((layer, h))
             return real(self, layer, h, q, k)
 
-        monkeypatch.setattr(FlatStrategy, "_torch_topk", spy)
+        monkeypatch.setattr(FlatStrategy, "torch_search", spy)
     else:
         assert set(strat.head_index) == RETRIEVAL  # no index was built for a streaming head
 

@@ -123,21 +123,20 @@ def test_cuda_graphs_interleaved_conversations_decode_as_each_alone(cuda_caches)
         got[0].append(ta)
         got[1].append(tb)
     assert got == alone
-    assert dec._segments.graphs is not None
+    assert dec.segments.graphs is not None
 
 
 def _one_token_logits(store, compile: bool, steps: int = 6) -> torch.Tensor:
     """Greedy one-token steps (the graphed path) with the step compiled or not: (steps, V) logits."""
-    store.decoder.config.compile = compile
-    store.decoder._segments = None
+    store.decoder.reset_segments(compile=compile)
     conv = store.decoder.new_conversation()
     logits = store.decoder.forward([5, 17, 42], conv)
     out = []
     for _ in range(steps):
         logits = store.decoder.forward([int(logits.argmax())], conv)
         out.append(logits)
-    assert store.decoder._segments.graphs is not None
-    assert store.decoder._segments.compiled is compile
+    assert store.decoder.segments.graphs is not None
+    assert store.decoder.segments.compiled is compile
     return torch.stack(out)
 
 
@@ -160,12 +159,11 @@ def test_failed_compilation_falls_back_to_the_uncompiled_step_with_a_warning(cud
     caches, _ = cuda_caches
     store = KVStore.open(caches["fp32"], k=8, device="cuda", dtype="fp32", n_sink=4, n_tail=16)
     plain = _one_token_logits(store, compile=False)
-    store.decoder.config.compile = True
-    store.decoder._segments = None
+    store.decoder.reset_segments(compile=True)
     conv = store.decoder.new_conversation()
     logits = store.decoder.forward([5, 17, 42], conv)
     with pytest.warns(TopkWarning, match="torch.compile of the decode step failed"):
         logits = store.decoder.forward([int(logits.argmax())], conv)
-    assert store.decoder._segments.compiled is False and store.decoder._segments.graphs is not None
+    assert store.decoder.segments.compiled is False and store.decoder.segments.graphs is not None
     torch.testing.assert_close(logits, plain[0], rtol=0, atol=0)
 

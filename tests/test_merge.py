@@ -257,7 +257,7 @@ def test_a_selection_marked_full_skips_the_empty_slot_check_with_the_same_result
     skipped = torch.empty(H, D, dtype=torch.bfloat16), torch.empty(H, 2)
     attention = ContextAttention([ctx_v.to(torch.bfloat16)], D ** -0.5)
     assert attention.attend(0, sel, *checked) == H * k
-    sel.full = True
+    sel.no_empty_slots = True
     assert attention.attend(0, sel, *skipped) == H * k
     assert torch.equal(checked[0], skipped[0]) and torch.equal(checked[1], skipped[1])
 

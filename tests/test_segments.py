@@ -64,6 +64,27 @@ def test_window_growing_past_the_buffers_capacity_keeps_the_result(model_and_cac
     got = []
     for tok in [3] + ref[:-1]:                      # teacher-forced: the same inputs as the reference
         got.append(int(dec.forward([tok], conv).argmax()))
-        seen.append(dec._segments.capacity)
+        seen.append(dec.segments.capacity)
     assert seen[0] == 16 and seen[-1] == 64         # 10 + 2 + 30 slots: it doubled twice mid-conversation
+    assert got == ref
+
+
+def test_reset_segments_rebuilds_them_at_the_next_step_and_keeps_the_result(model_and_cache):
+    model, ckv = model_and_cache
+    cfg = DecodeConfig(k=8, strategy_options={"backend": "torch"})
+    dec = TopKDecoder(model, ckv, cfg, graphs=True)
+    conv = dec.new_conversation()
+    dec.forward([5, 6, 7], conv)
+    ref = _continue(dec, conv, 3, 6)
+    dec = TopKDecoder(model, ckv, DecodeConfig(k=8, strategy_options={"backend": "torch"}), graphs=True)
+    conv = dec.new_conversation()
+    dec.forward([5, 6, 7], conv)
+    assert dec.segments is None                     # built by the first one-token step
+    got = _continue(dec, conv, 3, 3)
+    first = dec.segments
+    assert first is not None
+    dec.reset_segments(compile=False)
+    assert dec.segments is None and dec.config.compile is False
+    got += _continue(dec, conv, got[-1], 3)         # the same conversation goes on through new segments
+    assert dec.segments is not None and dec.segments is not first
     assert got == ref

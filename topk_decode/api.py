@@ -16,21 +16,10 @@ from topk_decode.decode.messages import conversation_text
 from topk_decode.decode.sampling import Sampling
 from topk_decode.decode.sources import SourceTracker
 from topk_decode.errors import TopkError
-from topk_decode.model.loading import load_model, load_tokenizer, model_fingerprint
+from topk_decode.model.loading import eos_token_ids, load_model, load_tokenizer, model_fingerprint
 from topk_decode.prefill.build import LAST_LOGITS, build_cache, parse_dtype, pick_device
 from topk_decode.prefill.documents import PromptFormat
 from topk_decode.store.cache_dir import ContextKV, open_cache
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    """Every token id that ends a turn: the generation config's eos ids and the tokenizer's."""
-    ids: set[int] = set()
-    for src in (getattr(model.generation_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(src, int):
-            ids.add(src)
-        elif src:
-            ids.update(int(i) for i in src)
-    return ids
 
 
 class KVStore:
@@ -55,7 +44,7 @@ class KVStore:
         last_logits = torch.from_numpy(np.fromfile(last, dtype=np.float32)) if last.is_file() else None
         self.decoder = TopKDecoder(model, ckv, config, last_logits=last_logits, progress=progress)
         self.prompt_format = PromptFormat(**ckv.manifest.get("prompt", {"kind": "raw"}))
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = eos_token_ids(model, tokenizer)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod

@@ -28,6 +28,8 @@ class DecodeConfig:
         max_window_tokens: most tokens a conversation may add after the context (prompts and
             answers); the window's memory grows linearly with it. A prompt that would pass it is
             refused with a TopkError, and the conversation is left as it was.
+        n_layers: the model's number of layers; leave it None: `validate(n_layers)` sets it (the
+            decoder calls it with the model's depth), and `k_for_layer` reads it for the schedule.
     """
 
     k: int = 256
@@ -40,9 +42,10 @@ class DecodeConfig:
     compile: bool = True
     prompt_chunk: int = 512
     max_window_tokens: int = 65536
+    n_layers: int | None = None
 
     def validate(self, n_layers: int) -> None:
-        """Raise TopkError for budgets that make no sense."""
+        """Raise TopkError for budgets that make no sense; on success set `self.n_layers = n_layers`."""
         if self.k_per_layer is not None:
             if len(self.k_per_layer) != n_layers:
                 raise TopkError(f"k_per_layer has {len(self.k_per_layer)} entries, the model has {n_layers} layers")
@@ -54,13 +57,13 @@ class DecodeConfig:
 
         if self.k_schedule not in SCHEDULES:
             raise TopkError(f"unknown k schedule {self.k_schedule!r} (use {' or '.join(SCHEDULES)})")
-        self._n_layers = n_layers  # the schedule needs the depth; k itself may change later (set_k)
         if self.n_sink < 0 or self.n_tail < 0:
             raise TopkError("n_sink and n_tail must be ≥ 0")
         for name in ("prompt_chunk", "max_window_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise TopkError(f"{name} must be a positive integer, got {value!r}")
+        self.n_layers = n_layers  # the schedule needs the depth; k itself may change later (set_k)
 
     def k_for_layer(self, layer: int) -> int:
         """The retrieval budget of one layer."""
@@ -69,5 +72,5 @@ class DecodeConfig:
         if self.k_schedule != "uniform":
             from topk_decode.index.schedule import k_schedule
 
-            return k_schedule(self.k_schedule, self.k, self._n_layers)[layer]
+            return k_schedule(self.k_schedule, self.k, self.n_layers)[layer]
         return self.k

@@ -213,12 +213,12 @@ def _topk_decode(model, ckv, cfg: BenchConfig, device: torch.device, strategy: s
     keys_read_pct = 100.0 if strategy == "flat" else (round(100 * read / total, 2) if total else None)
     s = conv.stats.summary()
     rss, hwm = cpu_rss()
-    breakdown = {k: round(s[k], 2) for k in ("gpu_ms", "d2h_ms", "search_ms", "gather_ms", "h2d_ms")}
+    breakdown = {k: round(s[k], 2) for k in ("gpu_ms", "d2h_ms", "search_ms", "context_ms", "h2d_ms")}
     return {"tokens_per_s": cfg.steps / wall, "ms_per_step": 1e3 * wall / cfg.steps, "breakdown": breakdown,
             "steps": cfg.steps, "k": cfg.k, "strategy_options": options,
             "keys_read_pct": keys_read_pct, "open_s": round(open_s, 1),
-            "cuda_graphs": decoder._segments is not None and decoder._segments.graphs is not None,
-            "compiled": decoder._segments is not None and decoder._segments.compiled,
+            "cuda_graphs": decoder.segments is not None and decoder.segments.graphs is not None,
+            "compiled": decoder.segments is not None and decoder.segments.compiled,
             "first_step_s": round(first_step_s, 2),
             "fp32_rescans": decoder.strategy.stats.extra.get("fp32_rescans", 0),
             "peak_gpu_gib": _gib(peak_gpu(device)), "cpu_rss_gib": _gib(rss), "cpu_peak_rss_gib": _gib(hwm)}

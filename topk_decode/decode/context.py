@@ -8,10 +8,10 @@ raw scores a_i = q·k_i. This module turns them into the part's sums, with m = m
 so that only o (H, D) in the values' dtype and (m, z) (H, 2) in fp32 cross to the GPU per layer.
 There `merge.context_part` finishes the part (out_c = o / z, lse_c = m + log z) inside the fused
 merge with the window part (one softmax over the union, merge.py): right after a search every CPU op
-runs cold (15-20 µs each instead of 3-5, docs/BENCHMARKS.md), so the CPU does only the ops that need
-the whole selection. The weighted sum reads each selected value row once (`F.embedding_bag`, a fused
-gather + weighted sum, parallel over query heads) instead of gathering the rows into a staging buffer
-and sending k·D values per head over PCIe.
+runs cold, several times its warm cost (docs/BENCHMARKS.md, "Where the context part's time goes"), so
+the CPU does only the ops that need the whole selection. The weighted sum reads each selected value row
+once (`F.embedding_bag`, a fused gather + weighted sum, parallel over query heads) instead of gathering
+the rows into a staging buffer and sending k·D values per head over PCIe.
 
 Precision: the sum runs in the values' dtype with fp32 accumulation. For fp32 caches that is exact
 fp32; for bf16/fp16 caches the weights are rounded to that dtype, as a GPU flash kernel rounds P
@@ -78,15 +78,16 @@ class ContextAttention:
         if K == 0:
             self.write_empty(o, mz)
             return 0
-        # ~8 ops on 32K-element tensors per layer, right after the search: each costs 15-30 µs with the
-        # caches cold, so they are few, in place, into reused buffers, and the empty-slot handling only
-        # when needed. (numpy's ufuncs on the same memory measured slower, docs/BENCHMARKS.md.)
+        # ~8 ops on 32K-element tensors per layer, right after the search, each with the caches cold
+        # (docs/BENCHMARKS.md, "Where the context part's time goes"): so they are few, in place, into
+        # reused buffers, and the empty-slot handling only when needed. (numpy's ufuncs on the same
+        # memory measured slower, docs/BENCHMARKS.md.)
         R = hkv * Q
         w, w_low, rows, aux = self._buffers(R, K)            # (R, K) fp32, values' dtype, (R·K,) int64
         with omp_threads(self.small_op_threads):
             torch.mul(sel.scores.view(R, K), self.scale, out=w)                      # scaled logits
             ids = sel.ids.view(R, K)
-            empty = not sel.full and bool(ids.min() < 0)
+            empty = not sel.no_empty_slots and bool(ids.min() < 0)
             if empty:
                 w.masked_fill_(ids < 0, float("-inf"))
                 ids = ids.clamp(min=0)

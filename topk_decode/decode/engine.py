@@ -34,21 +34,24 @@ from topk_decode.store.cache_dir import ContextKV
 class StepStats:
     """Accumulated wall-clock seconds per part of the decode step, and counts.
 
-    search: the strategy's select (CPU wall); gather: the context part of attention on the CPU (the
-    weighted sum of the selected value rows, context.py); d2h / h2d: the query's and the context
-    part's transfers where they are separate calls (the multi-token path; wall time, so including the
-    wait for the GPU work queued before them). In the one-token path both transfers (16 and 8 KiB) are
-    inside the CUDA graphs. Whatever remains of the step is GPU compute plus Python launch overhead
-    (the per-layer query sync makes the two serial, so they are reported together as `gpu_ms`).
-    The one-token path splits part of that remainder out: launch (CPU time of the segment launches)
-    and wait (blocked on the GPU until the layer's query is on the host).
+    search: the strategy's select (CPU wall); context: the context part of attention on the CPU
+    (softmax of the k exact scores and the weighted sum of the selected value rows, context.py);
+    d2h / h2d: the query's and the context part's transfers where they are separate calls (the
+    multi-token path; wall time, so including the wait for the GPU work queued before them). In the
+    one-token path both transfers (16 and 8 KiB) are inside the CUDA graphs.
+
+    `summary()["gpu_ms"]` is the rest of the step: total minus search, context, d2h and h2d. It holds
+    GPU compute, the launches (CUDA graphs or eager kernels), the waits for the GPU and the step's
+    Python; the per-layer query sync makes them serial, so they are reported together. `launch_ms`
+    (CPU time of the segment launches, one-token path) and `wait_ms` (blocked on the GPU until the
+    layer's query is on the host) are parts of `gpu_ms`, not additions to it.
     """
 
     steps: int = 0
     tokens: int = 0
     total_s: float = 0.0
     search_s: float = 0.0
-    gather_s: float = 0.0
+    context_s: float = 0.0
     d2h_s: float = 0.0
     h2d_s: float = 0.0
     launch_s: float = 0.0
@@ -63,17 +66,16 @@ class StepStats:
     def summary(self) -> dict[str, float]:
         """Per-step means in milliseconds."""
         n = max(self.steps, 1)
-        rest = self.total_s - self.search_s - self.gather_s - self.transfer_s
+        rest = self.total_s - self.search_s - self.context_s - self.transfer_s
         return {
             "steps": self.steps,
             "ms_per_step": 1e3 * self.total_s / n,
             "search_ms": 1e3 * self.search_s / n,
-            "gather_ms": 1e3 * self.gather_s / n,
+            "context_ms": 1e3 * self.context_s / n,
             "d2h_ms": 1e3 * self.d2h_s / n,
             "h2d_ms": 1e3 * self.h2d_s / n,
             "transfer_ms": 1e3 * self.transfer_s / n,
-            "gpu_ms": 1e3 * rest / n,
-            "other_ms": 1e3 * rest / n,
+            "gpu_ms": 1e3 * rest / n,          # the rest of the step (see the class docstring)
             "launch_ms": 1e3 * self.launch_s / n,
             "wait_ms": 1e3 * self.wait_s / n,
             "retrieved_per_step": self.retrieved / n,
@@ -177,7 +179,7 @@ class TopKDecoder:
         st.retrieved += self.context.attend(layer, sel, o, mz)
         t3 = time.perf_counter()
         st.search_s += t2 - t1
-        st.gather_s += t3 - t2b
+        st.context_s += t3 - t2b
 
     def forward(self, ids: list[int], conv: Conversation) -> torch.Tensor:
         """Feed new tokens (after any pending ones) through the model; return the last token's logits (V,).
@@ -192,6 +194,24 @@ class TopKDecoder:
             if self.closed:
                 raise TopkError("the store is closed")
             return self._forward_locked(ids, conv)
+
+    @property
+    def segments(self) -> StepSegments | None:
+        """The one-token step's fixed-buffer segments (graphs.py): None until the first one-token step
+        on the segment path, and after `reset_segments`. Read-only: for inspection (`.graphs`,
+        `.compiled`, `.capacity`) and profiling."""
+        return self._segments
+
+    def reset_segments(self, compile: bool | None = None) -> None:
+        """Drop the step's segments; the next one-token step builds (captures, compiles) new ones.
+
+        Args:
+            compile: when given, set `config.compile` first, so the new segments are compiled or not.
+        """
+        with self.lock:        # between steps, never inside one
+            if compile is not None:
+                self.config.compile = compile
+            self._segments = None
 
     def close(self) -> None:
         """Stop the strategy's worker threads; later steps raise TopkError. Idempotent."""

@@ -22,12 +22,12 @@ from typing import Callable
 
 import torch
 
-from topk_decode.api import KVStore, _eos_ids
+from topk_decode.api import KVStore
 from topk_decode.config import DecodeConfig
 from topk_decode.errors import TopkError
 from topk_decode.eval.metrics import FidelityObserver, dense_reference, is_correct, teacher_forced
 from topk_decode.index import STRATEGIES, get_strategy, split_options
-from topk_decode.model.loading import load_model, load_tokenizer, model_fingerprint
+from topk_decode.model.loading import eos_token_ids, load_model, load_tokenizer, model_fingerprint
 from topk_decode.prefill.build import build_cache, parse_dtype, pick_device
 from topk_decode.store.cache_dir import open_cache
 
@@ -417,7 +417,7 @@ def run_eval(cfg: EvalConfig, log: Callable[[str], None] | None = None,
     device = pick_device(cfg.device)
     model = load_model(model_dir, device, parse_dtype(cfg.dtype))
     tokenizer = load_tokenizer(model_dir)
-    eos = _eos_ids(model, tokenizer)
+    eos = eos_token_ids(model, tokenizer)
     loaded = _Loaded(model_dir, model, tokenizer, eos)
     result = EvalResult(config=asdict(cfg), environment=environment(model_dir, trained, device))
     if cfg.docs is not None:

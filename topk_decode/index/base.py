@@ -109,7 +109,7 @@ class Selection:
     ids: torch.Tensor
     scores: torch.Tensor
     searched: bool = True  # False when the answer came from a cache instead of a search
-    full: bool = False     # True when the strategy knows no slot is empty (lets the decoder skip the check)
+    no_empty_slots: bool = False  # True when the strategy knows no slot is empty (lets the decoder skip the check)
 
 
 @dataclass

@@ -184,7 +184,7 @@ class DuoStrategy(FlatStrategy):
             k: results per query.
         """
         if self.backend == "torch":
-            return self._torch_topk(layer, h, q, k)
+            return self.torch_search(layer, h, q, k)
         return self.head_index[(layer, h)].search(q.numpy(), k)
 
     def select(self, layer: int, q: torch.Tensor, k: int, state: Any = None) -> Selection:

@@ -23,8 +23,8 @@ from topk_decode.index.threads import HeadPool, default_threads
 
 # The torch scan reads the memory map in place and is the faster backend (docs/BENCHMARKS.md).
 DEFAULT_BACKEND = "torch"
-# Scoring kernel of the torch backend: on the 16-core GPU host one batched matmul reads the keys at
-# ~60 % of the DRAM bandwidth and the threaded blocks at ~17 % (scripts/scan_bandwidth.py, docs/BENCHMARKS.md).
+# Scoring kernel of the torch backend: on the 16-core GPU host one batched matmul reads the keys much
+# closer to the DRAM bandwidth than the threaded blocks (docs/BENCHMARKS.md, "Scan bandwidth").
 DEFAULT_SCAN = "bmm"
 _SCAN_BLOCK = 1 << 14   # keys per task: 4 MiB of bf16 keys at D=128, a (Q, block) output that stays in cache
 _SQ_TYPES = {torch.float16: "QT_fp16", torch.bfloat16: "QT_bf16"}
@@ -120,9 +120,9 @@ class FlatStrategy(SelectionStrategy):
             pool = self.pool if self.scan == "blocks" else None
             return _half_scan(keys, q, k, self.lo, self.hi, self.stats, buffers, pool, self.scan == "kq")
         scores, ids = _fp32_scan(keys, q, k, self.lo, self.hi)
-        return Selection(ids=ids, scores=scores, full=True)
+        return Selection(ids=ids, scores=scores, no_empty_slots=True)
 
-    def _torch_topk(self, layer: int, h: int, q: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def torch_search(self, layer: int, h: int, q: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
         """One head's exact top-k (used by strategies that search a subset of heads, e.g. duo).
 
         Args:
@@ -154,9 +154,8 @@ def _fp32_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int) ->
     return best_s, best_i
 
 
-# The sampled-threshold top-k wins on few cores (2 threads: 4.5-6.1 ms vs 12.1 ms per layer at 128K) but
-# its ~20 small serial ops lose to torch's row-parallel topk on many (16 threads on the GPU host:
-# 4.35 vs 3.73 ms per layer, measured with `python -m topk_decode.bench.search 131072`).
+# The sampled-threshold top-k wins on few cores but its ~20 small serial ops lose to torch's
+# row-parallel topk on many (docs/BENCHMARKS.md, "Search floor on the 16-core host").
 _THRESHOLD_MAX_THREADS = 4
 
 # bf16 keeps 8 significant bits: a half-precision score is within 2^-8 relative of the fp32 one
@@ -209,7 +208,7 @@ def _half_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, st
     Q, M = q.shape[1], hi - lo
     kc = min(M, k + max(32, k // 4))
     # Scan all N keys and mask [0, lo) and [hi, N) afterwards: a sliced batch (row stride ≠ M·D)
-    # drops torch's CPU bmm onto a slow generic path (16x slower, measured).
+    # drops torch's CPU bmm onto a slow generic path (docs/BENCHMARKS.md, "Search floor on the 16-core host").
     if buffers is not None:
         approx = buffers.get((hkv, Q, n, keys.dtype))
         if approx is None:
@@ -228,8 +227,8 @@ def _half_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, st
         approx = torch.bmm(q.to(keys.dtype), keys.transpose(1, 2))
     approx[..., :lo] = float("-inf")
     approx[..., hi:] = float("-inf")
-    # Exact candidates without a full topk over N (3x cheaper on a CPU); unsorted: only their minimum
-    # (the certificate's c) and the set matter.
+    # Exact candidates without a full topk over N (cheaper on few cores: _THRESHOLD_MAX_THREADS); unsorted:
+    # only their minimum (the certificate's c) and the set matter.
     if torch.get_num_threads() <= _THRESHOLD_MAX_THREADS:
         cand_s, cand_i = topk_by_threshold(approx, kc, sorted=False, counters=stats.extra, buffers=buffers)
     else:
@@ -256,4 +255,4 @@ def _half_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, st
             s, ix = _fp32_scan(keys[h:h + 1], q[h:h + 1, i:i + 1], k, lo, hi)
             scores[h, i], ids[h, i] = s[0, 0], ix[0, 0]
         stats.extra["fp32_rescans"] = stats.extra.get("fp32_rescans", 0) + len(bad)
-    return Selection(ids=ids, scores=scores, full=True)     # k < M here: every slot holds a token
+    return Selection(ids=ids, scores=scores, no_empty_slots=True)     # k < M here: every slot holds a token

@@ -274,10 +274,10 @@ class RoutedStrategy(SelectionStrategy):
         top = scores.topk(min(k, m_max), dim=-1, sorted=False)
         ids = pos[:, None, :].expand(hkv, Q, m_max).gather(-1, top.indices)     # (Hkv, Q, K) original positions
         scores, empty = top.values, torch.isinf(top.values)
-        full = not bool(empty.any())
-        if not full:   # fewer than k valid keys were read for some query: empty slots
+        no_empty_slots = not bool(empty.any())
+        if not no_empty_slots:   # fewer than k valid keys were read for some query: empty slots
             ids, scores = ids.masked_fill(empty, -1), scores.masked_fill(empty, 0.0)
-        return Selection(ids=ids, scores=scores, full=full)
+        return Selection(ids=ids, scores=scores, no_empty_slots=no_empty_slots)
 
     def _buffers(self, rows: int, Q: int, D: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """Gather, fp32 and score buffers reused across layers and steps (fresh 10-50 MiB tensors per layer

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 # Plain topk below this many elements per result, or for k < _MIN_K: there the compare + nonzero
-# passes cost as much as torch's own selection (break-even near k = 64-80 at N = 131072, measured).
+# passes cost as much as torch's own selection (docs/BENCHMARKS.md, "Search floor on the 16-core host").
 _DIRECT_FACTOR = 8
 _MIN_K = 96
 # The threshold is the _SAMPLE_RANK-th largest of a strided sample that aims at ~_SURVIVORS_PER_K·k
@@ -26,7 +26,7 @@ _SAMPLE_RANK = 64
 _MAX_SURVIVORS_PER_K = 8
 # Integers of the same width: for t >= +0, x >= t  <=>  bits(x) >= bits(t) as signed integers
 # (sign-magnitude floats, negatives have the sign bit), and integer compares vectorise where
-# bf16 / fp16 ones do not (2x faster, measured).
+# bf16 / fp16 ones do not (faster: docs/BENCHMARKS.md, "Search floor on the 16-core host").
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
          torch.float64: torch.int64}
 
@@ -54,7 +54,8 @@ def _flat_nonzero(buf: torch.Tensor) -> torch.Tensor:
     """Ascending positions of the True entries of a word-padded bool buffer.
 
     Two levels: `nonzero` over the int64 words (8 flags each) and then over the ~15% of words that
-    hold a survivor; 2.5 ms instead of 4 ms for one `nonzero` over 4M flags (single thread).
+    hold a survivor: cheaper than one `nonzero` over all the flags (docs/BENCHMARKS.md, "Search floor
+    on the 16-core host").
     """
     words64 = buf.view(torch.int64)
     words = words64.nonzero().view(-1)                                       # (Wd,) words with a flag

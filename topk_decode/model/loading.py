@@ -135,3 +135,14 @@ def load_tokenizer(path: str | os.PathLike):
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:
         raise TopkError(f"could not load tokenizer from {path}: {str(e).splitlines()[0]}") from None
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """Every token id that ends a turn: the generation config's eos ids and the tokenizer's."""
+    ids: set[int] = set()
+    for src in (getattr(model.generation_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif src:
+            ids.update(int(i) for i in src)
+    return ids
