@@ -150,12 +150,12 @@ def test_compiled_step_computes_what_the_uncompiled_step_does(cuda_caches):
 
 
 def test_failed_compilation_falls_back_to_the_uncompiled_step_with_a_warning(cuda_caches, monkeypatch):
-    from topk_decode.decode import graphs
+    from topk_decode.decode import layer
     from topk_decode.errors import TopkWarning
 
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler here")
-    monkeypatch.setattr(graphs, "compiled_boundary", lambda: broken)
+    monkeypatch.setattr(layer, "compiled_boundary", lambda: broken)
     caches, _ = cuda_caches
     store = KVStore.open(caches["fp32"], k=8, device="cuda", dtype="fp32", n_sink=4, n_tail=16)
     plain = _one_token_logits(store, compile=False)

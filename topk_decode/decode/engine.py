@@ -20,7 +20,8 @@ import torch
 
 from topk_decode.config import DecodeConfig
 from topk_decode.decode.context import ContextAttention
-from topk_decode.decode.graphs import StepSegments, finish_layer
+from topk_decode.decode.graphs import StepSegments
+from topk_decode.decode.layer import finish_layer
 from topk_decode.decode.merge import window_attention
 from topk_decode.decode.sampling import Sampling
 from topk_decode.decode.window import Window
@@ -268,7 +269,7 @@ class TopKDecoder:
             self._segments = StepSegments(self.model, self.shape, self.device, capture=self._cuda, scale=self.scale,
                                           compile=self.config.compile, context_dtype=self.context.dtype)
         seg, win = self._segments, conv.window
-        seg.bind(win)
+        seg.activate(win)
         seg.start(token, position, win)
         st, clock = conv.stats, time.perf_counter
         t0 = clock()
@@ -296,6 +297,7 @@ class TopKDecoder:
         x = self.model.model.embed_tokens(torch.tensor([ids], device=self.device))   # (1, T, C)
         cos, sin = rope(self.model, x, positions)
         W0 = win.length
+        win.reserve(W0 + T)          # (a window resident in the step's buffers moves out if they are too small)
         # query t sees window slots j <= W0 + t (all earlier slots, and itself); one token sees them all
         visible = None if T == 1 else \
             torch.arange(W0 + T, device=self.device)[None, :] <= (W0 + torch.arange(T, device=self.device))[:, None]
@@ -303,7 +305,7 @@ class TopKDecoder:
         part_mz = torch.empty((H * T, 2), dtype=torch.float32)
         for layer_idx, layer in enumerate(self.model.model.layers):
             q, k, v = attention_inputs(layer, x, cos, sin, self.shape)           # (1,H,T,D), (1,Hkv,T,D)
-            wk, wv = win.append(layer_idx, k[0], v[0])                           # (Hkv, W0+T, D)
+            wk, wv = win.update(layer_idx, W0, k[0], v[0])                       # (Hkv, W0+T, D)
             out_w, lse_w = window_attention(q[0], wk, wv, visible, self.scale)   # (H, T, D), (H, T)
             t0 = time.perf_counter()
             q_host = q[0].float().reshape(hkv, G * T, D).cpu()                   # (Hkv, G·T, D)

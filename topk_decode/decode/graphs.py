@@ -15,78 +15,24 @@ Between segments l and l+1 the CPU searches and computes the context part (decod
 with an event recorded inside the graph, the moment the query has reached the host. Each segment
 reads and writes fixed tensors (the transfers included: pinned host buffers), so on CUDA it is
 captured once as a CUDA graph and replayed (one launch instead of ~35). The part of a segment on the
-critical path, `layer_boundary`, is compiled with torch.compile, which fuses its small kernels.
-The window lives in fixed-capacity buffers owned here and lent to the conversation being decoded
-(`bind`); the step's length is a device tensor and slots past it are masked. Without capture (CPU,
-or a failed capture) the same segments run eagerly, which is what the CPU tests exercise.
+critical path, `layer_boundary` (layer.py), is compiled with torch.compile, which fuses its small
+kernels. The step owns one window of fixed capacity and the conversation being decoded is resident
+in it (`activate`; window.py says who owns which buffer); the step's length is a device tensor and
+slots past it are masked. Without capture (CPU, or a failed capture) the same segments run eagerly,
+which is what the CPU tests exercise.
 """
 
 from __future__ import annotations
 
 import warnings
-import weakref
 
 import torch
 
-from topk_decode.errors import TopkWarning
-from topk_decode.decode.merge import fixed_window_attention, merge_with_context
-from topk_decode.decode.window import Window
-from topk_decode.model.blocks import ModelShape, attention_inputs, final_logits, finish_block, rope
-
-
-def start_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shape: ModelShape):
-    """Layer `layer`'s attention inputs for one token, with the query also as fp32 grouped by KV head.
-
-    Returns:
-        q (1, H, 1, D) in the model's dtype, the same q as (Hkv, G, D) float32, k and v (1, Hkv, 1, D).
-    """
-    q, k, v = attention_inputs(layer, x, cos, sin, shape)
-    return q, q.float().reshape(shape.n_kv_heads, shape.group_size, shape.head_dim), k, v
-
-
-def finish_layer(layer, x: torch.Tensor, win_out: torch.Tensor, win_lse: torch.Tensor, o: torch.Tensor,
-                 mz: torch.Tensor, shape: ModelShape) -> torch.Tensor:
-    """Merge a layer's window and context parts and finish the layer: (1, T, C) residual leaving it.
-
-    Args:
-        layer: the layer; x: (1, T, C) residual entering it.
-        win_out, win_lse: (H, [T,] D), (H, [T]) float32 window part; o, mz: (H, [T,] D), (H, [T,] 2)
-            context part (merge.context_part).
-        shape: the model's ModelShape.
-    """
-    attn = merge_with_context(win_out, win_lse, o, mz)                        # (H, [T,] D) fp32
-    attn = attn.to(x.dtype).view(1, shape.n_heads, -1, shape.head_dim)
-    return finish_block(layer, x, attn)
-
-
-def layer_boundary(prev, layer, x: torch.Tensor, win_out: torch.Tensor, win_lse: torch.Tensor, o: torch.Tensor,
-                   mz: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shape: ModelShape):
-    """The critical path of segment l: finish layer l-1 (`prev`), then layer l's attention inputs.
-
-    Every layer runs this same function with its own modules, so one `torch.compile` of it (weights
-    are graph inputs, not constants) serves all layers: its ~25 small kernels (merge, residuals,
-    norms, SiLU, RoPE, casts) fuse into a few, between the projections' GEMMs.
-
-    Args:
-        prev, layer: model.model.layers[l-1] and [l].
-        x: (1, 1, C) residual entering layer l-1.
-        win_out, win_lse, o, mz: layer l-1's two attention parts (see `finish_layer`).
-        cos, sin: (1, 1, D) rotary embedding at the token's position.
-        shape: the model's ModelShape.
-    Returns:
-        x (1, 1, C) entering layer l, then `start_layer`'s q, q32, k, v for layer l.
-    """
-    x = finish_layer(prev, x, win_out, win_lse, o, mz, shape)
-    return (x, *start_layer(layer, x, cos, sin, shape))
-
-
-def compiled_boundary():
-    """`layer_boundary` under torch.compile: one graph for all layers (the modules' weights are inputs)."""
-    import torch._inductor.config as inductor_config
-
-    # keep eager's intermediate roundings to the model's dtype (HF's norms round before the weight)
-    options = {"emulate_precision_casts": True} if hasattr(inductor_config, "emulate_precision_casts") else {}
-    return torch.compile(layer_boundary, dynamic=False, options=options)
+from topk_decode.decode import layer as layer_math
+from topk_decode.decode.layer import finish_layer, layer_boundary, start_layer
+from topk_decode.decode.merge import fixed_window_attention
+from topk_decode.decode.window import Window, new_buffers, window_capacity
+from topk_decode.model.blocks import ModelShape, final_logits, rope
 
 
 class StepSegments:
@@ -103,7 +49,7 @@ class StepSegments:
         context_dtype: dtype of the context part's output o (the cache values' dtype).
     """
 
-    # smallest window capacity (slots per layer); it doubles as conversations grow past it
+    # fewest window slots per layer (window.py's rule doubles it as conversations grow past it)
     min_capacity: int = 256
 
     def __init__(self, model, shape: ModelShape, device: torch.device, capture: bool, scale: float,
@@ -111,7 +57,7 @@ class StepSegments:
         self.model, self.shape, self.device, self.scale = model, shape, device, scale
         self.capture = capture and device.type == "cuda"
         self.compiled = compile and self.capture
-        self._boundary = compiled_boundary() if self.compiled else layer_boundary
+        self._boundary = layer_math.compiled_boundary() if self.compiled else layer_boundary
         self.dtype = next(model.parameters()).dtype
         self.token = torch.zeros((1, 1), dtype=torch.int64, device=device)
         self.position = torch.zeros((1,), dtype=torch.int64, device=device)
@@ -129,10 +75,11 @@ class StepSegments:
         self.q_host = [torch.zeros((hkv, shape.group_size, D), dtype=torch.float32, pin_memory=pin)
                        for _ in range(L)]
         self.win_len = torch.zeros((1,), dtype=torch.int64, device=device)   # valid window slots before this step
+        # the step's own window buffers, per layer (Hkv, capacity, D), and the window resident in them
         self.capacity = 0
         self.win_k: list[torch.Tensor] = []
         self.win_v: list[torch.Tensor] = []
-        self._owner: weakref.ref | None = None              # the Window the buffers are lent to
+        self.resident: Window | None = None
         # per layer: the query has reached the host. Recorded inside the graph when this torch can
         # (an external event node), so the window part after it overlaps the CPU's search.
         self.q_ready: list[torch.cuda.Event] = []
@@ -148,33 +95,33 @@ class StepSegments:
         self.cos = self.sin = None
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
 
-    def bind(self, window: Window) -> None:
-        """Lend the window buffers to `window` (moving its contents in) with room for one more token.
-
-        The previous borrower, if alive, moves back into buffers of its own. The buffers grow
-        (doubling, and the graphs are captured again) when the window would not fit.
+    def activate(self, window: Window) -> None:
+        """Make `window` the resident one, with room for one more token: its contents move into the step's
+        buffers, after the previous resident, if any, moves out into buffers of its own. The step's buffers
+        grow (window.py's rule; the graphs are captured again) when the window would not fit.
         """
         need = window.length + 1
-        if window.k is self.win_k and need <= self.capacity:
+        if window.host is self and need <= self.capacity:
             return
-        owner = self._owner() if self._owner is not None else None
-        if owner is not None and owner is not window and owner.k is self.win_k:
-            owner.detach()
+        if window.host is not None and window.host is not self:
+            window.host.park()                           # resident in earlier segments (reset_segments)
+        if self.resident is not None and self.resident is not window:
+            self.park()
         if need > self.capacity:
-            cap = max(self.min_capacity, self.capacity)
-            while cap < need:
-                cap *= 2
-            self._allocate(cap, window)
-        window.move_into(self.win_k, self.win_v)
-        self._owner = weakref.ref(window)
+            self._allocate(window_capacity(need, self.min_capacity), window)
+        window.move_into(self.win_k, self.win_v, host=self)
+        self.resident = window
+
+    def park(self) -> None:
+        """Move the resident window, if it still lives here, into buffers of its own."""
+        window, self.resident = self.resident, None
+        if window is not None and window.host is self:
+            window.relocate()
 
     def _allocate(self, capacity: int, like: Window) -> None:
-        """New window buffers of `capacity` slots (zeros: masked slots must hold finite values)."""
+        """New window buffers of `capacity` slots, and the graphs captured on them."""
         self.graphs = None
-        hkv, D, L = self.shape.n_kv_heads, self.shape.head_dim, self.shape.n_layers
-        k0 = like.k[0]
-        self.win_k = [torch.zeros((hkv, capacity, D), dtype=k0.dtype, device=self.device) for _ in range(L)]
-        self.win_v = [torch.zeros((hkv, capacity, D), dtype=k0.dtype, device=self.device) for _ in range(L)]
+        self.win_k, self.win_v = new_buffers(like.k[0], self.shape.n_layers, capacity)
         self.capacity = capacity
         self.visible = torch.zeros((1, capacity), dtype=torch.bool, device=self.device)
         self.bias = torch.zeros((1, 1, 1, capacity), dtype=self.dtype, device=self.device)
@@ -182,29 +129,39 @@ class StepSegments:
         if self.capture:
             self._capture()
 
-    def _segment(self, l: int) -> None:
-        """Run segment l eagerly, leaving its outputs in self.xs / q_host / win_out / win_lse / self.logits."""
-        layers, L = self.model.model.layers, self.shape.n_layers
-        if l == 0:
-            x = self.model.model.embed_tokens(self.token)                      # (1, 1, C)
-            self.cos, self.sin = rope(self.model, x, self.position)
-            torch.le(self._slots, self.win_len, out=self.visible[0])           # old slots and this token's
-            self.bias.masked_fill_(self.visible, 0.0).masked_fill_(~self.visible, float("-inf"))
-            q, q32, k, v = start_layer(layers[0], x, self.cos, self.sin, self.shape)
-        else:
-            if self.part_o_dev[l - 1] is not self.part_o[l - 1]:      # (on the CPU they are the same)
-                self.part_o_dev[l - 1].copy_(self.part_o[l - 1], non_blocking=True)
-                self.part_mz_dev[l - 1].copy_(self.part_mz[l - 1], non_blocking=True)
-            ends = (self.xs[l - 1], self.win_out[l - 1], self.win_lse[l - 1], self.part_o_dev[l - 1],
-                    self.part_mz_dev[l - 1])
-            if l == L:
-                x = finish_layer(layers[l - 1], *ends, self.shape)
-                self.logits = final_logits(self.model, x)                      # (1, V) fp32
-                return
-            x, q, q32, k, v = self._boundary(layers[l - 1], layers[l], *ends, self.cos, self.sin, self.shape)
+    # ---- the segments: first (l = 0), boundary (1 ≤ l < L), last (l = L) ---------------------------
+    def _first(self) -> None:
+        """Segment 0: embedding, RoPE, the window mask, then layer 0's attention inputs and window part."""
+        x = self.model.model.embed_tokens(self.token)                          # (1, 1, C)
+        self.cos, self.sin = rope(self.model, x, self.position)
+        torch.le(self._slots, self.win_len, out=self.visible[0])               # old slots and this token's
+        self.bias.masked_fill_(self.visible, 0.0).masked_fill_(~self.visible, float("-inf"))
+        self._attend_window(0, x, *start_layer(self.model.model.layers[0], x, self.cos, self.sin, self.shape))
+
+    def _boundary_segment(self, l: int) -> None:
+        """Segment l (1 ≤ l < L): finish layer l-1 with its context part, then layer l as in `_first`."""
+        layers = self.model.model.layers
+        out = self._boundary(layers[l - 1], layers[l], *self._ends(l - 1), self.cos, self.sin, self.shape)
+        self._attend_window(l, *out)
+
+    def _last(self) -> None:
+        """Segment L: finish the last layer with its context part, final norm and LM head."""
+        L = self.shape.n_layers
+        x = finish_layer(self.model.model.layers[L - 1], *self._ends(L - 1), self.shape)
+        self.logits = final_logits(self.model, x)                              # (1, V) fp32
+
+    def _ends(self, l: int) -> tuple[torch.Tensor, ...]:
+        """Layer l's residual and both attention parts, the context part copied in from the host first."""
+        if self.part_o_dev[l] is not self.part_o[l]:          # (on the CPU they are the same tensors)
+            self.part_o_dev[l].copy_(self.part_o[l], non_blocking=True)
+            self.part_mz_dev[l].copy_(self.part_mz[l], non_blocking=True)
+        return self.xs[l], self.win_out[l], self.win_lse[l], self.part_o_dev[l], self.part_mz_dev[l]
+
+    def _attend_window(self, l: int, x: torch.Tensor, q: torch.Tensor, q32: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor) -> None:
+        """Layer l after its attention inputs: the query to the host (the critical path ends here: the CPU
+        searches meanwhile), this token's k/v into the window, and the window part of the attention."""
         self.xs[l] = x
-        # the critical path ends here: the query goes to the host and the CPU searches, while the
-        # GPU appends k/v to the window and computes the window part
         self.q_host[l].copy_(q32, non_blocking=True)
         if self.events_in_graph:
             self.q_ready[l].record()
@@ -214,6 +171,15 @@ class StepSegments:
                                               self.scale)                 # (H, 1, D), (H, 1)
         self.win_out[l].copy_(out_w.view_as(self.win_out[l]))
         self.win_lse[l].copy_(lse_w.view_as(self.win_lse[l]))
+
+    def _segment(self, l: int) -> None:
+        """Run segment l eagerly, leaving its outputs in self.xs / q_host / win_out / win_lse / self.logits."""
+        if l == 0:
+            self._first()
+        elif l < self.shape.n_layers:
+            self._boundary_segment(l)
+        else:
+            self._last()
 
     def _warm_up(self) -> None:
         """Two eager passes over all segments: lazy inits, cuBLAS workspaces, the compilation."""

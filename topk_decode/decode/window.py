@@ -1,34 +1,65 @@
-"""The exact GPU window: attention sinks, the context tail, and every token since the prefill."""
+"""The exact GPU window: attention sinks, the context tail, and every token since the prefill.
+
+Ownership (docs/DESIGN.md, "Who owns which buffer"): a `Window` owns its per-layer buffers, except
+while it is *resident* in the one-token step (`StepSegments`, graphs.py). The step's CUDA graphs are
+captured on fixed buffers, so the step owns one set and the conversation being decoded lives in it:
+`StepSegments.activate` moves a window in and records itself as `window.host`; a window that must grow
+past the step's capacity (a long prompt on the eager path), or another conversation's activation,
+moves it back into buffers of its own (`relocate`, which clears `host`). `host` is the only record of
+residency. Both sides size buffers by the one rule `window_capacity`.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+# Fewest slots per layer a window buffer has (16 is the window kernels' alignment, merge.py).
+MIN_CAPACITY = 256
+
+
+def window_capacity(need: int, minimum: int = MIN_CAPACITY) -> int:
+    """Slots per layer for a window of `need` tokens: the least power-of-two multiple of `minimum` that fits."""
+    cap = minimum
+    while cap < need:
+        cap *= 2
+    return cap
+
+
+def new_buffers(like: torch.Tensor, n_layers: int, capacity: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Zeroed per-layer (Hkv, capacity, D) key and value buffers shaped, typed and placed like `like`.
+
+    Zeros, not `empty`: the step's kernels read every slot and mask the ones past the length, which
+    must therefore hold finite values.
+    """
+    hkv, _, d = like.shape
+    return tuple([torch.zeros((hkv, capacity, d), dtype=like.dtype, device=like.device) for _ in range(n_layers)]
+                 for _ in range(2))
 
 
 class Window:
-    """Per-layer (Hkv, capacity, D) key/value buffers on the decode device, grown by doubling.
+    """One conversation's exact window: per-layer (Hkv, capacity, D) keys and values on the decode device.
 
-    A step appends its T new tokens to every layer, then `advance(T)` makes them part of the window.
-    `reset()` drops everything added after the initial sinks + tail (a new conversation).
+    A step writes its T new tokens at slots [length, length + T) of every layer (`update`), then
+    `advance(T)` commits them. `reset()` drops everything added after the initial sinks + tail.
 
     Args:
         init_k, init_v: per layer (Hkv, W0, D): the sinks and the tail of the context.
         context_len: N, the number of prefilled context tokens (first new position).
-        capacity: initial slots per layer.
     """
 
-    def __init__(self, init_k: list[torch.Tensor], init_v: list[torch.Tensor], context_len: int,
-                 capacity: int = 256) -> None:
-        hkv, w0, d = init_k[0].shape
-        cap = max(capacity, 2 * w0, 16)
-        self.k = [torch.empty((hkv, cap, d), dtype=t.dtype, device=t.device) for t in init_k]
-        self.v = [torch.empty((hkv, cap, d), dtype=t.dtype, device=t.device) for t in init_v]
+    def __init__(self, init_k: list[torch.Tensor], init_v: list[torch.Tensor], context_len: int) -> None:
+        w0 = init_k[0].shape[1]
+        self.k, self.v = new_buffers(init_k[0], len(init_k), window_capacity(w0 + 1))
         for layer, (k, v) in enumerate(zip(init_k, init_v)):
             self.k[layer][:, :w0] = k
             self.v[layer][:, :w0] = v
         self.base_length = w0
         self.length = w0
         self.context_len = context_len
+        # the StepSegments whose fixed buffers self.k / self.v are while resident there, else None
+        self.host: Any = None
 
     @property
     def next_position(self) -> int:
@@ -45,41 +76,42 @@ class Window:
         """Slots per layer in the current buffers."""
         return self.k[0].shape[1]
 
-    def _grow(self, need: int) -> None:
-        if need <= self.capacity:
-            return
-        self._move_to_new(max(need, 2 * self.capacity))
+    def move_into(self, k_bufs: list[torch.Tensor], v_bufs: list[torch.Tensor], host: Any = None) -> None:
+        """Copy the window's `length` slots into other per-layer buffers and keep using those.
 
-    def _move_to_new(self, capacity: int) -> None:
-        k0 = self.k[0]
-        self.move_into(*[[torch.empty((k0.shape[0], capacity, k0.shape[2]), dtype=k0.dtype, device=k0.device)
-                          for _ in self.k] for _ in range(2)])
-
-    def move_into(self, k_bufs: list[torch.Tensor], v_bufs: list[torch.Tensor]) -> None:
-        """Copy the window into other per-layer (Hkv, capacity ≥ length, D) buffers and keep using those.
-
-        The lists themselves are adopted (never mutated here), so whoever holds them (the CUDA-graph
-        segments, graphs.py) keeps seeing the window's storage.
+        Args:
+            k_bufs, v_bufs: per layer (Hkv, capacity ≥ length, D); adopted, never reallocated here.
+            host: the StepSegments that owns them (the window is then resident there), or None.
         """
         for dst, src in zip(k_bufs + v_bufs, self.k + self.v):
             dst[:, :self.length] = src[:, :self.length]
-        self.k, self.v = k_bufs, v_bufs
+        self.k, self.v, self.host = k_bufs, v_bufs, host
 
-    def detach(self) -> None:
-        """Move into private buffers (the current ones are about to be lent to another window)."""
-        self._move_to_new(max(2 * self.length, 16))
+    def relocate(self, need: int | None = None) -> None:
+        """Move into buffers of the window's own, with room for `need` slots (default: its length + 1)."""
+        cap = window_capacity(max(need or 0, self.length + 1))
+        self.move_into(*new_buffers(self.k[0], len(self.k), cap))
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write a step's (Hkv, T, D) keys/values for `layer`; return the layer's whole window incl. them."""
-        T = k.shape[1]
-        self._grow(self.length + T)
-        self.k[layer][:, self.length:self.length + T] = k
-        self.v[layer][:, self.length:self.length + T] = v
-        end = self.length + T
+    def reserve(self, need: int) -> None:
+        """Make room for `need` slots per layer, moving to larger buffers of its own when they do not fit."""
+        if need > self.capacity:
+            self.relocate(need)
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write (Hkv, T, D) keys/values of `layer` at slots [start, start + T); return the layer's window
+        through them, (Hkv, start + T, D) each. `reserve(start + T)` must have made room.
+
+        Args:
+            layer: the layer; start: the first slot (the window's length before the step).
+            k, v: (Hkv, T, D) the step's keys and values for this layer.
+        """
+        end = start + k.shape[1]
+        self.k[layer][:, start:end] = k
+        self.v[layer][:, start:end] = v
         return self.k[layer][:, :end], self.v[layer][:, :end]
 
     def advance(self, T: int) -> None:
-        """Commit a step's T tokens (after every layer has appended them)."""
+        """Commit a step's T tokens (after every layer has written them)."""
         self.length += T
 
     def reset(self) -> None:
