@@ -47,6 +47,23 @@ def test_prompt_runs_in_chunks_of_the_configured_size(built_cache):
     assert conv.window.n_new == len(PROMPT)
 
 
+def test_chunks_shrink_over_a_long_context_to_keep_the_search_scratch_bounded(built_cache):
+    cache, _ = built_cache
+    store = KVStore.open(cache, k=8, device="cpu", prompt_chunk=512, prompt_scratch_mib=1)
+    dec = store.decoder
+    per_token = 4 * dec.shape.n_heads * dec.strategy.n_searchable          # bytes of scores per chunk token
+    assert dec.prompt_chunk_tokens() == (1 << 20) // per_token < 512
+    conv = dec.new_conversation()
+    seen: list[int] = []
+    conv.observer = lambda layer, q, sel, c: seen.append(q.shape[1] // dec.shape.group_size)
+    prompt = PROMPT * 4
+    logits = dec.forward(prompt, conv)
+    assert max(seen) == dec.prompt_chunk_tokens() and sum(seen) == len(prompt) * dec.shape.n_layers
+    whole = KVStore.open(cache, k=8, device="cpu", prompt_chunk=10_000, prompt_scratch_mib=1 << 20)
+    assert whole.decoder.prompt_chunk_tokens() == 10_000
+    torch.testing.assert_close(logits, _logits(whole, prompt), rtol=1e-5, atol=1e-5)
+
+
 def test_prompt_past_the_window_limit_is_refused_and_the_conversation_kept(built_cache):
     cache, _ = built_cache
     store = KVStore.open(cache, k=8, device="cpu", max_window_tokens=60)

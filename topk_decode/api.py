@@ -75,7 +75,7 @@ class KVStore:
              k_per_layer: list[int] | None = None, k_schedule: str = "uniform", n_sink: int = 4, n_tail: int = 64,
              strategy_options: dict | None = None, verify: bool | None = None,
              progress: Callable[[int, int], None] | None = None, compile: bool = True,
-             prompt_chunk: int = 512, max_window_tokens: int = 65536) -> "KVStore":
+             prompt_chunk: int = 512, prompt_scratch_mib: int = 1024, max_window_tokens: int = 65536) -> "KVStore":
         """Open a cache for decoding: the model goes to the device, the context KV stays memory-mapped.
 
         Args:
@@ -94,12 +94,15 @@ class KVStore:
             progress: callback(done, total) while the strategy builds its indices.
             compile: on CUDA, compile the one-token step with torch.compile (DecodeConfig.compile).
             prompt_chunk: a longer prompt runs through the model in chunks of this many tokens (bounded memory).
+            prompt_scratch_mib: over a long context, chunks shrink so that their search scratch stays
+                within this many MiB (DecodeConfig).
             max_window_tokens: most tokens a conversation may add after the context; a longer prompt gets
                 a TopkError (DecodeConfig).
         """
         config = DecodeConfig(k=k, k_per_layer=k_per_layer, k_schedule=k_schedule, strategy=strategy,
                               strategy_options=dict(strategy_options or {}), n_sink=n_sink, n_tail=n_tail,
-                              compile=compile, prompt_chunk=prompt_chunk, max_window_tokens=max_window_tokens)
+                              compile=compile, prompt_chunk=prompt_chunk, prompt_scratch_mib=prompt_scratch_mib,
+                              max_window_tokens=max_window_tokens)
         ckv = open_cache(path, verify=verify)
         config.validate(ckv.n_layers)
         recorded = ckv.manifest["model"]

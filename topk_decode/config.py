@@ -25,6 +25,9 @@ class DecodeConfig:
         prompt_chunk: a longer prompt goes through the model in chunks of this many tokens, each
             attending exactly to everything before it: the step's working memory grows with
             prompt_chunk × window instead of the prompt's length squared.
+        prompt_scratch_mib: bound on a prompt chunk's search scratch, whose largest part is one score
+            per (query head, chunk token, context token), 4 bytes each: over a long context the chunk
+            shrinks below prompt_chunk to stay within it (e.g. 1M tokens, 32 query heads: 8 tokens).
         max_window_tokens: most tokens a conversation may add after the context (prompts and
             answers); the window's memory grows linearly with it. A prompt that would pass it is
             refused with a TopkError, and the conversation is left as it was.
@@ -41,6 +44,7 @@ class DecodeConfig:
     n_tail: int = 64
     compile: bool = True
     prompt_chunk: int = 512
+    prompt_scratch_mib: int = 1024
     max_window_tokens: int = 65536
     n_layers: int | None = None
 
@@ -59,7 +63,7 @@ class DecodeConfig:
             raise TopkError(f"unknown k schedule {self.k_schedule!r} (use {' or '.join(SCHEDULES)})")
         if self.n_sink < 0 or self.n_tail < 0:
             raise TopkError("n_sink and n_tail must be ≥ 0")
-        for name in ("prompt_chunk", "max_window_tokens"):
+        for name in ("prompt_chunk", "prompt_scratch_mib", "max_window_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise TopkError(f"{name} must be a positive integer, got {value!r}")

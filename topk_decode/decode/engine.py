@@ -196,6 +196,13 @@ class TopKDecoder:
                 raise TopkError("the store is closed")
             return self._forward_locked(ids, conv)
 
+    def prompt_chunk_tokens(self) -> int:
+        """Tokens per prompt chunk: `prompt_chunk`, or fewer where one score per (query head, chunk token,
+        searchable context token) in fp32 would pass `prompt_scratch_mib` (at least 1)."""
+        per_token = 4 * self.shape.n_heads * max(self.strategy.n_searchable, 1)
+        fit = (self.config.prompt_scratch_mib << 20) // per_token
+        return max(1, min(self.config.prompt_chunk, fit))
+
     @property
     def segments(self) -> StepSegments | None:
         """The one-token step's fixed-buffer segments (graphs.py): None until the first one-token step
@@ -247,9 +254,9 @@ class TopKDecoder:
             if T == 1 and self._use_segments:
                 logits = self._forward_one(ids[0], pos0, conv)
             else:
-                # Chunks of at most prompt_chunk tokens: each one appends to the window and attends to
-                # everything before it, so the result is the one-step result and memory stays bounded.
-                step = self.config.prompt_chunk
+                # Chunks (prompt_chunk_tokens): each one appends to the window and attends to everything
+                # before it, so the result is the one-step result and memory stays bounded.
+                step = self.prompt_chunk_tokens()
                 for s in range(0, T, step):
                     logits = self._forward_eager(ids[s:s + step], pos0 + s, conv)
         except BaseException:
