@@ -32,6 +32,7 @@ from topk_decode.decode import layer as layer_math
 from topk_decode.decode.layer import finish_layer, layer_boundary, start_layer
 from topk_decode.decode.merge import fixed_window_attention
 from topk_decode.decode.window import Window, new_buffers, window_capacity
+from topk_decode.errors import TopkWarning
 from topk_decode.model.blocks import ModelShape, final_logits, rope
 
 
