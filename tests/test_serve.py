@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -28,6 +29,8 @@ from topk_decode.serve.app import Server, create_app  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "demo-cache"
 TIMEOUT = 120          # seconds any one request may take on a slow shared CPU
+# `cuda` on the GPU host runs every test below over the CUDA decode path (fp32, so the answers are the CPU's)
+DEVICE = os.environ.get("TOPK_TEST_SERVE_DEVICE", "cpu")
 QUESTIONS = {          # examples/QUESTIONS.md
     "amber-fox": ("What is the special magic number for amber-fox?", "482"),
     "silver-owl": ("What is the special magic number for silver-owl?", "731"),
@@ -53,7 +56,7 @@ def demo_cache(tmp_path_factory) -> Path:
 def store(demo_cache):
     from topk_decode.api import KVStore
 
-    return KVStore.open(demo_cache, device="cpu")
+    return KVStore.open(demo_cache, device=DEVICE, dtype="fp32")
 
 
 @pytest.fixture(scope="module")
