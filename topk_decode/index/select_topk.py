@@ -1,7 +1,8 @@
 """select_topk: an exact row-wise top-k that runs `topk` only on the survivors of a sampled threshold.
 
-`torch.topk` over 131072 scores per row costs about half of the flat torch backend's scan on a CPU,
-almost all of it spent on keys that cannot make the top k. `topk_by_threshold` estimates a per-row
+`torch.topk` over a whole context's scores per row is a large part of the flat torch backend's
+search on a few-core CPU (docs/BENCHMARKS.md, "Search floor"), almost all of it spent on keys that
+cannot make the top k. `topk_by_threshold` estimates a per-row
 threshold t from a strided sample, keeps every element >= t (one vectorised compare and a `nonzero`)
 and runs `topk` on those ~2k survivors only. A row with at least k survivors has its whole top k
 among them, so the result is exact; rows whose threshold came out too high (fewer than k survivors)
