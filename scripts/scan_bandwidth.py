@@ -102,6 +102,8 @@ def main() -> None:
     ap.add_argument("--skip", nargs="*", default=[], help="any of dram flat variants routed")
     ap.add_argument("--layers", type=int, default=1, help="with > 1: also time routed and flat over every layer per "
                     "step (each layer's data cold, as in decoding) on a synthetic cache of this many layers")
+    ap.add_argument("--kernels", nargs="+", default=["torch", "numba"],
+                    help="routed's search paths to time (its `kernel` option; numba needs numba installed)")
     ap.add_argument("--profile", action="store_true", help="print a torch profile of routed select (stderr)")
     ap.add_argument("--out", default=None, help="append the JSON lines here too")
     a = ap.parse_args()
@@ -147,14 +149,16 @@ def main() -> None:
         emit({"what": "flat_scan_stage", **v,
               **{k.replace("_ms", "_pct_of_dram"): pct(key_bytes / ms / 1e6) for k, ms in v.items()}})
     if "routed" not in a.skip:
+      import topk_decode.index.routed as routed_mod
+
+      for kernel in a.kernels:
         t = time.perf_counter()
-        routed = RoutedStrategy(ckv, lo, hi, {"cluster_size": a.cluster_size})
+        routed = RoutedStrategy(ckv, lo, hi, {"cluster_size": a.cluster_size, "kernel": kernel})
         routed.prepare()
         build_s = time.perf_counter() - t
-        import topk_decode.index.routed as routed_mod
 
         for pf in a.probe_fraction:
-          for route_threads in (1, None):
+          for route_threads in ((1, None) if kernel == "torch" else (None,)):
             routed_mod._SMALL_OP_THREADS = route_threads
             routed.probe_fraction = pf
             routed.stats.extra.update(keys_read=0, keys_searchable=0)
@@ -166,7 +170,7 @@ def main() -> None:
             it = iter(qs * 2)
             threads = torch.get_num_threads()
             torch.set_num_threads(route_threads or threads)
-            route_ms = _timed(lambda: routed.route(0, next(it), budget), a.reps)
+            route_ms = _timed(lambda: routed.route(0, next(it), budget), a.reps) if kernel == "torch" else None
             torch.set_num_threads(threads)
             rec = []
             for sel, ids in zip(sels[:len(qs)], exact):
@@ -174,9 +178,10 @@ def main() -> None:
                     for i in range(a.group):
                         rec.append(len(set(sel.ids[h, i].tolist()) & set(ids[h, i].tolist())) / a.k)
             gbs = read * key_bytes / ms / 1e6
-            emit({"what": "routed", "probe_fraction": pf, "cluster_size": a.cluster_size, "build_s": round(build_s, 1),
-                  "route_threads": route_threads or threads,
-                  "ms_per_layer": round(ms, 3), "route_ms": round(route_ms, 3), "keys_read_pct": round(100 * read, 2),
+            emit({"what": "routed", "kernel": kernel, "probe_fraction": pf, "cluster_size": a.cluster_size,
+                  "build_s": round(build_s, 1), "route_threads": route_threads or threads,
+                  "ms_per_layer": round(ms, 3), "route_ms": route_ms and round(route_ms, 3),
+                  "keys_read_pct": round(100 * read, 2),
                   "read_gb_s": round(gbs, 1), "pct_of_dram": pct(gbs), "id_recall_random_keys": round(sum(rec) / len(rec), 3)})
             if a.profile and route_threads == 1:
                 from torch.profiler import profile
@@ -186,12 +191,14 @@ def main() -> None:
                         routed.select(0, q, a.k)
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18), file=sys.stderr)
         routed_mod._SMALL_OP_THREADS = None
+        routed.close()
     if a.layers > 1:
         del ckv, flat
         ckv = synthetic_kv(a.layers, a.kv_heads, a.head_dim, a.n, torch.bfloat16, 0)
-        for name, strat in (("routed", RoutedStrategy(ckv, lo, hi, {"cluster_size": a.cluster_size,
-                                                                    "probe_fraction": a.probe_fraction[0]})),
-                            ("flat", FlatStrategy(ckv, lo, hi, {}))):
+        runs = [(f"routed_{kernel}", RoutedStrategy(ckv, lo, hi, {"cluster_size": a.cluster_size, "kernel": kernel,
+                                                                  "probe_fraction": a.probe_fraction[0]}))
+                for kernel in a.kernels]
+        for name, strat in runs + [("flat", FlatStrategy(ckv, lo, hi, {}))]:
             strat.prepare()
             ms = _timed(lambda: [strat.select(layer, qs[layer % len(qs)], a.k) for layer in range(a.layers)],
                         max(3, a.reps // 2))

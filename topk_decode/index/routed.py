@@ -41,8 +41,10 @@ from topk_decode.index.artifacts import (
     write_file,
     writing,
 )
+from topk_decode.index import routed_kernel
 from topk_decode.index.base import Selection, SelectionStrategy, as_bool, positive_int
 from topk_decode.index.cluster import KMeansConfig, LayerLayout, build_layer, kmeans_device
+from topk_decode.index.threads import HeadPool, default_threads
 from topk_decode.store.cache_dir import ContextKV
 from topk_decode.store.format import as_torch, dtype_name, numpy_storage
 
@@ -81,14 +83,17 @@ class RoutedStrategy(SelectionStrategy):
             worse on real keys, docs/STRATEGIES.md).
         sizes: include log n_c (the cluster's size) in the estimate (default False: clusters ranked by
             s·q·μ_c alone, as IVF probes, had the higher id recall at the same mass on real keys).
+        kernel: "auto" (default: the compiled per-head search of routed_kernel.py when numba is installed,
+            the keys are bf16 and `spread` is off; else the torch ops), "numba" (that, or an error) or
+            "torch". Both give the same selection (tests/test_routed_kernel.py).
     """
 
     name = "routed"
     keeps_query = False
     BUILD_DEFAULTS = {"cluster_size": 32, "iters": 6, "store_values": True}
-    SEARCH_DEFAULTS = {"probe_fraction": 0.04, "spread": False, "sizes": False}
+    SEARCH_DEFAULTS = {"probe_fraction": 0.04, "spread": False, "sizes": False, "kernel": "auto"}
     OPTIONS = {"cluster_size": int, "iters": int, "store_values": bool, "probe_fraction": float, "spread": bool,
-               "sizes": bool}
+               "sizes": bool, "kernel": str}
 
     # ---- options / build -------------------------------------------------------------------------
     @classmethod
@@ -173,7 +178,24 @@ class RoutedStrategy(SelectionStrategy):
             has = out.view(hkv, n).any(1)
             first = out.view(hkv, n).to(torch.uint8).argmax(1)                  # first outside row per head
             self._pad_rows.append((self._row_base[:, 0] + first).view(hkv, 1) if bool(has.all()) else None)
+        self.kernel = self._use_kernel(o.get("kernel", self.SEARCH_DEFAULTS["kernel"]))
+        if self.kernel:
+            routed_kernel.warm_up()                    # compile at open, not inside the first step
+            self.pool = HeadPool(default_threads())    # the KV heads in parallel (closed by `close`)
+            self._bias_vec = [b[:, 0].contiguous() for b in self._bias]          # (Hkv, C)
         self.stats.extra.update(keys_read=0, keys_searchable=0)
+
+    def _use_kernel(self, choice: str) -> bool:
+        """Whether `select` runs routed_kernel.py's compiled search (the `kernel` option)."""
+        if choice not in ("auto", "numba", "torch"):
+            raise TopkError(f"option kernel must be auto, numba or torch, got {choice!r}")
+        why = ("numba is not installed (pip install numba)" if not routed_kernel.available() else
+               f"it reads bf16 keys, these are {dtype_name(self.ckv.dtype)}"
+               if self.ckv.dtype not in routed_kernel.KEY_DTYPES else
+               "it does not implement spread=true" if self.use_spread else None)
+        if choice == "numba" and why:
+            raise TopkError(f"routed: kernel=numba is not available: {why}")
+        return choice != "torch" and why is None
 
     def _load(self, built: dict) -> list[LayerLayout]:
         """Memory-map the permuted keys/values/positions; read the small per-cluster arrays into RAM."""
@@ -252,6 +274,14 @@ class RoutedStrategy(SelectionStrategy):
         hkv, Q, D = q.shape
         # probe_fraction 1 reads every cluster (sinks and tail are in clusters too, so M keys may not be all)
         budget = self.ckv.n_tokens if self.probe_fraction >= 1 else max(math.ceil(self.probe_fraction * M), _MIN_READ_PER_K * k)
+        if self.kernel:
+            ids, scores, read = routed_kernel.search_layer(
+                lay.keys, lay.pos, self._outside[layer].view(hkv, -1), lay.offsets, lay.centroids,
+                self._bias_vec[layer], q, budget, k, self.scale, self.pool)
+            self.stats.extra["keys_read"] += read
+            self.stats.extra["keys_searchable"] += hkv * M
+            # slots fill in order, so a query has an empty slot iff its last one is
+            return Selection(ids=ids, scores=scores, no_empty_slots=bool((ids[..., -1] >= 0).all()))
         threads = torch.get_num_threads()
         if _SMALL_OP_THREADS:
             torch.set_num_threads(min(threads, _SMALL_OP_THREADS))
