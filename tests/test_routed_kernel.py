@@ -50,13 +50,12 @@ def test_probing_every_cluster_with_the_compiled_path_equals_flat(clustered_cach
     assert a.no_empty_slots
 
 
-def test_kernel_option_falls_back_or_refuses_where_the_compiled_path_does_not_apply(clustered_cache, own_cache):
-    assert not _open(clustered_cache, "routed", {"spread": True}).kernel            # auto: torch path for spread
+def test_kernel_option_is_opt_in_and_refused_where_the_compiled_path_does_not_apply(clustered_cache, own_cache):
+    assert not _open(clustered_cache, "routed", {}).kernel                         # the default is the torch path
     with pytest.raises(TopkError, match="kernel=numba is not available: it does not implement spread"):
         _open(clustered_cache, "routed", {"spread": True, "kernel": "numba"})
-    with pytest.raises(TopkError, match="kernel must be auto, numba or torch"):
+    with pytest.raises(TopkError, match="kernel must be torch or numba"):
         _open(clustered_cache, "routed", {"kernel": "fast"})
     fp32_cache, _ = own_cache                                                      # the demo model's fp32 KV
-    assert not _open(fp32_cache, "routed", {"cluster_size": 16}).kernel
     with pytest.raises(TopkError, match="it reads bf16 keys"):
         _open(fp32_cache, "routed", {"cluster_size": 16, "kernel": "numba"})

@@ -83,15 +83,18 @@ class RoutedStrategy(SelectionStrategy):
             worse on real keys, docs/STRATEGIES.md).
         sizes: include log n_c (the cluster's size) in the estimate (default False: clusters ranked by
             s·q·μ_c alone, as IVF probes, had the higher id recall at the same mass on real keys).
-        kernel: "auto" (default: the compiled per-head search of routed_kernel.py when numba is installed,
-            the keys are bf16 and `spread` is off; else the torch ops), "numba" (that, or an error) or
-            "torch". Both give the same selection (tests/test_routed_kernel.py).
+        kernel: "torch" (default: the torch ops below) or "numba" (routed_kernel.py: each KV head's whole
+            search as one compiled function, heads in parallel; needs numba and bf16 keys, not spread).
+            Both give the same selection (tests/test_routed_kernel.py). numba is faster per layer alone
+            but, in the decoder, only with OMP_WAIT_POLICY=PASSIVE set before the process starts: torch's
+            OpenMP workers otherwise spin after each layer's context part and starve its threads
+            (docs/BENCHMARKS.md, run 12).
     """
 
     name = "routed"
     keeps_query = False
     BUILD_DEFAULTS = {"cluster_size": 32, "iters": 6, "store_values": True}
-    SEARCH_DEFAULTS = {"probe_fraction": 0.04, "spread": False, "sizes": False, "kernel": "auto"}
+    SEARCH_DEFAULTS = {"probe_fraction": 0.04, "spread": False, "sizes": False, "kernel": "torch"}
     OPTIONS = {"cluster_size": int, "iters": int, "store_values": bool, "probe_fraction": float, "spread": bool,
                "sizes": bool, "kernel": str}
 
@@ -187,15 +190,15 @@ class RoutedStrategy(SelectionStrategy):
 
     def _use_kernel(self, choice: str) -> bool:
         """Whether `select` runs routed_kernel.py's compiled search (the `kernel` option)."""
-        if choice not in ("auto", "numba", "torch"):
-            raise TopkError(f"option kernel must be auto, numba or torch, got {choice!r}")
+        if choice not in ("numba", "torch"):
+            raise TopkError(f"option kernel must be torch or numba, got {choice!r}")
         why = ("numba is not installed (pip install numba)" if not routed_kernel.available() else
                f"it reads bf16 keys, these are {dtype_name(self.ckv.dtype)}"
                if self.ckv.dtype not in routed_kernel.KEY_DTYPES else
                "it does not implement spread=true" if self.use_spread else None)
         if choice == "numba" and why:
             raise TopkError(f"routed: kernel=numba is not available: {why}")
-        return choice != "torch" and why is None
+        return choice == "numba"
 
     def _load(self, built: dict) -> list[LayerLayout]:
         """Memory-map the permuted keys/values/positions; read the small per-cluster arrays into RAM."""

@@ -1,4 +1,4 @@
-"""routed's default search for one layer as one compiled function per KV head (numba), when numba is installed.
+"""routed's search for one layer as one compiled function per KV head (numba): `routed --opt kernel=numba`.
 
 The torch path (routed.py `route` + `select`) is ~30 small tensor ops per layer; on a many-core host
 each is a parallel region of its own, and together they cost several times what the few MB they read
@@ -11,6 +11,9 @@ in that order until `budget` keys are read, sinks/tail rows are never returned.
 
 Scores are exact fp32 dot products of the fp32 query with the key (bf16 keys widen exactly); only the
 summation order differs from torch's matmul (agreement to ~1e-6 relative, tests/test_routed_kernel.py).
+Opt-in, not the default: its threads share the cores with torch's OpenMP workers, which spin after
+every parallel torch op; in the decoder that starves them unless OMP_WAIT_POLICY=PASSIVE is set before
+the process starts (docs/BENCHMARKS.md, run 12).
 """
 
 from __future__ import annotations
