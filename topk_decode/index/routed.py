@@ -16,8 +16,11 @@ Per step and layer, for each KV head:
    them. Ids are ORIGINAL positions, so the decoder's context part is unchanged (it reads the original
    values by id; the permuted values in the layout are not used by it yet, see docs/STRATEGIES.md).
 
+With `estimate` (and `estimate_read`) the selection also carries an estimate of the attention over what
+it left out (index/estimate.py), which the context part merges by log-sum-exp (decode/context.py).
+
 When the budget covers the searchable range (k ≥ hi − lo, or `probe_fraction` = 1) the result is the
-exact top-k, as flat's.
+exact top-k, as flat's (and the estimate is empty).
 """
 
 from __future__ import annotations
