@@ -183,6 +183,7 @@ class RunResult:
     seconds: float = 0.0
     k_label: str | None = None          # the budget as requested ("1%"), when it differs from k
     same_as_dense: bool | None = None   # the generated tokens equal dense's, token for token
+    keys_read: float | None = None      # share of the searchable keys the strategy's searches read (routed)
 
 
 def method_name(strategy: str, schedule: str, k: int | str) -> str:

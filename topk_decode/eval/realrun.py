@@ -195,6 +195,9 @@ def eval_suite(suite: RealSuite, m: _Loaded, cfg, log: Callable[[str], None],
                 for k, label in ks:
                     right = same = 0
                     runs = []
+                    read_counter = getattr(store.decoder.strategy, "keys_read_fraction", None)
+                    if read_counter is not None:       # count this (schedule, k) alone
+                        store.decoder.strategy.stats.extra.update(keys_read=0, keys_searchable=0)
                     for (q, prompt_ids, d_tokens, d_logits), ir in zip(refs, results):
                         run = _run_one(store, strategy, schedule, k, prompt_ids, d_tokens, d_logits, q.answer,
                                        q.max_new_tokens, cfg.fidelity_steps > 0, check=q.check, k_label=label,
@@ -203,8 +206,12 @@ def eval_suite(suite: RealSuite, m: _Loaded, cfg, log: Callable[[str], None],
                         runs.append(run)
                         right += bool(run.correct)
                         same += bool(run.same_as_dense)
+                    read = read_counter() if read_counter is not None else None
+                    for run in runs:
+                        run.keys_read = read
                     log(f"    {method_name(strategy, schedule, label or k)} (k={k}): {right}/{len(refs)} correct, "
-                        f"{same}/{len(refs)} same as dense, {_means(runs)}")
+                        f"{same}/{len(refs)} same as dense, {_means(runs)}"
+                        + ("" if read is None else f", keys read {100 * read:.2f} %"))
             store.close()  # its search threads
             del store
             if checkpoint is not None:
