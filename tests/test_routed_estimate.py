@@ -149,28 +149,3 @@ def test_routed_with_the_estimate_decodes_inside_the_range(own_cache):
     assert len(tokens) == 4 and rests and all(r is not None for r in rests)
     assert all(torch.isfinite(r.out).all() and not torch.isnan(r.lse).any() for r in rests)
     assert any(torch.isfinite(r.lse).any() for r in rests)
-
-
-def test_mass_allocation_reads_the_same_keys_per_layer_with_the_floor_per_head(grouped_cache):
-    q = 2 * torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(3))
-    per_head = _routed(grouped_cache, 3, 2995, probe_fraction=0.1)
-    by_mass = _routed(grouped_cache, 3, 2995, probe_fraction=0.1, allocate="mass")
-    budget, floor = 300, 32
-    a, b = per_head.route(0, q, budget, floor), by_mass.route(0, q, budget, floor)
-    sizes = by_mass.layouts[0].sizes
-    read_a = [int(sizes[h, a.clusters[h][a.taken[h]]].sum()) for h in range(2)]
-    read_b = [int(sizes[h, b.clusters[h][b.taken[h]]].sum()) for h in range(2)]
-    biggest = int(sizes.max())
-    assert all(budget <= r < budget + biggest for r in read_a)
-    assert 2 * budget <= sum(read_b) < 2 * budget + biggest and min(read_b) >= floor
-    sel = by_mass.select(0, q, 16)
-    assert sel.ids.min() >= 3 and sel.ids.max() < 2995
-    assert torch.allclose(sel.scores, torch.einsum("hqd,hqkd->hqk", q, by_mass.ckv.keys[0][
-        torch.arange(2)[:, None, None], sel.ids]), atol=1e-4)
-
-
-def test_an_unknown_allocation_is_refused(grouped_cache):
-    from topk_decode.errors import TopkError
-
-    with pytest.raises(TopkError):
-        _routed(grouped_cache, 3, 2995, allocate="greedy")

@@ -76,34 +76,6 @@ class Route(NamedTuple):
     run: torch.Tensor
 
 
-def _take_by_mass(share: torch.Tensor, sizes: torch.Tensor, cums: torch.Tensor, total: int,
-                  floor: int) -> torch.Tensor:
-    """Clusters per head for `allocate=mass`: one greedy over the clusters of every head of the layer.
-
-    Each head first takes its best clusters up to `floor` keys; the rest of the layer's `total` goes to
-    the clusters with the largest estimated share of their own head's attention mass, whichever head
-    they belong to (a head whose mass sits in few clusters reads few, a diffuse head more).
-
-    Args:
-        share: (Hkv, W) log share per cluster, sorted descending per head; sizes, cums: (Hkv, W) keys
-            per cluster and their running sum in that order; total: keys the layer reads; floor: per head.
-    Returns:
-        (Hkv, 1) int64 index of each head's last cluster taken (the per-head rule's `n_take`).
-    """
-    floor_take = (cums < floor).sum(1, keepdim=True)                            # (Hkv, 1)
-    extra = torch.arange(share.shape[1]) > floor_take                           # (Hkv, W) beyond the floor
-    left = total - int(sizes.masked_fill(extra, 0).sum())
-    if left <= 0:
-        return floor_take
-    cand = share.masked_fill(~extra, float("-inf")).reshape(-1)
-    order = cand.argsort(descending=True)
-    cum = sizes.reshape(-1).index_select(0, order).masked_fill(torch.isinf(cand[order]), 0).cumsum(0)
-    n = min(int((cum < left).sum()) + 1, int(torch.isfinite(cand).sum()))
-    taken = torch.zeros(cand.numel(), dtype=torch.bool)
-    taken[order[:n]] = True
-    return (taken.view(share.shape) | ~extra).sum(1, keepdim=True) - 1
-
-
 def _fraction(options: dict, key: str, default: float) -> float:
     raw = options.get(key, default)
     try:
@@ -135,18 +107,15 @@ class RoutedStrategy(SelectionStrategy):
             the cluster's mean value, as a third part of the softmax (index/estimate.py; default False).
         estimate_read: add the read keys outside the top-k too (exact weights, cluster-mean values;
             default False).
-        allocate: how a layer's keys read are shared among its KV heads: "head" (default: `probe_fraction`
-            of each head's keys) or "mass" (the same total, a greedy over every head's clusters by their
-            estimated share of their head's mass, at least 2·k keys per head).
     """
 
     name = "routed"
     keeps_query = False
     BUILD_DEFAULTS = {"cluster_size": 32, "iters": 6, "store_values": True}
     SEARCH_DEFAULTS = {"probe_fraction": 0.04, "spread": False, "sizes": False, "estimate": False,
-                       "estimate_read": False, "allocate": "head"}
+                       "estimate_read": False}
     OPTIONS = {"cluster_size": int, "iters": int, "store_values": bool, "probe_fraction": float, "spread": bool,
-               "sizes": bool, "estimate": bool, "estimate_read": bool, "allocate": str}
+               "sizes": bool, "estimate": bool, "estimate_read": bool}
 
     # ---- options / build -------------------------------------------------------------------------
     @classmethod
@@ -203,9 +172,6 @@ class RoutedStrategy(SelectionStrategy):
         use_sizes = as_bool(o.get("sizes", self.SEARCH_DEFAULTS["sizes"]))
         self.estimate = as_bool(o.get("estimate", self.SEARCH_DEFAULTS["estimate"]))
         self.estimate_read = as_bool(o.get("estimate_read", self.SEARCH_DEFAULTS["estimate_read"]))
-        self.allocate = o.get("allocate", self.SEARCH_DEFAULTS["allocate"])
-        if self.allocate not in ("head", "mass"):
-            raise TopkError(f"option allocate must be head or mass, got {self.allocate!r}")
         opts = self.build_options(o)
         if not self._on_disk(self.ckv):
             self.layouts = list(self._layouts(self.ckv, opts, progress))
@@ -271,12 +237,11 @@ class RoutedStrategy(SelectionStrategy):
         return out
 
     # ---- search ----------------------------------------------------------------------------------
-    def route(self, layer: int, q: torch.Tensor, budget: int, floor: int = 0) -> Route:
+    def route(self, layer: int, q: torch.Tensor, budget: int) -> Route:
         """Rows of the layout's flat (Hkv·N, D) keys to read, per head, padded to the longest head's list.
 
         Args:
-            layer: layer index; q: (Hkv, Q, D) float32 queries; budget: keys to read per head (at least;
-            with `allocate=mass` the layer reads Hkv·budget keys in all, at least `floor` per head).
+            layer: layer index; q: (Hkv, Q, D) float32 queries; budget: keys to read per head (at least).
         Returns:
             the rows, their padding mask and which clusters they belong to (`Route`).
         """
@@ -289,20 +254,15 @@ class RoutedStrategy(SelectionStrategy):
         share = (logit - torch.logsumexp(logit, dim=-1, keepdim=True)).amax(1)  # (Hkv, C) union over queries
         # Only the first clusters by share are needed: a top-k of twice the expected count, and the
         # full sort only when some head's largest clusters did not reach the budget (rare).
-        by_mass = self.allocate == "mass"
-        need = hkv * budget if by_mass else budget                              # most keys one head may read
-        guess = min(C, 2 * -(-need * C // self.ckv.n_tokens) + 16)
+        guess = min(C, 2 * -(-budget * C // self.ckv.n_tokens) + 16)
         order = share.topk(guess, dim=-1, sorted=True).indices                 # (Hkv, guess) by share
         sizes = sizes_all.gather(1, order)
         cums = sizes.cumsum(1)
-        if guess < C and bool((cums[:, -1] < (floor if by_mass else budget)).any()):
+        if guess < C and bool((cums[:, -1] < budget).any()):
             order = share.argsort(dim=-1, descending=True)                      # (Hkv, C)
             sizes = sizes_all.gather(1, order)
             cums = sizes.cumsum(1)
-        if by_mass:
-            n_take = _take_by_mass(share.gather(1, order), sizes, cums, hkv * budget, floor)
-        else:
-            n_take = (cums < budget).sum(1, keepdim=True)                       # (Hkv, 1) clusters per head − 1
+        n_take = (cums < budget).sum(1, keepdim=True)                           # (Hkv, 1) clusters per head − 1
         width = min(int(n_take.max()) + 1, order.shape[1])
         lens = sizes[:, :width].masked_fill(torch.arange(width) > n_take, 0)    # (Hkv, W) 0 past the budget
         starts = self._starts[layer].gather(1, order[:, :width])                # (Hkv, W) flat rows
@@ -336,7 +296,7 @@ class RoutedStrategy(SelectionStrategy):
         if _SMALL_OP_THREADS:
             torch.set_num_threads(min(threads, _SMALL_OP_THREADS))
         try:
-            route = self.route(layer, q, budget, _MIN_READ_PER_K * k)
+            route = self.route(layer, q, budget)
             rows, valid = route.rows, route.valid                               # (Hkv, Mmax)
         finally:
             torch.set_num_threads(threads)
