@@ -101,7 +101,7 @@ def test_estimate_brings_the_context_part_closer_to_full_attention_on_grouped_ke
         out, lse = _context_output(strat, strat.select(0, q, 16), q.shape)
         return ((out - dense).norm(dim=-1) / dense.norm(dim=-1)).mean(), (lse - scores.logsumexp(-1)).abs().mean()
 
-    plain, unread, both = error(), error(estimate=True), error(estimate=True, estimate_read=True)
+    plain, unread, both = error(estimate=False), error(estimate=True), error(estimate=True, estimate_read=True)
     assert unread[0] < 0.5 * plain[0] and both[0] < plain[0]
     assert unread[1] < plain[1] and both[1] < unread[1]      # the selected tokens' lse is a lower bound
 
@@ -149,3 +149,11 @@ def test_routed_with_the_estimate_decodes_inside_the_range(own_cache):
     assert len(tokens) == 4 and rests and all(r is not None for r in rests)
     assert all(torch.isfinite(r.out).all() and not torch.isnan(r.lse).any() for r in rests)
     assert any(torch.isfinite(r.lse).any() for r in rests)
+
+
+def test_the_estimate_is_on_by_default_and_off_attaches_nothing(grouped_cache):
+    q = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(4))
+    on = _routed(grouped_cache, 3, 2995, probe_fraction=0.1).select(0, q, 16)
+    off = _routed(grouped_cache, 3, 2995, probe_fraction=0.1, estimate=False).select(0, q, 16)
+    assert on.rest is not None and torch.isfinite(on.rest.lse).all()
+    assert off.rest is None and torch.equal(on.ids, off.ids)

@@ -40,7 +40,7 @@ class KMeansConfig:
         seed: initialisation seed.
     """
 
-    cluster_size: int = 32
+    cluster_size: int = 16
     iters: int = 6
     cpu_sample: int = 16
     cpu_seconds: float = 2.0
