@@ -157,3 +157,23 @@ def test_the_estimate_is_on_by_default_and_off_attaches_nothing(grouped_cache):
     off = _routed(grouped_cache, 3, 2995, probe_fraction=0.1, estimate=False).select(0, q, 16)
     assert on.rest is not None and torch.isfinite(on.rest.lse).all()
     assert off.rest is None and torch.equal(on.ids, off.ids)
+
+
+def test_a_layout_without_value_means_is_rebuilt_with_its_recorded_cluster_size(tmp_path, grouped_cache):
+    import json
+
+    from topk_decode.index import artifact_dir
+    from topk_decode.index.artifacts import recorded_options
+
+    cache = tmp_path / "cache"
+    shutil.copytree(grouped_cache, cache)
+    shutil.rmtree(artifact_dir(cache, "routed"), ignore_errors=True)
+    get_strategy("routed")(open_cache(cache), 3, 2995, {"cluster_size": 24, "estimate": False}).prepare()
+    done = artifact_dir(cache, "routed") / "done.json"      # as a layout built before the value means
+    data = json.loads(done.read_text())
+    del data["meta"]["options"]["value_means"]
+    done.write_text(json.dumps(data))
+    strat = get_strategy("routed")(open_cache(cache), 3, 2995, {})    # defaults: estimate on
+    strat.prepare()
+    assert recorded_options(cache, "routed")["cluster_size"] == 24 and recorded_options(cache, "routed")["value_means"]
+    assert strat.select(0, torch.randn(2, 4, 16), 16).rest is not None

@@ -183,7 +183,10 @@ class RoutedStrategy(SelectionStrategy):
                 wanted["value_means"] = True       # layouts built before the estimate lack them: rebuild
             with build_lock(self.ckv.path, self.name):
                 if not artifacts_match(self.ckv.path, self.name, wanted, self.ckv.cache_id):
-                    self.build_artifacts(self.ckv, o, progress)
+                    # a rebuild for the value means alone keeps the build options recorded before
+                    old = recorded_options(self.ckv.path, self.name) or {}
+                    kept = {k: v for k, v in old.items() if k in self.BUILD_DEFAULTS} if old.get("dtype") else {}
+                    self.build_artifacts(self.ckv, {**kept, **o}, progress)
                 verify_done(artifact_dir(self.ckv.path, self.name))   # sizes always; checksums up to 2 GiB
             self.layouts = self._load(recorded_options(self.ckv.path, self.name))
         self.scale = 1.0 / math.sqrt(self.ckv.head_dim)
