@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--budget-minutes", type=float, default=None, help="skip lengths that would not fit")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out-dir", default="real_results")
+    p.add_argument("--keep-dir", default=None,
+                   help="keep each context's prefill and dense answers here and reuse them in later runs")
     p.add_argument("--convert-dir", default=None, help="where a .gguf is converted (default: OUT_DIR/converted)")
     args = p.parse_args(argv)
 
@@ -209,7 +211,8 @@ def main(argv: list[str] | None = None) -> None:
             cfg = EvalConfig(model=str(model), tasks=args.tasks.split(","), lengths=[length], seeds=args.seeds,
                              questions=args.questions, strategies=strategies, ks=ks,
                              fidelity_steps=args.fidelity_steps, device=args.device, dtype=args.dtype,
-                             n_sink=args.n_sink, n_tail=args.n_tail, strategy_options=options)
+                             n_sink=args.n_sink, n_tail=args.n_tail, strategy_options=options,
+                             keep_dir=args.keep_dir)
             t0 = time.perf_counter()
             path = out_dir / f"real_{name}_{length}.json"
 

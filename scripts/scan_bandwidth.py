@@ -104,6 +104,8 @@ def main() -> None:
                     "step (each layer's data cold, as in decoding) on a synthetic cache of this many layers")
     ap.add_argument("--kernels", nargs="+", default=["torch", "numba"],
                     help="routed's search paths to time (its `kernel` option; numba needs numba installed)")
+    ap.add_argument("--estimate", action="store_true",
+                    help="routed with its estimate of the rest (the default strategy; the numba path has none)")
     ap.add_argument("--profile", action="store_true", help="print a torch profile of routed select (stderr)")
     ap.add_argument("--out", default=None, help="append the JSON lines here too")
     a = ap.parse_args()
@@ -153,7 +155,8 @@ def main() -> None:
 
       for kernel in a.kernels:
         t = time.perf_counter()
-        routed = RoutedStrategy(ckv, lo, hi, {"cluster_size": a.cluster_size, "kernel": kernel})
+        routed = RoutedStrategy(ckv, lo, hi, {"cluster_size": a.cluster_size, "kernel": kernel,
+                                              "estimate": a.estimate and kernel == "torch"})
         routed.prepare()
         build_s = time.perf_counter() - t
 
@@ -196,7 +199,8 @@ def main() -> None:
         del ckv, flat
         ckv = synthetic_kv(a.layers, a.kv_heads, a.head_dim, a.n, torch.bfloat16, 0)
         runs = [(f"routed_{kernel}", RoutedStrategy(ckv, lo, hi, {"cluster_size": a.cluster_size, "kernel": kernel,
-                                                                  "probe_fraction": a.probe_fraction[0]}))
+                                                                  "probe_fraction": a.probe_fraction[0],
+                                                                  "estimate": a.estimate and kernel == "torch"}))
                 for kernel in a.kernels]
         for name, strat in runs + [("flat", FlatStrategy(ckv, lo, hi, {}))]:
             strat.prepare()

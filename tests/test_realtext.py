@@ -183,3 +183,19 @@ def test_measure_real_writes_json_and_a_markdown_table_and_skips_unknown_strateg
     assert "| dense |" in table and "| flat@1% |" in table and "| flat@100% |" in table
     data = json.loads((tmp_path / f"real_{md.name}_2500.json").read_text())
     assert data["seconds"] > 0 and data["contexts"][0]["questions"] == 2
+
+
+def test_a_kept_suite_is_reused_with_its_dense_answers_and_routed_reports_keys_read(model_factory, tmp_path):
+    cfg = EvalConfig(model=str(model_factory("llama_gqa", chat=True)), tasks=["real_needle"], lengths=[2500],
+                     questions=1, strategies=["routed"], ks=[8], fidelity_steps=1, device="cpu",
+                     work_dir=str(tmp_path), keep_dir=str(tmp_path / "kept"),
+                     strategy_options={"probe_fraction": 0.1, "cluster_size": 16})
+    first = run_eval(cfg)
+    kept = list((tmp_path / "kept").iterdir())
+    assert len(kept) == 1 and (kept[0] / "cache" / "manifest.json").is_file() and (kept[0] / "dense_refs.pt").is_file()
+    stamp = (kept[0] / "cache" / "manifest.json").stat().st_mtime_ns
+    second = run_eval(cfg)
+    assert (kept[0] / "cache" / "manifest.json").stat().st_mtime_ns == stamp    # no second prefill
+    a, b = first.instances[0], second.instances[0]
+    assert a.dense_generated == b.dense_generated and a.runs[0].generated == b.runs[0].generated
+    assert 0.1 <= a.runs[0].keys_read < 0.5

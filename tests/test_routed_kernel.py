@@ -13,6 +13,7 @@ pytest.importorskip("numba")
 
 
 def _pair(cache, options, lo=3, hi=None):
+    options = dict(options, estimate=False)          # the compiled path selects; it does not estimate the rest
     return (_open(cache, "routed", dict(options, kernel="numba"), lo=lo, hi=hi),
             _open(cache, "routed", dict(options, kernel="torch"), lo=lo, hi=hi))
 
@@ -42,7 +43,8 @@ def test_compiled_path_handles_many_queries_per_head_as_a_prompt_chunk_does(clus
 
 
 def test_probing_every_cluster_with_the_compiled_path_equals_flat(clustered_cache):
-    compiled = _open(clustered_cache, "routed", {"cluster_size": 32, "probe_fraction": 1, "kernel": "numba"})
+    compiled = _open(clustered_cache, "routed", {"cluster_size": 32, "probe_fraction": 1, "kernel": "numba",
+                                                 "estimate": False})
     flat = _open(clustered_cache, "flat")
     q = _queries(seed=5)
     a, b = compiled.select(0, q, 50), flat.select(0, q, 50)
@@ -54,8 +56,10 @@ def test_kernel_option_is_opt_in_and_refused_where_the_compiled_path_does_not_ap
     assert not _open(clustered_cache, "routed", {}).kernel                         # the default is the torch path
     with pytest.raises(TopkError, match="kernel=numba is not available: it does not implement spread"):
         _open(clustered_cache, "routed", {"spread": True, "kernel": "numba"})
+    with pytest.raises(TopkError, match="it does not implement the estimates"):
+        _open(clustered_cache, "routed", {"kernel": "numba"})                  # estimate is on by default
     with pytest.raises(TopkError, match="kernel must be torch or numba"):
         _open(clustered_cache, "routed", {"kernel": "fast"})
     fp32_cache, _ = own_cache                                                      # the demo model's fp32 KV
     with pytest.raises(TopkError, match="it reads bf16 keys"):
-        _open(fp32_cache, "routed", {"cluster_size": 16, "kernel": "numba"})
+        _open(fp32_cache, "routed", {"cluster_size": 16, "kernel": "numba", "estimate": False})

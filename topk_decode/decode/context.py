@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from topk_decode.index import Selection
+from topk_decode.index.base import RestPart
 from topk_decode.index.threads import omp_threads
 
 
@@ -77,6 +78,8 @@ class ContextAttention:
         hkv, Q, K = sel.ids.shape
         if K == 0:
             self.write_empty(o, mz)
+            if sel.rest is not None:
+                merge_rest(o, mz, sel.rest)
             return 0
         # ~8 ops on 32K-element tensors per layer, right after the search, each with the caches cold
         # (docs/BENCHMARKS.md, "Where the context part's time goes"): so they are few, in place, into
@@ -103,6 +106,8 @@ class ContextAttention:
         torch.ops.aten._embedding_bag_forward_only.out(
             self.values_flat[layer], rows, self._bag_offsets(R, K), False, 0, False, w_low.view(-1), False, -1,
             out0=o, out1=aux[0], out2=aux[1], out3=aux[2])
+        if sel.rest is not None:
+            merge_rest(o, mz, sel.rest)
         return int((sel.ids >= 0).sum()) if empty else ids.numel()
 
     def _buffers(self, R: int, K: int) -> tuple:
@@ -118,3 +123,27 @@ class ContextAttention:
             aux = [torch.empty((0,), dtype=torch.int64) for _ in range(3)]
             bufs = self._weights[(R, K)] = (w, w_low, torch.empty((R * K,), dtype=torch.int64), aux)
         return bufs
+
+
+def merge_rest(o: torch.Tensor, mz: torch.Tensor, rest: RestPart) -> None:
+    """Add an estimated rest part (index/base.py `RestPart`) to a written context part, in place.
+
+    The rest is a third disjoint part of the same softmax, so it joins by log-sum-exp exactly as the
+    window does on the GPU (docs/DESIGN.md "The merge"): with m' = max(m, lse_r),
+    o ← o·e^(m−m') + out_r·e^(lse_r−m'), z ← z·e^(m−m') + e^(lse_r−m'), m ← m'. Nothing on the GPU changes.
+
+    Args:
+        o: (R, D) the part's unnormalised output, values' dtype (R = Hkv·Q, head-major).
+        mz: (R, 2) float32 m and z (m = 0, z = 0 for a query that retrieved nothing).
+        rest: out (Hkv, Q, D) and lse (Hkv, Q), float32.
+    """
+    R, D = o.shape
+    lse = rest.lse.reshape(R, 1)                                            # (R, 1)
+    m, z = mz[:, :1], mz[:, 1:]
+    m_new = torch.maximum(m, lse)                                           # lse −inf: m stays
+    a = (m - m_new).exp_()                                                  # (R, 1) rescales the selected part
+    b = (lse - m_new).exp_()                                                # (R, 1) 0 where nothing is left out
+    merged = o.float().mul_(a).add_(rest.out.reshape(R, D) * b)             # (R, D) fp32
+    o.copy_(merged)
+    z.mul_(a).add_(b)
+    m.copy_(m_new)

@@ -62,6 +62,9 @@ class EvalConfig:
         questions: questions per real task in each context.
         chunk_size: prefill chunk length.
         work_dir: where the temporary caches go (default: the system temp dir).
+        keep_dir: real tasks only: keep each context's cache (and the dense answers) in a folder under
+            this directory and reuse it in later runs with the same model, context, device and dtype
+            (default: None, a temporary cache per run).
         docs: a documents folder or file: fidelity only, on these documents and `question` (laid out
             as `topk prefill` and `topk chat` do) instead of the tasks.
         question: the question asked about `docs`.
@@ -84,6 +87,7 @@ class EvalConfig:
     strategy_options: dict = field(default_factory=dict)
     chunk_size: int = 4096
     work_dir: str | None = None
+    keep_dir: str | None = None
     docs: str | None = None
     question: str = "What are these documents about?"
     questions: int = 2
@@ -179,6 +183,7 @@ class RunResult:
     seconds: float = 0.0
     k_label: str | None = None          # the budget as requested ("1%"), when it differs from k
     same_as_dense: bool | None = None   # the generated tokens equal dense's, token for token
+    keys_read: float | None = None      # share of the searchable keys the strategy's searches read (routed)
 
 
 def method_name(strategy: str, schedule: str, k: int | str) -> str:

@@ -14,10 +14,11 @@ Per suite:
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -84,6 +85,31 @@ class DenseContext:
                              use_cache=True)
         return tokens, torch.stack(logits)
 
+_DENSE_FILE = "dense_refs.pt"
+
+
+@contextlib.contextmanager
+def _suite_dir(suite: RealSuite, m: _Loaded, cfg) -> Iterator[tuple[str, bool]]:
+    """Where a suite's cache lives: a temporary directory, or with `cfg.keep_dir` a kept one that later
+    runs on the same (model, context, dtype) reuse, prefill and dense answers included.
+
+    Yields:
+        the directory and whether it is kept.
+    """
+    if not cfg.keep_dir:
+        with tempfile.TemporaryDirectory(prefix="topk-eval-", dir=cfg.work_dir) as tmp:
+            yield tmp, False
+        return
+    d = Path(cfg.keep_dir) / f"{Path(m.model_dir).name}_{suite.length}_{suite.seed}_{suite.sha}_{cfg.device}_{cfg.dtype}"
+    d.mkdir(parents=True, exist_ok=True)
+    yield str(d), True
+
+
+def _load_dense(d: Path) -> dict:
+    """Dense references kept by an earlier run in `d`: (task, question, steps) → (tokens, logits)."""
+    f = d / _DENSE_FILE
+    return torch.load(f) if f.is_file() else {}
+
 
 def _means(runs: list) -> str:
     """A progress summary of one (strategy, k) over the questions (the JSON has every value)."""
@@ -112,25 +138,36 @@ def eval_suite(suite: RealSuite, m: _Loaded, cfg, log: Callable[[str], None],
         one InstanceResult per question, and a dict describing the context (tokens, timings, hash).
     """
     tok = m.tokenizer
-    with tempfile.TemporaryDirectory(prefix="topk-eval-", dir=cfg.work_dir) as tmp:
+    with _suite_dir(suite, m, cfg) as (tmp, kept):
         doc = Path(tmp) / "document.txt"
-        doc.write_text(suite.context, encoding="utf-8")
         t0 = time.perf_counter()
-        cache, _ = build_cache(doc, Path(tmp) / "cache", m.model_dir, chunk_size=cfg.chunk_size, device=cfg.device,
-                               dtype=cfg.dtype)
+        if kept and (Path(tmp) / "cache" / "manifest.json").is_file():
+            cache = Path(tmp) / "cache"
+            log(f"real suite len={suite.length} seed={suite.seed}: reusing the kept prefill {cache}")
+        else:
+            doc.write_text(suite.context, encoding="utf-8")
+            cache, _ = build_cache(doc, Path(tmp) / "cache", m.model_dir, chunk_size=cfg.chunk_size,
+                                   device=cfg.device, dtype=cfg.dtype)
         prefill_s = time.perf_counter() - t0
         ckv = open_cache(cache, verify=False)
         n_ctx = ckv.n_tokens
         fmt = PromptFormat(**ckv.manifest.get("prompt", {"kind": "raw"}))
         log(f"real suite len={suite.length} seed={suite.seed}: {n_ctx} context tokens ({fmt.kind} layout), "
             f"prefill {prefill_s:.1f} s, {len(suite.questions)} questions")
-        dense = DenseContext(m.model, ckv)
+        dense = None
+        kept_refs = _load_dense(Path(tmp)) if kept else {}
         results: list[InstanceResult] = []
         refs = []
         for q in suite.questions:
             prompt_ids = tok(fmt.question_text(q.question, first_turn=True), add_special_tokens=False).input_ids
             t1 = time.perf_counter()
-            d_tokens, d_logits = dense.generate(prompt_ids, max(q.max_new_tokens, 1), m.eos)
+            key = (q.task, q.question, max(q.max_new_tokens, 1))
+            if key not in kept_refs:
+                dense = dense or DenseContext(m.model, ckv)
+                kept_refs[key] = dense.generate(prompt_ids, max(q.max_new_tokens, 1), m.eos)
+                if kept:
+                    torch.save(kept_refs, Path(tmp) / _DENSE_FILE)
+            d_tokens, d_logits = kept_refs[key]
             d_text = tok.decode(d_tokens, skip_special_tokens=True)
             ir = InstanceResult(task=q.task, length=suite.length, depth=q.depth, seed=suite.seed, answer=q.answer,
                                 layout=fmt.kind, n_context_tokens=n_ctx, n_prompt_tokens=len(prompt_ids),
@@ -158,6 +195,9 @@ def eval_suite(suite: RealSuite, m: _Loaded, cfg, log: Callable[[str], None],
                 for k, label in ks:
                     right = same = 0
                     runs = []
+                    read_counter = getattr(store.decoder.strategy, "keys_read_fraction", None)
+                    if read_counter is not None:       # count this (schedule, k) alone
+                        store.decoder.strategy.stats.extra.update(keys_read=0, keys_searchable=0)
                     for (q, prompt_ids, d_tokens, d_logits), ir in zip(refs, results):
                         run = _run_one(store, strategy, schedule, k, prompt_ids, d_tokens, d_logits, q.answer,
                                        q.max_new_tokens, cfg.fidelity_steps > 0, check=q.check, k_label=label,
@@ -166,8 +206,12 @@ def eval_suite(suite: RealSuite, m: _Loaded, cfg, log: Callable[[str], None],
                         runs.append(run)
                         right += bool(run.correct)
                         same += bool(run.same_as_dense)
+                    read = read_counter() if read_counter is not None else None
+                    for run in runs:
+                        run.keys_read = read
                     log(f"    {method_name(strategy, schedule, label or k)} (k={k}): {right}/{len(refs)} correct, "
-                        f"{same}/{len(refs)} same as dense, {_means(runs)}")
+                        f"{same}/{len(refs)} same as dense, {_means(runs)}"
+                        + ("" if read is None else f", keys read {100 * read:.2f} %"))
             store.close()  # its search threads
             del store
             if checkpoint is not None:

@@ -98,18 +98,35 @@ def check_options(name: str, declared: dict[str, type], options: dict) -> dict:
 
 
 @dataclass
+class RestPart:
+    """An estimate of the attention over searchable tokens a selection left out (routed's `estimate`).
+
+    A third attention part beside the selected tokens and the window, disjoint from both, merged into the
+    context part by the same log-sum-exp as the window (decode/context.py, docs/DESIGN.md "The merge").
+    out: (Hkv, Q, D) float32 softmax-weighted mean value of the left-out tokens (0 where lse is −inf).
+    lse: (Hkv, Q) float32 log Σ exp(s·q·k) over them, s = 1/√D (−inf: nothing left out).
+    """
+
+    out: torch.Tensor
+    lse: torch.Tensor
+
+
+@dataclass
 class Selection:
     """The answer of a strategy for one layer and one step.
 
     ids: (Hkv, Q, K) int64 context positions, -1 marks an empty slot (no token).
     scores: (Hkv, Q, K) float32 exact unscaled q·k of those positions (ignored where ids == -1).
     Q = G·T (group query heads × new tokens, head-major); K may differ from the requested k.
+    rest: an estimate of the attention over the searchable tokens not in `ids`, or None (attend to the
+        selected tokens only: every strategy's default).
     """
 
     ids: torch.Tensor
     scores: torch.Tensor
     searched: bool = True  # False when the answer came from a cache instead of a search
     no_empty_slots: bool = False  # True when the strategy knows no slot is empty (lets the decoder skip the check)
+    rest: RestPart | None = None
 
 
 @dataclass

@@ -40,7 +40,7 @@ class KMeansConfig:
         seed: initialisation seed.
     """
 
-    cluster_size: int = 32
+    cluster_size: int = 16
     iters: int = 6
     cpu_sample: int = 16
     cpu_seconds: float = 2.0
@@ -57,6 +57,8 @@ class LayerLayout:
     offsets: (Hkv, C + 1) int64; cluster c of head h is rows offsets[h, c]:offsets[h, c + 1].
     centroids: (Hkv, C, D) float32 mean of each cluster's raw keys (0 for an empty cluster).
     spread: (Hkv, C) float32 mean squared distance of a cluster's keys to its centroid, per dimension.
+    value_means: (Hkv, C, D) float32 mean of each cluster's values (0 for an empty cluster), or None
+        (layouts built before it existed): what routed's estimate of the unread clusters attends to.
     """
 
     keys: torch.Tensor
@@ -65,6 +67,7 @@ class LayerLayout:
     offsets: torch.Tensor
     centroids: torch.Tensor
     spread: torch.Tensor
+    value_means: torch.Tensor | None = None
 
     @property
     def sizes(self) -> torch.Tensor:
@@ -147,19 +150,21 @@ def kmeans(keys: torch.Tensor, n_clusters: int, cfg: KMeansConfig,
 
 
 def build_layer(keys: torch.Tensor, values: torch.Tensor | None, cfg: KMeansConfig,
-                device: torch.device) -> LayerLayout:
+                device: torch.device, store_values: bool = True) -> LayerLayout:
     """Cluster every KV head of one layer and permute its keys (and values) cluster-contiguously.
 
     Args:
         keys: (Hkv, N, D) the layer's keys (memory-mapped or in RAM).
-        values: (Hkv, N, D) the layer's values, or None to store keys only.
+        values: (Hkv, N, D) the layer's values (their per-cluster means are always kept), or None.
         cfg: k-means configuration.
         device: where k-means runs.
+        store_values: also keep the values permuted cluster-contiguously (when `values` is given).
     """
     hkv, n, d = keys.shape
     C = max(1, -(-n // cfg.cluster_size))
     out_k = torch.empty((hkv, n, d), dtype=keys.dtype)
-    out_v = torch.empty((hkv, n, d), dtype=values.dtype) if values is not None else None
+    out_v = torch.empty((hkv, n, d), dtype=values.dtype) if values is not None and store_values else None
+    v_means = torch.zeros((hkv, C, d), dtype=torch.float32) if values is not None else None
     pos = torch.empty((hkv, n), dtype=torch.int64)
     offsets = torch.zeros((hkv, C + 1), dtype=torch.int64)
     cents = torch.zeros((hkv, C, d), dtype=torch.float32)
@@ -175,9 +180,20 @@ def build_layer(keys: torch.Tensor, values: torch.Tensor | None, cfg: KMeansConf
         offsets[h, 1:] = torch.cumsum(torch.bincount(labels, minlength=C), 0)
         pos[h] = perm
         torch.index_select(kh, 0, perm, out=out_k[h])
-        if values is not None:
+        if out_v is not None:
             torch.index_select(values[h], 0, perm, out=out_v[h])
-    return LayerLayout(out_k, out_v, pos, offsets, cents, spread)
+        if v_means is not None:
+            v_means[h] = _cluster_means(values[h], labels, C)
+    return LayerLayout(out_k, out_v, pos, offsets, cents, spread, v_means)
+
+
+def _cluster_means(x: torch.Tensor, labels: torch.Tensor, n_clusters: int) -> torch.Tensor:
+    """(C, D) float32 mean of the rows of x (N, D) per label (0 for an empty cluster), in blocks."""
+    sums = torch.zeros((n_clusters, x.shape[1]), dtype=torch.float32)
+    step = 1 << 17
+    for s in range(0, x.shape[0], step):
+        sums.index_add_(0, labels[s:s + step], x[s:s + step].float())
+    return sums / torch.bincount(labels, minlength=n_clusters).clamp(min=1).float()[:, None]
 
 
 def kmeans_device() -> torch.device:

@@ -16,15 +16,18 @@ Per step and layer, for each KV head:
    them. Ids are ORIGINAL positions, so the decoder's context part is unchanged (it reads the original
    values by id; the permuted values in the layout are not used by it yet, see docs/STRATEGIES.md).
 
+With `estimate` (and `estimate_read`) the selection also carries an estimate of the attention over what
+it left out (index/estimate.py), which the context part merges by log-sum-exp (decode/context.py).
+
 When the budget covers the searchable range (k ≥ hi − lo, or `probe_fraction` = 1) the result is the
-exact top-k, as flat's.
+exact top-k, as flat's (and the estimate is empty).
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -42,8 +45,9 @@ from topk_decode.index.artifacts import (
     writing,
 )
 from topk_decode.index import routed_kernel
-from topk_decode.index.base import Selection, SelectionStrategy, as_bool, positive_int
+from topk_decode.index.base import RestPart, Selection, SelectionStrategy, as_bool, positive_int
 from topk_decode.index.cluster import KMeansConfig, LayerLayout, build_layer, kmeans_device
+from topk_decode.index.estimate import combine, read_rest_part, searchable_stats, unread_part
 from topk_decode.index.threads import HeadPool, default_threads
 from topk_decode.store.cache_dir import ContextKV
 from topk_decode.store.format import as_torch, dtype_name, numpy_storage
@@ -54,6 +58,24 @@ _MIN_READ_PER_K = 2
 # part's, decode/context.py) and lost on the 16-core host: re-waking the pool for the scan after it
 # costs more, and the centroid product is not small at 1M (docs/BENCHMARKS.md).
 _SMALL_OP_THREADS: int | None = None
+
+
+class Route(NamedTuple):
+    """What routing chose for one layer and step (`RoutedStrategy.route`).
+
+    rows: (Hkv, Mmax) int64 rows of the layout's flat (Hkv·N, D) keys to read, padded to the longest head.
+    valid: (Hkv, Mmax) bool, False on padding; None when every padding row is a sink/tail row (masked with them).
+    base: (Hkv, Q, C) float32 s·q·μ_c of every cluster (μ_c over its searchable keys).
+    clusters: (Hkv, W) int64 the clusters considered, by priority; taken: (Hkv, W) bool, those read.
+    run: (Hkv, Mmax) int64 the index into `clusters` of every row read.
+    """
+
+    rows: torch.Tensor
+    valid: torch.Tensor | None
+    base: torch.Tensor
+    clusters: torch.Tensor
+    taken: torch.Tensor
+    run: torch.Tensor
 
 
 def _fraction(options: dict, key: str, default: float) -> float:
@@ -71,8 +93,9 @@ class RoutedStrategy(SelectionStrategy):
     """Clustered keys, mass-estimate routing, exact top-k over the routed clusters.
 
     Build options (recorded in done.json; a different value rebuilds):
-        cluster_size: target tokens per cluster (default 32: on real keys 16 routes better and 64 worse at
-            the same keys read, while the centroids routing reads every step grow as 1/S; docs/STRATEGIES.md).
+        cluster_size: target tokens per cluster (default 16: on real keys it routes better than 32 at the
+            same keys read and kept 0.97 of flat's mass on Qwen2.5-Coder-1.5B at 16K where 32 kept 0.95;
+            the centroids and value means read every step grow as 1/S; docs/STRATEGIES.md).
         iters: Lloyd iterations of k-means (default 6; on a CPU also bounded by time, cluster.py).
         store_values: also store the values cluster-contiguously (default True; not read by the
             context part yet).
@@ -83,20 +106,26 @@ class RoutedStrategy(SelectionStrategy):
             worse on real keys, docs/STRATEGIES.md).
         sizes: include log n_c (the cluster's size) in the estimate (default False: clusters ranked by
             s·q·μ_c alone, as IVF probes, had the higher id recall at the same mass on real keys).
+        estimate: add RetroInfer's estimate of the unread clusters' attention, n_c·exp(s·q·μ_c) with
+            the cluster's mean value, as a third part of the softmax (index/estimate.py; default True: it
+            lowered KL and raised agreement on every real model measured, docs/STRATEGIES.md).
+        estimate_read: add the read keys outside the top-k too (exact weights, cluster-mean values;
+            default False).
         kernel: "torch" (default: the torch ops below) or "numba" (routed_kernel.py: each KV head's whole
-            search as one compiled function, heads in parallel; needs numba and bf16 keys, not spread).
-            Both give the same selection (tests/test_routed_kernel.py). numba is faster per layer alone
-            but, in the decoder, only with OMP_WAIT_POLICY=PASSIVE set before the process starts: torch's
-            OpenMP workers otherwise spin after each layer's context part and starve its threads
-            (docs/BENCHMARKS.md, run 12).
+            search as one compiled function, heads in parallel; needs numba and bf16 keys, and neither
+            spread nor the estimates). Both give the same selection (tests/test_routed_kernel.py). numba
+            is faster per layer alone but, in the decoder, only with OMP_WAIT_POLICY=PASSIVE set before
+            the process starts: torch's OpenMP workers otherwise spin after each layer's context part and
+            starve its threads (docs/BENCHMARKS.md, run 12).
     """
 
     name = "routed"
     keeps_query = False
-    BUILD_DEFAULTS = {"cluster_size": 32, "iters": 6, "store_values": True}
-    SEARCH_DEFAULTS = {"probe_fraction": 0.04, "spread": False, "sizes": False, "kernel": "torch"}
+    BUILD_DEFAULTS = {"cluster_size": 16, "iters": 6, "store_values": True}
+    SEARCH_DEFAULTS = {"probe_fraction": 0.04, "spread": False, "sizes": False, "estimate": True,
+                       "estimate_read": False, "kernel": "torch"}
     OPTIONS = {"cluster_size": int, "iters": int, "store_values": bool, "probe_fraction": float, "spread": bool,
-               "sizes": bool, "kernel": str}
+               "sizes": bool, "estimate": bool, "estimate_read": bool, "kernel": str}
 
     # ---- options / build -------------------------------------------------------------------------
     @classmethod
@@ -124,7 +153,7 @@ class RoutedStrategy(SelectionStrategy):
                     files.append(d / f"{tag}.{layer:03d}.bin")
                     write_file(files[-1], raw.contiguous().numpy().reshape(-1).view(np.uint8).data)
             n_clusters = -(-ckv.n_tokens // opts["cluster_size"])
-            meta = {"options": dict(opts, dtype=dtype_name(ckv.dtype), n_clusters=n_clusters)}
+            meta = {"options": dict(opts, dtype=dtype_name(ckv.dtype), n_clusters=n_clusters, value_means=True)}
             write_done(d, files, meta, ckv.cache_id)
 
     @staticmethod
@@ -132,8 +161,7 @@ class RoutedStrategy(SelectionStrategy):
         cfg = KMeansConfig(cluster_size=opts["cluster_size"], iters=opts["iters"])
         device = kmeans_device()
         for layer in range(ckv.n_layers):
-            values = ckv.values[layer] if opts["store_values"] else None
-            yield build_layer(ckv.keys[layer], values, cfg, device)
+            yield build_layer(ckv.keys[layer], ckv.values[layer], cfg, device, store_values=opts["store_values"])
             if progress:
                 progress(layer + 1, ckv.n_layers)
 
@@ -143,6 +171,8 @@ class RoutedStrategy(SelectionStrategy):
                   "centroids": lay.centroids, "spread": lay.spread}
         if lay.values is not None:
             arrays["values"] = lay.values
+        if lay.value_means is not None:
+            arrays["vmeans"] = lay.value_means
         return arrays
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
@@ -150,32 +180,46 @@ class RoutedStrategy(SelectionStrategy):
         self.probe_fraction = _fraction(o, "probe_fraction", self.SEARCH_DEFAULTS["probe_fraction"])
         self.use_spread = as_bool(o.get("spread", self.SEARCH_DEFAULTS["spread"]))
         use_sizes = as_bool(o.get("sizes", self.SEARCH_DEFAULTS["sizes"]))
+        self.estimate = as_bool(o.get("estimate", self.SEARCH_DEFAULTS["estimate"]))
+        self.estimate_read = as_bool(o.get("estimate_read", self.SEARCH_DEFAULTS["estimate_read"]))
         opts = self.build_options(o)
         if not self._on_disk(self.ckv):
             self.layouts = list(self._layouts(self.ckv, opts, progress))
         else:
             wanted = {k: v for k, v in opts.items() if k in o}
+            if self.estimate or self.estimate_read:
+                wanted["value_means"] = True       # layouts built before the estimate lack them: rebuild
             with build_lock(self.ckv.path, self.name):
                 if not artifacts_match(self.ckv.path, self.name, wanted, self.ckv.cache_id):
-                    self.build_artifacts(self.ckv, o, progress)
+                    # a rebuild for the value means alone keeps the build options recorded before
+                    old = recorded_options(self.ckv.path, self.name) or {}
+                    kept = {k: v for k, v in old.items() if k in self.BUILD_DEFAULTS} if old.get("dtype") else {}
+                    self.build_artifacts(self.ckv, {**kept, **o}, progress)
                 verify_done(artifact_dir(self.ckv.path, self.name))   # sizes always; checksums up to 2 GiB
             self.layouts = self._load(recorded_options(self.ckv.path, self.name))
         self.scale = 1.0 / math.sqrt(self.ckv.head_dim)
         hkv, n = self.ckv.n_kv_heads, self.ckv.n_tokens
         self._row_base = (torch.arange(hkv) * n).view(hkv, 1)                  # (Hkv, 1) flat row of head h
+        # Per layout row, whether its position is outside [lo, hi) (sinks, tail): one gather per step
+        # instead of two compares of the positions.
+        self._outside = [((lay.pos < self.lo) | (lay.pos >= self.hi)).reshape(-1) for lay in self.layouts]
+        # Cluster statistics over the searchable keys only (the window attends to sinks and tail exactly):
+        # routing ranks and the estimate sums what the strategy may return (index/estimate.py).
+        self._stats = [searchable_stats(lay, out, self.ckv.values[i])
+                       for i, (lay, out) in enumerate(zip(self.layouts, self._outside))]
+        if (self.estimate or self.estimate_read) and any(st.value_means is None for st in self._stats):
+            raise TopkError("routed: estimate needs the clusters' mean values; rebuild the layout")
         # Per layer, what routing reads every step, laid out for one baddbmm: centroids as (Hkv, D, C),
-        # log cluster sizes as the bias (−inf for an empty cluster), the spread scaled by s²/2.
-        self._cent_t = [lay.centroids.transpose(1, 2).contiguous() for lay in self.layouts]
-        self._bias = [lay.sizes.float().log().unsqueeze(1) for lay in self.layouts]      # (Hkv, 1, C)
-        if not use_sizes:     # 0 for every non-empty cluster, −inf for the empty ones
+        # log cluster sizes as the bias (−inf for a cluster without searchable keys), the spread scaled by s²/2.
+        self._cent_t = [st.centroids.transpose(1, 2).contiguous() for st in self._stats]
+        self._bias = [st.log_n for st in self._stats]                                    # (Hkv, 1, C)
+        if not use_sizes:     # 0 for every cluster with searchable keys, −inf for the others
             self._bias = [torch.where(torch.isinf(b), b, 0.0) for b in self._bias]
         self._spread = [(lay.spread * (0.5 * self.scale ** 2)).unsqueeze(1) for lay in self.layouts]
         self._sizes = [lay.sizes for lay in self.layouts]
         self._starts = [lay.offsets[:, :-1] + self._row_base for lay in self.layouts]   # (Hkv, C) flat rows
-        # Per layout row, whether its position is outside [lo, hi) (sinks, tail): one gather per step
-        # instead of two compares of the positions. Padding reads such a row of its head when there is one
-        # (then the flag alone masks padding too), else the head's first row, masked by `valid`.
-        self._outside = [((lay.pos < self.lo) | (lay.pos >= self.hi)).reshape(-1) for lay in self.layouts]
+        # Padding reads an outside row of its head when there is one (then the flag alone masks padding
+        # too), else the head's first row, masked by `valid`.
         self._pad_rows = []
         for lay, out in zip(self.layouts, self._outside):
             has = out.view(hkv, n).any(1)
@@ -195,7 +239,9 @@ class RoutedStrategy(SelectionStrategy):
         why = ("numba is not installed (pip install numba)" if not routed_kernel.available() else
                f"it reads bf16 keys, these are {dtype_name(self.ckv.dtype)}"
                if self.ckv.dtype not in routed_kernel.KEY_DTYPES else
-               "it does not implement spread=true" if self.use_spread else None)
+               "it does not implement spread=true" if self.use_spread else
+               "it does not implement the estimates (add --opt estimate=false)" if self.estimate or self.estimate_read
+               else None)
         if choice == "numba" and why:
             raise TopkError(f"routed: kernel=numba is not available: {why}")
         return choice == "numba"
@@ -218,22 +264,23 @@ class RoutedStrategy(SelectionStrategy):
                 pos=arr("pos", layer, np.int32, (hkv, n)).long(),
                 offsets=arr("offsets", layer, np.int64, (hkv, C + 1)),
                 centroids=arr("centroids", layer, np.float32, (hkv, C, D)),
-                spread=arr("spread", layer, np.float32, (hkv, C))))
+                spread=arr("spread", layer, np.float32, (hkv, C)),
+                value_means=arr("vmeans", layer, np.float32, (hkv, C, D)) if built.get("value_means") else None))
         return out
 
     # ---- search ----------------------------------------------------------------------------------
-    def route(self, layer: int, q: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def route(self, layer: int, q: torch.Tensor, budget: int) -> Route:
         """Rows of the layout's flat (Hkv·N, D) keys to read, per head, padded to the longest head's list.
 
         Args:
             layer: layer index; q: (Hkv, Q, D) float32 queries; budget: keys to read per head (at least).
         Returns:
-            rows (Hkv, Mmax) int64, and valid (Hkv, Mmax) bool (False on padding) or None when every
-            padding row is a sink/tail row (masked with them).
+            the rows, their padding mask and which clusters they belong to (`Route`).
         """
         sizes_all = self._sizes[layer]
         hkv, C = sizes_all.shape
-        logit = torch.baddbmm(self._bias[layer], q, self._cent_t[layer], alpha=self.scale)   # (Hkv, Q, C)
+        base = torch.bmm(q, self._cent_t[layer]).mul_(self.scale)               # (Hkv, Q, C) s·q·μ_c
+        logit = base + self._bias[layer]
         if self.use_spread:
             logit.addcmul_(q.square().sum(-1, keepdim=True), self._spread[layer])
         share = (logit - torch.logsumexp(logit, dim=-1, keepdim=True)).amax(1)  # (Hkv, C) union over queries
@@ -266,7 +313,7 @@ class RoutedStrategy(SelectionStrategy):
         total = int(per_head.sum())
         self.stats.extra["keys_read"] += total
         self.stats.extra["keys_searchable"] += hkv * self.n_searchable
-        return rows, (valid if pad is None else None)
+        return Route(rows, valid if pad is None else None, base, order[:, :width], lens > 0, run)
 
     def select(self, layer: int, q: torch.Tensor, k: int, state: Any = None) -> Selection:
         M = self.n_searchable
@@ -279,7 +326,7 @@ class RoutedStrategy(SelectionStrategy):
         budget = self.ckv.n_tokens if self.probe_fraction >= 1 else max(math.ceil(self.probe_fraction * M), _MIN_READ_PER_K * k)
         if self.kernel:
             ids, scores, read = routed_kernel.search_layer(
-                lay.keys, lay.pos, self._outside[layer].view(hkv, -1), lay.offsets, lay.centroids,
+                lay.keys, lay.pos, self._outside[layer].view(hkv, -1), lay.offsets, self._stats[layer].centroids,
                 self._bias_vec[layer], q, budget, k, self.scale, self.pool)
             self.stats.extra["keys_read"] += read
             self.stats.extra["keys_searchable"] += hkv * M
@@ -289,7 +336,8 @@ class RoutedStrategy(SelectionStrategy):
         if _SMALL_OP_THREADS:
             torch.set_num_threads(min(threads, _SMALL_OP_THREADS))
         try:
-            rows, valid = self.route(layer, q, budget)                          # (Hkv, Mmax)
+            route = self.route(layer, q, budget)
+            rows, valid = route.rows, route.valid                               # (Hkv, Mmax)
         finally:
             torch.set_num_threads(threads)
         m_max = rows.shape[1]
@@ -305,12 +353,32 @@ class RoutedStrategy(SelectionStrategy):
         if bool(bad.any()):
             scores.masked_fill_(bad[:, None, :], float("-inf"))
         top = scores.topk(min(k, m_max), dim=-1, sorted=False)
+        scores_read = scores
         ids = pos[:, None, :].expand(hkv, Q, m_max).gather(-1, top.indices)     # (Hkv, Q, K) original positions
         scores, empty = top.values, torch.isinf(top.values)
         no_empty_slots = not bool(empty.any())
+        rest = self._rest(layer, route, scores_read, top.indices) if self.estimate or self.estimate_read else None
         if not no_empty_slots:   # fewer than k valid keys were read for some query: empty slots
             ids, scores = ids.masked_fill(empty, -1), scores.masked_fill(empty, 0.0)
-        return Selection(ids=ids, scores=scores, no_empty_slots=no_empty_slots)
+        return Selection(ids=ids, scores=scores, no_empty_slots=no_empty_slots, rest=rest)
+
+    def _rest(self, layer: int, route: Route, scores_read: torch.Tensor, top: torch.Tensor) -> RestPart:
+        """The estimate of what the selection leaves out (index/estimate.py): unread clusters and/or read
+        keys outside the top-k, as one part for the context part's merge.
+
+        Args:
+            layer: the layer; route: this step's routing; scores_read: (Hkv, Q, Mmax) exact q·k of the rows
+            read (−inf outside the range); top: (Hkv, Q, K) the columns each query kept.
+        """
+        st = self._stats[layer]
+        parts = []
+        if self.estimate:
+            read = torch.zeros(route.base.shape[0], route.base.shape[2], dtype=torch.bool)
+            read.scatter_(1, route.clusters, route.taken)                        # (Hkv, C) clusters read
+            parts.append(unread_part(route.base + st.log_n, read, st.value_means))
+        if self.estimate_read:
+            parts.append(read_rest_part(scores_read * self.scale, top, route.run, route.clusters, st.value_means))
+        return parts[0] if len(parts) == 1 else combine(parts[0], parts[1])
 
     def _buffers(self, rows: int, Q: int, D: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """Gather, fp32 and score buffers reused across layers and steps (fresh 10-50 MiB tensors per layer

@@ -1,0 +1,117 @@
+"""RetroInfer-style estimate of the attention a routed selection leaves out (routed's `estimate` options).
+
+routed reads a few clusters and keeps each query's exact top-k among them. The searchable tokens it
+leaves out still hold attention mass; their part of the softmax is estimated from per-cluster statistics
+(docs/STRATEGIES.md "routed: the estimate of the rest"):
+
+- an **unread** cluster c (n_c searchable keys, mean key μ_c, mean value v̄_c) contributes
+  Σ_j exp(s·q·k_j) ≈ n_c·exp(s·q·μ_c) and Σ_j exp(s·q·k_j)·v_j ≈ n_c·exp(s·q·μ_c)·v̄_c
+  (exact when its keys are equal; below the truth by Jensen otherwise);
+- a **read** key outside the top-k has an exact score (it was scanned) but its value is not read:
+  it contributes exp(s·q·k_j)·v̄_c with its cluster's mean value.
+
+Both form one `RestPart` (index/base.py), merged into the context part by log-sum-exp (decode/context.py).
+The statistics are over the *searchable* keys only: sinks and the context tail sit in clusters too, but
+the exact window attends to them, and counting them twice would break the merge's disjointness.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from topk_decode.index.base import RestPart
+from topk_decode.index.cluster import LayerLayout
+
+
+@dataclass
+class SearchableStats:
+    """One layer's per-cluster statistics over the searchable keys [lo, hi) only.
+
+    centroids: (Hkv, C, D) float32 mean searchable key per cluster (0 where none).
+    value_means: (Hkv, C, D) float32 mean searchable value per cluster (0 where none), or None when the
+        layout has no value means.
+    log_n: (Hkv, 1, C) float32 log of the searchable keys per cluster (−inf where none).
+    """
+
+    centroids: torch.Tensor
+    value_means: torch.Tensor | None
+    log_n: torch.Tensor
+
+
+def searchable_stats(lay: LayerLayout, outside: torch.Tensor, values: torch.Tensor) -> SearchableStats:
+    """Remove the sink and tail keys from a layer's cluster means (they are few: one gather per head).
+
+    Args:
+        lay: the layer's layout (without `value_means`, the stats have none either).
+        outside: (Hkv·N,) bool, per layout row whether its position is outside [lo, hi).
+        values: (Hkv, N, D) the layer's values in original order (the cache's memory map).
+    """
+    hkv, C, d = lay.centroids.shape
+    n = lay.pos.shape[1]
+    sizes = lay.sizes.float()                                                   # (Hkv, C)
+    key_sums = lay.centroids * sizes[..., None]                                 # (Hkv, C, D)
+    value_sums = lay.value_means * sizes[..., None] if lay.value_means is not None else None
+    out = outside.view(hkv, n)
+    for h in range(hkv):
+        rows = out[h].nonzero().squeeze(1)                                      # (r,) layout rows of head h
+        if rows.numel() == 0:
+            continue
+        cluster = torch.searchsorted(lay.offsets[h], rows, right=True) - 1      # (r,)
+        key_sums[h].index_add_(0, cluster, lay.keys[h].index_select(0, rows).float(), alpha=-1)
+        if value_sums is not None:
+            value_sums[h].index_add_(0, cluster, values[h].index_select(0, lay.pos[h, rows]).float(), alpha=-1)
+        sizes[h].index_add_(0, cluster, torch.ones(rows.numel()), alpha=-1)
+    denom = sizes.clamp(min=1)[..., None]
+    return SearchableStats(centroids=key_sums / denom, value_means=None if value_sums is None else value_sums / denom,
+                           log_n=sizes.log().unsqueeze(1))
+
+
+def unread_part(logit: torch.Tensor, read: torch.Tensor, value_means: torch.Tensor) -> RestPart:
+    """The estimate over the clusters not read: lse = logsumexp_c(log n_c + s·q·μ_c), out = Σ_c p_c·v̄_c.
+
+    Args:
+        logit: (Hkv, Q, C) float32 log n_c + s·q·μ_c per query (−inf for clusters without searchable keys).
+        read: (Hkv, C) bool, the clusters the head read (their keys are accounted exactly).
+        value_means: (Hkv, C, D) float32 v̄_c.
+    """
+    logit = logit.masked_fill(read[:, None, :], float("-inf"))
+    lse = torch.logsumexp(logit, dim=-1)                                        # (Hkv, Q)
+    finite = torch.isfinite(lse)
+    p = (logit - torch.where(finite, lse, 0.0)[..., None]).exp_()               # (Hkv, Q, C), 0 where −inf
+    return RestPart(out=torch.bmm(p, value_means), lse=lse)
+
+
+def read_rest_part(scaled: torch.Tensor, top: torch.Tensor, run: torch.Tensor, run_clusters: torch.Tensor,
+                   value_means: torch.Tensor) -> RestPart:
+    """The read keys outside each query's top-k: exact weights, their cluster's mean value.
+
+    Args:
+        scaled: (Hkv, Q, M) float32 s·q·k of the rows read (−inf for sinks, tail and padding).
+        top: (Hkv, Q, K) int64 the columns of `scaled` each query kept (accounted exactly).
+        run: (Hkv, M) int64 the run (cluster read) of every row, an index into `run_clusters`.
+        run_clusters: (Hkv, W) int64 the cluster of every run.
+        value_means: (Hkv, C, D) float32 v̄_c.
+    """
+    hkv, Q, M = scaled.shape
+    rest = scaled.scatter(-1, top, float("-inf"))                               # (Hkv, Q, M)
+    mx = rest.amax(-1, keepdim=True)                                            # (Hkv, Q, 1)
+    finite = torch.isfinite(mx)
+    w = (rest - torch.where(finite, mx, 0.0)).exp_()                            # (Hkv, Q, M)
+    W = run_clusters.shape[1]
+    per_run = torch.zeros((hkv, Q, W)).scatter_add_(-1, run[:, None, :].expand(hkv, Q, M), w)   # (Hkv, Q, W)
+    v_runs = value_means.gather(1, run_clusters[..., None].expand(hkv, W, value_means.shape[2]))   # (Hkv, W, D)
+    total = per_run.sum(-1)                                                     # (Hkv, Q)
+    out = torch.bmm(per_run, v_runs) / total.clamp(min=1e-30)[..., None]
+    lse = torch.where(finite.squeeze(-1) & (total > 0), mx.squeeze(-1) + total.log(), float("-inf"))
+    return RestPart(out=out, lse=lse)
+
+
+def combine(a: RestPart, b: RestPart) -> RestPart:
+    """Two disjoint rest parts as one (log-sum-exp merge, as docs/DESIGN.md "The merge")."""
+    lse = torch.logaddexp(a.lse, b.lse)                                         # (Hkv, Q)
+    safe = torch.where(torch.isfinite(lse), lse, 0.0)
+    wa = (a.lse - safe).exp()[..., None]                                        # 0 where a is empty
+    wb = (b.lse - safe).exp()[..., None]
+    return RestPart(out=a.out * wa + b.out * wb, lse=lse)
