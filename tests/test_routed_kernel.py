@@ -5,11 +5,27 @@ from __future__ import annotations
 import pytest
 import torch
 
+import test_routed
+
 from topk_decode.errors import TopkError
 from topk_decode.index.base import exact_scores
 from test_routed import _open, _queries, clustered_cache, own_cache  # noqa: F401 - fixtures
 
 pytest.importorskip("numba")
+
+
+@pytest.fixture(autouse=True)
+def _close_what_each_test_opens(monkeypatch):
+    """Every strategy a test opens is closed after it (the compiled path starts a thread pool)."""
+    opened = []
+
+    def tracked(*args, **kwargs):
+        opened.append(test_routed._open(*args, **kwargs))
+        return opened[-1]
+    monkeypatch.setitem(globals(), "_open", tracked)
+    yield
+    for strat in opened:
+        strat.close()
 
 
 def _pair(cache, options, lo=3, hi=None):
