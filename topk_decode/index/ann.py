@@ -29,11 +29,8 @@ import torch
 from topk_decode.errors import TopkError
 from topk_decode.index.artifacts import (
     artifact_dir,
-    artifacts_match,
-    build_lock,
-    recorded_options,
+    ensure_artifacts,
     start_artifacts,
-    verify_done,
     write_done,
     write_file,
     writing,
@@ -123,11 +120,8 @@ class FaissAnnStrategy(SelectionStrategy):
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
         wanted = {k: v for k, v in self.build_options(self.ckv, self.options).items() if k in self.options}
         d = artifact_dir(self.ckv.path, self.name)
-        with build_lock(self.ckv.path, self.name):
-            if not artifacts_match(self.ckv.path, self.name, wanted, self.ckv.cache_id):
-                self.build_artifacts(self.ckv, self.options, progress)
-            verify_done(d)      # a truncated or overwritten index file: "corrupted cache", not a Faiss crash
-        self.built = recorded_options(self.ckv.path, self.name)
+        self.built = ensure_artifacts(self.ckv, self.name, wanted,
+                                      lambda: self.build_artifacts(self.ckv, self.options, progress))
         L, H = self.ckv.n_layers, self.ckv.n_kv_heads
         # mmap=False reads the indices into RAM (faster searches, RAM = artifact bytes).
         flags = self.IO_FLAGS if as_bool(self.options.get("mmap", True)) else 0

@@ -6,10 +6,7 @@ Every strategy that keeps files (ivf, hnsw, quest, duo, ...) uses these helpers:
     ... write files into d ...
     write_done(d, files, {"options": opts}, ckv.cache_id)
     ...
-    with build_lock(ckv.path, name):               # at open: one process builds, the others wait
-        if not artifacts_match(ckv.path, name, wanted, ckv.cache_id):   # built, same options, this cache
-            build...
-        meta = verify_done(artifact_dir(ckv.path, name))       # sizes (+ checksums) or TopkError
+    built = ensure_artifacts(ckv, name, wanted, build)   # at open: lock, build unless it matches, verify
 
 `done.json` = {"version": 1, "cache_id": blake2b of the cache's manifest.json the artifacts were built
 from, "meta": {...strategy's own record, e.g. build options...}, "files": {file name: {"bytes",
@@ -23,7 +20,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -198,5 +195,26 @@ def artifacts_match(cache: str | os.PathLike, name: str, wanted: dict, cache_id:
     return all(rec.get(key) == value for key, value in wanted.items())
 
 
-__all__ = ["DONE", "artifact_dir", "build_lock", "writing", "write_file", "start_artifacts", "write_done", "read_done", "verify_done",
+def ensure_artifacts(ckv, name: str, wanted: dict, build: Callable[[], None]) -> dict:
+    """Open-time check of strategy `name`'s artifacts; returns the build options recorded in done.json.
+
+    Under the build lock (one process builds, the others wait), `build()` runs unless the artifacts
+    exist, were built from this cache and with every option in `wanted`; then every file is verified
+    (sizes always, checksums up to 2 GiB: a truncated or overwritten file is "corrupted cache", not a
+    crash in the strategy's reader).
+
+    Args:
+        ckv: the opened cache (its `path` and `cache_id`).
+        name: strategy name.
+        wanted: build options the user passed explicitly (`artifacts_match`).
+        build: writes the artifacts (the strategy's `build_artifacts` with its options).
+    """
+    with build_lock(ckv.path, name):
+        if not artifacts_match(ckv.path, name, wanted, ckv.cache_id):
+            build()
+        verify_done(artifact_dir(ckv.path, name))
+        return recorded_options(ckv.path, name)
+
+
+__all__ = ["DONE", "ensure_artifacts", "artifact_dir", "build_lock", "writing", "write_file", "start_artifacts", "write_done", "read_done", "verify_done",
            "artifacts_complete", "recorded_options", "artifacts_match"]

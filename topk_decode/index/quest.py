@@ -21,11 +21,8 @@ import torch
 from topk_decode.errors import TopkError
 from topk_decode.index.artifacts import (
     artifact_dir,
-    artifacts_match,
-    build_lock,
-    recorded_options,
+    ensure_artifacts,
     start_artifacts,
-    verify_done,
     write_done,
     write_file,
     writing,
@@ -105,11 +102,8 @@ class QuestStrategy(SelectionStrategy):
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
         wanted = {k: v for k, v in self._build_options(self.options).items() if k in self.options}
-        with build_lock(self.ckv.path, self.name):
-            if not artifacts_match(self.ckv.path, self.name, wanted, self.ckv.cache_id):
-                self.build_artifacts(self.ckv, self.options, progress)
-            verify_done(artifact_dir(self.ckv.path, self.name))   # sizes always; checksums up to 2 GiB
-        built = recorded_options(self.ckv.path, self.name)
+        built = ensure_artifacts(self.ckv, self.name, wanted,
+                                 lambda: self.build_artifacts(self.ckv, self.options, progress))
         self.page_size = int(built["page_size"])
         raw = self.options.get("dense_layers", 2)
         if not str(raw).isdigit():

@@ -35,11 +35,9 @@ import torch
 from topk_decode.errors import TopkError
 from topk_decode.index.artifacts import (
     artifact_dir,
-    artifacts_match,
-    build_lock,
+    ensure_artifacts,
     recorded_options,
     start_artifacts,
-    verify_done,
     write_done,
     write_file,
     writing,
@@ -189,14 +187,13 @@ class RoutedStrategy(SelectionStrategy):
             wanted = {k: v for k, v in opts.items() if k in o}
             if self.estimate or self.estimate_read:
                 wanted["value_means"] = True       # layouts built before the estimate lack them: rebuild
-            with build_lock(self.ckv.path, self.name):
-                if not artifacts_match(self.ckv.path, self.name, wanted, self.ckv.cache_id):
-                    # a rebuild for the value means alone keeps the build options recorded before
-                    old = recorded_options(self.ckv.path, self.name) or {}
-                    kept = {k: v for k, v in old.items() if k in self.BUILD_DEFAULTS} if old.get("dtype") else {}
-                    self.build_artifacts(self.ckv, {**kept, **o}, progress)
-                verify_done(artifact_dir(self.ckv.path, self.name))   # sizes always; checksums up to 2 GiB
-            self.layouts = self._load(recorded_options(self.ckv.path, self.name))
+            def build() -> None:
+                # a rebuild for the value means alone keeps the build options recorded before
+                old = recorded_options(self.ckv.path, self.name) or {}
+                kept = {k: v for k, v in old.items() if k in self.BUILD_DEFAULTS} if old.get("dtype") else {}
+                self.build_artifacts(self.ckv, {**kept, **o}, progress)
+
+            self.layouts = self._load(ensure_artifacts(self.ckv, self.name, wanted, build))
         self.scale = 1.0 / math.sqrt(self.ckv.head_dim)
         hkv, n = self.ckv.n_kv_heads, self.ckv.n_tokens
         self._row_base = (torch.arange(hkv) * n).view(hkv, 1)                  # (Hkv, 1) flat row of head h
