@@ -75,7 +75,6 @@ def _head_search(keys, pos, outside, offsets, cent, bias, qh, budget, k, scale, 
     # clusters by share: sort only a partition of twice the expected count (all of them if that is short)
     neg = -share
     guess = min(C, 2 * ((budget * C + n - 1) // n) + 16)
-    order = np.argsort(neg)[:0]
     if guess < C:
         cut = np.partition(neg, guess)[guess]
         cand = np.nonzero(neg <= cut)[0]
