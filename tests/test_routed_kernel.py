@@ -7,6 +7,7 @@ import torch
 
 import test_routed
 
+from topk_decode.decode.context import ContextAttention
 from topk_decode.errors import TopkError
 from topk_decode.index.base import exact_scores
 from test_routed import _open, _queries, clustered_cache, own_cache  # noqa: F401 - fixtures
@@ -29,7 +30,6 @@ def _close_what_each_test_opens(monkeypatch):
 
 
 def _pair(cache, options, lo=3, hi=None):
-    options = dict(options, estimate=False)          # the compiled path selects; it does not estimate the rest
     return (_open(cache, "routed", dict(options, kernel="numba"), lo=lo, hi=hi),
             _open(cache, "routed", dict(options, kernel="torch"), lo=lo, hi=hi))
 
@@ -48,6 +48,9 @@ def test_compiled_and_torch_paths_select_the_same_ids_with_the_same_scores(clust
         filled = a.ids >= 0                          # a narrow range can leave fewer than k keys read
         exact = exact_scores(compiled.ckv.keys[layer], q, a.ids.clamp(min=0))
         assert torch.allclose(a.scores[filled], exact[filled], atol=1e-4)
+        # the estimate of the unread clusters (on by default) is the torch path's
+        torch.testing.assert_close(a.rest.lse, b.rest.lse, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.rest.out, b.rest.out, rtol=1e-4, atol=1e-5)
     assert compiled.keys_read_fraction() == plain.keys_read_fraction()
 
 
@@ -56,26 +59,91 @@ def test_compiled_path_handles_many_queries_per_head_as_a_prompt_chunk_does(clus
     q = _queries(q=4 * 37, seed=4)                    # G = 4 query heads × 37 prompt tokens per KV head
     a, b = compiled.select(0, q, 16), plain.select(0, q, 16)
     assert torch.equal(a.ids.sort(-1).values, b.ids.sort(-1).values)
+    torch.testing.assert_close(a.rest.out, b.rest.out, rtol=1e-4, atol=1e-5)
 
 
-def test_probing_every_cluster_with_the_compiled_path_equals_flat(clustered_cache):
-    compiled = _open(clustered_cache, "routed", {"cluster_size": 32, "probe_fraction": 1, "kernel": "numba",
-                                                 "estimate": False})
+def test_probing_every_cluster_with_the_compiled_path_equals_flat_and_estimates_nothing(clustered_cache):
+    compiled = _open(clustered_cache, "routed", {"cluster_size": 32, "probe_fraction": 1, "kernel": "numba"})
     flat = _open(clustered_cache, "flat")
     q = _queries(seed=5)
     a, b = compiled.select(0, q, 50), flat.select(0, q, 50)
     assert torch.equal(a.ids.sort(-1).values, b.ids.sort(-1).values)
     assert a.no_empty_slots
+    assert torch.isinf(a.rest.lse).all() and not a.rest.out.any()
 
 
-def test_kernel_option_is_opt_in_and_refused_where_the_compiled_path_does_not_apply(clustered_cache, own_cache):
-    assert not _open(clustered_cache, "routed", {}).kernel                         # the default is the torch path
+def _normalised(o, mz, shape):
+    """A context part's output o/z (Hkv, Q, D) and lse m + log z (Hkv, Q), in fp32."""
+    hkv, Q, d = shape
+    return (o.float() / mz[:, 1:]).view(hkv, Q, d), (mz[:, 0] + mz[:, 1].log()).view(hkv, Q)
+
+
+@pytest.mark.parametrize("store_values", [True, False])      # values read next to their keys / by position
+@pytest.mark.parametrize("lo,hi,k,estimate", [(3, 2990, 40, True), (3, 2990, 40, False), (700, 1500, 200, True)])
+def test_fused_context_part_equals_select_then_the_decoders_context_part(clustered_cache, store_values, lo, hi,
+                                                                         k, estimate):
+    options = {"cluster_size": 32, "probe_fraction": 0.05, "estimate": estimate, "store_values": store_values}
+    compiled, plain = _pair(clustered_cache, options, lo, hi)
+    for layer, seed in ((0, 21), (1, 22)):
+        q = _queries(seed=seed)
+        hkv, Q, d = q.shape
+        o, mz = torch.empty(hkv * Q, d, dtype=torch.bfloat16), torch.empty(hkv * Q, 2)
+        fused = compiled.select_and_attend(layer, q, k, None, o, mz)
+        sel = plain.select(layer, q, k)
+        o_ref, mz_ref = torch.empty_like(o), torch.empty_like(mz)
+        ContextAttention([plain.ckv.values[layer]] * 2, plain.scale).attend(layer, sel, o_ref, mz_ref)
+        assert torch.equal(fused.ids.sort(-1).values, sel.ids.sort(-1).values)
+        out, lse = _normalised(o, mz, q.shape)
+        out_ref, lse_ref = _normalised(o_ref, mz_ref, q.shape)
+        torch.testing.assert_close(lse, lse_ref, rtol=1e-5, atol=1e-4)
+        # the torch path rounds the weights to bf16 before the weighted sum, the kernel does not
+        torch.testing.assert_close(out, out_ref, rtol=2e-2, atol=2e-2)
+        if lo == 700:                   # ~400 rows read, ~1/4 of them in the range, for k = 200: empty slots
+            assert not fused.no_empty_slots
+
+
+def test_fused_path_is_not_taken_where_the_exact_path_applies(clustered_cache):
+    compiled = _open(clustered_cache, "routed", {"cluster_size": 32, "kernel": "numba"}, lo=3, hi=100)
+    o, mz = torch.empty(8, 16, dtype=torch.bfloat16), torch.empty(8, 2)
+    assert compiled.select_and_attend(0, _queries(), 97, None, o, mz) is None      # k covers the range
+
+
+def test_kernel_option_picks_the_compiled_path_wherever_it_applies(clustered_cache, own_cache):
+    assert _open(clustered_cache, "routed", {}).kernel                             # auto, bf16 keys: compiled
+    assert not _open(clustered_cache, "routed", {"spread": True}).kernel            # auto falls back to torch
+    assert not _open(clustered_cache, "routed", {"estimate_read": True}).kernel
+    assert not _open(clustered_cache, "routed", {"kernel": "torch"}).kernel
     with pytest.raises(TopkError, match="kernel=numba is not available: it does not implement spread"):
         _open(clustered_cache, "routed", {"spread": True, "kernel": "numba"})
-    with pytest.raises(TopkError, match="it does not implement the estimates"):
-        _open(clustered_cache, "routed", {"kernel": "numba"})                  # estimate is on by default
-    with pytest.raises(TopkError, match="kernel must be torch or numba"):
+    with pytest.raises(TopkError, match="it does not implement estimate_read"):
+        _open(clustered_cache, "routed", {"estimate_read": True, "kernel": "numba"})
+    with pytest.raises(TopkError, match="kernel must be auto, torch or numba"):
         _open(clustered_cache, "routed", {"kernel": "fast"})
-    fp32_cache, _ = own_cache                                                      # the demo model's fp32 KV
+    fp32_cache, _ = own_cache                                                      # the tiny model's fp32 KV
+    assert not _open(fp32_cache, "routed", {"cluster_size": 16}).kernel
     with pytest.raises(TopkError, match="it reads bf16 keys"):
-        _open(fp32_cache, "routed", {"cluster_size": 16, "kernel": "numba", "estimate": False})
+        _open(fp32_cache, "routed", {"cluster_size": 16, "kernel": "numba"})
+
+
+def test_decoder_runs_the_fused_path_and_matches_the_torch_path(tmp_path, model_factory, docs_dir):
+    from topk_decode import KVStore
+    from topk_decode.prefill.build import build_cache
+
+    cache = tmp_path / "bf16"
+    build_cache(docs_dir, cache, model_factory("llama_gqa"), chunk_size=97, device="cpu", dtype="bf16")
+    opts = {"probe_fraction": 0.1, "cluster_size": 16}
+    stores = {kind: KVStore.open(cache, k=8, device="cpu", dtype="bf16", strategy="routed", n_sink=4, n_tail=16,
+                                 strategy_options=dict(opts, kernel=kind)) for kind in ("numba", "torch")}
+    calls = []
+    compiled = stores["numba"].decoder.strategy
+    plain_select = compiled.select
+    compiled.select = lambda *a, **kw: calls.append(1) or plain_select(*a, **kw)
+    logits = {}
+    for kind, store in stores.items():
+        conv = store.decoder.new_conversation()
+        logits[kind] = [store.decoder.forward([5, 17, 42, 99], conv), store.decoder.forward([7], conv)]
+    assert not calls, "the decoder searched and attended in one pass (select_and_attend)"
+    for a, b in zip(logits["numba"], logits["torch"]):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=5e-2)
+    for store in stores.values():
+        store.close()

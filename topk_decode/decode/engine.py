@@ -35,7 +35,8 @@ from topk_decode.store.cache_dir import ContextKV
 class StepStats:
     """Accumulated wall-clock seconds per part of the decode step, and counts.
 
-    search: the strategy's select (CPU wall); context: the context part of attention on the CPU
+    search: the strategy's select (CPU wall; with a fused strategy, `select_and_attend`, the context part
+    too); context: the context part of attention on the CPU
     (softmax of the k exact scores and the weighted sum of the selected value rows, context.py);
     d2h / h2d: the query's and the context part's transfers where they are separate calls (the
     multi-token path; wall time, so including the wait for the GPU work queued before them). In the
@@ -171,13 +172,18 @@ class TopKDecoder:
             return
         # strategies may keep the query (selection caches), and so may observers: hand them their own copy
         q_cpu = q_host.clone() if self.strategy.keeps_query or conv.observer is not None else q_host
+        k = self.config.k_for_layer(layer)
         t1 = time.perf_counter()
-        sel = self.strategy.select(layer, q_cpu, self.config.k_for_layer(layer), conv.strategy_state)
+        # a strategy that computes the context part inside its search (routed's compiled path): one pass
+        sel = self.strategy.select_and_attend(layer, q_cpu, k, conv.strategy_state, o, mz)
+        fused = sel is not None
+        if not fused:
+            sel = self.strategy.select(layer, q_cpu, k, conv.strategy_state)
         t2 = time.perf_counter()
         if conv.observer is not None:
             conv.observer(layer, q_cpu, sel, conv)
         t2b = time.perf_counter()
-        st.retrieved += self.context.attend(layer, sel, o, mz)
+        st.retrieved += int((sel.ids >= 0).sum()) if fused else self.context.attend(layer, sel, o, mz)
         t3 = time.perf_counter()
         st.search_s += t2 - t1
         st.context_s += t3 - t2b

@@ -207,6 +207,20 @@ class SelectionStrategy(ABC):
             state: what `new_state()` returned for this conversation.
         """
 
+    def select_and_attend(self, layer: int, q: torch.Tensor, k: int, state: Any, o: torch.Tensor,
+                          mz: torch.Tensor) -> Selection | None:
+        """`select` and the context part in one pass, for strategies that compute both together.
+
+        Returns None (the default) when the strategy does not: the decoder then calls `select` and
+        decode/context.py's `ContextAttention.attend`. A strategy that does writes what `attend` would
+        (estimate included) into o and mz and returns its selection (for observers and counts).
+
+        Args:
+            layer, q, k, state: as `select`.
+            o: (Hkv·Q, D) host tensor in the values' dtype; mz: (Hkv·Q, 2) float32 (ContextAttention.attend).
+        """
+        return None
+
     def all_tokens(self, q: torch.Tensor, layer: int, heads: list[int] | None = None) -> Selection:
         """The whole searchable range with exact scores: what every strategy returns when k covers it.
 

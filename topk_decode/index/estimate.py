@@ -29,15 +29,22 @@ from topk_decode.index.cluster import LayerLayout
 class SearchableStats:
     """One layer's per-cluster statistics over the searchable keys [lo, hi) only.
 
-    centroids: (Hkv, C, D) float32 mean searchable key per cluster (0 where none).
+    centroids: (Hkv, C, D) float32 mean searchable key per cluster (0 where none); routed keeps them
+        in bf16 for bf16 caches (`stored_as`).
     value_means: (Hkv, C, D) float32 mean searchable value per cluster (0 where none), or None when the
-        layout has no value means.
+        layout has no value means; in bf16 as the centroids.
     log_n: (Hkv, 1, C) float32 log of the searchable keys per cluster (−inf where none).
     """
 
     centroids: torch.Tensor
     value_means: torch.Tensor | None
     log_n: torch.Tensor
+
+    def stored_as(self, dtype: torch.dtype) -> "SearchableStats":
+        """The same statistics with the centroids and mean values stored in `dtype` (log_n stays fp32)."""
+        return SearchableStats(centroids=self.centroids.to(dtype),
+                               value_means=None if self.value_means is None else self.value_means.to(dtype),
+                               log_n=self.log_n)
 
 
 def searchable_stats(lay: LayerLayout, outside: torch.Tensor, values: torch.Tensor) -> SearchableStats:

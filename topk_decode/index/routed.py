@@ -109,19 +109,18 @@ class RoutedStrategy(SelectionStrategy):
             lowered KL and raised agreement on every real model measured, docs/STRATEGIES.md).
         estimate_read: add the read keys outside the top-k too (exact weights, cluster-mean values;
             default False).
-        kernel: "torch" (default: the torch ops below) or "numba" (routed_kernel.py: each KV head's whole
-            search as one compiled function, heads in parallel; needs numba and bf16 keys, and neither
-            spread nor the estimates). Both give the same selection (tests/test_routed_kernel.py). numba
-            is faster per layer alone but, in the decoder, only with OMP_WAIT_POLICY=PASSIVE set before
-            the process starts: torch's OpenMP workers otherwise spin after each layer's context part and
-            starve its threads (docs/BENCHMARKS.md, run 12).
+        kernel: "auto" (default: "numba" where it applies, else "torch"), "numba" or "torch". numba
+            (routed_kernel.py) runs each KV head's whole layer as one compiled function, heads in
+            parallel, and in the decoder computes the context part too (`select_and_attend`); it needs
+            numba and bf16 keys and values, and implements neither `spread` nor `estimate_read`. torch is
+            the tensor ops below. Both give the same selection and estimate (tests/test_routed_kernel.py).
     """
 
     name = "routed"
     keeps_query = False
     BUILD_DEFAULTS = {"cluster_size": 16, "iters": 6, "store_values": True}
     SEARCH_DEFAULTS = {"probe_fraction": 0.04, "spread": False, "sizes": False, "estimate": True,
-                       "estimate_read": False, "kernel": "torch"}
+                       "estimate_read": False, "kernel": "auto"}
     OPTIONS = {"cluster_size": int, "iters": int, "store_values": bool, "probe_fraction": float, "spread": bool,
                "sizes": bool, "estimate": bool, "estimate_read": bool, "kernel": str}
 
@@ -206,9 +205,16 @@ class RoutedStrategy(SelectionStrategy):
                        for i, (lay, out) in enumerate(zip(self.layouts, self._outside))]
         if (self.estimate or self.estimate_read) and any(st.value_means is None for st in self._stats):
             raise TopkError("routed: estimate needs the clusters' mean values; rebuild the layout")
-        # Per layer, what routing reads every step, laid out for one baddbmm: centroids as (Hkv, D, C),
-        # log cluster sizes as the bias (−inf for a cluster without searchable keys), the spread scaled by s²/2.
-        self._cent_t = [st.centroids.transpose(1, 2).contiguous() for st in self._stats]
+        if self.ckv.dtype == torch.bfloat16:
+            # Routing and the estimate read every centroid and mean value each step: in the keys' own
+            # precision that is half the bytes of fp32 (docs/STRATEGIES.md "routed: the compiled path").
+            self._stats = [st.stored_as(torch.bfloat16) for st in self._stats]
+        self.kernel = self._use_kernel(o.get("kernel", self.SEARCH_DEFAULTS["kernel"]))
+        # The torch path's fp32 copies (the compiled path reads the stored ones): centroids as (Hkv, D, C)
+        # for one baddbmm, the mean values for the estimate.
+        self._cent_t = [None if self.kernel else st.centroids.float().transpose(1, 2).contiguous() for st in self._stats]
+        self._vmeans = [None if self.kernel or st.value_means is None else st.value_means.float() for st in self._stats]
+        # Log cluster sizes as the bias (−inf for a cluster without searchable keys), the spread scaled by s²/2.
         self._bias = [st.log_n for st in self._stats]                                    # (Hkv, 1, C)
         if not use_sizes:     # 0 for every cluster with searchable keys, −inf for the others
             self._bias = [torch.where(torch.isinf(b), b, 0.0) for b in self._bias]
@@ -222,26 +228,40 @@ class RoutedStrategy(SelectionStrategy):
             has = out.view(hkv, n).any(1)
             first = out.view(hkv, n).to(torch.uint8).argmax(1)                  # first outside row per head
             self._pad_rows.append((self._row_base[:, 0] + first).view(hkv, 1) if bool(has.all()) else None)
-        self.kernel = self._use_kernel(o.get("kernel", self.SEARCH_DEFAULTS["kernel"]))
         if self.kernel:
             routed_kernel.warm_up()                    # compile at open, not inside the first step
             self.pool = HeadPool(default_threads())    # the KV heads in parallel (closed by `close`)
-            self._bias_vec = [b[:, 0].contiguous() for b in self._bias]          # (Hkv, C)
+            self._arrays = [self._kernel_arrays(layer) for layer in range(self.ckv.n_layers)]
         self.stats.extra.update(keys_read=0, keys_searchable=0)
 
     def _use_kernel(self, choice: str) -> bool:
-        """Whether `select` runs routed_kernel.py's compiled search (the `kernel` option)."""
-        if choice not in ("numba", "torch"):
-            raise TopkError(f"option kernel must be torch or numba, got {choice!r}")
+        """Whether routed_kernel.py's compiled path runs (the `kernel` option; "auto": wherever it applies)."""
+        if choice not in ("auto", "numba", "torch"):
+            raise TopkError(f"option kernel must be auto, torch or numba, got {choice!r}")
         why = ("numba is not installed (pip install numba)" if not routed_kernel.available() else
-               f"it reads bf16 keys, these are {dtype_name(self.ckv.dtype)}"
+               f"it reads bf16 keys and values, these are {dtype_name(self.ckv.dtype)}"
                if self.ckv.dtype not in routed_kernel.KEY_DTYPES else
                "it does not implement spread=true" if self.use_spread else
-               "it does not implement the estimates (add --opt estimate=false)" if self.estimate or self.estimate_read
-               else None)
+               "it does not implement estimate_read=true" if self.estimate_read else None)
         if choice == "numba" and why:
             raise TopkError(f"routed: kernel=numba is not available: {why}")
-        return choice == "numba"
+        return choice != "torch" and why is None
+
+    def _kernel_arrays(self, layer: int) -> routed_kernel.LayerArrays:
+        """One layer's arrays as numpy views for the compiled path (the layout's memory maps, no copies)."""
+        lay, st, hkv = self.layouts[layer], self._stats[layer], self.ckv.n_kv_heads
+        by_row = lay.values is not None          # the cluster-contiguous copy: values next to their keys
+        vmeans = st.value_means if st.value_means is not None else torch.zeros(hkv, 1, self.ckv.head_dim,
+                                                                               dtype=torch.bfloat16)
+        bias = self._bias[layer][:, 0].contiguous()                                # (Hkv, C)
+        # n_c·exp(−bias_c): turns routing's exp(s·q·μ_c + bias_c − max) into the estimate's weights
+        size_factor = torch.where(torch.isinf(bias), 0.0, (st.log_n[:, 0] - bias).exp())
+        return routed_kernel.LayerArrays(
+            keys=routed_kernel.bits(lay.keys), pos=lay.pos.numpy(), outside=self._outside[layer].view(hkv, -1).numpy(),
+            offsets=lay.offsets.numpy(), cent=routed_kernel.bits(st.centroids.contiguous()),
+            bias=bias.numpy(), size_factor=size_factor.numpy(),
+            vmeans=routed_kernel.bits(vmeans.contiguous()),
+            vals=routed_kernel.bits(lay.values if by_row else self.ckv.values[layer]), values_by_row=by_row)
 
     def _load(self, built: dict) -> list[LayerLayout]:
         """Memory-map the permuted keys/values/positions; read the small per-cluster arrays into RAM."""
@@ -319,16 +339,9 @@ class RoutedStrategy(SelectionStrategy):
         self.stats.searches += 1
         lay = self.layouts[layer]
         hkv, Q, D = q.shape
-        # probe_fraction 1 reads every cluster (sinks and tail are in clusters too, so M keys may not be all)
-        budget = self.ckv.n_tokens if self.probe_fraction >= 1 else max(math.ceil(self.probe_fraction * M), _MIN_READ_PER_K * k)
+        budget = self._budget(k)
         if self.kernel:
-            ids, scores, read = routed_kernel.search_layer(
-                lay.keys, lay.pos, self._outside[layer].view(hkv, -1), lay.offsets, self._stats[layer].centroids,
-                self._bias_vec[layer], q, budget, k, self.scale, self.pool)
-            self.stats.extra["keys_read"] += read
-            self.stats.extra["keys_searchable"] += hkv * M
-            # slots fill in order, so a query has an empty slot iff its last one is
-            return Selection(ids=ids, scores=scores, no_empty_slots=bool((ids[..., -1] >= 0).all()))
+            return self._compiled(layer, q, k, budget)
         threads = torch.get_num_threads()
         if _SMALL_OP_THREADS:
             torch.set_num_threads(min(threads, _SMALL_OP_THREADS))
@@ -359,6 +372,49 @@ class RoutedStrategy(SelectionStrategy):
             ids, scores = ids.masked_fill(empty, -1), scores.masked_fill(empty, 0.0)
         return Selection(ids=ids, scores=scores, no_empty_slots=no_empty_slots, rest=rest)
 
+    def _budget(self, k: int) -> int:
+        """Keys to read per KV head: probe_fraction of the searchable ones, at least 2·k (probe_fraction 1:
+        every cluster, since sinks and tail sit in clusters too)."""
+        if self.probe_fraction >= 1:
+            return self.ckv.n_tokens
+        return max(math.ceil(self.probe_fraction * self.n_searchable), _MIN_READ_PER_K * k)
+
+    def _compiled(self, layer: int, q: torch.Tensor, k: int, budget: int, o: np.ndarray | None = None,
+                  mz: np.ndarray | None = None) -> Selection:
+        """The compiled path's selection (and, given o and mz, its context part): routed_kernel.search_layer."""
+        res = routed_kernel.search_layer(self._arrays[layer], q, budget, k, self.scale, self.estimate, self.pool,
+                                         o, mz)
+        self.stats.extra["keys_read"] += res.read
+        self.stats.extra["keys_searchable"] += q.shape[0] * self.n_searchable
+        rest = RestPart(out=res.rest_out, lse=res.rest_lse) if self.estimate else None
+        # slots fill in order, so a query has an empty slot iff its last one is
+        return Selection(ids=res.ids, scores=res.scores, no_empty_slots=bool((res.ids[..., -1] >= 0).all()), rest=rest)
+
+    def select_and_attend(self, layer: int, q: torch.Tensor, k: int, state: Any, o: torch.Tensor,
+                          mz: torch.Tensor) -> Selection | None:
+        """The compiled path computes the context part inside each head's search (routed_kernel.py).
+
+        Args: as `SelectionStrategy.select_and_attend`.
+        """
+        if not self.kernel or k >= self.n_searchable or o.dtype not in routed_kernel.KEY_DTYPES:
+            return None
+        self.stats.searches += 1
+        hkv, Q, D = q.shape
+        o32 = self._o32(hkv * Q * D).view(hkv, Q, D)
+        mz_np = mz.numpy().reshape(hkv, Q, 2) if mz.is_contiguous() else np.empty((hkv, Q, 2), np.float32)
+        sel = self._compiled(layer, q, k, self._budget(k), o32.numpy(), mz_np)
+        o.copy_(o32.view(hkv * Q, D))                     # fp32 → the values' dtype, rounded once
+        if not mz.is_contiguous():
+            mz.copy_(torch.from_numpy(mz_np).view(hkv * Q, 2))
+        return sel
+
+    def _o32(self, n: int) -> torch.Tensor:
+        """A reused fp32 buffer of at least n elements for the fused context part."""
+        buf = getattr(self, "_o32_buf", None)
+        if buf is None or buf.numel() < n:
+            buf = self._o32_buf = torch.empty(n)
+        return buf[:n]
+
     def _rest(self, layer: int, route: Route, scores_read: torch.Tensor, top: torch.Tensor) -> RestPart:
         """The estimate of what the selection leaves out (index/estimate.py): unread clusters and/or read
         keys outside the top-k, as one part for the context part's merge.
@@ -372,9 +428,9 @@ class RoutedStrategy(SelectionStrategy):
         if self.estimate:
             read = torch.zeros(route.base.shape[0], route.base.shape[2], dtype=torch.bool)
             read.scatter_(1, route.clusters, route.taken)                        # (Hkv, C) clusters read
-            parts.append(unread_part(route.base + st.log_n, read, st.value_means))
+            parts.append(unread_part(route.base + st.log_n, read, self._vmeans[layer]))
         if self.estimate_read:
-            parts.append(read_rest_part(scores_read * self.scale, top, route.run, route.clusters, st.value_means))
+            parts.append(read_rest_part(scores_read * self.scale, top, route.run, route.clusters, self._vmeans[layer]))
         return parts[0] if len(parts) == 1 else combine(parts[0], parts[1])
 
     def _buffers(self, rows: int, Q: int, D: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:

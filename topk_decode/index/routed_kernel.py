@@ -1,24 +1,28 @@
-"""routed's search for one layer as one compiled function per KV head (numba): `routed --opt kernel=numba`.
+"""routed's search and context part for one layer as one compiled function per KV head (numba).
 
-The torch path (routed.py `route` + `select`) is ~30 small tensor ops per layer; on a many-core host
-each is a parallel region of its own, and together they cost several times what the few MB they read
-take (docs/BENCHMARKS.md, "Where routed's step goes"). Here one KV head's whole search — routing
-against the centroids, the walk over clusters up to the budget, the exact fp32 scan of their keys and
-the top-k — is one compiled function that releases the GIL, and the heads run in parallel on the
-strategy's thread pool. Same rules as the torch path: a cluster's priority is the largest share of
-attention mass any of the head's queries gives it (softmax over s·q·μ_c + bias_c), clusters are read
-in that order until `budget` keys are read, sinks/tail rows are never returned.
+The torch path (routed.py `route` + `select`, then decode/context.py) is ~40 small tensor ops per layer;
+on a many-core host each is a parallel region of its own, and together they cost several times what the
+few MB they read take (docs/BENCHMARKS.md, "Where routed's step goes"). Here one KV head's whole layer —
+routing against the centroids, the walk over clusters up to the budget, the exact fp32 scan of their keys,
+the top-k, the estimate of the unread clusters and (in the decoder) the context part itself — is one
+compiled function that releases the GIL; the heads run in parallel on the strategy's thread pool. With
+the context part inside, a decode step runs no parallel torch op on the CPU at all, so torch's OpenMP
+workers (which spin after each parallel region) no longer compete with the search for the cores
+(docs/BENCHMARKS.md, run 12).
 
-Scores are exact fp32 dot products of the fp32 query with the key (bf16 keys widen exactly); only the
-summation order differs from torch's matmul (agreement to ~1e-6 relative, tests/test_routed_kernel.py).
-Opt-in, not the default: its threads share the cores with torch's OpenMP workers, which spin after
-every parallel torch op; in the decoder that starves them unless OMP_WAIT_POLICY=PASSIVE is set before
-the process starts (docs/BENCHMARKS.md, run 12).
+Same rules as the torch path: a cluster's priority is the largest share of attention mass any of the
+head's queries gives it (softmax over s·q·μ_c + bias_c), clusters are read in that order until `budget`
+keys are read, sinks/tail rows are never returned; the estimate is index/estimate.py's `unread_part`, the
+context part decode/context.py's, merged with the estimate as `merge_rest` does. Scores are exact fp32 dot
+products (bf16 keys widen exactly; only the summation order differs from torch's matmul). The context
+part weighs the values with fp32 weights (the torch path rounds them to the values' dtype first, as a
+flash kernel does): within bf16 rounding of each other (tests/test_routed_kernel.py).
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -30,8 +34,13 @@ except ImportError:  # pragma: no cover - exercised where numba is absent
 
 # Reassociation lets the dot products use SIMD lanes; no "ninf"/"nnan": −inf marks rows and clusters.
 _FASTMATH = {"reassoc", "contract"}
-# Keys it reads: bf16 (what GPU prefills write). fp32/fp16 caches take the torch path.
+# Keys and values it reads: bf16 (what GPU prefills write). fp32/fp16 caches take the torch path.
 KEY_DTYPES = (torch.bfloat16,)
+
+
+def _jit(fn):
+    """fn compiled by numba on first call (nogil: heads run in parallel threads), or fn itself without numba."""
+    return numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)(fn) if numba is not None else fn
 
 
 def available() -> bool:
@@ -39,63 +48,115 @@ def available() -> bool:
     return numba is not None
 
 
-def _head_search(keys, pos, outside, offsets, cent, bias, qh, budget, k, scale, ids_out, sc_out):
-    """One KV head: route, read clusters up to `budget` keys, exact scores, top-k. Returns keys read.
+@_jit
+def _exp_into(x, out, bits):
+    """out = exp(x) elementwise (float32), as a loop the compiler vectorizes (math.exp stays scalar).
 
-    Args:
-        keys: (N, D) the head's cluster-contiguous bf16 keys as their uint16 bits.
-        pos: (N,) int64 original positions; outside: (N,) bool rows never returned (sinks, tail).
-        offsets: (C + 1,) int64 cluster c = rows [offsets[c], offsets[c+1]).
-        cent: (C, D) float32 centroids; bias: (C,) float32 added to s·q·μ_c (−inf: never routed).
-        qh: (Q, D) float32 queries; budget: keys to read (at least); k: results per query.
-        scale: softmax scale s; ids_out, sc_out: (Q, K) outputs (−1 / 0 in unfilled slots).
-    """
-    n, d = keys.shape
+    Cephes' expf: 2^k · p(r) with r = x − k·ln 2, |r| ≤ ln 2 / 2, degree-5 polynomial; relative error
+    ~1e-7 (fp32 rounding). x is clamped to [−87, 88]: −inf gives ~1.6e-38, not 0 (callers that need an
+    exact 0 there multiply by a zero factor)."""
+    for j in range(x.shape[0]):
+        v = min(max(x[j], np.float32(-87.0)), np.float32(88.0))
+        k = math.floor(v * np.float32(1.44269504) + np.float32(0.5))
+        r = v - k * np.float32(0.693359375) + k * np.float32(2.12194440e-4)
+        p = np.float32(1.9875691500e-4)
+        p = p * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        out[j] = p * r * r + r + np.float32(1.0)
+        bits[j] = (np.int32(k) + np.int32(127)) << 23                 # 2^k as float32 bits
+    scale = bits.view(np.float32)
+    for j in range(x.shape[0]):
+        out[j] *= scale[j]
+
+
+@_jit
+def _route(qh, cent, bias, scale, logit, e, mxs, lz):
+    """Routing scores and their softmax over the clusters, for every query.
+
+    logit[i, c] = s·q_i·μ_c + bias_c (one pass over the centroids for all queries); mxs[i] = max_c
+    logit[i, c]; e[i, c] = exp(logit[i, c] − mxs[i]); lz[i] = log Σ_c exp(logit[i, c]) (−inf: no cluster)."""
+    Q, d = qh.shape
     C = cent.shape[0]
-    Q = qh.shape[0]
-    # routing: one pass over the centroids for all queries, then each query's log-softmax
-    lg = np.empty((Q, C), dtype=np.float32)
+    widened = np.empty(d, dtype=np.uint32)
+    cf = widened.view(np.float32)
     for c in range(C):
+        for j in range(d):
+            widened[j] = np.uint32(cent[c, j]) << 16                     # bf16 → fp32 is exact
         for i in range(Q):
             acc = np.float32(0.0)
             for j in range(d):
-                acc += qh[i, j] * cent[c, j]
-            lg[i, c] = acc * scale + bias[c]
-    share = np.full(C, -np.inf, dtype=np.float32)
+                acc += qh[i, j] * cf[j]
+            logit[i, c] = acc * scale + bias[c]
+    shifted = np.empty(C, dtype=np.float32)
+    bits = np.empty(C, dtype=np.int32)
     for i in range(Q):
-        mx = -np.inf
+        mx = np.float32(-np.inf)
         for c in range(C):
-            mx = max(mx, lg[i, c])
-        z = 0.0
+            mx = max(mx, logit[i, c])
+        mxs[i] = mx
+        if mx == -np.inf:
+            e[i, :] = 0.0
+            lz[i] = -np.inf
+            continue
         for c in range(C):
-            z += math.exp(lg[i, c] - mx)
-        lz = mx + math.log(z)
+            shifted[c] = logit[i, c] - mx
+        _exp_into(shifted, e[i], bits)
+        z = np.float32(0.0)
         for c in range(C):
-            share[c] = max(share[c], lg[i, c] - lz)
-    # clusters by share: sort only a partition of twice the expected count (all of them if that is short)
-    neg = -share
+            z += e[i, c]
+        lz[i] = mx + math.log(z)
+
+
+@_jit
+def _cluster_order(logit, lz, offsets, budget, n):
+    """Clusters by priority (max over queries of the log share logit − lz) and how many to read.
+
+    Returns (order, taken, m): the first `taken` clusters of `order` hold m ≥ budget keys (or all of them).
+    """
+    Q, C = logit.shape
+    neg = np.full(C, np.inf, dtype=np.float32)            # −share, ascending = by priority
+    for i in range(Q):
+        if lz[i] == -np.inf:
+            continue
+        for c in range(C):
+            neg[c] = min(neg[c], lz[i] - logit[i, c])
+    # sort only the first clusters: a partition of twice the expected count, doubled while the clusters
+    # it holds do not reach the budget (the top clusters are often small ones)
     guess = min(C, 2 * ((budget * C + n - 1) // n) + 16)
-    if guess < C:
+    order = np.empty(0, dtype=np.int64)
+    while True:
+        if guess >= C:
+            order = np.argsort(neg)
+            break
         cut = np.partition(neg, guess)[guess]
         cand = np.nonzero(neg <= cut)[0]
         order = cand[np.argsort(neg[cand])]
         reach = 0
         for c in order:
             reach += offsets[c + 1] - offsets[c]
-        if reach < budget:
-            order = np.argsort(neg)
-    else:
-        order = np.argsort(neg)
+        if reach >= budget:
+            break
+        guess *= 2
     m = 0
     taken = 0
     while taken < order.shape[0] and m < budget:
         c = order[taken]
         m += offsets[c + 1] - offsets[c]
         taken += 1
-    # exact fp32 scores of every row read
+    return order, taken, m
+
+
+@_jit
+def _scan(keys, outside, offsets, order, taken, m, qh):
+    """Exact fp32 q·k of every row of the first `taken` clusters: (rows (m,), scores (Q, m), −inf outside)."""
+    Q, d = qh.shape
     scores = np.empty((Q, m), dtype=np.float32)
     rows = np.empty(m, dtype=np.int64)
     widened = np.empty(d, dtype=np.uint32)
+    kf = widened.view(np.float32)
     r = 0
     for t in range(taken):
         c = order[t]
@@ -107,14 +168,22 @@ def _head_search(keys, pos, outside, offsets, cent, bias, qh, budget, k, scale, 
             else:
                 for j in range(d):
                     widened[j] = np.uint32(keys[row, j]) << 16          # bf16 → fp32 is exact
-                kf = widened.view(np.float32)
                 for i in range(Q):
                     acc = np.float32(0.0)
                     for j in range(d):
                         acc += qh[i, j] * kf[j]
                     scores[i, r] = acc
             r += 1
-    # top-k by the k-th largest score (a partition), ties at it filled in row order
+    return rows, scores
+
+
+@_jit
+def _top_k(scores, rows, pos, ids_out, sc_out, rows_out):
+    """Each query's top-k by the k-th largest score (a partition), ties at it filled in row order.
+
+    Writes ids (original positions), scores and layout rows; −1 / 0 / −1 in unfilled slots.
+    """
+    Q, m = scores.shape
     K = ids_out.shape[1]
     for i in range(Q):
         s = scores[i]
@@ -128,62 +197,214 @@ def _head_search(keys, pos, outside, offsets, cent, bias, qh, budget, k, scale, 
             cut = np.partition(s, m - kk)[m - kk]
             for r in range(m):
                 if s[r] > cut:
-                    ids_out[i, o] = pos[rows[r]]
-                    sc_out[i, o] = s[r]
+                    ids_out[i, o], sc_out[i, o], rows_out[i, o] = pos[rows[r]], s[r], rows[r]
                     o += 1
             for r in range(m):
                 if o >= kk:
                     break
                 if s[r] == cut:
-                    ids_out[i, o] = pos[rows[r]]
-                    sc_out[i, o] = s[r]
+                    ids_out[i, o], sc_out[i, o], rows_out[i, o] = pos[rows[r]], s[r], rows[r]
                     o += 1
         while o < K:
-            ids_out[i, o] = -1
-            sc_out[i, o] = 0.0
+            ids_out[i, o], sc_out[i, o], rows_out[i, o] = -1, 0.0, -1
             o += 1
+
+
+@_jit
+def _unread(e, mxs, size_factor, order, taken, vmeans, rest_o, rest_lse):
+    """The unread clusters' estimate (estimate.py `unread_part`): lse = logsumexp_c(s·q·μ_c + log n_c),
+    out = Σ_c p_c·v̄_c over the clusters not read.
+
+    Reuses routing's exponentials: exp(s·q·μ_c + log n_c − mx) = e[i, c]·size_factor[c] with
+    size_factor = n_c·exp(−bias_c) (0 for a cluster without searchable keys), so no exp is taken here.
+    """
+    Q, C = e.shape
+    d = vmeans.shape[1]
+    read = np.zeros(C, dtype=np.bool_)
+    for t in range(taken):
+        read[order[t]] = True
+    z = np.zeros(Q, dtype=np.float32)
+    w = np.empty(Q, dtype=np.float32)
+    widened = np.empty(d, dtype=np.uint32)
+    vf = widened.view(np.float32)
+    rest_o[:, :] = 0.0
+    for c in range(C):                     # clusters outer: each mean value is read once for all queries
+        if read[c] or size_factor[c] == 0.0:
+            continue
+        for i in range(Q):
+            w[i] = e[i, c] * size_factor[c]
+            z[i] += w[i]
+        for j in range(d):
+            widened[j] = np.uint32(vmeans[c, j]) << 16
+        for i in range(Q):
+            for j in range(d):
+                rest_o[i, j] += w[i] * vf[j]
+    for i in range(Q):
+        if z[i] > 0.0 and mxs[i] > -np.inf:
+            rest_lse[i] = mxs[i] + math.log(z[i])
+            for j in range(d):
+                rest_o[i, j] /= z[i]
+        else:
+            rest_lse[i] = -np.inf
+            rest_o[i, :] = 0.0
+
+
+@_jit
+def _attend(vals, src, sc, scale, rest_o, rest_lse, with_rest, o_out, mz_out):
+    """The context part (decode/context.py) of each query's selected rows, merged with the estimate.
+
+    Writes o = Σ exp(s·a − m)·v (fp32) and (m, z); a query with no selected row and no estimate gets
+    o = 0, m = 0, z = 0. With the estimate (out_r, lse_r) joins by log-sum-exp as `merge_rest` does.
+    """
+    Q, K = sc.shape
+    d = vals.shape[1]
+    widened = np.empty(d, dtype=np.uint32)
+    vf = widened.view(np.float32)
+    for i in range(Q):
+        mx = -np.inf
+        for t in range(K):
+            if src[i, t] >= 0:
+                mx = max(mx, sc[i, t] * scale)
+        for j in range(d):
+            o_out[i, j] = 0.0
+        m, z = np.float32(0.0), np.float32(0.0)
+        if mx > -np.inf:
+            m = mx
+            for t in range(K):
+                if src[i, t] < 0:
+                    continue
+                w = np.float32(math.exp(sc[i, t] * scale - mx))
+                z += w
+                row = src[i, t]
+                for j in range(d):
+                    widened[j] = np.uint32(vals[row, j]) << 16
+                for j in range(d):
+                    o_out[i, j] += w * vf[j]
+        if with_rest and rest_lse[i] > -np.inf:
+            m_new = max(m, rest_lse[i])
+            a = np.float32(math.exp(m - m_new))
+            b = np.float32(math.exp(rest_lse[i] - m_new))
+            for j in range(d):
+                o_out[i, j] = o_out[i, j] * a + rest_o[i, j] * b
+            z = z * a + b
+            m = m_new
+        mz_out[i, 0] = m
+        mz_out[i, 1] = z
+
+
+@_jit
+def _head(keys, pos, outside, offsets, cent, bias, size_factor, vmeans, qh, budget, k, scale, estimate,
+          vals, values_by_row, attend, ids_out, sc_out, rest_o, rest_lse, o_out, mz_out):
+    """One KV head's layer: route, scan up to `budget` keys, top-k, [estimate], [context part]. Returns keys read.
+
+    Args:
+        keys: (N, D) the head's cluster-contiguous bf16 keys as their uint16 bits.
+        pos: (N,) int64 original positions; outside: (N,) bool rows never returned (sinks, tail).
+        offsets: (C + 1,) int64 cluster c = rows [offsets[c], offsets[c+1]).
+        cent: (C, D) bf16 centroids as uint16; bias: (C,) float32 added to s·q·μ_c when ranking (−inf: never
+            routed).
+        size_factor: (C,) float32 n_c·exp(−bias_c), 0 without searchable keys; vmeans: (C, D) bf16 mean
+            values as uint16 (both for the estimate only).
+        qh: (Q, D) float32 queries; budget: keys to read (at least); k: results per query; scale: s.
+        estimate: fill rest_o/rest_lse with the unread clusters' estimate.
+        vals: (N or positions, D) bf16 values as uint16, indexed by layout row when values_by_row, else by
+            position (attend only).
+        attend: also write the context part into o_out (Q, D) float32 and mz_out (Q, 2).
+        ids_out, sc_out: (Q, K) outputs (−1 / 0 in unfilled slots).
+    """
+    Q, C = qh.shape[0], cent.shape[0]
+    logit = np.empty((Q, C), dtype=np.float32)
+    e = np.empty((Q, C), dtype=np.float32)
+    mxs = np.empty(Q, dtype=np.float32)
+    lz = np.empty(Q, dtype=np.float32)
+    _route(qh, cent, bias, scale, logit, e, mxs, lz)
+    order, taken, m = _cluster_order(logit, lz, offsets, budget, keys.shape[0])
+    rows, scores = _scan(keys, outside, offsets, order, taken, m, qh)
+    sel_rows = np.empty(ids_out.shape, dtype=np.int64)
+    _top_k(scores, rows, pos, ids_out, sc_out, sel_rows)
+    if estimate:
+        _unread(e, mxs, size_factor, order, taken, vmeans, rest_o, rest_lse)
+    if attend:
+        _attend(vals, sel_rows if values_by_row else ids_out, sc_out, scale, rest_o, rest_lse, estimate,
+                o_out, mz_out)
     return m
-
-
-_compiled = None
-
-
-def _kernel():
-    """The compiled `_head_search` (compiled on first use; cached on disk by numba where it can write)."""
-    global _compiled
-    if _compiled is None:
-        _compiled = numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)(_head_search)
-    return _compiled
 
 
 def warm_up() -> None:
     """Compile the kernel now (seconds on a first run without numba's disk cache), not inside a decode step."""
-    ids, sc = np.empty((1, 1), np.int64), np.empty((1, 1), np.float32)
-    _kernel()(np.zeros((4, 2), np.uint16), np.arange(4), np.zeros(4, np.bool_), np.array([0, 2, 4]),
-                  np.zeros((2, 2), np.float32), np.zeros(2, np.float32), np.zeros((1, 2), np.float32),
-                  2, 1, np.float32(1.0), ids, sc)
+    f32, u16 = np.float32, np.uint16
+    ids, sc = np.empty((1, 1), np.int64), np.empty((1, 1), f32)
+    _head(np.zeros((4, 2), u16), np.arange(4), np.zeros(4, np.bool_), np.array([0, 2, 4]), np.zeros((2, 2), u16),
+          np.zeros(2, f32), np.zeros(2, f32), np.zeros((2, 2), u16), np.zeros((1, 2), f32), 2, 1, f32(1.0), True,
+          np.zeros((4, 2), u16), True, True, ids, sc, np.empty((1, 2), f32), np.empty(1, f32),
+          np.empty((1, 2), f32), np.empty((1, 2), f32))
 
 
-def search_layer(keys: torch.Tensor, pos: torch.Tensor, outside: torch.Tensor, offsets: torch.Tensor,
-                 cent: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, budget: int, k: int, scale: float,
-                 pool) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """routed's search of one layer, every KV head in parallel on `pool`.
+class LayerArrays(NamedTuple):
+    """One layer's arrays as the kernel reads them (numpy views of the strategy's tensors, no copies).
+
+    keys: (Hkv, N, D) uint16; pos: (Hkv, N) int64; outside: (Hkv, N) bool; offsets: (Hkv, C + 1) int64;
+    cent: (Hkv, C, D) uint16 (bf16); bias, size_factor: (Hkv, C) float32 (`_head`); vmeans: (Hkv, C, D)
+    uint16 (bf16) or (Hkv, 1, D) zeros;
+    vals: (Hkv, N, D) uint16 values (by layout row when values_by_row, else by position) or None.
+    """
+
+    keys: np.ndarray
+    pos: np.ndarray
+    outside: np.ndarray
+    offsets: np.ndarray
+    cent: np.ndarray
+    bias: np.ndarray
+    size_factor: np.ndarray
+    vmeans: np.ndarray
+    vals: np.ndarray | None
+    values_by_row: bool
+
+
+def bits(t: torch.Tensor) -> np.ndarray:
+    """A bf16 tensor's storage as uint16 (a view, no copy)."""
+    return t.view(torch.int16).numpy().view(np.uint16)
+
+
+class LayerResult(NamedTuple):
+    """ids (Hkv, Q, K) int64 (−1 in empty slots), scores (Hkv, Q, K) float32, the estimate's out
+    (Hkv, Q, D) and lse (Hkv, Q) float32 (meaningful with estimate), and the keys read in all heads."""
+
+    ids: torch.Tensor
+    scores: torch.Tensor
+    rest_out: torch.Tensor
+    rest_lse: torch.Tensor
+    read: int
+
+
+def search_layer(arrays: LayerArrays, q: torch.Tensor, budget: int, k: int, scale: float, estimate: bool,
+                 pool, o: np.ndarray | None = None, mz: np.ndarray | None = None) -> LayerResult:
+    """routed's search of one layer (and, given o and mz, its context part), every KV head in parallel on `pool`.
 
     Args:
-        keys: (Hkv, N, D) cluster-contiguous bf16 keys (KEY_DTYPES).
-        pos: (Hkv, N) int64 original positions; outside: (Hkv, N) bool rows never returned.
-        offsets: (Hkv, C + 1) int64; cent: (Hkv, C, D) float32; bias: (Hkv, C) float32.
+        arrays: the layer's arrays (`LayerArrays`).
         q: (Hkv, Q, D) float32 queries; budget: keys to read per head (at least); k: results per query.
-        scale: softmax scale; pool: a `threads.HeadPool`.
-    Returns:
-        ids (Hkv, Q, k) int64 (−1 in empty slots), scores (Hkv, Q, k) float32, keys read in all heads.
+        scale: softmax scale; estimate: compute the unread clusters' estimate; pool: a `threads.HeadPool`.
+        o: (Hkv, Q, D) float32 receives the context part's unnormalised output (merged with the estimate);
+        mz: (Hkv, Q, 2) float32 receives its m and z. Both None: search only.
     """
-    hkv, Q, _ = q.shape
-    keys_np = keys.view(torch.int16).numpy().view(np.uint16)
-    arrays = [t.numpy() for t in (pos, outside, offsets, cent, bias, q.contiguous())]
+    hkv, Q, d = q.shape
+    qn = q.contiguous().numpy()
     ids = np.empty((hkv, Q, k), dtype=np.int64)
     scores = np.empty((hkv, Q, k), dtype=np.float32)
-    fn, s = _kernel(), np.float32(scale)
-    read = pool.map(lambda h: fn(keys_np[h], *(a[h] for a in arrays), budget, k, s, ids[h], scores[h]),
-                    range(hkv))
-    return torch.from_numpy(ids), torch.from_numpy(scores), int(sum(read))
+    rest_o = np.zeros((hkv, Q, d), dtype=np.float32)
+    rest_lse = np.full((hkv, Q), -np.inf, dtype=np.float32)
+    attend = o is not None
+    if not attend:
+        o, mz = np.empty((hkv, Q, d), np.float32), np.empty((hkv, Q, 2), np.float32)
+    a, s = arrays, np.float32(scale)
+    vals = a.vals if a.vals is not None else a.keys          # unread unless attend
+
+    def one(h: int) -> int:
+        return _head(a.keys[h], a.pos[h], a.outside[h], a.offsets[h], a.cent[h], a.bias[h], a.size_factor[h],
+                     a.vmeans[h], qn[h], budget, k, s, estimate, vals[h], a.values_by_row, attend,
+                     ids[h], scores[h], rest_o[h], rest_lse[h], o[h], mz[h])
+
+    read = pool.map(one, range(hkv))
+    return LayerResult(torch.from_numpy(ids), torch.from_numpy(scores), torch.from_numpy(rest_o),
+                       torch.from_numpy(rest_lse), int(sum(read)))
