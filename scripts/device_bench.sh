@@ -6,6 +6,9 @@
 #   bash scripts/device_bench.sh nographs  # Llama-3-8B top-k rows without CUDA graphs (the comparison)
 #   bash scripts/device_bench.sh scan      # DRAM floor vs flat / routed scan per layer (Llama-3-8B at 128K, Qwen2.5-7B at 1M)
 #   bash scripts/device_bench.sh routed    # flat and routed side by side: Llama-3-8B 128K (prefill KV), Qwen2.5-7B 1M (synthetic)
+#   bash scripts/device_bench.sh fused     # routed's compiled path (search + context part in one kernel) vs its torch
+#                                          # path: the CPU side alone over 32 layers (step_cpu.py), then tok/s at 32K/128K
+#                                          # (needs numba: pip install the carried numba + llvmlite wheels first)
 # Results (JSON, PNG, logs) go to $RES (default ./bench-results); with SNAP=file.tgz the folder is also
 # archived there after every step (a run cut short keeps what it measured). Needs faiss-cpu, typer, rich.
 set -o pipefail
@@ -57,6 +60,15 @@ fi
 if [ "$phase" = routed1m ]; then
   bench qwen2.5-7b 1048576 routed 8 "strategy_options={'probe_fraction': 0.02, 'store_values': False}" \
       2>&1 | tee "$OUT/log_routed_qwen7b.txt"; snap
+fi
+if [ "$phase" = fused ]; then
+  $PY scripts/step_cpu.py --n 131072 --layers 32 --configs flat routed:kernel=torch routed:kernel=numba \
+      --out "$OUT/step_cpu.jsonl" 2>&1 | tee "$OUT/log_step_cpu.txt"; snap
+  for kernel in numba torch; do
+    $PY -m topk_decode bench --model llama-3-8b --context 32K,128K --gpu-memory "$budget" --k 1024 --steps 16 \
+        --strategy routed --systems topk --no-offload-prefill --opt kernel=$kernel --out "$OUT/fused_$kernel" \
+        2>&1 | tee "$OUT/log_fused_$kernel.txt"; snap
+  done
 fi
 if [ "$phase" = nographs ]; then
   $PY -m topk_decode bench --model llama-3-8b --context 32K,128K --systems topk --no-graphs --no-offload-prefill \

@@ -1,0 +1,96 @@
+"""The CPU side of a decode step, per layer: a strategy's search plus the context part, as the decoder runs them.
+
+For each configuration, one JSON line: ms per step over every layer (each layer's data cold, as in
+decoding) and per layer. A configuration is a strategy and its options; routed's compiled path runs
+`select_and_attend` (search and context part in one pass), every other one `select` then
+decode/context.py's `ContextAttention.attend`, exactly the decoder's `_context_part`.
+
+Usage (Llama-3-8B shape at 128K, 32 layers; synthetic random bf16 KV, so routed's recall here says
+nothing: docs/BENCHMARKS.md):
+  python scripts/step_cpu.py --n 131072 --layers 32 --configs flat routed:kernel=torch routed:kernel=numba
+Figures: docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's package, not an installed one
+from topk_decode.bench.synthetic import synthetic_kv
+from topk_decode.decode.context import ContextAttention
+from topk_decode.index import get_strategy
+
+
+def parse_config(text: str) -> tuple[str, dict]:
+    """'routed:kernel=numba,cluster_size=16' → ('routed', {'kernel': 'numba', 'cluster_size': '16'})."""
+    name, _, opts = text.partition(":")
+    return name, dict(kv.split("=", 1) for kv in opts.split(",") if kv)
+
+
+def step_ms(strat, context: ContextAttention, qs: list[torch.Tensor], k: int, layers: int, reps: int) -> float:
+    """Median ms of one step's CPU side over `layers` layers (search + context part per layer)."""
+    hkv, Q, d = qs[0].shape
+    o = torch.empty(hkv * Q, d, dtype=torch.bfloat16)
+    mz = torch.empty(hkv * Q, 2)
+
+    def one_step(step: int) -> None:
+        for layer in range(layers):
+            q = qs[(step + layer) % len(qs)]
+            if strat.select_and_attend(layer, q, k, None, o, mz) is None:
+                context.attend(layer, strat.select(layer, q, k), o, mz)
+
+    one_step(0)
+    times = []
+    for r in range(reps):
+        t = time.perf_counter()
+        one_step(r + 1)
+        times.append(1e3 * (time.perf_counter() - t))
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=131072, help="context tokens (keys per KV head)")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--group", type=int, default=4, help="query heads per KV head")
+    ap.add_argument("--k", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--configs", nargs="+", default=["flat", "routed:kernel=torch", "routed:kernel=numba"])
+    ap.add_argument("--out", default=None, help="append the JSON lines here too")
+    a = ap.parse_args()
+    ckv = synthetic_kv(a.layers, a.kv_heads, a.head_dim, a.n, torch.bfloat16, 0)
+    gen = torch.Generator().manual_seed(1)
+    qs = [torch.randn((a.kv_heads, a.group, a.head_dim), generator=gen).bfloat16().float() for _ in range(7)]
+    context = ContextAttention(ckv.values, 1.0 / math.sqrt(a.head_dim))
+    lo, hi = 4, a.n - 64
+    for text in a.configs:
+        name, opts = parse_config(text)
+        t = time.perf_counter()
+        strat = get_strategy(name)(ckv, lo, hi, opts)
+        strat.prepare()
+        open_s = time.perf_counter() - t
+        ms = step_ms(strat, context, qs, a.k, a.layers, a.reps)
+        row = {"what": "step_cpu", "config": text, "n": a.n, "layers": a.layers, "kv_heads": a.kv_heads,
+               "head_dim": a.head_dim, "group": a.group, "k": a.k, "threads": torch.get_num_threads(),
+               "open_s": round(open_s, 1), "ms_per_step": round(ms, 2), "ms_per_layer": round(ms / a.layers, 3)}
+        if hasattr(strat, "keys_read_fraction") and strat.keys_read_fraction() is not None:
+            row["keys_read_pct"] = round(100 * strat.keys_read_fraction(), 2)
+        line = json.dumps(row)
+        print(line, flush=True)
+        if a.out:
+            with open(a.out, "a") as f:
+                f.write(line + "\n")
+        strat.close()
+
+
+if __name__ == "__main__":
+    main()
