@@ -2,15 +2,19 @@
 
 On one host, one JSON line per measurement:
   dram      — GB/s of summing a large fp32 tensor (all threads), the read floor;
-  flat      — ms per layer of FlatStrategy.select (torch backend) over Hkv × N × D bf16 keys, the
-              key bytes / time as GB/s and as % of the dram figure; plus its bmm stage alone and
-              alternative scan kernels for that stage (`scan_variants`);
+  flat      — ms per layer of FlatStrategy.select (torch backend: each `scan` kernel; `--flat-backends`
+              adds others, e.g. numba) over Hkv × N × D bf16 keys, the key bytes / time as GB/s and as
+              % of the dram figure; plus the torch backend's bmm stage alone and alternative scan
+              kernels for that stage (`scan_variants`);
   routed    — ms per layer of RoutedStrategy.select, keys read %, GB/s of the keys it read, its
               routing stage alone, and id recall of flat's exact top-k (random keys cluster poorly:
               this recall is a floor, not the fidelity on a real model).
 
 Usage (Llama-3-8B shape at 128K, one layer):
   python scripts/scan_bandwidth.py --n 131072 --kv-heads 8 --group 4 --k 1024 --out scan.jsonl
+flat's torch and numba backends only, one layer and then 32 layers (each layer's keys cold):
+  python scripts/scan_bandwidth.py --n 131072 --kv-heads 8 --group 4 --k 1024 --flat-backends torch numba \
+      --skip variants routed routed_layers --layers 32 --out scan.jsonl
 Figures: docs/BENCHMARKS.md.
 """
 
@@ -99,7 +103,11 @@ def main() -> None:
     ap.add_argument("--cluster-size", type=int, default=64)
     ap.add_argument("--dram-gib", type=float, default=4.0)
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--skip", nargs="*", default=[], help="any of dram flat variants routed")
+    ap.add_argument("--skip", nargs="*", default=[],
+                    help="any of dram flat variants routed; with --layers > 1 also routed_layers, flat_layers")
+    ap.add_argument("--flat-backends", nargs="+", default=["torch"],
+                    help="flat backends to time (its `backend` option: torch, numba, faiss); torch is timed "
+                         "with each of its scan kernels")
     ap.add_argument("--layers", type=int, default=1, help="with > 1: also time routed and flat over every layer per "
                     "step (each layer's data cold, as in decoding) on a synthetic cache of this many layers")
     ap.add_argument("--kernels", nargs="+", default=["torch", "numba"],
@@ -138,14 +146,21 @@ def main() -> None:
     exact = [flat.select(0, q, a.k).ids for q in qs]
     pct = (lambda gbs: None if dram is None else round(100 * gbs / dram, 1))
     if "flat" not in a.skip:
-        for scan in ("bmm", "kq", "blocks"):
-            f = FlatStrategy(ckv, lo, hi, {"scan": scan})
+        configs = [(b, {"backend": b, "scan": scan} if b == "torch" else {"backend": b})
+                   for b in a.flat_backends for scan in (("bmm", "kq", "blocks") if b == "torch" else (None,))]
+        for backend, opts in configs:
+            f = FlatStrategy(ckv, lo, hi, opts)
             f.prepare()
+            sels = []
             it = iter(qs * 2)
-            ms = _timed(lambda: f.select(0, next(it), a.k), a.reps)
+            ms = _timed(lambda: sels.append(f.select(0, next(it), a.k)), a.reps)
+            f.close()
             gbs = key_bytes / ms / 1e6
-            emit({"what": "flat", "backend": f.backend, "scan": scan, "ms_per_layer": round(ms, 2),
-                  "key_gb_s": round(gbs, 1), "pct_of_dram": pct(gbs), "dram_gb_s": dram})
+            # the same top-k as the torch backend's (ties aside): share of equal id sets over heads × queries
+            same = [torch.equal(sel.ids.sort(-1).values, ids.sort(-1).values) for sel, ids in zip(sels, exact)]
+            emit({"what": "flat", "backend": backend, "scan": opts.get("scan"), "ms_per_layer": round(ms, 2),
+                  "key_gb_s": round(gbs, 1), "pct_of_dram": pct(gbs), "dram_gb_s": dram,
+                  "same_ids_as_torch": round(sum(same) / len(same), 3)})
     if "variants" not in a.skip:
         v = scan_variants(ckv.keys[0], qs[0], a.reps)
         emit({"what": "flat_scan_stage", **v,
@@ -198,16 +213,26 @@ def main() -> None:
     if a.layers > 1:
         del ckv, flat
         ckv = synthetic_kv(a.layers, a.kv_heads, a.head_dim, a.n, torch.bfloat16, 0)
-        runs = [(f"routed_{kernel}", RoutedStrategy(ckv, lo, hi, {"cluster_size": a.cluster_size, "kernel": kernel,
-                                                                  "probe_fraction": a.probe_fraction[0],
-                                                                  "estimate": a.estimate and kernel == "torch"}))
-                for kernel in a.kernels]
-        for name, strat in runs + [("flat", FlatStrategy(ckv, lo, hi, {}))]:
+        runs = [] if "routed_layers" in a.skip else [
+            (f"routed_{kernel}", lambda kernel=kernel: RoutedStrategy(
+                ckv, lo, hi, {"cluster_size": a.cluster_size, "kernel": kernel, "probe_fraction": a.probe_fraction[0],
+                              "estimate": a.estimate and kernel == "torch"}))
+            for kernel in a.kernels]
+        if "flat_layers" not in a.skip:   # "flat" is the torch backend (the name earlier runs recorded)
+            runs += [("flat" if b == "torch" else f"flat_{b}", lambda b=b: FlatStrategy(ckv, lo, hi, {"backend": b}))
+                     for b in a.flat_backends]
+        for name, make in runs:
+            strat = make()
             strat.prepare()
             ms = _timed(lambda: [strat.select(layer, qs[layer % len(qs)], a.k) for layer in range(a.layers)],
                         max(3, a.reps // 2))
-            emit({"what": f"{name}_all_layers", "layers": a.layers, "ms_per_step": round(ms, 2),
-                  "ms_per_layer": round(ms / a.layers, 3)})
+            strat.close()
+            row = {"what": f"{name}_all_layers", "layers": a.layers, "ms_per_step": round(ms, 2),
+                   "ms_per_layer": round(ms / a.layers, 3)}
+            if name.startswith("flat"):   # flat reads every key of every layer
+                gbs = key_bytes * a.layers / ms / 1e6
+                row.update(key_gb_s=round(gbs, 1), pct_of_dram=pct(gbs))
+            emit(row)
             del strat
 
 if __name__ == "__main__":

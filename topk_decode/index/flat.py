@@ -7,7 +7,9 @@ default) scans the memory-mapped keys directly (no second copy of the keys in RA
 open): all KV heads in one batched matmul, in the keys' own half precision, followed by an exact fp32
 rescoring of the candidates with a certificate that the result is the exact top-k (see `_half_scan`).
 It is the faster backend on a 16-core host (docs/BENCHMARKS.md); `backend=faiss` stays available.
-Faiss is imported only when the faiss backend is used.
+Faiss is imported only when the faiss backend is used. `backend=numba` (bf16 keys, needs numba) scans
+the memory map with compiled (head, block of keys) tasks on the strategy's threads that score every key
+exactly in fp32 once and keep it only if it beats a running threshold (flat_kernel.py).
 """
 
 from __future__ import annotations
@@ -51,8 +53,11 @@ class FlatStrategy(SelectionStrategy):
     """Exact top-k per query head.
 
     Options:
-        backend: "torch" (default: zero-copy scan of the memory map) or "faiss" (indices copied into RAM at open).
-        threads: parallel head searches (default: CPU cores).
+        backend: "torch" (default: zero-copy scan of the memory map), "faiss" (indices copied into RAM at
+            open) or "numba" (flat_kernel.py: compiled exact fp32 scan of the memory map in (head, block of
+            keys) tasks on the strategy's threads, a running threshold per query, then a merge of the
+            blocks' candidates; exact like the others; bf16 keys only, needs numba).
+        threads: parallel head searches, or the numba backend's worker threads (default: CPU cores).
         scan: torch backend's scoring kernel: "bmm" (default: one batched matmul q·Kᵀ), "kq" (K·qᵀ, the
             keys as the tall operand, then a transpose of the scores) or "blocks" (threads over (head,
             block of keys), each a single-threaded bf16 matmul over a cache-sized block).
@@ -64,10 +69,12 @@ class FlatStrategy(SelectionStrategy):
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
         self.backend = self.options.get("backend", DEFAULT_BACKEND)
-        if self.backend not in ("faiss", "torch"):
+        if self.backend not in ("faiss", "torch", "numba"):
             from topk_decode.errors import TopkError
 
-            raise TopkError(f"unknown flat backend {self.backend!r} (use faiss or torch)")
+            raise TopkError(f"unknown flat backend {self.backend!r} (use torch, faiss or numba)")
+        if self.backend == "numba":
+            _check_numba(self.ckv.dtype)
         self.threads = int(self.options.get("threads") or default_threads())
         self.scan = self.options.get("scan", DEFAULT_SCAN)
         if self.scan not in ("blocks", "bmm", "kq"):
@@ -79,6 +86,10 @@ class FlatStrategy(SelectionStrategy):
         # the torch backend's batched scan runs on the caller's thread with all its threads.
         self.pool = HeadPool(self.threads)
         self.indices: list = []
+        if self.backend == "numba":
+            from topk_decode.index import flat_kernel
+
+            flat_kernel.warm_up()   # compile (or load numba's disk cache) at open, not inside the first step
         if self.backend != "faiss" or self.n_searchable == 0:
             return
         L, H = self.ckv.n_layers, self.ckv.n_kv_heads
@@ -101,6 +112,12 @@ class FlatStrategy(SelectionStrategy):
         self.stats.searches += 1
         if self.backend == "torch":
             return self._torch_select(layer, q, k)
+        if self.backend == "numba":
+            from topk_decode.index import flat_kernel
+
+            ids, scores = flat_kernel.search(self.ckv.keys[layer], q, k, self.lo, self.hi, self.pool)
+            # k < hi − lo here: a slot stays empty only if fewer than k keys score above −inf (inf/nan keys)
+            return Selection(ids=ids, scores=scores, no_empty_slots=not bool((ids < 0).any()))
         qn = q.numpy()
         parts = self._map(lambda h: self.indices[layer][h].search(qn[h], k), range(q.shape[0]))
         scores = torch.from_numpy(np.stack([p[0] for p in parts]))   # (Hkv, Q, k)
@@ -138,6 +155,19 @@ class FlatStrategy(SelectionStrategy):
         else:
             scores, ids = _fp32_scan(keys, q1, k, self.lo, self.hi)
         return scores[0].numpy(), (ids[0] - self.lo).numpy()
+
+
+def _check_numba(dtype: torch.dtype) -> None:
+    """Refuse backend=numba, with a one-line TopkError, where it cannot run (no numba, keys not bf16)."""
+    from topk_decode.errors import TopkError
+    from topk_decode.index import flat_kernel
+    from topk_decode.store.format import dtype_name
+
+    if not flat_kernel.available():
+        raise TopkError("flat: backend=numba needs numba (pip install numba, or the 'numba' extra)")
+    if dtype not in flat_kernel.KEY_DTYPES:
+        raise TopkError(f"flat: backend=numba reads bf16 keys, these are {dtype_name(dtype)} "
+                        "(use backend=torch)")
 
 
 def _fp32_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:

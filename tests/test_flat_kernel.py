@@ -1,0 +1,143 @@
+"""flat's compiled scan (index/flat_kernel.py, `flat --opt backend=numba`) returns the exact top-k."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from topk_decode.bench.synthetic import kv_in_memory, synthetic_kv
+from topk_decode.errors import TopkError
+from topk_decode.index import flat_kernel
+from topk_decode.index.base import exact_scores
+from topk_decode.index.flat import FlatStrategy
+from topk_decode.index.threads import HeadPool
+
+pytest.importorskip("numba")
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """Two worker threads, as the strategy would start on this machine."""
+    p = HeadPool(2)
+    yield p
+    p.close()
+
+
+def _keys_and_queries(hkv: int, n: int, d: int, q: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    keys = (torch.randn(hkv, n, d, generator=gen) + 0.5).bfloat16()     # an offset shared by all keys, as in real K
+    return keys, torch.randn(hkv, q, d, generator=gen)
+
+
+def _brute_force(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 scores of keys[:, lo:hi] and the top min(k, hi − lo) by (score desc, position asc)."""
+    scores = torch.bmm(q, keys[:, lo:hi].float().transpose(1, 2))         # (Hkv, Q, M)
+    order = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+    return scores, order + lo
+
+
+def _assert_exact_topk(ids: torch.Tensor, sc: torch.Tensor, keys: torch.Tensor, q: torch.Tensor,
+                       k: int, lo: int, hi: int) -> None:
+    """ids/scores are the exact top-k of keys[:, lo:hi]: scores to 1e-5, id sets where the k-th score is clear."""
+    m = min(k, max(0, hi - lo))
+    all_scores, ref_ids = _brute_force(keys, q, k, lo, hi)
+    assert ids.shape == sc.shape == (*q.shape[:2], k)
+    assert (ids[..., m:] == -1).all()
+    got, got_s = ids[..., :m], sc[..., :m]
+    assert ((got >= lo) & (got < hi)).all()
+    exact = exact_scores(keys, q, got)
+    torch.testing.assert_close(got_s, exact, rtol=1e-5, atol=1e-5)
+    ref_s = all_scores.sort(dim=-1, descending=True).values                  # (Hkv, Q, M)
+    torch.testing.assert_close(got_s.sort(-1, descending=True).values, ref_s[..., :m], rtol=1e-5, atol=1e-5)
+    for h in range(q.shape[0]):
+        for i in range(q.shape[1]):
+            # a near-tie at the k-th score may pick either key under another summation order
+            if m == hi - lo or ref_s[h, i, m - 1] - ref_s[h, i, m] > 1e-4 * ref_s[h, i, 0].abs():
+                assert set(got[h, i].tolist()) == set(ref_ids[h, i].tolist())
+
+
+@pytest.mark.parametrize("d,Q,k,lo,hi,block", [
+    (64, 4, 50, 3, 2990, 256),      # many blocks, a partial last one
+    (128, 7, 300, 100, 2500, 128),  # k larger than a block: every block returns all its keys
+    (128, 1, 20, 0, 3000, None),    # block size chosen by search
+    (64, 32, 8, 1, 2999, 512),      # a prompt chunk's worth of queries
+    (128, 5, 700, 700, 1500, 100),  # a narrow range in the middle
+])
+def test_search_returns_the_exact_topk_across_block_boundaries(pool, d, Q, k, lo, hi, block):
+    keys, q = _keys_and_queries(2, 3000, d, Q, seed=d + Q + k)
+    ids, sc = flat_kernel.search(keys, q, k, lo, hi, pool, block=block)
+    _assert_exact_topk(ids, sc, keys, q, k, lo, hi)
+
+
+@pytest.mark.parametrize("k,lo,hi", [(900, 100, 1000), (2000, 100, 1000), (1, 0, 1)])
+def test_k_at_least_the_range_returns_every_key_then_empty_slots(pool, k, lo, hi):
+    keys, q = _keys_and_queries(2, 1000, 64, 4, seed=3)
+    ids, sc = flat_kernel.search(keys, q, k, lo, hi, pool, block=64)
+    _assert_exact_topk(ids, sc, keys, q, k, lo, hi)
+    assert (sc[..., hi - lo:] == 0).all()
+
+
+def test_empty_range_returns_only_empty_slots(pool):
+    keys, q = _keys_and_queries(2, 100, 64, 4, seed=4)
+    ids, sc = flat_kernel.search(keys, q, 5, 50, 50, pool)
+    assert (ids == -1).all() and (sc == 0).all() and ids.shape == (2, 4, 5)
+
+
+def test_ties_at_the_kth_score_go_to_the_lowest_positions_whatever_the_threads_and_blocks(pool):
+    hkv, n, d = 2, 2000, 64
+    keys = torch.ones(hkv, n, d, dtype=torch.bfloat16)          # every key scores the same...
+    keys[:, 1500:1510] = 2.0                                    # ...but ten, which score higher for q = 1
+    q = torch.ones(hkv, 3, d)
+    want = set(range(1500, 1510)) | set(range(10, 40))          # lo = 10: the 30 lowest tied positions
+    for p, block in ((pool, 16), (pool, 64), (pool, 1000), (None, 300), (pool, None)):
+        ids, sc = flat_kernel.search(keys, q, 40, 10, 1990, p, block=block)
+        for h in range(hkv):
+            for i in range(3):
+                assert set(ids[h, i].tolist()) == want
+        assert sorted(sc[0, 0].tolist()) == [64.0] * 30 + [128.0] * 10
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_numba_backend_selects_what_the_torch_backend_selects_from_a_memory_mapped_cache(tmp_path, d):
+    ckv = synthetic_kv(2, 2, d, 3000, torch.bfloat16, seed=d, path=tmp_path / "cache")
+    lo, hi = 4, 2980
+    compiled = FlatStrategy(ckv, lo, hi, {"backend": "numba", "threads": 2})
+    plain = FlatStrategy(ckv, lo, hi, {"backend": "torch"})
+    for s in (compiled, plain):
+        s.prepare()
+    try:
+        for layer, (Q, k) in enumerate(((4, 64), (6, 1000))):
+            q = torch.randn(2, Q, d, generator=torch.Generator().manual_seed(layer)).bfloat16().float()
+            a, b = compiled.select(layer, q, k), plain.select(layer, q, k)
+            assert a.ids.shape == (2, Q, k) and a.no_empty_slots
+            assert torch.equal(a.ids.sort(-1).values, b.ids.sort(-1).values)
+            torch.testing.assert_close(a.scores.sort(-1).values, b.scores.sort(-1).values, rtol=1e-5, atol=1e-5)
+            _assert_exact_topk(a.ids, a.scores, ckv.keys[layer], q, k, lo, hi)
+        everything = compiled.select(0, q, hi - lo)                # k covers the range: all tokens, exact
+        assert torch.equal(everything.ids, plain.select(0, q, hi - lo).ids)
+    finally:
+        compiled.close()
+
+
+def test_numba_backend_takes_fp32_queries_not_representable_in_bf16():
+    keys, q = _keys_and_queries(2, 1500, 64, 4, seed=9)               # q: plain fp32, not bf16-rounded
+    ckv = kv_in_memory(list(keys[None]), list(keys[None]), list(range(1500)), "llama")
+    strat = FlatStrategy(ckv, 0, 1500, {"backend": "numba", "threads": 1})
+    strat.prepare()
+    sel = strat.select(0, q, 30)
+    _assert_exact_topk(sel.ids, sel.scores, keys, q, 30, 0, 1500)
+
+
+def test_bad_backend_values_raise_one_line_topk_errors(monkeypatch):
+    keys, _ = _keys_and_queries(1, 100, 64, 1, seed=0)
+    ckv = kv_in_memory([keys], [keys], list(range(100)), "llama")
+    with pytest.raises(TopkError, match="use torch, faiss or numba"):
+        FlatStrategy(ckv, 0, 100, {"backend": "numbaa"}).prepare()
+    fp32 = kv_in_memory([keys.float()], [keys.float()], list(range(100)), "llama")
+    with pytest.raises(TopkError, match="reads bf16 keys, these are float32") as err:
+        FlatStrategy(fp32, 0, 100, {"backend": "numba"}).prepare()
+    assert "\n" not in str(err.value)
+    monkeypatch.setattr(flat_kernel, "numba", None)
+    with pytest.raises(TopkError, match="needs numba") as err:
+        FlatStrategy(ckv, 0, 100, {"backend": "numba"}).prepare()
+    assert "\n" not in str(err.value)
