@@ -113,7 +113,7 @@ def main() -> None:
     ap.add_argument("--kernels", nargs="+", default=["torch", "numba"],
                     help="routed's search paths to time (its `kernel` option; numba needs numba installed)")
     ap.add_argument("--estimate", action="store_true",
-                    help="routed with its estimate of the rest (the default strategy; the numba path has none)")
+                    help="routed with its estimate of the rest (the strategy's default; both kernels implement it)")
     ap.add_argument("--profile", action="store_true", help="print a torch profile of routed select (stderr)")
     ap.add_argument("--out", default=None, help="append the JSON lines here too")
     a = ap.parse_args()
@@ -171,7 +171,7 @@ def main() -> None:
       for kernel in a.kernels:
         t = time.perf_counter()
         routed = RoutedStrategy(ckv, lo, hi, {"cluster_size": a.cluster_size, "kernel": kernel,
-                                              "estimate": a.estimate and kernel == "torch"})
+                                              "estimate": a.estimate})
         routed.prepare()
         build_s = time.perf_counter() - t
 
@@ -216,7 +216,7 @@ def main() -> None:
         runs = [] if "routed_layers" in a.skip else [
             (f"routed_{kernel}", lambda kernel=kernel: RoutedStrategy(
                 ckv, lo, hi, {"cluster_size": a.cluster_size, "kernel": kernel, "probe_fraction": a.probe_fraction[0],
-                              "estimate": a.estimate and kernel == "torch"}))
+                              "estimate": a.estimate}))
             for kernel in a.kernels]
         if "flat_layers" not in a.skip:   # "flat" is the torch backend (the name earlier runs recorded)
             runs += [("flat" if b == "torch" else f"flat_{b}", lambda b=b: FlatStrategy(ckv, lo, hi, {"backend": b}))
