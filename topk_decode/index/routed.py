@@ -1,7 +1,8 @@
 """routed: read only the clusters a query routes to, then take the exact top-k of what was read.
 
 Built once per cache (`topk prefill --strategy routed`, or on first open): per (layer, KV head) the keys
-are clustered into clusters of ~`cluster_size` tokens and stored cluster-contiguously (cluster.py).
+are clustered into clusters of ~`cluster_size` tokens and stored cluster-contiguously (cluster.py, on
+disk by routed_layout.py).
 Per step and layer, for each KV head:
 
 1. routing (CPU): each of its G·T queries estimates the share of its attention mass in every cluster c
@@ -26,29 +27,20 @@ exact top-k, as flat's (and the estimate is empty).
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
 
 from topk_decode.errors import TopkError
-from topk_decode.index.artifacts import (
-    artifact_dir,
-    ensure_artifacts,
-    recorded_options,
-    start_artifacts,
-    write_done,
-    write_file,
-    writing,
-)
 from topk_decode.index import routed_kernel
+from topk_decode.index.artifacts import ensure_artifacts, recorded_options
 from topk_decode.index.base import RestPart, Selection, SelectionStrategy, as_bool, positive_int
-from topk_decode.index.cluster import KMeansConfig, LayerLayout, build_layer, kmeans_device
 from topk_decode.index.estimate import combine, read_rest_part, searchable_stats, unread_part
+from topk_decode.index.routed_layout import layer_layouts, load_layouts, on_disk, write_layouts
 from topk_decode.index.threads import HeadPool, default_threads
 from topk_decode.store.cache_dir import ContextKV
-from topk_decode.store.format import as_torch, dtype_name, numpy_storage
+from topk_decode.store.format import dtype_name
 
 # Every query must find at least k candidates: read at least this many keys per k.
 _MIN_READ_PER_K = 2
@@ -132,45 +124,10 @@ class RoutedStrategy(SelectionStrategy):
                 "iters": positive_int(options, "iters", cls.BUILD_DEFAULTS["iters"]),
                 "store_values": as_bool(options.get("store_values", cls.BUILD_DEFAULTS["store_values"]))}
 
-    @staticmethod
-    def _on_disk(ckv: ContextKV) -> bool:
-        """False for in-RAM contexts (the benchmark's), whose layout stays in RAM."""
-        return Path(ckv.path).is_dir()
-
     @classmethod
     def build_artifacts(cls, ckv: ContextKV, options: dict | None = None,
                         progress: Callable[[int, int], None] | None = None) -> None:
-        opts = cls.build_options(cls.checked_options(options))
-        d = start_artifacts(ckv.path, cls.name)
-        files = []
-        with writing(d, cls.name):
-            for layer, lay in enumerate(cls._layouts(ckv, opts, progress)):
-                for tag, t in cls._arrays(lay).items():
-                    raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t   # bf16 has no numpy dtype
-                    files.append(d / f"{tag}.{layer:03d}.bin")
-                    write_file(files[-1], raw.contiguous().numpy().reshape(-1).view(np.uint8).data)
-            n_clusters = -(-ckv.n_tokens // opts["cluster_size"])
-            meta = {"options": dict(opts, dtype=dtype_name(ckv.dtype), n_clusters=n_clusters, value_means=True)}
-            write_done(d, files, meta, ckv.cache_id)
-
-    @staticmethod
-    def _layouts(ckv: ContextKV, opts: dict, progress):
-        cfg = KMeansConfig(cluster_size=opts["cluster_size"], iters=opts["iters"])
-        device = kmeans_device()
-        for layer in range(ckv.n_layers):
-            yield build_layer(ckv.keys[layer], ckv.values[layer], cfg, device, store_values=opts["store_values"])
-            if progress:
-                progress(layer + 1, ckv.n_layers)
-
-    @staticmethod
-    def _arrays(lay: LayerLayout) -> dict[str, torch.Tensor]:
-        arrays = {"keys": lay.keys, "pos": lay.pos.to(torch.int32), "offsets": lay.offsets,
-                  "centroids": lay.centroids, "spread": lay.spread}
-        if lay.values is not None:
-            arrays["values"] = lay.values
-        if lay.value_means is not None:
-            arrays["vmeans"] = lay.value_means
-        return arrays
+        write_layouts(ckv, cls.name, cls.build_options(cls.checked_options(options)), progress)
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
         o = self.options
@@ -180,8 +137,8 @@ class RoutedStrategy(SelectionStrategy):
         self.estimate = as_bool(o.get("estimate", self.SEARCH_DEFAULTS["estimate"]))
         self.estimate_read = as_bool(o.get("estimate_read", self.SEARCH_DEFAULTS["estimate_read"]))
         opts = self.build_options(o)
-        if not self._on_disk(self.ckv):
-            self.layouts = list(self._layouts(self.ckv, opts, progress))
+        if not on_disk(self.ckv):
+            self.layouts = list(layer_layouts(self.ckv, opts, progress))
         else:
             wanted = {k: v for k, v in opts.items() if k in o}
             if self.estimate or self.estimate_read:
@@ -192,7 +149,7 @@ class RoutedStrategy(SelectionStrategy):
                 kept = {k: v for k, v in old.items() if k in self.BUILD_DEFAULTS} if old.get("dtype") else {}
                 self.build_artifacts(self.ckv, {**kept, **o}, progress)
 
-            self.layouts = self._load(ensure_artifacts(self.ckv, self.name, wanted, build))
+            self.layouts = load_layouts(self.ckv, self.name, ensure_artifacts(self.ckv, self.name, wanted, build))
         self.scale = 1.0 / math.sqrt(self.ckv.head_dim)
         hkv, n = self.ckv.n_kv_heads, self.ckv.n_tokens
         self._row_base = (torch.arange(hkv) * n).view(hkv, 1)                  # (Hkv, 1) flat row of head h
@@ -231,7 +188,7 @@ class RoutedStrategy(SelectionStrategy):
         if self.kernel:
             routed_kernel.warm_up()                    # compile at open, not inside the first step
             self.pool = HeadPool(default_threads())    # the KV heads in parallel (closed by `close`)
-            self._arrays = [self._kernel_arrays(layer) for layer in range(self.ckv.n_layers)]
+            self._kernel_in = [self._kernel_arrays(layer) for layer in range(self.ckv.n_layers)]
         self.stats.extra.update(keys_read=0, keys_searchable=0)
 
     def _use_kernel(self, choice: str) -> bool:
@@ -262,28 +219,6 @@ class RoutedStrategy(SelectionStrategy):
             bias=bias.numpy(), size_factor=size_factor.numpy(),
             vmeans=routed_kernel.bits(vmeans.contiguous()),
             vals=routed_kernel.bits(lay.values if by_row else self.ckv.values[layer]), values_by_row=by_row)
-
-    def _load(self, built: dict) -> list[LayerLayout]:
-        """Memory-map the permuted keys/values/positions; read the small per-cluster arrays into RAM."""
-        d = artifact_dir(self.ckv.path, self.name)
-        hkv, n, D = self.ckv.n_kv_heads, self.ckv.n_tokens, self.ckv.head_dim
-        C, dt = int(built["n_clusters"]), built["dtype"]
-
-        def arr(tag: str, layer: int, dtype: np.dtype, shape: tuple, name: str | None = None) -> torch.Tensor:
-            m = np.memmap(d / f"{tag}.{layer:03d}.bin", dtype=dtype, mode="r", shape=shape)
-            return as_torch(m, name) if name else torch.from_numpy(np.array(m))
-
-        out = []
-        for layer in range(self.ckv.n_layers):
-            values = arr("values", layer, numpy_storage(dt), (hkv, n, D), dt) if built.get("store_values") else None
-            out.append(LayerLayout(
-                keys=arr("keys", layer, numpy_storage(dt), (hkv, n, D), dt), values=values,
-                pos=arr("pos", layer, np.int32, (hkv, n)).long(),
-                offsets=arr("offsets", layer, np.int64, (hkv, C + 1)),
-                centroids=arr("centroids", layer, np.float32, (hkv, C, D)),
-                spread=arr("spread", layer, np.float32, (hkv, C)),
-                value_means=arr("vmeans", layer, np.float32, (hkv, C, D)) if built.get("value_means") else None))
-        return out
 
     # ---- search ----------------------------------------------------------------------------------
     def route(self, layer: int, q: torch.Tensor, budget: int) -> Route:
@@ -382,7 +317,7 @@ class RoutedStrategy(SelectionStrategy):
     def _compiled(self, layer: int, q: torch.Tensor, k: int, budget: int, o: np.ndarray | None = None,
                   mz: np.ndarray | None = None) -> Selection:
         """The compiled path's selection (and, given o and mz, its context part): routed_kernel.search_layer."""
-        res = routed_kernel.search_layer(self._arrays[layer], q, budget, k, self.scale, self.estimate, self.pool,
+        res = routed_kernel.search_layer(self._kernel_in[layer], q, budget, k, self.scale, self.estimate, self.pool,
                                          o, mz)
         self.stats.extra["keys_read"] += res.read
         self.stats.extra["keys_searchable"] += q.shape[0] * self.n_searchable

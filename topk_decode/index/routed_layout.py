@@ -1,0 +1,97 @@
+"""routed's clustered layout on disk: built once per cache, memory-mapped at open.
+
+Per layer, `artifact_dir(cache, "routed")` holds the cluster-contiguous keys (and values), their
+original positions, the cluster offsets, centroids, spreads and mean values (cluster.py builds them),
+one file per array and layer (`keys.000.bin`, ...), checksummed in `done.json` (artifacts.py). The
+permuted keys and values are memory-mapped, the small per-cluster arrays read into RAM.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from topk_decode.index.artifacts import artifact_dir, start_artifacts, write_done, write_file, writing
+from topk_decode.index.cluster import KMeansConfig, LayerLayout, build_layer, kmeans_device
+from topk_decode.store.cache_dir import ContextKV
+from topk_decode.store.format import as_torch, dtype_name, numpy_storage
+
+
+def on_disk(ckv: ContextKV) -> bool:
+    """False for in-RAM contexts (the benchmark's), whose layout stays in RAM."""
+    return Path(ckv.path).is_dir()
+
+
+def layer_layouts(ckv: ContextKV, opts: dict, progress: Callable[[int, int], None] | None) -> Iterator[LayerLayout]:
+    """Each layer's clustered layout, built in turn (k-means on the GPU when there is one, cluster.py).
+
+    Args:
+        ckv: the context; opts: routed's build options (cluster_size, iters, store_values); progress: (done, total).
+    """
+    cfg = KMeansConfig(cluster_size=opts["cluster_size"], iters=opts["iters"])
+    device = kmeans_device()
+    for layer in range(ckv.n_layers):
+        yield build_layer(ckv.keys[layer], ckv.values[layer], cfg, device, store_values=opts["store_values"])
+        if progress:
+            progress(layer + 1, ckv.n_layers)
+
+
+def _files(lay: LayerLayout) -> dict[str, torch.Tensor]:
+    """A layer's arrays by file tag (what `load_layouts` reads back)."""
+    arrays = {"keys": lay.keys, "pos": lay.pos.to(torch.int32), "offsets": lay.offsets,
+              "centroids": lay.centroids, "spread": lay.spread}
+    if lay.values is not None:
+        arrays["values"] = lay.values
+    if lay.value_means is not None:
+        arrays["vmeans"] = lay.value_means
+    return arrays
+
+
+def write_layouts(ckv: ContextKV, name: str, opts: dict, progress: Callable[[int, int], None] | None) -> None:
+    """Build every layer's layout and write it under the strategy's artifact folder, `done.json` last.
+
+    Args:
+        ckv: the context; name: the strategy's name (its folder); opts: validated build options.
+        progress: (done, total) callback.
+    """
+    d = start_artifacts(ckv.path, name)
+    files = []
+    with writing(d, name):
+        for layer, lay in enumerate(layer_layouts(ckv, opts, progress)):
+            for tag, t in _files(lay).items():
+                raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t   # bf16 has no numpy dtype
+                files.append(d / f"{tag}.{layer:03d}.bin")
+                write_file(files[-1], raw.contiguous().numpy().reshape(-1).view(np.uint8).data)
+        n_clusters = -(-ckv.n_tokens // opts["cluster_size"])
+        meta = {"options": dict(opts, dtype=dtype_name(ckv.dtype), n_clusters=n_clusters, value_means=True)}
+        write_done(d, files, meta, ckv.cache_id)
+
+
+def load_layouts(ckv: ContextKV, name: str, built: dict) -> list[LayerLayout]:
+    """Memory-map the permuted keys/values/positions; read the small per-cluster arrays into RAM.
+
+    Args:
+        ckv: the context; name: the strategy's name; built: the options recorded in `done.json`.
+    """
+    d = artifact_dir(ckv.path, name)
+    hkv, n, D = ckv.n_kv_heads, ckv.n_tokens, ckv.head_dim
+    C, dt = int(built["n_clusters"]), built["dtype"]
+
+    def arr(tag: str, layer: int, dtype: np.dtype, shape: tuple, dtype_tag: str | None = None) -> torch.Tensor:
+        m = np.memmap(d / f"{tag}.{layer:03d}.bin", dtype=dtype, mode="r", shape=shape)
+        return as_torch(m, dtype_tag) if dtype_tag else torch.from_numpy(np.array(m))
+
+    out = []
+    for layer in range(ckv.n_layers):
+        values = arr("values", layer, numpy_storage(dt), (hkv, n, D), dt) if built.get("store_values") else None
+        out.append(LayerLayout(
+            keys=arr("keys", layer, numpy_storage(dt), (hkv, n, D), dt), values=values,
+            pos=arr("pos", layer, np.int32, (hkv, n)).long(),
+            offsets=arr("offsets", layer, np.int64, (hkv, C + 1)),
+            centroids=arr("centroids", layer, np.float32, (hkv, C, D)),
+            spread=arr("spread", layer, np.float32, (hkv, C)),
+            value_means=arr("vmeans", layer, np.float32, (hkv, C, D)) if built.get("value_means") else None))
+    return out
