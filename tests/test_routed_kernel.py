@@ -54,6 +54,27 @@ def test_compiled_and_torch_paths_select_the_same_ids_with_the_same_scores(clust
     assert compiled.keys_read_fraction() == plain.keys_read_fraction()
 
 
+@pytest.mark.parametrize("threads", [3, 8])           # 2 and 4 routing tasks per KV head
+@pytest.mark.parametrize("probe", [0.05, 0.9])
+def test_routing_split_over_several_tasks_per_head_selects_and_estimates_as_the_torch_path(
+        clustered_cache, monkeypatch, threads, probe):
+    from topk_decode.index import routed_compiled
+    from topk_decode.index.threads import HeadPool
+
+    monkeypatch.setattr(routed_compiled, "_MIN_CLUSTERS_PER_TASK", 8)
+    compiled, plain = _pair(clustered_cache, {"cluster_size": 32, "probe_fraction": probe})
+    compiled.pool.close()
+    compiled.pool = HeadPool(threads)
+    for layer, seed in ((0, 31), (1, 32)):
+        q = _queries(seed=seed)
+        hkv, Q, d = q.shape
+        o, mz = torch.empty(hkv * Q, d, dtype=torch.bfloat16), torch.empty(hkv * Q, 2)
+        a, b = compiled.select_and_attend(layer, q, 20, None, o, mz), plain.select(layer, q, 20)
+        assert torch.equal(a.ids.sort(-1).values, b.ids.sort(-1).values)
+        torch.testing.assert_close(a.rest.lse, b.rest.lse, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.rest.out, b.rest.out, rtol=1e-4, atol=1e-5)
+
+
 def test_compiled_path_handles_many_queries_per_head_as_a_prompt_chunk_does(clustered_cache):
     compiled, plain = _pair(clustered_cache, {"cluster_size": 32, "probe_fraction": 0.1})
     q = _queries(q=4 * 37, seed=4)                    # G = 4 query heads × 37 prompt tokens per KV head
@@ -147,3 +168,4 @@ def test_decoder_runs_the_fused_path_and_matches_the_torch_path(tmp_path, model_
         torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=5e-2)
     for store in stores.values():
         store.close()
+

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from topk_decode.errors import TopkError
-from topk_decode.index import routed_kernel
+from topk_decode.index import routed_compiled, routed_kernel
 from topk_decode.index.artifacts import ensure_artifacts, recorded_options
 from topk_decode.index.base import RestPart, Selection, SelectionStrategy, as_bool, positive_int
 from topk_decode.index.estimate import combine, read_rest_part, searchable_stats, unread_part
@@ -186,7 +186,7 @@ class RoutedStrategy(SelectionStrategy):
             first = out.view(hkv, n).to(torch.uint8).argmax(1)                  # first outside row per head
             self._pad_rows.append((self._row_base[:, 0] + first).view(hkv, 1) if bool(has.all()) else None)
         if self.kernel:
-            routed_kernel.warm_up()                    # compile at open, not inside the first step
+            routed_compiled.warm_up()                    # compile at open, not inside the first step
             self.pool = HeadPool(default_threads())    # the KV heads in parallel (closed by `close`)
             self._kernel_in = [self._kernel_arrays(layer) for layer in range(self.ckv.n_layers)]
         self.stats.extra.update(keys_read=0, keys_searchable=0)
@@ -204,7 +204,7 @@ class RoutedStrategy(SelectionStrategy):
             raise TopkError(f"routed: kernel=numba is not available: {why}")
         return choice != "torch" and why is None
 
-    def _kernel_arrays(self, layer: int) -> routed_kernel.LayerArrays:
+    def _kernel_arrays(self, layer: int) -> routed_compiled.LayerArrays:
         """One layer's arrays as numpy views for the compiled path (the layout's memory maps, no copies)."""
         lay, st, hkv = self.layouts[layer], self._stats[layer], self.ckv.n_kv_heads
         by_row = lay.values is not None          # the cluster-contiguous copy: values next to their keys
@@ -213,12 +213,12 @@ class RoutedStrategy(SelectionStrategy):
         bias = self._bias[layer][:, 0].contiguous()                                # (Hkv, C)
         # n_c·exp(−bias_c): turns routing's exp(s·q·μ_c + bias_c − max) into the estimate's weights
         size_factor = torch.where(torch.isinf(bias), 0.0, (st.log_n[:, 0] - bias).exp())
-        return routed_kernel.LayerArrays(
-            keys=routed_kernel.bits(lay.keys), pos=lay.pos.numpy(), outside=self._outside[layer].view(hkv, -1).numpy(),
-            offsets=lay.offsets.numpy(), cent=routed_kernel.bits(st.centroids.contiguous()),
+        return routed_compiled.LayerArrays(
+            keys=routed_compiled.bits(lay.keys), pos=lay.pos.numpy(), outside=self._outside[layer].view(hkv, -1).numpy(),
+            offsets=lay.offsets.numpy(), cent=routed_compiled.bits(st.centroids.contiguous()),
             bias=bias.numpy(), size_factor=size_factor.numpy(),
-            vmeans=routed_kernel.bits(vmeans.contiguous()),
-            vals=routed_kernel.bits(lay.values if by_row else self.ckv.values[layer]), values_by_row=by_row)
+            vmeans=routed_compiled.bits(vmeans.contiguous()),
+            vals=routed_compiled.bits(lay.values if by_row else self.ckv.values[layer]), values_by_row=by_row)
 
     # ---- search ----------------------------------------------------------------------------------
     def route(self, layer: int, q: torch.Tensor, budget: int) -> Route:
@@ -316,8 +316,8 @@ class RoutedStrategy(SelectionStrategy):
 
     def _compiled(self, layer: int, q: torch.Tensor, k: int, budget: int, o: np.ndarray | None = None,
                   mz: np.ndarray | None = None) -> Selection:
-        """The compiled path's selection (and, given o and mz, its context part): routed_kernel.search_layer."""
-        res = routed_kernel.search_layer(self._kernel_in[layer], q, budget, k, self.scale, self.estimate, self.pool,
+        """The compiled path's selection (and, given o and mz, its context part): routed_compiled.search_layer."""
+        res = routed_compiled.search_layer(self._kernel_in[layer], q, budget, k, self.scale, self.estimate, self.pool,
                                          o, mz)
         self.stats.extra["keys_read"] += res.read
         self.stats.extra["keys_searchable"] += q.shape[0] * self.n_searchable

@@ -1,14 +1,14 @@
-"""routed's search and context part for one layer as one compiled function per KV head (numba).
+"""routed's compiled path: one KV head's layer as numba functions (the Python side: routed_compiled.py).
 
 The torch path (routed.py `route` + `select`, then decode/context.py) is ~40 small tensor ops per layer;
 on a many-core host each is a parallel region of its own, and together they cost several times what the
-few MB they read take (docs/BENCHMARKS.md, "Where routed's step goes"). Here one KV head's whole layer —
-routing against the centroids, the walk over clusters up to the budget, the exact fp32 scan of their keys,
-the top-k, the estimate of the unread clusters and (in the decoder) the context part itself — is one
-compiled function that releases the GIL; the heads run in parallel on the strategy's thread pool. With
-the context part inside, a decode step runs no parallel torch op on the CPU at all, so torch's OpenMP
-workers (which spin after each parallel region) no longer compete with the search for the cores
-(docs/BENCHMARKS.md, run 12).
+few MB they read take (docs/BENCHMARKS.md, "Where routed's step goes"). Here a KV head's whole layer —
+routing against the centroids (`route_chunk`, over ranges of clusters in parallel), then the walk over
+clusters up to the budget, the exact fp32 scan of their keys, the top-k, the estimate of the unread
+clusters and (in the decoder) the context part itself (`finish_head`) — runs as compiled functions that
+release the GIL, on the strategy's thread pool. With the context part inside, a decode step runs no
+parallel torch op on the CPU, so torch's OpenMP workers (which spin after each parallel region) no
+longer compete with the search for the cores (docs/BENCHMARKS.md, run 12).
 
 Same rules as the torch path: a cluster's priority is the largest share of attention mass any of the
 head's queries gives it (softmax over s·q·μ_c + bias_c), clusters are read in that order until `budget`
@@ -22,7 +22,6 @@ flash kernel does): within bf16 rounding of each other (tests/test_routed_kernel
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -73,56 +72,59 @@ def _exp_into(x, out, bits):
 
 
 @_jit
-def _route(qh, cent, bias, scale, logit, e, mxs, lz):
-    """Routing scores and their softmax over the clusters, for every query.
+def route_chunk(qh, cent, bias, scale, logit, e, mx, z):
+    """One (KV head, range of clusters) task: routing logits and their exponentials.
 
-    logit[i, c] = s·q_i·μ_c + bias_c (one pass over the centroids for all queries); mxs[i] = max_c
-    logit[i, c]; e[i, c] = exp(logit[i, c] − mxs[i]); lz[i] = log Σ_c exp(logit[i, c]) (−inf: no cluster)."""
-    Q, d = qh.shape
-    C = cent.shape[0]
+    Writes logit (Cj, Q) = s·q·μ_c + bias_c, mx (Q,) the range's max logit per query, e (Cj, Q) =
+    exp(logit − mx) and z (Q,) = Σ e (the head combines the ranges, `finish_head`).
+    """
+    Cj, Q = logit.shape
+    d = qh.shape[1]
     widened = np.empty(d, dtype=np.uint32)
-    cf = widened.view(np.float32)
-    for c in range(C):
+    wf = widened.view(np.float32)
+    for c in range(Cj):
         for j in range(d):
             widened[j] = np.uint32(cent[c, j]) << 16                     # bf16 → fp32 is exact
         for i in range(Q):
-            acc = np.float32(0.0)
+            dot = np.float32(0.0)
             for j in range(d):
-                acc += qh[i, j] * cf[j]
-            logit[i, c] = acc * scale + bias[c]
-    shifted = np.empty(C, dtype=np.float32)
-    bits = np.empty(C, dtype=np.int32)
+                dot += qh[i, j] * wf[j]
+            logit[c, i] = dot * scale + bias[c]
+    shifted = np.empty(Cj, dtype=np.float32)
+    ex = np.empty(Cj, dtype=np.float32)
+    bits = np.empty(Cj, dtype=np.int32)
     for i in range(Q):
-        mx = np.float32(-np.inf)
-        for c in range(C):
-            mx = max(mx, logit[i, c])
-        mxs[i] = mx
-        if mx == -np.inf:
-            e[i, :] = 0.0
-            lz[i] = -np.inf
+        m = np.float32(-np.inf)
+        for c in range(Cj):
+            m = max(m, logit[c, i])
+        mx[i] = m
+        if m == -np.inf:
+            e[:, i] = 0.0
+            z[i] = 0.0
             continue
-        for c in range(C):
-            shifted[c] = logit[i, c] - mx
-        _exp_into(shifted, e[i], bits)
-        z = np.float32(0.0)
-        for c in range(C):
-            z += e[i, c]
-        lz[i] = mx + math.log(z)
+        for c in range(Cj):
+            shifted[c] = logit[c, i] - m
+        _exp_into(shifted, ex, bits)
+        total = np.float32(0.0)
+        for c in range(Cj):
+            e[c, i] = ex[c]
+            total += ex[c]
+        z[i] = total
 
 
 @_jit
 def _cluster_order(logit, lz, offsets, budget, n):
-    """Clusters by priority (max over queries of the log share logit − lz) and how many to read.
+    """Clusters by priority (max over queries of the log share logit − lz; logit is (C, Q)) and how many
+    to read.
 
     Returns (order, taken, m): the first `taken` clusters of `order` hold m ≥ budget keys (or all of them).
     """
-    Q, C = logit.shape
+    C, Q = logit.shape
     neg = np.full(C, np.inf, dtype=np.float32)            # −share, ascending = by priority
-    for i in range(Q):
-        if lz[i] == -np.inf:
-            continue
-        for c in range(C):
-            neg[c] = min(neg[c], lz[i] - logit[i, c])
+    for c in range(C):
+        for i in range(Q):
+            if lz[i] > -np.inf:
+                neg[c] = min(neg[c], lz[i] - logit[c, i])
     # sort only the first clusters: a partition of twice the expected count, doubled while the clusters
     # it holds do not reach the budget (the top clusters are often small ones)
     guess = min(C, 2 * ((budget * C + n - 1) // n) + 16)
@@ -211,14 +213,15 @@ def _top_k(scores, rows, pos, ids_out, sc_out, rows_out):
 
 
 @_jit
-def _unread(e, mxs, size_factor, order, taken, vmeans, rest_o, rest_lse):
+def _unread(e, size_factor, vmeans, order, taken, bounds, factor, mxs, rest_o, rest_lse):
     """The unread clusters' estimate (estimate.py `unread_part`): lse = logsumexp_c(s·q·μ_c + log n_c),
     out = Σ_c p_c·v̄_c over the clusters not read.
 
-    Reuses routing's exponentials: exp(s·q·μ_c + log n_c − mx) = e[i, c]·size_factor[c] with
-    size_factor = n_c·exp(−bias_c) (0 for a cluster without searchable keys), so no exp is taken here.
+    Reuses routing's exponentials: exp(s·q·μ_c + log n_c − mxs) = e[c, i]·size_factor[c]·factor[p, i]
+    with size_factor = n_c·exp(−bias_c) (0 for a cluster without searchable keys) and factor the rescale
+    of range p's exponentials to the head's max, so no exp is taken here.
     """
-    Q, C = e.shape
+    C, Q = e.shape
     d = vmeans.shape[1]
     read = np.zeros(C, dtype=np.bool_)
     for t in range(taken):
@@ -228,17 +231,18 @@ def _unread(e, mxs, size_factor, order, taken, vmeans, rest_o, rest_lse):
     widened = np.empty(d, dtype=np.uint32)
     vf = widened.view(np.float32)
     rest_o[:, :] = 0.0
-    for c in range(C):                     # clusters outer: each mean value is read once for all queries
-        if read[c] or size_factor[c] == 0.0:
-            continue
-        for i in range(Q):
-            w[i] = e[i, c] * size_factor[c]
-            z[i] += w[i]
-        for j in range(d):
-            widened[j] = np.uint32(vmeans[c, j]) << 16
-        for i in range(Q):
+    for p in range(bounds.shape[0] - 1):
+        for c in range(bounds[p], bounds[p + 1]):   # clusters outer: each mean value is read once for all queries
+            if read[c] or size_factor[c] == 0.0:
+                continue
+            for i in range(Q):
+                w[i] = e[c, i] * size_factor[c] * factor[p, i]
+                z[i] += w[i]
             for j in range(d):
-                rest_o[i, j] += w[i] * vf[j]
+                widened[j] = np.uint32(vmeans[c, j]) << 16
+            for i in range(Q):
+                for j in range(d):
+                    rest_o[i, j] += w[i] * vf[j]
     for i in range(Q):
         if z[i] > 0.0 and mxs[i] > -np.inf:
             rest_lse[i] = mxs[i] + math.log(z[i])
@@ -293,16 +297,16 @@ def _attend(vals, src, sc, scale, rest_o, rest_lse, with_rest, o_out, mz_out):
 
 
 @_jit
-def _head(keys, pos, outside, offsets, cent, bias, size_factor, vmeans, qh, budget, k, scale, estimate,
-          vals, values_by_row, attend, ids_out, sc_out, rest_o, rest_lse, o_out, mz_out):
-    """One KV head's layer: route, scan up to `budget` keys, top-k, [estimate], [context part]. Returns keys read.
+def finish_head(keys, pos, outside, offsets, size_factor, vmeans, qh, budget, k, scale, estimate, vals,
+                 values_by_row, attend, logit, e, bounds, mx_parts, z_parts, ids_out, sc_out, rest_o, rest_lse,
+                 o_out, mz_out):
+    """One KV head after its routing tasks: cluster choice, scan up to `budget` keys, top-k, [estimate],
+    [context part]. Returns the keys read.
 
     Args:
         keys: (N, D) the head's cluster-contiguous bf16 keys as their uint16 bits.
         pos: (N,) int64 original positions; outside: (N,) bool rows never returned (sinks, tail).
         offsets: (C + 1,) int64 cluster c = rows [offsets[c], offsets[c+1]).
-        cent: (C, D) bf16 centroids as uint16; bias: (C,) float32 added to s·q·μ_c when ranking (−inf: never
-            routed).
         size_factor: (C,) float32 n_c·exp(−bias_c), 0 without searchable keys; vmeans: (C, D) bf16 mean
             values as uint16 (both for the estimate only).
         qh: (Q, D) float32 queries; budget: keys to read (at least); k: results per query; scale: s.
@@ -310,101 +314,33 @@ def _head(keys, pos, outside, offsets, cent, bias, size_factor, vmeans, qh, budg
         vals: (N or positions, D) bf16 values as uint16, indexed by layout row when values_by_row, else by
             position (attend only).
         attend: also write the context part into o_out (Q, D) float32 and mz_out (Q, 2).
+        logit, e: (C, Q) routing's logits and exponentials; bounds: (J + 1,) the routing tasks' cluster
+            ranges; mx_parts, z_parts: (J, Q) their maxima and sums (`route_chunk`).
         ids_out, sc_out: (Q, K) outputs (−1 / 0 in unfilled slots).
     """
-    Q, C = qh.shape[0], cent.shape[0]
-    logit = np.empty((Q, C), dtype=np.float32)
-    e = np.empty((Q, C), dtype=np.float32)
-    mxs = np.empty(Q, dtype=np.float32)
-    lz = np.empty(Q, dtype=np.float32)
-    _route(qh, cent, bias, scale, logit, e, mxs, lz)
+    J, Q = mx_parts.shape
+    mxs = np.full(Q, -np.inf, dtype=np.float32)
+    for p in range(J):
+        for i in range(Q):
+            mxs[i] = max(mxs[i], mx_parts[p, i])
+    factor = np.zeros((J, Q), dtype=np.float32)             # each range's exponentials → the head's max
+    lz = np.full(Q, -np.inf, dtype=np.float32)
+    for i in range(Q):
+        if mxs[i] == -np.inf:
+            continue
+        total = 0.0
+        for p in range(J):
+            if mx_parts[p, i] > -np.inf:
+                factor[p, i] = math.exp(mx_parts[p, i] - mxs[i])
+                total += z_parts[p, i] * factor[p, i]
+        lz[i] = mxs[i] + math.log(total)
     order, taken, m = _cluster_order(logit, lz, offsets, budget, keys.shape[0])
     rows, scores = _scan(keys, outside, offsets, order, taken, m, qh)
     sel_rows = np.empty(ids_out.shape, dtype=np.int64)
     _top_k(scores, rows, pos, ids_out, sc_out, sel_rows)
     if estimate:
-        _unread(e, mxs, size_factor, order, taken, vmeans, rest_o, rest_lse)
+        _unread(e, size_factor, vmeans, order, taken, bounds, factor, mxs, rest_o, rest_lse)
     if attend:
         _attend(vals, sel_rows if values_by_row else ids_out, sc_out, scale, rest_o, rest_lse, estimate,
                 o_out, mz_out)
     return m
-
-
-def warm_up() -> None:
-    """Compile the kernel now (seconds on a first run without numba's disk cache), not inside a decode step."""
-    f32, u16 = np.float32, np.uint16
-    ids, sc = np.empty((1, 1), np.int64), np.empty((1, 1), f32)
-    _head(np.zeros((4, 2), u16), np.arange(4), np.zeros(4, np.bool_), np.array([0, 2, 4]), np.zeros((2, 2), u16),
-          np.zeros(2, f32), np.zeros(2, f32), np.zeros((2, 2), u16), np.zeros((1, 2), f32), 2, 1, f32(1.0), True,
-          np.zeros((4, 2), u16), True, True, ids, sc, np.empty((1, 2), f32), np.empty(1, f32),
-          np.empty((1, 2), f32), np.empty((1, 2), f32))
-
-
-class LayerArrays(NamedTuple):
-    """One layer's arrays as the kernel reads them (numpy views of the strategy's tensors, no copies).
-
-    keys: (Hkv, N, D) uint16; pos: (Hkv, N) int64; outside: (Hkv, N) bool; offsets: (Hkv, C + 1) int64;
-    cent: (Hkv, C, D) uint16 (bf16); bias, size_factor: (Hkv, C) float32 (`_head`); vmeans: (Hkv, C, D)
-    uint16 (bf16) or (Hkv, 1, D) zeros;
-    vals: (Hkv, N, D) uint16 values (by layout row when values_by_row, else by position) or None.
-    """
-
-    keys: np.ndarray
-    pos: np.ndarray
-    outside: np.ndarray
-    offsets: np.ndarray
-    cent: np.ndarray
-    bias: np.ndarray
-    size_factor: np.ndarray
-    vmeans: np.ndarray
-    vals: np.ndarray | None
-    values_by_row: bool
-
-
-def bits(t: torch.Tensor) -> np.ndarray:
-    """A bf16 tensor's storage as uint16 (a view, no copy)."""
-    return t.view(torch.int16).numpy().view(np.uint16)
-
-
-class LayerResult(NamedTuple):
-    """ids (Hkv, Q, K) int64 (−1 in empty slots), scores (Hkv, Q, K) float32, the estimate's out
-    (Hkv, Q, D) and lse (Hkv, Q) float32 (meaningful with estimate), and the keys read in all heads."""
-
-    ids: torch.Tensor
-    scores: torch.Tensor
-    rest_out: torch.Tensor
-    rest_lse: torch.Tensor
-    read: int
-
-
-def search_layer(arrays: LayerArrays, q: torch.Tensor, budget: int, k: int, scale: float, estimate: bool,
-                 pool, o: np.ndarray | None = None, mz: np.ndarray | None = None) -> LayerResult:
-    """routed's search of one layer (and, given o and mz, its context part), every KV head in parallel on `pool`.
-
-    Args:
-        arrays: the layer's arrays (`LayerArrays`).
-        q: (Hkv, Q, D) float32 queries; budget: keys to read per head (at least); k: results per query.
-        scale: softmax scale; estimate: compute the unread clusters' estimate; pool: a `threads.HeadPool`.
-        o: (Hkv, Q, D) float32 receives the context part's unnormalised output (merged with the estimate);
-        mz: (Hkv, Q, 2) float32 receives its m and z. Both None: search only.
-    """
-    hkv, Q, d = q.shape
-    qn = q.contiguous().numpy()
-    ids = np.empty((hkv, Q, k), dtype=np.int64)
-    scores = np.empty((hkv, Q, k), dtype=np.float32)
-    rest_o = np.zeros((hkv, Q, d), dtype=np.float32)
-    rest_lse = np.full((hkv, Q), -np.inf, dtype=np.float32)
-    attend = o is not None
-    if not attend:
-        o, mz = np.empty((hkv, Q, d), np.float32), np.empty((hkv, Q, 2), np.float32)
-    a, s = arrays, np.float32(scale)
-    vals = a.vals if a.vals is not None else a.keys          # unread unless attend
-
-    def one(h: int) -> int:
-        return _head(a.keys[h], a.pos[h], a.outside[h], a.offsets[h], a.cent[h], a.bias[h], a.size_factor[h],
-                     a.vmeans[h], qn[h], budget, k, s, estimate, vals[h], a.values_by_row, attend,
-                     ids[h], scores[h], rest_o[h], rest_lse[h], o[h], mz[h])
-
-    read = pool.map(one, range(hkv))
-    return LayerResult(torch.from_numpy(ids), torch.from_numpy(scores), torch.from_numpy(rest_o),
-                       torch.from_numpy(rest_lse), int(sum(read)))
