@@ -72,6 +72,24 @@ def _exp_into(x, out, bits):
 
 
 @_jit
+def _widen(row, widened):
+    """widened (D,) uint32 = a bf16 row's bits shifted into fp32 position: viewed as float32 it is the row,
+    exactly (the callers make the float32 view once, outside their loops)."""
+    for j in range(row.shape[0]):
+        widened[j] = np.uint32(row[j]) << 16
+
+
+@_jit
+def _dot_queries(qh, x, out):
+    """out[i] = q_i·x for every query (Q, D) against one fp32 row x (D,)."""
+    for i in range(qh.shape[0]):
+        acc = np.float32(0.0)
+        for j in range(qh.shape[1]):
+            acc += qh[i, j] * x[j]
+        out[i] = acc
+
+
+@_jit
 def route_chunk(qh, cent, bias, scale, logit, e, mx, z):
     """One (KV head, range of clusters) task: routing logits and their exponentials.
 
@@ -82,14 +100,12 @@ def route_chunk(qh, cent, bias, scale, logit, e, mx, z):
     d = qh.shape[1]
     widened = np.empty(d, dtype=np.uint32)
     wf = widened.view(np.float32)
+    dots = np.empty(Q, dtype=np.float32)
     for c in range(Cj):
-        for j in range(d):
-            widened[j] = np.uint32(cent[c, j]) << 16                     # bf16 → fp32 is exact
+        _widen(cent[c], widened)
+        _dot_queries(qh, wf, dots)
         for i in range(Q):
-            dot = np.float32(0.0)
-            for j in range(d):
-                dot += qh[i, j] * wf[j]
-            logit[c, i] = dot * scale + bias[c]
+            logit[c, i] = dots[i] * scale + bias[c]
     shifted = np.empty(Cj, dtype=np.float32)
     ex = np.empty(Cj, dtype=np.float32)
     bits = np.empty(Cj, dtype=np.int32)
@@ -159,6 +175,7 @@ def _scan(keys, outside, offsets, order, taken, m, qh):
     rows = np.empty(m, dtype=np.int64)
     widened = np.empty(d, dtype=np.uint32)
     kf = widened.view(np.float32)
+    dots = np.empty(Q, dtype=np.float32)
     r = 0
     for t in range(taken):
         c = order[t]
@@ -168,13 +185,10 @@ def _scan(keys, outside, offsets, order, taken, m, qh):
                 for i in range(Q):
                     scores[i, r] = -np.inf
             else:
-                for j in range(d):
-                    widened[j] = np.uint32(keys[row, j]) << 16          # bf16 → fp32 is exact
+                _widen(keys[row], widened)
+                _dot_queries(qh, kf, dots)
                 for i in range(Q):
-                    acc = np.float32(0.0)
-                    for j in range(d):
-                        acc += qh[i, j] * kf[j]
-                    scores[i, r] = acc
+                    scores[i, r] = dots[i]
             r += 1
     return rows, scores
 
@@ -238,8 +252,7 @@ def _unread(e, size_factor, vmeans, order, taken, bounds, factor, mxs, rest_o, r
             for i in range(Q):
                 w[i] = e[c, i] * size_factor[c] * factor[p, i]
                 z[i] += w[i]
-            for j in range(d):
-                widened[j] = np.uint32(vmeans[c, j]) << 16
+            _widen(vmeans[c], widened)
             for i in range(Q):
                 for j in range(d):
                     rest_o[i, j] += w[i] * vf[j]
@@ -280,8 +293,7 @@ def _attend(vals, src, sc, scale, rest_o, rest_lse, with_rest, o_out, mz_out):
                 w = np.float32(math.exp(sc[i, t] * scale - mx))
                 z += w
                 row = src[i, t]
-                for j in range(d):
-                    widened[j] = np.uint32(vals[row, j]) << 16
+                _widen(vals[row], widened)
                 for j in range(d):
                     o_out[i, j] += w * vf[j]
         if with_rest and rest_lse[i] > -np.inf:
