@@ -102,8 +102,9 @@ class RoutedStrategy(SelectionStrategy):
         estimate_read: add the read keys outside the top-k too (exact weights, cluster-mean values;
             default False).
         kernel: "auto" (default: "numba" where it applies, else "torch"), "numba" or "torch". numba
-            (routed_kernel.py) runs each KV head's whole layer as one compiled function, heads in
-            parallel, and in the decoder computes the context part too (`select_and_attend`); it needs
+            (routed_kernel.py, driven by routed_compiled.py) runs each KV head's whole layer as compiled
+            functions on the strategy's threads, and in the decoder computes the context part too
+            (`select_and_attend`); it needs
             numba and bf16 keys and values, and implements neither `spread` nor `estimate_read`. torch is
             the tensor ops below. Both give the same selection and estimate (tests/test_routed_kernel.py).
     """
@@ -189,6 +190,7 @@ class RoutedStrategy(SelectionStrategy):
             routed_compiled.warm_up()                    # compile at open, not inside the first step
             self.pool = HeadPool(default_threads())    # the KV heads in parallel (closed by `close`)
             self._kernel_in = [self._kernel_arrays(layer) for layer in range(self.ckv.n_layers)]
+            self._kernel_scratch: dict = {}            # routing buffers, reused (routed_compiled.search_layer)
         self.stats.extra.update(keys_read=0, keys_searchable=0)
 
     def _use_kernel(self, choice: str) -> bool:
@@ -318,7 +320,7 @@ class RoutedStrategy(SelectionStrategy):
                   mz: np.ndarray | None = None) -> Selection:
         """The compiled path's selection (and, given o and mz, its context part): routed_compiled.search_layer."""
         res = routed_compiled.search_layer(self._kernel_in[layer], q, budget, k, self.scale, self.estimate, self.pool,
-                                         o, mz)
+                                           o, mz, self._kernel_scratch)
         self.stats.extra["keys_read"] += res.read
         self.stats.extra["keys_searchable"] += q.shape[0] * self.n_searchable
         rest = RestPart(out=res.rest_out, lse=res.rest_lse) if self.estimate else None

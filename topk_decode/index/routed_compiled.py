@@ -38,7 +38,7 @@ class LayerArrays(NamedTuple):
     """One layer's arrays as the kernel reads them (numpy views of the strategy's tensors, no copies).
 
     keys: (Hkv, N, D) uint16; pos: (Hkv, N) int64; outside: (Hkv, N) bool; offsets: (Hkv, C + 1) int64;
-    cent: (Hkv, C, D) uint16 (bf16); bias, size_factor: (Hkv, C) float32 (`_head`); vmeans: (Hkv, C, D)
+    cent: (Hkv, C, D) uint16 (bf16); bias, size_factor: (Hkv, C) float32 (`finish_head`); vmeans: (Hkv, C, D)
     uint16 (bf16) or (Hkv, 1, D) zeros;
     vals: (Hkv, N, D) uint16 values (by layout row when values_by_row, else by position) or None.
     """
@@ -71,8 +71,19 @@ class LayerResult(NamedTuple):
     read: int
 
 
+def _reused(scratch: dict | None, name: str, shape: tuple, dtype: type) -> np.ndarray:
+    """scratch[name] when it has this shape, else a new buffer kept there (None: always a new one)."""
+    buf = None if scratch is None else scratch.get(name)
+    if buf is None or buf.shape != shape:
+        buf = np.empty(shape, dtype)
+        if scratch is not None:
+            scratch[name] = buf
+    return buf
+
+
 def search_layer(arrays: LayerArrays, q: torch.Tensor, budget: int, k: int, scale: float, estimate: bool,
-                 pool, o: np.ndarray | None = None, mz: np.ndarray | None = None) -> LayerResult:
+                 pool, o: np.ndarray | None = None, mz: np.ndarray | None = None,
+                 scratch: dict | None = None) -> LayerResult:
     """routed's search of one layer (and, given o and mz, its context part), every KV head in parallel on `pool`.
 
     Args:
@@ -81,6 +92,8 @@ def search_layer(arrays: LayerArrays, q: torch.Tensor, budget: int, k: int, scal
         scale: softmax scale; estimate: compute the unread clusters' estimate; pool: a `threads.HeadPool`.
         o: (Hkv, Q, D) float32 receives the context part's unnormalised output (merged with the estimate);
         mz: (Hkv, Q, 2) float32 receives its m and z. Both None: search only.
+        scratch: the caller's dict of routing buffers, reused across layers and steps (the logits are
+            MBs at 1M tokens: fresh ones would be page-faulted in every layer); None: fresh buffers.
     """
     hkv, Q, d = q.shape
     a, s = arrays, np.float32(scale)
@@ -98,8 +111,8 @@ def search_layer(arrays: LayerArrays, q: torch.Tensor, budget: int, k: int, scal
     # each over at least _MIN_CLUSTERS_PER_TASK clusters.
     J = max(1, min(-(-pool.threads // hkv), C // _MIN_CLUSTERS_PER_TASK))
     bounds = np.array([C * p // J for p in range(J + 1)], dtype=np.int64)
-    logit, e = np.empty((hkv, C, Q), np.float32), np.empty((hkv, C, Q), np.float32)
-    mx_p, z_p = np.empty((hkv, J, Q), np.float32), np.empty((hkv, J, Q), np.float32)
+    logit, e = (_reused(scratch, name, (hkv, C, Q), np.float32) for name in ("logit", "e"))
+    mx_p, z_p = (_reused(scratch, name, (hkv, J, Q), np.float32) for name in ("mx", "z"))
 
     def route(task: tuple[int, int]) -> None:
         h, p = task
