@@ -196,3 +196,11 @@ def test_prefill_builds_the_layout_and_open_reuses_it(tmp_path, clustered_cache)
     stamp = done.stat().st_mtime_ns
     strat = _open(cache, "routed")
     assert done.stat().st_mtime_ns == stamp and strat.layouts[0].offsets.shape[1] == -(-3000 // 24) + 1
+
+
+def test_artifacts_build_in_a_cache_given_by_a_relative_path(clustered_cache, tmp_path, monkeypatch):
+    shutil.copytree(clustered_cache, tmp_path / "cache")
+    monkeypatch.chdir(tmp_path)
+    strat = _open("cache", "routed", {"cluster_size": 32})          # as `topk chat cache --strategy routed`
+    assert (tmp_path / "cache" / "index" / "routed" / "done.json").is_file()
+    assert strat.select(0, _queries(), 8).ids.shape == (2, 4, 8)

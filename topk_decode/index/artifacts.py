@@ -114,7 +114,10 @@ def write_done(d: Path, files: list[Path], meta: dict, cache_id: str = "") -> No
     table = {}
     for p in files:
         p = Path(p)
-        rel = p.relative_to(d).as_posix() if p.is_absolute() else p.as_posix()
+        try:
+            rel = p.relative_to(d).as_posix()          # a path under d, as given (relative caches too)
+        except ValueError:
+            rel = p.as_posix()                         # a name already relative to d
         table[rel] = {"bytes": (d / rel).stat().st_size, "blake2b": blake2_file(d / rel)}
     tmp = d / (DONE + ".tmp")
     with open(tmp, "w") as f:
