@@ -137,6 +137,7 @@ class RoutedStrategy(SelectionStrategy):
         use_sizes = as_bool(o.get("sizes", self.SEARCH_DEFAULTS["sizes"]))
         self.estimate = as_bool(o.get("estimate", self.SEARCH_DEFAULTS["estimate"]))
         self.estimate_read = as_bool(o.get("estimate_read", self.SEARCH_DEFAULTS["estimate_read"]))
+        self.kernel = self._use_kernel(o.get("kernel", self.SEARCH_DEFAULTS["kernel"]))   # refused before any build
         opts = self.build_options(o)
         if not on_disk(self.ckv):
             self.layouts = list(layer_layouts(self.ckv, opts, progress))
@@ -167,7 +168,6 @@ class RoutedStrategy(SelectionStrategy):
             # Routing and the estimate read every centroid and mean value each step: in the keys' own
             # precision that is half the bytes of fp32 (docs/STRATEGIES.md "routed: the compiled path").
             self._stats = [st.stored_as(torch.bfloat16) for st in self._stats]
-        self.kernel = self._use_kernel(o.get("kernel", self.SEARCH_DEFAULTS["kernel"]))
         # The torch path's fp32 copies (the compiled path reads the stored ones): centroids as (Hkv, D, C)
         # for one baddbmm, the mean values for the estimate.
         self._cent_t = [None if self.kernel else st.centroids.float().transpose(1, 2).contiguous() for st in self._stats]
