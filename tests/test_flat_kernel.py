@@ -7,7 +7,7 @@ import torch
 
 from topk_decode.bench.synthetic import kv_in_memory, synthetic_kv
 from topk_decode.errors import TopkError
-from topk_decode.index import flat_kernel
+from topk_decode.index import compiled as compiled_paths, flat_kernel
 from topk_decode.index.base import exact_scores
 from topk_decode.index.flat import FlatStrategy
 from topk_decode.index.threads import HeadPool
@@ -137,7 +137,7 @@ def test_bad_backend_values_raise_one_line_topk_errors(monkeypatch):
     with pytest.raises(TopkError, match="reads bf16 keys, these are float32") as err:
         FlatStrategy(fp32, 0, 100, {"backend": "numba"}).prepare()
     assert "\n" not in str(err.value)
-    monkeypatch.setattr(flat_kernel, "numba", None)
+    monkeypatch.setattr(compiled_paths, "numba", None)                 # as where numba is not installed
     with pytest.raises(TopkError, match="needs numba") as err:
         FlatStrategy(ckv, 0, 100, {"backend": "numba"}).prepare()
     assert "\n" not in str(err.value)

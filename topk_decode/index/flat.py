@@ -160,12 +160,12 @@ class FlatStrategy(SelectionStrategy):
 def _check_numba(dtype: torch.dtype) -> None:
     """Refuse backend=numba, with a one-line TopkError, where it cannot run (no numba, keys not bf16)."""
     from topk_decode.errors import TopkError
-    from topk_decode.index import flat_kernel
+    from topk_decode.index import compiled
     from topk_decode.store.format import dtype_name
 
-    if not flat_kernel.available():
-        raise TopkError("flat: backend=numba needs numba (pip install numba, or the 'numba' extra)")
-    if dtype not in flat_kernel.KEY_DTYPES:
+    if not compiled.available():
+        raise TopkError("flat: backend=numba needs numba (pip install numba)")
+    if dtype not in compiled.KEY_DTYPES:
         raise TopkError(f"flat: backend=numba reads bf16 keys, these are {dtype_name(dtype)} "
                         "(use backend=torch)")
 

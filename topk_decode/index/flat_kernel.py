@@ -23,15 +23,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-try:  # optional: without numba, flat runs its torch backend
-    import numba
-except ImportError:  # pragma: no cover - exercised where numba is absent
-    numba = None
+from topk_decode.index.compiled import bits, jit
 
-# Reassociation lets the dot products use SIMD lanes; no "ninf"/"nnan": −inf marks empty slots.
-_FASTMATH = {"reassoc", "contract"}
-# Keys it reads: bf16 (what GPU prefills write). fp32/fp16 caches take the torch backend.
-KEY_DTYPES = (torch.bfloat16,)
 # Tasks per pool worker when the block size is left to `search`: few, long tasks keep each running
 # threshold close to the final k-th score (fewer insertions and compactions, fewer candidates to
 # merge); two rather than one so that a worker delayed by other work does not hold up the whole layer.
@@ -41,19 +34,7 @@ _TILE = 16     # rows widened at once: a (16, D) fp32 tile stays in L1 while eve
 _QGROUP = 4    # queries dotted together: each widened element is loaded once for four FMAs
 
 
-def available() -> bool:
-    """Whether the compiled scan can run (numba is importable)."""
-    return numba is not None
-
-
-def _jit(fn):
-    """numba.njit with the kernel flags (lazily compiled, cached on disk), or fn itself without numba."""
-    if numba is None:  # pragma: no cover
-        return fn
-    return numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)(fn)
-
-
-@_jit
+@jit
 def _keep_top(cs, cr, n, kb):
     """Compact the first n candidates to their top kb by (score desc, insertion order); returns the cut.
 
@@ -79,7 +60,7 @@ def _keep_top(cs, cr, n, kb):
     return cut
 
 
-@_jit
+@jit
 def _block_topk(keys, q, s, e, k, bar, ids_out, sc_out):
     """One task: the exact top-kb of rows [s, e) of one head's keys for each of its queries.
 
@@ -156,7 +137,7 @@ def _block_topk(keys, q, s, e, k, bar, ids_out, sc_out):
             sc_out[i, o] = -np.inf
 
 
-@_jit
+@jit
 def _scan_share(keys, q, task_h, task_s, task_e, first, step, k, bar, ids_out, sc_out):
     """One worker's share of the tasks: tasks first, first + step, ... (one call per pool thread).
 
@@ -171,7 +152,7 @@ def _scan_share(keys, q, task_h, task_s, task_e, first, step, k, bar, ids_out, s
         _block_topk(keys[h], q[h], task_s[t], task_e[t], k, bar[h], ids_out[t], sc_out[t])
 
 
-@_jit
+@jit
 def _merge_head(ids_in, sc_in, bar, k, ids_out, sc_out):
     """One head's exact top-k over its blocks' candidates, ties to the lower positions.
 
@@ -246,7 +227,7 @@ def search(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, pool, 
     task_h = np.repeat(np.arange(hkv, dtype=np.int64), nb)          # (T,) head-major: a head's blocks in order
     task_s = np.tile(starts, hkv)
     task_e = np.minimum(task_s + block, hi)
-    keys_np = keys.view(torch.int16).numpy().view(np.uint16)         # (Hkv, N, D) bits, no copy
+    keys_np = bits(keys)                                             # (Hkv, N, D) bits, no copy
     q_np = q.contiguous().numpy()
     bar = np.full((hkv, Q), -np.inf, dtype=np.float32)               # (Hkv, Q) shared cuts
     cand_i = np.empty((hkv * nb, Q, kb), dtype=np.int64)             # (T, Q, kb)

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from topk_decode.errors import TopkError
-from topk_decode.index import routed_compiled, routed_kernel
+from topk_decode.index import compiled, routed_compiled
 from topk_decode.index.artifacts import ensure_artifacts, recorded_options
 from topk_decode.index.base import RestPart, Selection, SelectionStrategy, as_bool, positive_int
 from topk_decode.index.estimate import combine, read_rest_part, searchable_stats, unread_part
@@ -197,9 +197,9 @@ class RoutedStrategy(SelectionStrategy):
         """Whether routed_kernel.py's compiled path runs (the `kernel` option; "auto": wherever it applies)."""
         if choice not in ("auto", "numba", "torch"):
             raise TopkError(f"option kernel must be auto, torch or numba, got {choice!r}")
-        why = ("numba is not installed (pip install numba)" if not routed_kernel.available() else
+        why = ("numba is not installed (pip install numba)" if not compiled.available() else
                f"it reads bf16 keys and values, these are {dtype_name(self.ckv.dtype)}"
-               if self.ckv.dtype not in routed_kernel.KEY_DTYPES else
+               if self.ckv.dtype not in compiled.KEY_DTYPES else
                "it does not implement spread=true" if self.use_spread else
                "it does not implement estimate_read=true" if self.estimate_read else None)
         if choice == "numba" and why:
@@ -216,11 +216,11 @@ class RoutedStrategy(SelectionStrategy):
         # n_c·exp(−bias_c): turns routing's exp(s·q·μ_c + bias_c − max) into the estimate's weights
         size_factor = torch.where(torch.isinf(bias), 0.0, (st.log_n[:, 0] - bias).exp())
         return routed_compiled.LayerArrays(
-            keys=routed_compiled.bits(lay.keys), pos=lay.pos.numpy(), outside=self._outside[layer].view(hkv, -1).numpy(),
-            offsets=lay.offsets.numpy(), cent=routed_compiled.bits(st.centroids.contiguous()),
+            keys=compiled.bits(lay.keys), pos=lay.pos.numpy(), outside=self._outside[layer].view(hkv, -1).numpy(),
+            offsets=lay.offsets.numpy(), cent=compiled.bits(st.centroids.contiguous()),
             bias=bias.numpy(), size_factor=size_factor.numpy(),
-            vmeans=routed_compiled.bits(vmeans.contiguous()),
-            vals=routed_compiled.bits(lay.values if by_row else self.ckv.values[layer]), values_by_row=by_row)
+            vmeans=compiled.bits(vmeans.contiguous()),
+            vals=compiled.bits(lay.values if by_row else self.ckv.values[layer]), values_by_row=by_row)
 
     # ---- search ----------------------------------------------------------------------------------
     def route(self, layer: int, q: torch.Tensor, budget: int) -> Route:
@@ -333,7 +333,7 @@ class RoutedStrategy(SelectionStrategy):
 
         Args: as `SelectionStrategy.select_and_attend`.
         """
-        if not self.kernel or k >= self.n_searchable or o.dtype not in routed_kernel.KEY_DTYPES:
+        if not self.kernel or k >= self.n_searchable or o.dtype not in compiled.KEY_DTYPES:
             return None
         self.stats.searches += 1
         hkv, Q, D = q.shape

@@ -55,11 +55,6 @@ class LayerArrays(NamedTuple):
     values_by_row: bool
 
 
-def bits(t: torch.Tensor) -> np.ndarray:
-    """A bf16 tensor's storage as uint16 (a view, no copy)."""
-    return t.view(torch.int16).numpy().view(np.uint16)
-
-
 class LayerResult(NamedTuple):
     """ids (Hkv, Q, K) int64 (−1 in empty slots), scores (Hkv, Q, K) float32, the estimate's out
     (Hkv, Q, D) and lse (Hkv, Q) float32 (meaningful with estimate), and the keys read in all heads."""

@@ -24,30 +24,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 
-try:  # optional: without numba, routed runs its torch path
-    import numba
-except ImportError:  # pragma: no cover - exercised where numba is absent
-    numba = None
+from topk_decode.index.compiled import jit
 
-# Reassociation lets the dot products use SIMD lanes; no "ninf"/"nnan": −inf marks rows and clusters.
-_FASTMATH = {"reassoc", "contract"}
-# Keys and values it reads: bf16 (what GPU prefills write). fp32/fp16 caches take the torch path.
-KEY_DTYPES = (torch.bfloat16,)
-
-
-def _jit(fn):
-    """fn compiled by numba on first call (nogil: heads run in parallel threads), or fn itself without numba."""
-    return numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)(fn) if numba is not None else fn
-
-
-def available() -> bool:
-    """Whether the compiled search can run (numba is importable)."""
-    return numba is not None
-
-
-@_jit
+@jit
 def _exp_into(x, out, bits):
     """out = exp(x) elementwise (float32), as a loop the compiler vectorizes (math.exp stays scalar).
 
@@ -71,7 +51,7 @@ def _exp_into(x, out, bits):
         out[j] *= scale[j]
 
 
-@_jit
+@jit
 def _widen(row, widened):
     """widened (D,) uint32 = a bf16 row's bits shifted into fp32 position: viewed as float32 it is the row,
     exactly (the callers make the float32 view once, outside their loops)."""
@@ -79,7 +59,7 @@ def _widen(row, widened):
         widened[j] = np.uint32(row[j]) << 16
 
 
-@_jit
+@jit
 def _dot_queries(qh, x, out):
     """out[i] = q_i·x for every query (Q, D) against one fp32 row x (D,)."""
     for i in range(qh.shape[0]):
@@ -89,7 +69,7 @@ def _dot_queries(qh, x, out):
         out[i] = acc
 
 
-@_jit
+@jit
 def route_chunk(qh, cent, bias, scale, logit, e, mx, z):
     """One (KV head, range of clusters) task: routing logits and their exponentials.
 
@@ -128,7 +108,7 @@ def route_chunk(qh, cent, bias, scale, logit, e, mx, z):
         z[i] = total
 
 
-@_jit
+@jit
 def _cluster_order(logit, lz, offsets, budget, n):
     """Clusters by priority (max over queries of the log share logit − lz; logit is (C, Q)) and how many
     to read.
@@ -167,7 +147,7 @@ def _cluster_order(logit, lz, offsets, budget, n):
     return order, taken, m
 
 
-@_jit
+@jit
 def _scan(keys, outside, offsets, order, taken, m, qh):
     """Exact fp32 q·k of every row of the first `taken` clusters: (rows (m,), scores (Q, m), −inf outside)."""
     Q, d = qh.shape
@@ -193,7 +173,7 @@ def _scan(keys, outside, offsets, order, taken, m, qh):
     return rows, scores
 
 
-@_jit
+@jit
 def _top_k(scores, rows, pos, ids_out, sc_out, rows_out):
     """Each query's top-k by the k-th largest score (a partition), ties at it filled in row order.
 
@@ -226,7 +206,7 @@ def _top_k(scores, rows, pos, ids_out, sc_out, rows_out):
             o += 1
 
 
-@_jit
+@jit
 def _unread(e, size_factor, vmeans, order, taken, bounds, factor, mxs, rest_o, rest_lse):
     """The unread clusters' estimate (estimate.py `unread_part`): lse = logsumexp_c(s·q·μ_c + log n_c),
     out = Σ_c p_c·v̄_c over the clusters not read.
@@ -266,7 +246,7 @@ def _unread(e, size_factor, vmeans, order, taken, bounds, factor, mxs, rest_o, r
             rest_o[i, :] = 0.0
 
 
-@_jit
+@jit
 def _attend(vals, src, sc, scale, rest_o, rest_lse, with_rest, o_out, mz_out):
     """The context part (decode/context.py) of each query's selected rows, merged with the estimate.
 
@@ -308,7 +288,7 @@ def _attend(vals, src, sc, scale, rest_o, rest_lse, with_rest, o_out, mz_out):
         mz_out[i, 1] = z
 
 
-@_jit
+@jit
 def finish_head(keys, pos, outside, offsets, size_factor, vmeans, qh, budget, k, scale, estimate, vals,
                  values_by_row, attend, logit, e, bounds, mx_parts, z_parts, ids_out, sc_out, rest_o, rest_lse,
                  o_out, mz_out):

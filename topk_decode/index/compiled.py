@@ -1,0 +1,36 @@
+"""What the compiled (numba) search paths share: the optional import, the jit flags, the dtype they read.
+
+flat's `backend=numba` (flat_kernel.py) and routed's compiled path (routed_kernel.py) both read bf16
+keys as their uint16 bits and widen them exactly to fp32 inside functions that release the GIL.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+try:  # without numba, flat and routed run their torch paths
+    import numba
+except ImportError:  # pragma: no cover - exercised where numba is absent
+    numba = None
+
+# Reassociation lets the dot products use SIMD lanes; no "ninf"/"nnan": −inf marks rows, slots, clusters.
+_FASTMATH = {"reassoc", "contract"}
+# What the compiled paths read: bf16 (what GPU prefills write). fp32/fp16 caches take the torch paths.
+KEY_DTYPES = (torch.bfloat16,)
+
+
+def available() -> bool:
+    """Whether the compiled paths can run (numba is importable)."""
+    return numba is not None
+
+
+def jit(fn):
+    """fn compiled by numba on first call (nogil: tasks run in parallel threads; cached on disk), or fn
+    itself without numba."""
+    return numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)(fn) if numba is not None else fn
+
+
+def bits(t: torch.Tensor) -> np.ndarray:
+    """A bf16 tensor's storage as uint16 (a view, no copy)."""
+    return t.view(torch.int16).numpy().view(np.uint16)
