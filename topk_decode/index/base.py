@@ -48,6 +48,8 @@ def _coerce(value: Any, kind: type) -> Any:
     elif kind is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)   # e.g. pattern=2024.tsv stays a path even if it looked like a number
+        if isinstance(value, bool):
+            return str(value).lower()   # device_route=false: the CLI reads it as a boolean
     raise ValueError(value)
 
 
@@ -207,8 +209,17 @@ class SelectionStrategy(ABC):
             state: what `new_state()` returned for this conversation.
         """
 
+    def device_routes(self, device: torch.device, k_per_layer: list[int]) -> Any:
+        """A part of the search that runs on the decode device inside the captured one-token step
+        (index/routed_device.py's `DeviceRoutes` is the one there is), or None (the default).
+
+        Args:
+            device: the decode device; k_per_layer: each layer's k.
+        """
+        return None
+
     def select_and_attend(self, layer: int, q: torch.Tensor, k: int, state: Any, o: torch.Tensor,
-                          mz: torch.Tensor) -> Selection | None:
+                          mz: torch.Tensor, route: Any = None) -> Selection | None:
         """`select` and the context part in one pass, for strategies that compute both together.
 
         Returns None (the default) when the strategy does not: the decoder then calls `select` and
@@ -218,6 +229,7 @@ class SelectionStrategy(ABC):
         Args:
             layer, q, k, state: as `select`.
             o: (Hkv·Q, D) host tensor in the values' dtype; mz: (Hkv·Q, 2) float32 (ContextAttention.attend).
+            route: what this strategy's `device_routes` sent the host for this layer, or None.
         """
         return None
 

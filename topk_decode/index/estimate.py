@@ -75,19 +75,20 @@ def searchable_stats(lay: LayerLayout, outside: torch.Tensor, values: torch.Tens
                            log_n=sizes.log().unsqueeze(1))
 
 
-def unread_part(logit: torch.Tensor, read: torch.Tensor, value_means: torch.Tensor) -> RestPart:
+def unread_part(logit: torch.Tensor, read: torch.Tensor, value_means: torch.Tensor, bmm=torch.bmm) -> RestPart:
     """The estimate over the clusters not read: lse = logsumexp_c(log n_c + s·q·μ_c), out = Σ_c p_c·v̄_c.
 
     Args:
         logit: (Hkv, Q, C) float32 log n_c + s·q·μ_c per query (−inf for clusters without searchable keys).
         read: (Hkv, C) bool, the clusters the head read (their keys are accounted exactly).
         value_means: (Hkv, C, D) float32 v̄_c.
+        bmm: the batched product p·v̄ (routed_device.py passes one that reads stored low-precision means).
     """
     logit = logit.masked_fill(read[:, None, :], float("-inf"))
     lse = torch.logsumexp(logit, dim=-1)                                        # (Hkv, Q)
     finite = torch.isfinite(lse)
     p = (logit - torch.where(finite, lse, 0.0)[..., None]).exp_()               # (Hkv, Q, C), 0 where −inf
-    return RestPart(out=torch.bmm(p, value_means), lse=lse)
+    return RestPart(out=bmm(p, value_means), lse=lse)
 
 
 def read_rest_part(scaled: torch.Tensor, top: torch.Tensor, run: torch.Tensor, run_clusters: torch.Tensor,
