@@ -221,7 +221,17 @@ def _topk_decode(model, ckv, cfg: BenchConfig, device: torch.device, strategy: s
             "compiled": decoder.segments is not None and decoder.segments.compiled,
             "first_step_s": round(first_step_s, 2),
             "fp32_rescans": decoder.strategy.stats.extra.get("fp32_rescans", 0),
+            **_device_routes_row(decoder),
             "peak_gpu_gib": _gib(peak_gpu(device)), "cpu_rss_gib": _gib(rss), "cpu_peak_rss_gib": _gib(hwm)}
+
+
+def _device_routes_row(decoder) -> dict:
+    """How the strategy's device part ran (routed: layers routed on the device, value format, GiB held)."""
+    routes = decoder.segments.routes if decoder.segments is not None else None
+    if routes is None:
+        return {}
+    return {"device_route_layers": routes.layers_on_device(), "device_values": routes.values_kind,
+            "device_route_gib": _gib(routes.nbytes())}
 
 
 def _try(rec: _Recorder, system: str, n: int, fn: Callable[[], dict], device: torch.device, **extra) -> dict | None:

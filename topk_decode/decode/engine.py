@@ -139,6 +139,7 @@ class TopKDecoder:
         self.context = ContextAttention(ckv.values, self.scale)
         self._use_segments = self._cuda if graphs is None else graphs
         self._segments: StepSegments | None = None
+        self._segments_k: list[int] | None = None     # the k per layer the segments were built for
         # Serialises steps over the shared scratch state (see the class docstring); re-entrant so an
         # observer or a progress callback may call back into the decoder.
         self.lock = threading.RLock()
@@ -157,7 +158,7 @@ class TopKDecoder:
         return Conversation(Window(init_k, init_v, n), self.strategy.new_state())
 
     def _context_part(self, layer: int, q_host: torch.Tensor, conv: Conversation, o: torch.Tensor,
-                      mz: torch.Tensor) -> None:
+                      mz: torch.Tensor, route=None) -> None:
         """Search and the context part of one layer's attention, on the CPU.
 
         Args:
@@ -165,6 +166,7 @@ class TopKDecoder:
             q_host: (Hkv, G·T, D) float32 queries on the host (already copied).
             conv: the conversation (strategy state, stats, observer).
             o, mz: (H·T, D) and (H·T, 2) host tensors that receive the part (see ContextAttention.attend).
+            route: the device's ranking of this layer's clusters (`StepSegments.routes`), or None.
         """
         st = conv.stats
         if self.strategy.n_searchable == 0:
@@ -175,8 +177,10 @@ class TopKDecoder:
         k = self.config.k_for_layer(layer)
         t1 = time.perf_counter()
         # a strategy that computes the context part inside its search (routed's compiled path): one pass
-        sel = self.strategy.select_and_attend(layer, q_cpu, k, conv.strategy_state, o, mz)
+        sel = self.strategy.select_and_attend(layer, q_cpu, k, conv.strategy_state, o, mz, route=route)
         fused = sel is not None
+        if route is not None and not fused:   # the device already merged its estimate: no second one
+            raise TopkError(f"internal: strategy {self.strategy.name} routed on the device but did not attend")
         if not fused:
             sel = self.strategy.select(layer, q_cpu, k, conv.strategy_state)
         t2 = time.perf_counter()
@@ -278,10 +282,17 @@ class TopKDecoder:
 
     def _forward_one(self, token: int, position: int, conv: Conversation) -> torch.Tensor:
         """One token through fixed-buffer segments (CUDA graphs on CUDA): (V,) logits."""
+        ks = [self.config.k_for_layer(layer) for layer in range(self.shape.n_layers)]
+        if self._segments is not None and self._segments_k != ks:
+            self._segments = None           # the device's routing budgets are fixed in the step: new segments
         if self._segments is None:
+            routes = self.strategy.device_routes(self.device, ks)
             self._segments = StepSegments(self.model, self.shape, self.device, capture=self._cuda, scale=self.scale,
-                                          compile=self.config.compile, context_dtype=self.context.dtype)
+                                          compile=self.config.compile, context_dtype=self.context.dtype,
+                                          routes=routes)
+            self._segments_k = ks
         seg, win = self._segments, conv.window
+        routes = seg.routes
         seg.activate(win)
         seg.start(token, position, win)
         st, clock = conv.stats, time.perf_counter
@@ -291,7 +302,9 @@ class TopKDecoder:
             t1 = clock()
             seg.wait_query(layer_idx)              # the GPU goes on with the window part meanwhile
             t2 = clock()
-            self._context_part(layer_idx, seg.q_host[layer_idx], conv, seg.part_o[layer_idx], seg.part_mz[layer_idx])
+            route = routes.host_route(layer_idx) if routes is not None and routes.handles(layer_idx) else None
+            self._context_part(layer_idx, seg.q_host[layer_idx], conv, seg.part_o[layer_idx], seg.part_mz[layer_idx],
+                               route)
             t3 = clock()
             seg.run(layer_idx + 1)
             st.launch_s += t1 - t0

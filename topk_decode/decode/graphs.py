@@ -30,7 +30,7 @@ import torch
 
 from topk_decode.decode import layer as layer_math
 from topk_decode.decode.layer import finish_layer, layer_boundary, start_layer
-from topk_decode.decode.merge import fixed_window_attention
+from topk_decode.decode.merge import fixed_window_attention, lse_merge
 from topk_decode.decode.window import Window, new_buffers, window_capacity
 from topk_decode.errors import TopkWarning
 from topk_decode.model.blocks import ModelShape, final_logits, rope
@@ -48,14 +48,18 @@ class StepSegments:
         compile: with capture, compile `layer_boundary` with torch.compile (falls back to the plain
             function, with a warning, where compilation fails).
         context_dtype: dtype of the context part's output o (the cache values' dtype).
+        routes: the strategy's device part (`SelectionStrategy.device_routes`), or None: for the layers
+            it handles, each segment also ranks the context's clusters and sends the ranking to the host
+            with the query, and merges the device's estimate of the unread clusters into the window part.
     """
 
     # fewest window slots per layer (window.py's rule doubles it as conversations grow past it)
     min_capacity: int = 256
 
     def __init__(self, model, shape: ModelShape, device: torch.device, capture: bool, scale: float,
-                 compile: bool = False, context_dtype: torch.dtype = torch.float32) -> None:
+                 compile: bool = False, context_dtype: torch.dtype = torch.float32, routes=None) -> None:
         self.model, self.shape, self.device, self.scale = model, shape, device, scale
+        self.routes = routes
         self.capture = capture and device.type == "cuda"
         self.compiled = compile and self.capture
         self._boundary = layer_math.compiled_boundary() if self.compiled else layer_boundary
@@ -164,14 +168,21 @@ class StepSegments:
         searches meanwhile), this token's k/v into the window, and the window part of the attention."""
         self.xs[l] = x
         self.q_host[l].copy_(q32, non_blocking=True)
+        routed = self.routes is not None and self.routes.handles(l)
+        if routed:
+            self.routes.route(l, q32)                  # the ranking follows the query to the host
         if self.events_in_graph:
             self.q_ready[l].record()
         self.win_k[l].index_copy_(1, self.win_len, k[0])                      # (Hkv, C, D) ← (Hkv, 1, D)
         self.win_v[l].index_copy_(1, self.win_len, v[0])
         out_w, lse_w = fixed_window_attention(q[0], self.win_k[l], self.win_v[l], self.bias, self.visible,
                                               self.scale)                 # (H, 1, D), (H, 1)
-        self.win_out[l].copy_(out_w.view_as(self.win_out[l]))
-        self.win_lse[l].copy_(lse_w.view_as(self.win_lse[l]))
+        out_w, lse_w = out_w.view_as(self.win_out[l]), lse_w.view_as(self.win_lse[l])
+        rest = self.routes.estimate_part(l) if routed else None
+        if rest is not None:   # the unread clusters: a third disjoint part of the softmax (routed_device.py)
+            out_w, lse_w = lse_merge(out_w, lse_w, rest[0].view_as(out_w), rest[1].view_as(lse_w))
+        self.win_out[l].copy_(out_w)
+        self.win_lse[l].copy_(lse_w)
 
     def _segment(self, l: int) -> None:
         """Run segment l eagerly, leaving its outputs in self.xs / q_host / win_out / win_lse / self.logits."""

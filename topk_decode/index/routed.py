@@ -37,6 +37,7 @@ from topk_decode.index import compiled, routed_compiled
 from topk_decode.index.artifacts import ensure_artifacts, recorded_options
 from topk_decode.index.base import RestPart, Selection, SelectionStrategy, as_bool, positive_int
 from topk_decode.index.estimate import combine, read_rest_part, searchable_stats, unread_part
+from topk_decode.index.routed_device import DeviceRoutes
 from topk_decode.index.routed_layout import layer_layouts, load_layouts, on_disk, write_layouts
 from topk_decode.index.threads import HeadPool, default_threads
 from topk_decode.store.cache_dir import ContextKV
@@ -107,15 +108,19 @@ class RoutedStrategy(SelectionStrategy):
             (`select_and_attend`); it needs
             numba and bf16 keys and values, and implements neither `spread` nor `estimate_read`. torch is
             the tensor ops below. Both give the same selection and estimate (tests/test_routed_kernel.py).
+        device_route: "auto" (default: on a CUDA decode device, for the layers whose tables fit), "true"
+            (also on a CPU decode device: the tests' way in) or "false". Routing and the estimate then run
+            inside the captured step on the device (routed_device.py), and the CPU only scans the chosen
+            clusters (compiled path only; one-token steps only, prompts route on the CPU).
     """
 
     name = "routed"
     keeps_query = False
     BUILD_DEFAULTS = {"cluster_size": 16, "iters": 6, "store_values": True}
     SEARCH_DEFAULTS = {"probe_fraction": 0.04, "spread": False, "sizes": False, "estimate": True,
-                       "estimate_read": False, "kernel": "auto"}
+                       "estimate_read": False, "kernel": "auto", "device_route": "auto"}
     OPTIONS = {"cluster_size": int, "iters": int, "store_values": bool, "probe_fraction": float, "spread": bool,
-               "sizes": bool, "estimate": bool, "estimate_read": bool, "kernel": str}
+               "sizes": bool, "estimate": bool, "estimate_read": bool, "kernel": str, "device_route": str}
 
     # ---- options / build -------------------------------------------------------------------------
     @classmethod
@@ -138,6 +143,9 @@ class RoutedStrategy(SelectionStrategy):
         self.estimate = as_bool(o.get("estimate", self.SEARCH_DEFAULTS["estimate"]))
         self.estimate_read = as_bool(o.get("estimate_read", self.SEARCH_DEFAULTS["estimate_read"]))
         self.kernel = self._use_kernel(o.get("kernel", self.SEARCH_DEFAULTS["kernel"]))   # refused before any build
+        self.device_route = str(o.get("device_route", self.SEARCH_DEFAULTS["device_route"])).lower()
+        if self.device_route not in ("auto", "true", "false"):
+            raise TopkError(f"option device_route must be auto, true or false, got {self.device_route!r}")
         opts = self.build_options(o)
         if not on_disk(self.ckv):
             self.layouts = list(layer_layouts(self.ckv, opts, progress))
@@ -327,11 +335,26 @@ class RoutedStrategy(SelectionStrategy):
         # slots fill in order, so a query has an empty slot iff its last one is
         return Selection(ids=res.ids, scores=res.scores, no_empty_slots=bool((res.ids[..., -1] >= 0).all()), rest=rest)
 
+    def device_routes(self, device: torch.device, k_per_layer: list[int]) -> DeviceRoutes | None:
+        """Routing and the estimate on the decode device for the layers whose tables fit (routed_device.py),
+        or None where the option, the device or the compiled path rules it out.
+
+        Args:
+            device: the decode device; k_per_layer: each layer's k (the budgets are fixed in the step).
+        """
+        wanted = self.device_route == "true" or (self.device_route == "auto" and device.type == "cuda")
+        if not wanted or not self.kernel or any(k >= self.n_searchable for k in k_per_layer):
+            return None
+        routes = DeviceRoutes(self._stats, self._sizes, self._bias, [self._budget(k) for k in k_per_layer],
+                              self.ckv.n_tokens, self.scale, self.estimate, device)
+        return routes if routes.layers_on_device() else None
+
     def select_and_attend(self, layer: int, q: torch.Tensor, k: int, state: Any, o: torch.Tensor,
-                          mz: torch.Tensor) -> Selection | None:
+                          mz: torch.Tensor, route: tuple[torch.Tensor, torch.Tensor] | None = None) -> Selection | None:
         """The compiled path computes the context part inside each head's search (routed_kernel.py).
 
-        Args: as `SelectionStrategy.select_and_attend`.
+        Args: as `SelectionStrategy.select_and_attend`; route: the device's ranking of this layer's
+            clusters (`DeviceRoutes.host_route`): then only the scan, top-k and context part run here.
         """
         if not self.kernel or k >= self.n_searchable or o.dtype not in compiled.KEY_DTYPES:
             return None
@@ -339,7 +362,14 @@ class RoutedStrategy(SelectionStrategy):
         hkv, Q, D = q.shape
         o32 = self._o32(hkv * Q * D).view(hkv, Q, D)
         mz_np = mz.numpy().reshape(hkv, Q, 2) if mz.is_contiguous() else np.empty((hkv, Q, 2), np.float32)
-        sel = self._compiled(layer, q, k, self._budget(k), o32.numpy(), mz_np)
+        if route is not None:
+            res = routed_compiled.scan_layer(self._kernel_in[layer], q, route[0], route[1], k, self.scale, self.pool,
+                                             o32.numpy(), mz_np)
+            self.stats.extra["keys_read"] += res.read
+            self.stats.extra["keys_searchable"] += hkv * self.n_searchable
+            sel = Selection(ids=res.ids, scores=res.scores, no_empty_slots=bool((res.ids[..., -1] >= 0).all()))
+        else:
+            sel = self._compiled(layer, q, k, self._budget(k), o32.numpy(), mz_np)
         o.copy_(o32.view(hkv * Q, D))                     # fp32 → the values' dtype, rounded once
         if not mz.is_contiguous():
             mz.copy_(torch.from_numpy(mz_np).view(hkv * Q, 2))

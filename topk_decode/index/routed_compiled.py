@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from topk_decode.index.routed_kernel import finish_head, route_chunk
+from topk_decode.index.routed_kernel import finish_head, route_chunk, scan_head
 
 # The smallest cluster range of one routing task: below it a task's fixed cost rivals its work.
 _MIN_CLUSTERS_PER_TASK = 1024
@@ -32,6 +32,9 @@ def warm_up() -> None:
     finish_head(np.zeros((4, d), u16), np.arange(4), np.zeros(4, np.bool_), np.array([0, 2, 4]), sf, cent, qh,
                  2, 1, f32(1.0), True, np.zeros((4, d), u16), True, True, logit, e, np.array([0, C]), mx, z,
                  ids, sc, np.empty((Q, d), f32), np.empty(Q, f32), np.empty((Q, d), f32), np.empty((Q, 2), f32))
+    scan_head(np.zeros((4, d), u16), np.arange(4), np.zeros(4, np.bool_), np.array([0, 2, 4]),
+              np.array([0, 1], np.int32), 1, qh, 1, f32(1.0), np.zeros((4, d), u16), True, ids, sc,
+              np.empty((Q, d), f32), np.empty((Q, 2), f32))
 
 
 class LayerArrays(NamedTuple):
@@ -123,3 +126,32 @@ def search_layer(arrays: LayerArrays, q: torch.Tensor, budget: int, k: int, scal
     read = pool.map(finish, range(hkv))
     return LayerResult(torch.from_numpy(ids), torch.from_numpy(scores), torch.from_numpy(rest_o),
                        torch.from_numpy(rest_lse), int(sum(read)))
+
+
+def scan_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take: torch.Tensor, k: int,
+               scale: float, pool, o: np.ndarray, mz: np.ndarray) -> LayerResult:
+    """One layer routed on the device (index/routed_device.py): every KV head scans its chosen clusters,
+    takes the top-k and writes the context part, in parallel on `pool`. No estimate here (the device
+    merges its own), so the result's rest is empty.
+
+    Args:
+        arrays: the layer's arrays; q: (Hkv, Q, D) float32 queries.
+        order: (Hkv, W) int32 clusters by priority; take: (Hkv,) int32 how many of them to read.
+        k: results per query; scale: softmax scale; pool: a `threads.HeadPool`.
+        o: (Hkv, Q, D) float32 and mz: (Hkv, Q, 2) float32 receive the context part.
+    """
+    hkv, Q, d = q.shape
+    a, s = arrays, np.float32(scale)
+    qn = q.contiguous().numpy()
+    order_n, take_n = order.numpy(), take.numpy()
+    ids = np.empty((hkv, Q, k), dtype=np.int64)
+    scores = np.empty((hkv, Q, k), dtype=np.float32)
+    vals = a.vals if a.vals is not None else a.keys
+
+    def head(h: int) -> int:
+        return scan_head(a.keys[h], a.pos[h], a.outside[h], a.offsets[h], order_n[h], int(take_n[h]), qn[h], k, s,
+                         vals[h], a.values_by_row, ids[h], scores[h], o[h], mz[h])
+
+    read = pool.map(head, range(hkv))
+    return LayerResult(torch.from_numpy(ids), torch.from_numpy(scores), torch.zeros(hkv, Q, d),
+                       torch.full((hkv, Q), -float("inf")), int(sum(read)))

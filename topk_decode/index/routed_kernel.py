@@ -336,3 +336,24 @@ def finish_head(keys, pos, outside, offsets, size_factor, vmeans, qh, budget, k,
         _attend(vals, sel_rows if values_by_row else ids_out, sc_out, scale, rest_o, rest_lse, estimate,
                 o_out, mz_out)
     return m
+
+
+@jit
+def scan_head(keys, pos, outside, offsets, order, taken, qh, k, scale, vals, values_by_row, ids_out, sc_out,
+              o_out, mz_out):
+    """One KV head whose clusters were chosen elsewhere (routed_device.py, on the decode device): scan the
+    first `taken` clusters of `order`, top-k, context part (without an estimate: the device merges its
+    own). Returns the keys read.
+
+    Args: as `finish_head`; order: (W,) int32 clusters by priority; taken: how many of them to read.
+    """
+    m = 0
+    for t in range(taken):
+        m += offsets[order[t] + 1] - offsets[order[t]]
+    rows, scores = _scan(keys, outside, offsets, order, taken, m, qh)
+    sel_rows = np.empty(ids_out.shape, dtype=np.int64)
+    _top_k(scores, rows, pos, ids_out, sc_out, sel_rows)
+    no_rest_o, no_rest_lse = np.zeros((1, o_out.shape[1]), np.float32), np.zeros(1, np.float32)
+    _attend(vals, sel_rows if values_by_row else ids_out, sc_out, scale, no_rest_o, no_rest_lse, False,
+            o_out, mz_out)
+    return m

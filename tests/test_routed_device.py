@@ -1,0 +1,173 @@
+"""routed's routing and estimate on the decode device (index/routed_device.py) give what the CPU path gives.
+
+The device code is plain torch, so these run it on the CPU device: the same ops the captured step runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import test_routed
+
+from topk_decode.decode.merge import lse_merge
+from topk_decode.errors import TopkError
+from topk_decode.index.routed_device import DeviceRoutes
+from test_routed import _queries, clustered_cache  # noqa: F401 - fixtures
+
+pytest.importorskip("numba")
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def opened():
+    """Strategies opened by a test, closed after it (the compiled path starts a thread pool)."""
+    strategies = []
+
+    def open_(*args, **kwargs):
+        strategies.append(test_routed._open(*args, **kwargs))
+        return strategies[-1]
+    yield open_
+    for strat in strategies:
+        strat.close()
+
+
+def _device_part(strat, routes: DeviceRoutes, layer: int, q: torch.Tensor, k: int):
+    """The device path of one layer: route, the CPU scan with its context part, the device's estimate;
+    returns the selection and the attention over context ∪ estimate as (out (Hkv, Q, D), lse (Hkv, Q))."""
+    hkv, Q, d = q.shape
+    routes.route(layer, q)
+    o, mz = torch.empty(hkv * Q, d, dtype=torch.bfloat16), torch.empty(hkv * Q, 2)
+    sel = strat.select_and_attend(layer, q, k, None, o, mz, route=routes.host_route(layer))
+    out, lse = (o.float() / mz[:, 1:]).view(hkv, Q, d), (mz[:, 0] + mz[:, 1].log()).view(hkv, Q)
+    rest = routes.estimate_part(layer)
+    if rest is not None:
+        out, lse = lse_merge(out, lse, *rest)
+    return sel, out, lse
+
+
+def _cpu_part(strat, layer: int, q: torch.Tensor, k: int):
+    """The CPU path of one layer (routing, scan, estimate and context part in the compiled kernel)."""
+    hkv, Q, d = q.shape
+    o, mz = torch.empty(hkv * Q, d, dtype=torch.bfloat16), torch.empty(hkv * Q, 2)
+    sel = strat.select_and_attend(layer, q, k, None, o, mz)
+    return sel, (o.float() / mz[:, 1:]).view(hkv, Q, d), (mz[:, 0] + mz[:, 1].log()).view(hkv, Q)
+
+
+@pytest.mark.parametrize("lo,hi,k,probe,estimate", [(3, 2990, 40, 0.05, True), (3, 2990, 40, 0.05, False),
+                                                    (700, 1500, 200, 0.3, True), (0, 3000, 8, 0.1, True)])
+def test_device_routing_selects_and_attends_as_the_cpu_path(clustered_cache, opened, lo, hi, k, probe, estimate):
+    strat = opened(clustered_cache, "routed", {"cluster_size": 32, "probe_fraction": probe, "estimate": estimate,
+                                               "kernel": "numba", "device_route": "true"}, lo=lo, hi=hi)
+    routes = strat.device_routes(CPU, [k, k])
+    assert routes is not None and routes.layers_on_device() == 2
+    for layer, seed in ((0, 31), (1, 32)):
+        q = _queries(seed=seed)
+        sel_d, out_d, lse_d = _device_part(strat, routes, layer, q, k)
+        sel_c, out_c, lse_c = _cpu_part(strat, layer, q, k)
+        assert torch.equal(sel_d.ids.sort(-1).values, sel_c.ids.sort(-1).values)
+        torch.testing.assert_close(sel_d.scores.sort(-1).values, sel_c.scores.sort(-1).values, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse_d, lse_c, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(out_d, out_c, rtol=1e-2, atol=1e-2)
+
+
+def test_float8_value_means_change_the_estimate_by_little(clustered_cache, opened):
+    strat = opened(clustered_cache, "routed", {"cluster_size": 32, "probe_fraction": 0.05, "kernel": "numba",
+                                               "device_route": "true"})
+    if getattr(torch, "float8_e4m3fn", None) is None:
+        pytest.skip("this torch has no float8")
+    args = (strat._stats, strat._sizes, strat._bias, [strat._budget(40)] * 2, strat.ckv.n_tokens, strat.scale, True,
+            CPU)
+    exact, fp8 = DeviceRoutes(*args, values="keys"), DeviceRoutes(*args, values="fp8-values")
+    assert fp8.values_kind == "fp8-values" and fp8.nbytes() < exact.nbytes()
+    q = _queries(seed=5)
+    for routes in (exact, fp8):
+        routes.route(0, q)
+    (out_e, lse_e), (out_8, lse_8) = exact.estimate_part(0), fp8.estimate_part(0)
+    assert torch.equal(lse_e, lse_8)                 # the weights come from the centroids, not the values
+    rel = (out_8 - out_e).norm() / out_e.norm()
+    assert 0 < rel < 0.05, rel
+
+
+def test_float8_centroids_keep_most_of_the_routed_clusters(clustered_cache, opened):
+    strat = opened(clustered_cache, "routed", {"cluster_size": 32, "probe_fraction": 0.05, "kernel": "numba",
+                                               "device_route": "true"})
+    if getattr(torch, "float8_e4m3fn", None) is None:
+        pytest.skip("this torch has no float8")
+    args = (strat._stats, strat._sizes, strat._bias, [strat._budget(40)] * 2, strat.ckv.n_tokens, strat.scale, True,
+            CPU)
+    exact, fp8 = DeviceRoutes(*args, values="keys"), DeviceRoutes(*args, values="fp8")
+    assert fp8.values_kind == "fp8" and fp8.tables[0].cent.dtype == torch.float8_e4m3fn
+    q = _queries(seed=6)
+    for routes in (exact, fp8):
+        routes.route(1, q)
+    read = []
+    for routes in (exact, fp8):
+        order, take = routes.host_route(1)
+        read.append([set(order[h, :int(take[h])].tolist()) for h in range(order.shape[0])])
+    for a, b in zip(*read):
+        assert len(a & b) >= 0.8 * len(a)
+
+
+def test_device_route_is_off_where_it_cannot_apply(clustered_cache, opened):
+    auto = opened(clustered_cache, "routed", {"cluster_size": 32, "kernel": "numba"})
+    assert auto.device_routes(CPU, [40, 40]) is None                # auto: a CUDA decode device only
+    torch_path = opened(clustered_cache, "routed", {"cluster_size": 32, "kernel": "torch", "device_route": "true"})
+    assert torch_path.device_routes(CPU, [40, 40]) is None          # the CPU side is the compiled kernel's
+    on = opened(clustered_cache, "routed", {"cluster_size": 32, "kernel": "numba", "device_route": "true"})
+    assert on.device_routes(CPU, [40, 5000]) is None                # k covers the range: the exact path
+    with pytest.raises(TopkError, match="device_route must be auto, true or false"):
+        opened(clustered_cache, "routed", {"device_route": "gpu"})
+
+
+def test_decoder_routes_on_the_device_in_one_token_steps_and_matches_cpu_routing(tmp_path, model_factory, docs_dir):
+    from topk_decode import KVStore
+    from topk_decode.prefill.build import build_cache
+
+    cache = tmp_path / "bf16"
+    build_cache(docs_dir, cache, model_factory("llama_gqa"), chunk_size=97, device="cpu", dtype="bf16")
+    opts = {"probe_fraction": 0.1, "cluster_size": 16, "kernel": "numba"}
+    logits, stores = {}, {}
+    for mode in ("true", "false"):
+        store = stores[mode] = KVStore.open(cache, k=8, device="cpu", dtype="bf16", strategy="routed", n_sink=4,
+                                            n_tail=16, strategy_options=dict(opts, device_route=mode))
+        dec = store.decoder
+        dec._use_segments = True                     # the captured step's segments, run eagerly on the CPU
+        conv = dec.new_conversation()
+        logits[mode] = [dec.forward([5, 17, 42, 99], conv)] + [dec.forward([t], conv) for t in (7, 8, 9)]
+    seg = stores["true"].decoder.segments
+    assert seg.routes is not None and seg.routes.layers_on_device() == stores["true"].decoder.shape.n_layers
+    assert stores["false"].decoder.segments.routes is None
+    for a, b in zip(logits["true"], logits["false"]):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=5e-2)
+    # a new k changes the budgets fixed in the step: the next step builds new segments for it
+    dec = stores["true"].decoder
+    dec.config.k = 6
+    dec.forward([3], dec.new_conversation())
+    assert dec.segments is not seg and dec.segments.routes.tables[0].budget == dec.strategy._budget(6)
+    for store in stores.values():
+        store.close()
+
+
+@pytest.mark.gpu
+def test_captured_cuda_step_routes_on_the_gpu_and_matches_cpu_routing(tmp_path, model_factory, docs_dir):
+    from topk_decode import KVStore
+    from topk_decode.prefill.build import build_cache
+
+    cache = tmp_path / "bf16"
+    build_cache(docs_dir, cache, model_factory("llama_gqa"), chunk_size=97, device="cpu", dtype="bf16")
+    opts = {"probe_fraction": 0.1, "cluster_size": 16, "kernel": "numba"}
+    logits, stores = {}, {}
+    for mode in ("auto", "false"):
+        store = stores[mode] = KVStore.open(cache, k=8, device="cuda", dtype="bf16", strategy="routed", n_sink=4,
+                                            n_tail=16, strategy_options=dict(opts, device_route=mode))
+        conv = store.decoder.new_conversation()
+        logits[mode] = [store.decoder.forward([5, 17, 42, 99], conv)] + \
+            [store.decoder.forward([t], conv) for t in (7, 8, 9, 10)]
+    seg = stores["auto"].decoder.segments
+    assert seg.graphs is not None and seg.routes is not None and seg.routes.layers_on_device() > 0
+    for a, b in zip(logits["auto"], logits["false"]):
+        torch.testing.assert_close(a.float().cpu(), b.float().cpu(), rtol=0, atol=5e-2)
+    for store in stores.values():
+        store.close()

@@ -1,0 +1,204 @@
+"""routed's routing and estimate on the decode device, inside the captured one-token step.
+
+On the CPU, routing reads every centroid and the estimate every cluster's mean value at every step and
+layer: at 128K tokens and clusters of 16 that is 4 MB per KV head, three times the keys the scan reads,
+and it dominated the step on the GPU host (docs/BENCHMARKS.md, "Routing on the device"). On the GPU
+the same arithmetic is a few microseconds of a kernel. So, for the layers whose tables fit the device:
+
+- per layer, the step's segment (decode/graphs.py) scores the query against the centroids, ranks the
+  clusters exactly as the CPU path does (a cluster's priority is the largest share of attention any of
+  the head's queries gives it), and copies the ranked cluster ids and how many of them fit the budget
+  to pinned host memory (`route`); the CPU then scans only those clusters' keys, takes the exact top-k
+  and computes the context part (routed_kernel.py `scan_head`);
+- while the CPU scans, the device computes the estimate of the clusters not read (index/estimate.py
+  `unread_part`, the same function the torch path calls) and merges it into the window part by
+  log-sum-exp (`estimate`): a third disjoint part of the same softmax, so the merge stays exact.
+
+The tables: centroids and mean values, log cluster sizes, sizes. Where the tables of every layer do not fit
+beside `reserve` bytes in the keys' dtype, the mean values (they only feed the estimate) go to float8
+(e4m3, one scale per KV head and dimension), and where that does not fit either, the centroids too (then
+routing ranks with ~3 % error per centroid element: docs/STRATEGIES.md "Routing on the device"). Layers
+whose tables still do not fit route on the CPU as before.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from topk_decode.index.estimate import unread_part
+
+# Free device memory kept beside the tables for the step itself (its graphs' temporaries, the window).
+DEFAULT_RESERVE = 384 << 20
+_FP8 = getattr(torch, "float8_e4m3fn", None)
+
+
+class LayerTables:
+    """One layer's routing tables on the device.
+
+    cent: (Hkv, C, D) centroids (keys' dtype or float8); cscale: (Hkv, 1, D) float32 float8 scale or None; bias: (Hkv, 1, C) float32 0 or −inf (no searchable key);
+    log_n: (Hkv, 1, C) float32; sizes: (Hkv, C) int64 rows per cluster; vmeans: (Hkv, C, D) mean values
+    (keys' dtype or float8) or None without the estimate; vscale: (Hkv, 1, 1) float32 float8 scale or None.
+    budget: keys to read per head; width: clusters ranked per head (W).
+    """
+
+    def __init__(self, cent, cscale, bias, log_n, sizes, vmeans, vscale, budget: int, width: int) -> None:
+        self.cent, self.cscale, self.bias, self.log_n, self.sizes = cent, cscale, bias, log_n, sizes
+        self.vmeans, self.vscale = vmeans, vscale
+        self.budget, self.width = budget, width
+
+    def nbytes(self) -> int:
+        """Device bytes held."""
+        ts = [self.cent, self.cscale, self.bias, self.log_n, self.sizes, self.vmeans, self.vscale]
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def _to_fp8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Hkv, C, D) → float8 e4m3 and (Hkv, 1, D) float32 scales: each (head, dimension)'s largest magnitude
+    maps to 448, the format's largest (keys have a few dimensions far larger than the rest)."""
+    scale = v.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-30) / 448.0
+    return (v.float() / scale).to(_FP8), scale
+
+
+def _cuda_bmm_to_fp32() -> bool:
+    """Whether this torch multiplies bf16 batches into fp32 outputs on CUDA (`torch.bmm(out_dtype=)`)."""
+    try:
+        a = torch.ones(1, 1, 8, dtype=torch.bfloat16, device="cuda")
+        return torch.bmm(a, a.transpose(1, 2), out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError):
+        return False
+
+
+def ranked_width(budget: int, n_clusters: int, n_tokens: int) -> int:
+    """Clusters ranked per head: four times those of average size the budget holds, plus 64.
+
+    The CPU path grows its candidate list until the budget is reached; a captured step needs a fixed
+    one, so it takes a margin (the clusters ranked first are often smaller than average)."""
+    return min(n_clusters, 4 * math.ceil(budget * n_clusters / max(n_tokens, 1)) + 64)
+
+
+class DeviceRoutes:
+    """The routed strategy's device-side routing for the layers whose tables fit.
+
+    Args:
+        stats: per layer the strategy's `SearchableStats` (CPU).
+        sizes: per layer (Hkv, C) int64 rows per cluster.
+        bias: per layer (Hkv, 1, C) float32 routing bias (0, or −inf for clusters without searchable keys).
+        budgets: per layer the keys to read per head.
+        n_tokens: context tokens N; scale: softmax scale; estimate: compute the unread clusters' estimate.
+        device: the decode device.
+        values: "auto" (the first of the ladder below that holds every layer), or one of it: "keys" (the
+            keys' dtype), "fp8-values" (float8 mean values), "fp8" (float8 centroids and mean values).
+        reserve: device bytes to leave free (CUDA only).
+    """
+
+    def __init__(self, stats, sizes, bias, budgets: list[int], n_tokens: int, scale: float, estimate: bool,
+                 device: torch.device, values: str = "auto", reserve: int = DEFAULT_RESERVE) -> None:
+        self.device, self.scale, self.estimate = device, scale, estimate
+        self.n_layers = len(stats)
+        hkv = sizes[0].shape[0]
+        self.tables: list[LayerTables | None] = [None] * self.n_layers
+        kinds = ["keys", "fp8-values", "fp8"] if values == "auto" else [values]
+        if _FP8 is None:
+            kinds = ["keys"]
+        # On CUDA bf16 products accumulate into fp32 outputs directly: no fp32 copy of a table per step
+        # (q is exactly bf16: the model computed it in bf16). Elsewhere the tables are widened per step.
+        self._bf16_bmm = device.type == "cuda" and _cuda_bmm_to_fp32()
+        for kind in kinds:
+            self._place(stats, sizes, bias, budgets, n_tokens, kind, reserve)
+            if all(t is not None for t in self.tables) or kind == kinds[-1]:
+                self.values_kind = kind
+                break
+            self.tables = [None] * self.n_layers
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        # per layer, what the device sends the CPU: ranked clusters (Hkv, W) int32 and how many to read
+        pin = device.type == "cuda"
+        self.order_host = [None if t is None else torch.zeros((hkv, t.width), dtype=torch.int32, pin_memory=pin)
+                           for t in self.tables]
+        self.take_host = [None if t is None else torch.zeros((hkv,), dtype=torch.int32, pin_memory=pin)
+                          for t in self.tables]
+        self._read: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.n_layers   # for `estimate`
+
+    def _place(self, stats, sizes, bias, budgets, n_tokens, kind, reserve) -> None:
+        """Copy the layers' tables to the device in layer order while they fit beside `reserve`."""
+        for layer, st in enumerate(stats):
+            try:
+                self.tables[layer] = self._layer(st, sizes[layer], bias[layer], budgets[layer], n_tokens, kind)
+                if self.device.type == "cuda":          # the step's own memory must still fit
+                    probe = torch.empty(reserve, dtype=torch.uint8, device=self.device)
+                    del probe
+            except torch.OutOfMemoryError:
+                self.tables[layer] = None
+                break
+
+    def _layer(self, st, sizes, bias, budget, n_tokens, kind) -> LayerTables:
+        dev = self.device
+        hkv, C, _ = st.centroids.shape
+        vmeans = vscale = cscale = None
+        if self.estimate:
+            vmeans, vscale = _to_fp8(st.value_means) if kind != "keys" else (st.value_means, None)
+            vmeans, vscale = vmeans.to(dev), None if vscale is None else vscale.to(dev)
+        cent, cscale = _to_fp8(st.centroids) if kind == "fp8" else (st.centroids, None)
+        return LayerTables(cent=cent.to(dev), cscale=None if cscale is None else cscale.to(dev), bias=bias.float().to(dev), log_n=st.log_n.float().to(dev),
+                           sizes=sizes.to(dev, torch.int64), vmeans=vmeans, vscale=vscale, budget=budget,
+                           width=ranked_width(budget, C, n_tokens))
+
+    def handles(self, layer: int) -> bool:
+        """Whether this layer routes on the device."""
+        return self.tables[layer] is not None
+
+    def layers_on_device(self) -> int:
+        """How many layers route on the device."""
+        return sum(t is not None for t in self.tables)
+
+    def nbytes(self) -> int:
+        """Device bytes held by the tables."""
+        return sum(t.nbytes() for t in self.tables if t is not None)
+
+    def route(self, layer: int, q32: torch.Tensor) -> None:
+        """Rank the clusters for layer `layer`'s queries and copy the ranking to the host (non-blocking).
+
+        Args:
+            q32: (Hkv, G, D) float32 queries on the device.
+        """
+        t = self.tables[layer]
+        q = q32 if t.cscale is None else q32 * t.cscale          # float8 centroids: their scale moves to q
+        base = self._bmm(q, t.cent.transpose(1, 2)).mul_(self.scale)            # (Hkv, G, C) s·q·μ_c
+        logit = base + t.bias
+        share = logit - torch.logsumexp(logit, dim=-1, keepdim=True)
+        order = share.amax(1).topk(t.width, dim=-1, sorted=True).indices          # (Hkv, W) by priority
+        sz = t.sizes.gather(1, order)
+        take = ((sz.cumsum(1) - sz) < t.budget).sum(1)                            # (Hkv,) clusters to read
+        self.order_host[layer].copy_(order, non_blocking=True)
+        self.take_host[layer].copy_(take, non_blocking=True)
+        self._read[layer] = (base, order, take)
+
+    def estimate_part(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The estimate of the clusters layer `layer` does not read, after `route`: out (Hkv, G, D) and
+        lse (Hkv, G) float32 (None without the estimate)."""
+        if not self.estimate:
+            return None
+        t = self.tables[layer]
+        base, order, take = self._read[layer]
+        hkv, W = order.shape
+        taken = torch.arange(W, device=order.device) < take[:, None]             # (Hkv, W)
+        read = torch.zeros(base.shape[0], base.shape[2], dtype=torch.bool, device=base.device)
+        read.scatter_(1, order, taken)                                            # (Hkv, C)
+        def p_times_means(p: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
+            out = self._bmm(p, means)                                              # (Hkv, G, D)
+            return out if t.vscale is None else out.mul_(t.vscale)
+        rest = unread_part(base + t.log_n, read, t.vmeans, bmm=p_times_means)
+        return rest.out, rest.lse
+
+    def _bmm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """a (B, M, K) float32 × b (B, K, N) stored in bf16 or float8 → (B, M, N) float32."""
+        if self._bf16_bmm:
+            b = b if b.dtype == torch.bfloat16 else b.to(torch.bfloat16)
+            return torch.bmm(a.to(torch.bfloat16), b, out_dtype=torch.float32)
+        return torch.bmm(a, b.float())
+
+    def host_route(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s ranking as the CPU reads it, once the step's event says it arrived."""
+        return self.order_host[layer], self.take_host[layer]
