@@ -8,6 +8,8 @@ decode/context.py's `ContextAttention.attend`, exactly the decoder's `_context_p
 Usage (Llama-3-8B shape at 128K, 32 layers; synthetic random bf16 KV, so routed's recall here says
 nothing: docs/BENCHMARKS.md):
   python scripts/step_cpu.py --n 131072 --layers 32 --configs flat routed:kernel=torch routed:kernel=numba
+With routed:device_route=true the clusters are ranked on the GPU (the CPU where there is none), untimed,
+and the CPU side is what is left of a device-routed step (index/routed_device.py).
 Figures: docs/BENCHMARKS.md.
 """
 
@@ -34,25 +36,34 @@ def parse_config(text: str) -> tuple[str, dict]:
     return name, dict(kv.split("=", 1) for kv in opts.split(",") if kv)
 
 
-def step_ms(strat, context: ContextAttention, qs: list[torch.Tensor], k: int, layers: int, reps: int) -> float:
-    """Median ms of one step's CPU side over `layers` layers (search + context part per layer)."""
+def step_ms(strat, context: ContextAttention, qs: list[torch.Tensor], k: int, layers: int, reps: int,
+            routes=None) -> float:
+    """Median ms of one step's CPU side over `layers` layers (search + context part per layer).
+
+    With `routes` (routed's DeviceRoutes) each layer is ranked on its device first, untimed: the CPU side is
+    then the scan of the ranked clusters, the top-k and the context part, as in a device-routed step."""
     hkv, Q, d = qs[0].shape
     o = torch.empty(hkv * Q, d, dtype=torch.bfloat16)
     mz = torch.empty(hkv * Q, 2)
 
-    def one_step(step: int) -> None:
-        for layer in range(layers):
-            q = qs[(step + layer) % len(qs)]
-            if strat.select_and_attend(layer, q, k, None, o, mz) is None:
-                context.attend(layer, strat.select(layer, q, k), o, mz)
+    def one_layer(layer: int, q: torch.Tensor) -> float:
+        route = None
+        if routes is not None:
+            routes.route(layer, q.to(routes.device))
+            if routes.device.type == "cuda":
+                torch.cuda.synchronize(routes.device)
+            route = routes.host_route(layer)
+        t = time.perf_counter()
+        if strat.select_and_attend(layer, q, k, None, o, mz, route=route) is None:
+            context.attend(layer, strat.select(layer, q, k), o, mz)
+        return time.perf_counter() - t
+
+    def one_step(step: int) -> float:
+        return sum(one_layer(layer, qs[(step + layer) % len(qs)]) for layer in range(layers))
 
     one_step(0)
-    times = []
-    for r in range(reps):
-        t = time.perf_counter()
-        one_step(r + 1)
-        times.append(1e3 * (time.perf_counter() - t))
-    return sorted(times)[len(times) // 2]
+    times = sorted(1e3 * one_step(r + 1) for r in range(reps))
+    return times[len(times) // 2]
 
 
 def main() -> None:
@@ -78,7 +89,11 @@ def main() -> None:
         strat = get_strategy(name)(ckv, lo, hi, opts)
         strat.prepare()
         open_s = time.perf_counter() - t
-        ms = step_ms(strat, context, qs, a.k, a.layers, a.reps)
+        routes = None
+        if name == "routed" and opts.get("device_route") == "true":
+            routes = strat.device_routes(torch.device("cuda" if torch.cuda.is_available() else "cpu"),
+                                         [a.k] * a.layers)
+        ms = step_ms(strat, context, qs, a.k, a.layers, a.reps, routes)
         row = {"what": "step_cpu", "config": text, "n": a.n, "layers": a.layers, "kv_heads": a.kv_heads,
                "head_dim": a.head_dim, "group": a.group, "k": a.k, "threads": torch.get_num_threads(),
                "open_s": round(open_s, 1), "ms_per_step": round(ms, 2), "ms_per_layer": round(ms / a.layers, 3)}

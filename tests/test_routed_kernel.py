@@ -59,12 +59,10 @@ def test_compiled_and_torch_paths_select_the_same_ids_with_the_same_scores(clust
 def test_routing_split_over_several_tasks_per_head_selects_and_estimates_as_the_torch_path(
         clustered_cache, monkeypatch, threads, probe):
     from topk_decode.index import routed_compiled
-    from topk_decode.index.threads import HeadPool
 
     monkeypatch.setattr(routed_compiled, "_MIN_CLUSTERS_PER_TASK", 8)
     compiled, plain = _pair(clustered_cache, {"cluster_size": 32, "probe_fraction": probe})
-    compiled.pool.close()
-    compiled.pool = HeadPool(threads)
+    compiled.threads = threads
     for layer, seed in ((0, 31), (1, 32)):
         q = _queries(seed=seed)
         hkv, Q, d = q.shape

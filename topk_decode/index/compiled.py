@@ -31,6 +31,24 @@ def jit(fn):
     return numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)(fn) if numba is not None else fn
 
 
+def pjit(fn):
+    """fn compiled with its `prange` loops run on numba's threads (`jit` otherwise).
+
+    One such call per layer replaces a Python thread pool's map: a few µs to start the heads instead of
+    ~0.2 ms of futures and GIL hand-offs, which at ~0.3 ms of work per head dominated a step
+    (docs/BENCHMARKS.md, "Routing on the device")."""
+    return numba.njit(nogil=True, cache=True, fastmath=_FASTMATH, parallel=True)(fn) if numba is not None else fn
+
+
+prange = numba.prange if numba is not None else range
+
+
+def set_threads(n: int) -> None:
+    """Run this thread's later `pjit` calls on at most n of numba's threads (a per-thread setting)."""
+    if numba is not None:
+        numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
+
+
 def bits(t: torch.Tensor) -> np.ndarray:
     """A bf16 tensor's storage as uint16 (a view, no copy)."""
     return t.view(torch.int16).numpy().view(np.uint16)

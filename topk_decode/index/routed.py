@@ -39,7 +39,7 @@ from topk_decode.index.base import RestPart, Selection, SelectionStrategy, as_bo
 from topk_decode.index.estimate import combine, read_rest_part, searchable_stats, unread_part
 from topk_decode.index.routed_device import DeviceRoutes
 from topk_decode.index.routed_layout import layer_layouts, load_layouts, on_disk, write_layouts
-from topk_decode.index.threads import HeadPool, default_threads
+from topk_decode.index.threads import default_threads
 from topk_decode.store.cache_dir import ContextKV
 from topk_decode.store.format import dtype_name
 
@@ -104,7 +104,7 @@ class RoutedStrategy(SelectionStrategy):
             default False).
         kernel: "auto" (default: "numba" where it applies, else "torch"), "numba" or "torch". numba
             (routed_kernel.py, driven by routed_compiled.py) runs each KV head's whole layer as compiled
-            functions on the strategy's threads, and in the decoder computes the context part too
+            functions on numba's threads (one call per layer), and in the decoder computes the context part too
             (`select_and_attend`); it needs
             numba and bf16 keys and values, and implements neither `spread` nor `estimate_read`. torch is
             the tensor ops below. Both give the same selection and estimate (tests/test_routed_kernel.py).
@@ -195,9 +195,9 @@ class RoutedStrategy(SelectionStrategy):
             first = out.view(hkv, n).to(torch.uint8).argmax(1)                  # first outside row per head
             self._pad_rows.append((self._row_base[:, 0] + first).view(hkv, 1) if bool(has.all()) else None)
         if self.kernel:
-            routed_compiled.warm_up()                    # compile at open, not inside the first step
-            self.pool = HeadPool(default_threads())    # the KV heads in parallel (closed by `close`)
+            self.threads = default_threads()            # numba threads of the per-layer call
             self._kernel_in = [self._kernel_arrays(layer) for layer in range(self.ckv.n_layers)]
+            routed_compiled.warm_up(self._kernel_in[0])  # compile at open, not inside the first step
             self._kernel_scratch: dict = {}            # routing buffers, reused (routed_compiled.search_layer)
         self.stats.extra.update(keys_read=0, keys_searchable=0)
 
@@ -327,7 +327,7 @@ class RoutedStrategy(SelectionStrategy):
     def _compiled(self, layer: int, q: torch.Tensor, k: int, budget: int, o: np.ndarray | None = None,
                   mz: np.ndarray | None = None) -> Selection:
         """The compiled path's selection (and, given o and mz, its context part): routed_compiled.search_layer."""
-        res = routed_compiled.search_layer(self._kernel_in[layer], q, budget, k, self.scale, self.estimate, self.pool,
+        res = routed_compiled.search_layer(self._kernel_in[layer], q, budget, k, self.scale, self.estimate, self.threads,
                                            o, mz, self._kernel_scratch)
         self.stats.extra["keys_read"] += res.read
         self.stats.extra["keys_searchable"] += q.shape[0] * self.n_searchable
@@ -363,7 +363,7 @@ class RoutedStrategy(SelectionStrategy):
         o32 = self._o32(hkv * Q * D).view(hkv, Q, D)
         mz_np = mz.numpy().reshape(hkv, Q, 2) if mz.is_contiguous() else np.empty((hkv, Q, 2), np.float32)
         if route is not None:
-            res = routed_compiled.scan_layer(self._kernel_in[layer], q, route[0], route[1], k, self.scale, self.pool,
+            res = routed_compiled.scan_layer(self._kernel_in[layer], q, route[0], route[1], k, self.scale, self.threads,
                                              o32.numpy(), mz_np)
             self.stats.extra["keys_read"] += res.read
             self.stats.extra["keys_searchable"] += hkv * self.n_searchable

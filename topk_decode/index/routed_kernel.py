@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from topk_decode.index.compiled import jit
+from topk_decode.index.compiled import jit, pjit, prange
 
 @jit
 def _exp_into(x, out, bits):
@@ -174,10 +174,10 @@ def _scan(keys, outside, offsets, order, taken, m, qh):
 
 
 @jit
-def _top_k(scores, rows, pos, ids_out, sc_out, rows_out):
+def _top_k(scores, rows, pos, ids_out, sc_out, cols_out):
     """Each query's top-k by the k-th largest score (a partition), ties at it filled in row order.
 
-    Writes ids (original positions), scores and layout rows; −1 / 0 / −1 in unfilled slots.
+    Writes ids (original positions), scores and the scan columns they came from; −1 / 0 / −1 in unfilled slots.
     """
     Q, m = scores.shape
     K = ids_out.shape[1]
@@ -193,16 +193,16 @@ def _top_k(scores, rows, pos, ids_out, sc_out, rows_out):
             cut = np.partition(s, m - kk)[m - kk]
             for r in range(m):
                 if s[r] > cut:
-                    ids_out[i, o], sc_out[i, o], rows_out[i, o] = pos[rows[r]], s[r], rows[r]
+                    ids_out[i, o], sc_out[i, o], cols_out[i, o] = pos[rows[r]], s[r], r
                     o += 1
             for r in range(m):
                 if o >= kk:
                     break
                 if s[r] == cut:
-                    ids_out[i, o], sc_out[i, o], rows_out[i, o] = pos[rows[r]], s[r], rows[r]
+                    ids_out[i, o], sc_out[i, o], cols_out[i, o] = pos[rows[r]], s[r], r
                     o += 1
         while o < K:
-            ids_out[i, o], sc_out[i, o], rows_out[i, o] = -1, 0.0, -1
+            ids_out[i, o], sc_out[i, o], cols_out[i, o] = -1, 0.0, -1
             o += 1
 
 
@@ -247,45 +247,76 @@ def _unread(e, size_factor, vmeans, order, taken, bounds, factor, mxs, rest_o, r
 
 
 @jit
-def _attend(vals, src, sc, scale, rest_o, rest_lse, with_rest, o_out, mz_out):
+def _attend(vals, src, cols, sc, scale, rest_o, rest_lse, with_rest, o_out, mz_out):
     """The context part (decode/context.py) of each query's selected rows, merged with the estimate.
 
     Writes o = Σ exp(s·a − m)·v (fp32) and (m, z); a query with no selected row and no estimate gets
     o = 0, m = 0, z = 0. With the estimate (out_r, lse_r) joins by log-sum-exp as `merge_rest` does.
+    The G queries of a head mostly select the same keys: each scan column's value row (src (m,), the
+    values' row of every scan column) is read once for all of them, in scan order (cluster runs), rather
+    than once per query and slot.
+
+    Args: cols (Q, K) the scan column of each slot (−1 empty); sc (Q, K) its score.
     """
     Q, K = sc.shape
-    d = vals.shape[1]
-    widened = np.empty(d, dtype=np.uint32)
-    vf = widened.view(np.float32)
+    m, d = src.shape[0], vals.shape[1]
+    w = np.zeros((m, Q), dtype=np.float32)
+    shifted, ex, bits = np.empty(K, np.float32), np.empty(K, np.float32), np.empty(K, np.int32)
+    ms, zs = np.zeros(Q, np.float32), np.zeros(Q, np.float32)
     for i in range(Q):
         mx = -np.inf
         for t in range(K):
-            if src[i, t] >= 0:
+            if cols[i, t] >= 0:
                 mx = max(mx, sc[i, t] * scale)
-        for j in range(d):
-            o_out[i, j] = 0.0
-        m, z = np.float32(0.0), np.float32(0.0)
-        if mx > -np.inf:
-            m = mx
-            for t in range(K):
-                if src[i, t] < 0:
-                    continue
-                w = np.float32(math.exp(sc[i, t] * scale - mx))
-                z += w
-                row = src[i, t]
-                _widen(vals[row], widened)
+        if mx == -np.inf:
+            continue
+        for t in range(K):
+            shifted[t] = sc[i, t] * scale - mx
+        _exp_into(shifted, ex, bits)
+        z = np.float32(0.0)
+        for t in range(K):
+            if cols[i, t] >= 0:
+                w[cols[i, t], i] = ex[t]
+                z += ex[t]
+        ms[i], zs[i] = mx, z
+    widened = np.empty(d, dtype=np.uint32)
+    vf = widened.view(np.float32)
+    o_out[:, :] = 0.0
+    for r in range(m):
+        hit = False
+        for i in range(Q):
+            hit = hit or w[r, i] != 0.0
+        if not hit:
+            continue
+        _widen(vals[src[r]], widened)
+        for i in range(Q):
+            wi = w[r, i]
+            if wi != 0.0:
                 for j in range(d):
-                    o_out[i, j] += w * vf[j]
+                    o_out[i, j] += wi * vf[j]
+    for i in range(Q):
+        m_i, z = ms[i], zs[i]
         if with_rest and rest_lse[i] > -np.inf:
-            m_new = max(m, rest_lse[i])
-            a = np.float32(math.exp(m - m_new))
+            m_new = max(m_i, rest_lse[i])
+            a = np.float32(math.exp(m_i - m_new))
             b = np.float32(math.exp(rest_lse[i] - m_new))
             for j in range(d):
                 o_out[i, j] = o_out[i, j] * a + rest_o[i, j] * b
             z = z * a + b
-            m = m_new
-        mz_out[i, 0] = m
+            m_i = m_new
+        mz_out[i, 0] = m_i
         mz_out[i, 1] = z
+
+
+@jit
+def _value_rows(rows, pos, values_by_row):
+    """The values' row of every scan column: its layout row (values stored by row) or its position."""
+    if values_by_row:
+        return rows
+    src = np.empty_like(rows)
+    for r in range(rows.shape[0]):
+        src[r] = pos[rows[r]]
+    return src
 
 
 @jit
@@ -328,12 +359,12 @@ def finish_head(keys, pos, outside, offsets, size_factor, vmeans, qh, budget, k,
         lz[i] = mxs[i] + math.log(total)
     order, taken, m = _cluster_order(logit, lz, offsets, budget, keys.shape[0])
     rows, scores = _scan(keys, outside, offsets, order, taken, m, qh)
-    sel_rows = np.empty(ids_out.shape, dtype=np.int64)
-    _top_k(scores, rows, pos, ids_out, sc_out, sel_rows)
+    cols = np.empty(ids_out.shape, dtype=np.int64)
+    _top_k(scores, rows, pos, ids_out, sc_out, cols)
     if estimate:
         _unread(e, size_factor, vmeans, order, taken, bounds, factor, mxs, rest_o, rest_lse)
     if attend:
-        _attend(vals, sel_rows if values_by_row else ids_out, sc_out, scale, rest_o, rest_lse, estimate,
+        _attend(vals, _value_rows(rows, pos, values_by_row), cols, sc_out, scale, rest_o, rest_lse, estimate,
                 o_out, mz_out)
     return m
 
@@ -351,9 +382,39 @@ def scan_head(keys, pos, outside, offsets, order, taken, qh, k, scale, vals, val
     for t in range(taken):
         m += offsets[order[t] + 1] - offsets[order[t]]
     rows, scores = _scan(keys, outside, offsets, order, taken, m, qh)
-    sel_rows = np.empty(ids_out.shape, dtype=np.int64)
-    _top_k(scores, rows, pos, ids_out, sc_out, sel_rows)
+    cols = np.empty(ids_out.shape, dtype=np.int64)
+    _top_k(scores, rows, pos, ids_out, sc_out, cols)
     no_rest_o, no_rest_lse = np.zeros((1, o_out.shape[1]), np.float32), np.zeros(1, np.float32)
-    _attend(vals, sel_rows if values_by_row else ids_out, sc_out, scale, no_rest_o, no_rest_lse, False,
+    _attend(vals, _value_rows(rows, pos, values_by_row), cols, sc_out, scale, no_rest_o, no_rest_lse, False,
             o_out, mz_out)
     return m
+
+
+@pjit
+def search_layer_par(keys, pos, outside, offsets, size_factor, vmeans, q, cent, bias, budget, k, scale, estimate,
+                     vals, values_by_row, attend, logit, e, bounds, mx_p, z_p, ids, scores, rest_o, rest_lse, o, mz,
+                     read):
+    """One layer, every KV head: routing over (head, cluster range) tasks, then `finish_head` per head, each
+    round on numba's threads. Arrays are the per-head arguments of `route_chunk` / `finish_head` with a
+    leading (Hkv,) axis; read (Hkv,) int64 receives each head's keys read."""
+    hkv = keys.shape[0]
+    J = bounds.shape[0] - 1
+    for t in prange(hkv * J):
+        h, p = t // J, t % J
+        c0, c1 = bounds[p], bounds[p + 1]
+        route_chunk(q[h], cent[h, c0:c1], bias[h, c0:c1], scale, logit[h, c0:c1], e[h, c0:c1], mx_p[h, p],
+                    z_p[h, p])
+    for h in prange(hkv):
+        read[h] = finish_head(keys[h], pos[h], outside[h], offsets[h], size_factor[h], vmeans[h], q[h], budget, k,
+                              scale, estimate, vals[h], values_by_row, attend, logit[h], e[h], bounds, mx_p[h],
+                              z_p[h], ids[h], scores[h], rest_o[h], rest_lse[h], o[h], mz[h])
+
+
+@pjit
+def scan_layer_par(keys, pos, outside, offsets, order, take, q, k, scale, vals, values_by_row, ids, scores, o, mz,
+                   read):
+    """One layer routed elsewhere, every KV head on numba's threads: `scan_head` per head (arguments with a
+    leading (Hkv,) axis; take (Hkv,) int32; read (Hkv,) int64 receives each head's keys read)."""
+    for h in prange(keys.shape[0]):
+        read[h] = scan_head(keys[h], pos[h], outside[h], offsets[h], order[h], take[h], q[h], k, scale, vals[h],
+                            values_by_row, ids[h], scores[h], o[h], mz[h])
