@@ -76,6 +76,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--configs", nargs="+", default=["flat", "routed:kernel=torch", "routed:kernel=numba"])
+    ap.add_argument("--threads", type=int, nargs="+", default=[None],
+                    help="routed's compiled path: numba threads, one row per count (default: one per core)")
     ap.add_argument("--out", default=None, help="append the JSON lines here too")
     a = ap.parse_args()
     ckv = synthetic_kv(a.layers, a.kv_heads, a.head_dim, a.n, torch.bfloat16, 0)
@@ -93,17 +95,25 @@ def main() -> None:
         if name == "routed" and opts.get("device_route") == "true":
             routes = strat.device_routes(torch.device("cuda" if torch.cuda.is_available() else "cpu"),
                                          [a.k] * a.layers)
-        ms = step_ms(strat, context, qs, a.k, a.layers, a.reps, routes)
-        row = {"what": "step_cpu", "config": text, "n": a.n, "layers": a.layers, "kv_heads": a.kv_heads,
-               "head_dim": a.head_dim, "group": a.group, "k": a.k, "threads": torch.get_num_threads(),
-               "open_s": round(open_s, 1), "ms_per_step": round(ms, 2), "ms_per_layer": round(ms / a.layers, 3)}
-        if hasattr(strat, "keys_read_fraction") and strat.keys_read_fraction() is not None:
-            row["keys_read_pct"] = round(100 * strat.keys_read_fraction(), 2)
-        line = json.dumps(row)
-        print(line, flush=True)
-        if a.out:
-            with open(a.out, "a") as f:
-                f.write(line + "\n")
+        for threads in a.threads:
+            if threads is not None:
+                strat.threads = threads
+            ms = step_ms(strat, context, qs, a.k, a.layers, a.reps, routes)
+            row = {"what": "step_cpu", "config": text, "n": a.n, "layers": a.layers, "kv_heads": a.kv_heads,
+                   "head_dim": a.head_dim, "group": a.group, "k": a.k,
+                   "threads": getattr(strat, "threads", torch.get_num_threads()),
+                   "open_s": round(open_s, 1), "ms_per_step": round(ms, 2), "ms_per_layer": round(ms / a.layers, 3)}
+            if hasattr(strat, "keys_read_fraction") and strat.keys_read_fraction() is not None:
+                row["keys_read_pct"] = round(100 * strat.keys_read_fraction(), 2)
+            if name == "routed" and getattr(strat, "kernel", False):
+                import numba
+
+                row["numba_threading_layer"] = numba.threading_layer()
+            line = json.dumps(row)
+            print(line, flush=True)
+            if a.out:
+                with open(a.out, "a") as f:
+                    f.write(line + "\n")
         strat.close()
 
 

@@ -122,6 +122,8 @@ class Selection:
     Q = G·T (group query heads × new tokens, head-major); K may differ from the requested k.
     rest: an estimate of the attention over the searchable tokens not in `ids`, or None (attend to the
         selected tokens only: every strategy's default).
+    filled: how many slots hold a token, where the strategy counted them (the decoder's statistics; None:
+        the decoder counts).
     """
 
     ids: torch.Tensor
@@ -129,6 +131,7 @@ class Selection:
     searched: bool = True  # False when the answer came from a cache instead of a search
     no_empty_slots: bool = False  # True when the strategy knows no slot is empty (lets the decoder skip the check)
     rest: RestPart | None = None
+    filled: int | None = None
 
 
 @dataclass

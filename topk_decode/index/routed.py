@@ -333,7 +333,8 @@ class RoutedStrategy(SelectionStrategy):
         self.stats.extra["keys_searchable"] += q.shape[0] * self.n_searchable
         rest = RestPart(out=res.rest_out, lse=res.rest_lse) if self.estimate else None
         # slots fill in order, so a query has an empty slot iff its last one is
-        return Selection(ids=res.ids, scores=res.scores, no_empty_slots=bool((res.ids[..., -1] >= 0).all()), rest=rest)
+        return Selection(ids=res.ids, scores=res.scores, no_empty_slots=res.filled == res.ids.numel(), rest=rest,
+                         filled=res.filled)
 
     def device_routes(self, device: torch.device, k_per_layer: list[int]) -> DeviceRoutes | None:
         """Routing and the estimate on the decode device for the layers whose tables fit (routed_device.py),
@@ -367,7 +368,8 @@ class RoutedStrategy(SelectionStrategy):
                                              o32.numpy(), mz_np)
             self.stats.extra["keys_read"] += res.read
             self.stats.extra["keys_searchable"] += hkv * self.n_searchable
-            sel = Selection(ids=res.ids, scores=res.scores, no_empty_slots=bool((res.ids[..., -1] >= 0).all()))
+            sel = Selection(ids=res.ids, scores=res.scores, no_empty_slots=res.filled == res.ids.numel(),
+                            filled=res.filled)
         else:
             sel = self._compiled(layer, q, k, self._budget(k), o32.numpy(), mz_np)
         o.copy_(o32.view(hkv * Q, D))                     # fp32 → the values' dtype, rounded once

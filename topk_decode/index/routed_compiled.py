@@ -56,13 +56,15 @@ class LayerArrays(NamedTuple):
 
 class LayerResult(NamedTuple):
     """ids (Hkv, Q, K) int64 (−1 in empty slots), scores (Hkv, Q, K) float32, the estimate's out
-    (Hkv, Q, D) and lse (Hkv, Q) float32 (meaningful with estimate), and the keys read in all heads."""
+    (Hkv, Q, D) and lse (Hkv, Q) float32 (meaningful with estimate), the keys read in all heads and the
+    slots filled (counted by numpy: a torch op would wake torch's OpenMP threads, engine.py)."""
 
     ids: torch.Tensor
     scores: torch.Tensor
     rest_out: torch.Tensor
     rest_lse: torch.Tensor
     read: int
+    filled: int
 
 
 def _reused(scratch: dict | None, name: str, shape: tuple, dtype: type) -> np.ndarray:
@@ -113,7 +115,7 @@ def search_layer(arrays: LayerArrays, q: torch.Tensor, budget: int, k: int, scal
                      estimate, vals, a.values_by_row, attend, logit, e, bounds, mx_p, z_p, ids, scores, rest_o,
                      rest_lse, o, mz, read)
     return LayerResult(torch.from_numpy(ids), torch.from_numpy(scores), torch.from_numpy(rest_o),
-                       torch.from_numpy(rest_lse), int(read.sum()))
+                       torch.from_numpy(rest_lse), int(read.sum()), int(np.count_nonzero(ids >= 0)))
 
 
 def scan_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take: torch.Tensor, k: int,
@@ -140,4 +142,4 @@ def scan_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take: 
     scan_layer_par(a.keys, a.pos, a.outside, a.offsets, order_n, take_n, qn, k, s, vals, a.values_by_row, ids, scores,
                    o, mz, read)
     return LayerResult(torch.from_numpy(ids), torch.from_numpy(scores), torch.zeros(hkv, Q, d),
-                       torch.full((hkv, Q), -float("inf")), int(read.sum()))
+                       torch.full((hkv, Q), -float("inf")), int(read.sum()), int(np.count_nonzero(ids >= 0)))
