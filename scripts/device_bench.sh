@@ -88,6 +88,14 @@ if [ "$phase" = threads ]; then   # the device-routed CPU side by numba thread c
   NUMBA_THREADING_LAYER=workqueue $PY scripts/step_cpu.py --n 131072 --layers 8 --configs $cfg \
       --out "$OUT/threads_workqueue.jsonl"; snap
 fi
+if [ "$phase" = parts ]; then   # a head's device-routed layer by part (scan, top-k, context part), then 32K decode
+  $PY scripts/kernel_parts.py --n 131072 --rows 2624 2>&1 | tee "$OUT/kernel_parts.jsonl"
+  $PY scripts/kernel_parts.py --n 32768 --rows 1900 2>&1 | tee -a "$OUT/kernel_parts.jsonl"; snap
+  for kv in prefill synthetic; do
+    $PY -m topk_decode bench --model llama-3-8b --context 32K --gpu-memory "$budget" --k 1024 --steps 16 --kv $kv \
+        --strategy routed --systems topk --no-offload-prefill --out "$OUT/parts_$kv" 2>&1 | tee "$OUT/log_parts_$kv.txt"; snap
+  done
+fi
 if [ "$phase" = nographs ]; then
   $PY -m topk_decode bench --model llama-3-8b --context 32K,128K --systems topk --no-graphs --no-offload-prefill \
       --gpu-memory "$budget" --k 1024 --steps 8 --out "$OUT/nographs" 2>&1 | tee "$OUT/log_llama8b_nographs.txt"

@@ -27,6 +27,7 @@ exact top-k, as flat's (and the estimate is empty).
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -195,11 +196,11 @@ class RoutedStrategy(SelectionStrategy):
             first = out.view(hkv, n).to(torch.uint8).argmax(1)                  # first outside row per head
             self._pad_rows.append((self._row_base[:, 0] + first).view(hkv, 1) if bool(has.all()) else None)
         if self.kernel:
-            self.threads = default_threads()            # numba threads of the per-layer call
+            self.threads = routed_compiled.team_size(default_threads())   # numba threads per layer call
             self._kernel_in = [self._kernel_arrays(layer) for layer in range(self.ckv.n_layers)]
             routed_compiled.warm_up(self._kernel_in[0])  # compile at open, not inside the first step
             self._kernel_scratch: dict = {}            # routing buffers, reused (routed_compiled.search_layer)
-        self.stats.extra.update(keys_read=0, keys_searchable=0)
+        self.stats.extra.update(keys_read=0, keys_searchable=0, kernel_s=0.0)
 
     def _use_kernel(self, choice: str) -> bool:
         """Whether routed_kernel.py's compiled path runs (the `kernel` option; "auto": wherever it applies)."""
@@ -363,6 +364,7 @@ class RoutedStrategy(SelectionStrategy):
         hkv, Q, D = q.shape
         o32 = self._o32(hkv * Q * D).view(hkv, Q, D)
         mz_np = mz.numpy().reshape(hkv, Q, 2) if mz.is_contiguous() else np.empty((hkv, Q, 2), np.float32)
+        t = time.perf_counter()
         if route is not None:
             res = routed_compiled.scan_layer(self._kernel_in[layer], q, route[0], route[1], k, self.scale, self.threads,
                                              o32.numpy(), mz_np)
@@ -372,6 +374,7 @@ class RoutedStrategy(SelectionStrategy):
                             filled=res.filled)
         else:
             sel = self._compiled(layer, q, k, self._budget(k), o32.numpy(), mz_np)
+        self.stats.extra["kernel_s"] += time.perf_counter() - t   # the compiled call (bench: kernel_ms)
         o.copy_(o32.view(hkv * Q, D))                     # fp32 → the values' dtype, rounded once
         if not mz.is_contiguous():
             mz.copy_(torch.from_numpy(mz_np).view(hkv * Q, 2))

@@ -67,6 +67,14 @@ class LayerResult(NamedTuple):
     filled: int
 
 
+def team_size(cores: int) -> int:
+    """Threads of the per-layer call on a host with `cores` cores: one fewer than the cores, and (at the
+    call) no more than its tasks. Every team member waits at the region's end, so one descheduled member
+    stalls the layer for an OS time slice: with all 16 cores in the team while the GPU ran the step, a
+    layer of 8 heads took 7 ms instead of 1.1 (docs/BENCHMARKS.md, "Routing on the device")."""
+    return max(1, cores - 1)
+
+
 def _reused(scratch: dict | None, name: str, shape: tuple, dtype: type) -> np.ndarray:
     """scratch[name] when it has this shape, else a new buffer kept there (None: always a new one)."""
     buf = None if scratch is None else scratch.get(name)
@@ -110,7 +118,7 @@ def search_layer(arrays: LayerArrays, q: torch.Tensor, budget: int, k: int, scal
     logit, e = (_reused(scratch, name, (hkv, C, Q), np.float32) for name in ("logit", "e"))
     mx_p, z_p = (_reused(scratch, name, (hkv, J, Q), np.float32) for name in ("mx", "z"))
     read = np.zeros(hkv, dtype=np.int64)
-    compiled.set_threads(threads)
+    compiled.set_threads(min(threads, hkv * J))      # no idle team members (see `team_size`)
     search_layer_par(a.keys, a.pos, a.outside, a.offsets, a.size_factor, a.vmeans, qn, a.cent, a.bias, budget, k, s,
                      estimate, vals, a.values_by_row, attend, logit, e, bounds, mx_p, z_p, ids, scores, rest_o,
                      rest_lse, o, mz, read)
@@ -138,7 +146,7 @@ def scan_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take: 
     scores = np.empty((hkv, Q, k), dtype=np.float32)
     vals = a.vals if a.vals is not None else a.keys
     read = np.zeros(hkv, dtype=np.int64)
-    compiled.set_threads(threads)
+    compiled.set_threads(min(threads, hkv))
     scan_layer_par(a.keys, a.pos, a.outside, a.offsets, order_n, take_n, qn, k, s, vals, a.values_by_row, ids, scores,
                    o, mz, read)
     return LayerResult(torch.from_numpy(ids), torch.from_numpy(scores), torch.zeros(hkv, Q, d),

@@ -1,0 +1,76 @@
+"""Where one KV head's device-routed layer goes on this CPU: routed_kernel.py's scan, top-k and context
+part timed apart, on cold data (each head's keys and values are touched once per round, as in decoding).
+
+Usage: python scripts/kernel_parts.py --n 131072 --rows 2624   (Llama-3-8B head at 128K, 2 % read)
+Synthetic random bf16 keys and values; the clusters read are a random choice. Figures: docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's package, not an installed one
+from topk_decode.index.routed_kernel import _attend, _scan, _top_k, _value_rows, scan_head
+
+
+def bf16_bits(shape: tuple, gen: torch.Generator) -> np.ndarray:
+    """Random bf16 values as their uint16 bits."""
+    return torch.randn(shape, generator=gen).bfloat16().view(torch.int16).numpy().view(np.uint16)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=131072, help="keys per head")
+    ap.add_argument("--rows", type=int, default=2624, help="keys read per head (whole clusters)")
+    ap.add_argument("--cluster-size", type=int, default=16)
+    ap.add_argument("--heads", type=int, default=8, help="distinct heads cycled through (keeps data cold)")
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--k", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=5)
+    a = ap.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    rng = np.random.default_rng(0)
+    Q, d, N, S = a.group, a.head_dim, a.n, a.cluster_size
+    keys = [bf16_bits((N, d), gen) for _ in range(a.heads)]
+    vals = [bf16_bits((N, d), gen) for _ in range(a.heads)]
+    pos, outside = np.arange(N, dtype=np.int64), np.zeros(N, np.bool_)
+    offsets = np.arange(0, N + 1, S, dtype=np.int64)
+    taken = -(-a.rows // S)
+    orders = [rng.permutation(N // S).astype(np.int32) for _ in range(a.heads)]
+    qh = rng.standard_normal((Q, d)).astype(np.float32)
+    ids, sc = np.empty((Q, a.k), np.int64), np.empty((Q, a.k), np.float32)
+    cols, o, mz = np.empty((Q, a.k), np.int64), np.empty((Q, d), np.float32), np.empty((Q, 2), np.float32)
+    no_o, no_lse, s = np.zeros((1, d), np.float32), np.zeros(1, np.float32), np.float32(d ** -0.5)
+    m = taken * S
+    times = {"scan": [], "top_k": [], "attend": [], "scan_head": []}
+    for r in range(a.rounds + 1):
+        for h in range(a.heads):
+            t0 = time.perf_counter()
+            rows, scores = _scan(keys[h], outside, offsets, orders[h], taken, m, qh)
+            t1 = time.perf_counter()
+            _top_k(scores, rows, pos, ids, sc, cols)
+            t2 = time.perf_counter()
+            _attend(vals[h], _value_rows(rows, pos, True), cols, sc, s, no_o, no_lse, False, o, mz)
+            t3 = time.perf_counter()
+            if r:   # round 0 compiles
+                times["scan"].append(t1 - t0), times["top_k"].append(t2 - t1), times["attend"].append(t3 - t2)
+        for h in range(a.heads):
+            t0 = time.perf_counter()
+            scan_head(keys[h], pos, outside, offsets, orders[h], taken, qh, a.k, s, vals[h], True, ids, sc, o, mz)
+            if r:
+                times["scan_head"].append(time.perf_counter() - t0)
+    row = {"what": "kernel_parts", "n": N, "rows": m, "group": Q, "k": a.k,
+           **{f"{name}_us": round(1e6 * float(np.median(v)), 1) for name, v in times.items()}}
+    print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
