@@ -6,8 +6,9 @@
 #   bash scripts/device_bench.sh nographs  # Llama-3-8B top-k rows without CUDA graphs (the comparison)
 #   bash scripts/device_bench.sh scan      # DRAM floor vs flat / routed scan per layer (Llama-3-8B at 128K, Qwen2.5-7B at 1M)
 #   bash scripts/device_bench.sh routed    # flat and routed side by side: Llama-3-8B 128K (prefill KV), Qwen2.5-7B 1M (synthetic)
-#   bash scripts/device_bench.sh device    # routed with routing on the GPU (routed_device.py): its GPU tests, tok/s
-#                                          # at 32K/128K, then the CPU side alone at 128K, CPU- vs device-routed
+#   bash scripts/device_bench.sh device    # routed with routing on the GPU (routed_device.py): its GPU tests, then
+#                                          # flat and routed beside HF dense at 32K/128K
+#   bash scripts/device_bench.sh device_cpu  # the CPU side alone at 128K, CPU- vs device-routed (step_cpu.py)
 #   bash scripts/device_bench.sh fused     # routed's compiled path (search + context part in one kernel) vs its torch
 #                                          # path: the CPU side alone over 32 layers (step_cpu.py), then tok/s at 32K/128K
 #                                          # (needs numba: pip install the carried numba + llvmlite wheels first)
@@ -73,9 +74,13 @@ if [ "$phase" = fused ]; then
   done
 fi
 if [ "$phase" = device ]; then
-  $PY -m pytest -q -m gpu tests/test_routed_device.py 2>&1 | tail -3 | tee "$OUT/log_device_tests.txt"
+  $PY -m pytest -q -m gpu tests/test_routed_device.py tests/test_host_embedding.py 2>&1 | tail -3 \
+      | tee "$OUT/log_device_tests.txt"
   $PY -m topk_decode bench --model llama-3-8b --context 32K,128K --gpu-memory "$budget" --k 1024 --steps 16 \
-      --strategy routed --systems topk --no-offload-prefill --out "$OUT/device" 2>&1 | tee "$OUT/log_device.txt"; snap
+      --strategy flat,routed --systems topk,hf-dense --no-offload-prefill --out "$OUT/device" 2>&1 \
+      | tee "$OUT/log_device.txt"; snap
+fi
+if [ "$phase" = device_cpu ]; then   # the CPU side alone at 128K, CPU- vs device-routed
   $PY scripts/step_cpu.py --n 131072 --layers 32 --configs routed:kernel=numba routed:kernel=numba,device_route=true \
       --out "$OUT/step_cpu.jsonl" 2>&1 | tee "$OUT/log_step_cpu.txt"; snap
 fi

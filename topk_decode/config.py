@@ -31,6 +31,9 @@ class DecodeConfig:
         max_window_tokens: most tokens a conversation may add after the context (prompts and
             answers); the window's memory grows linearly with it. A prompt that would pass it is
             refused with a TopkError, and the conversation is left as it was.
+        host_embedding: keep the input embedding table in CPU RAM (decode/embedding.py) and free its
+            GPU memory for the strategy (routed's routing tables); None (default): on a CUDA decode device
+            when the embedding is not tied to the LM head. The model gets its table back at `close`.
         n_layers: the model's number of layers; leave it None: `validate(n_layers)` sets it (the
             decoder calls it with the model's depth), and `k_for_layer` reads it for the schedule.
     """
@@ -46,6 +49,7 @@ class DecodeConfig:
     prompt_chunk: int = 512
     prompt_scratch_mib: int = 1024
     max_window_tokens: int = 65536
+    host_embedding: bool | None = None
     n_layers: int | None = None
 
     def validate(self, n_layers: int) -> None:

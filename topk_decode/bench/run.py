@@ -195,37 +195,40 @@ def _topk_decode(model, ckv, cfg: BenchConfig, device: torch.device, strategy: s
     t_open = time.perf_counter()
     decoder = TopKDecoder(model, ckv, config, graphs=cfg.graphs and device.type == "cuda")
     open_s = time.perf_counter() - t_open      # includes building the strategy's layout (routed: k-means)
-    conv = decoder.new_conversation()
-    t_first = time.perf_counter()
-    logits = decoder.forward([5], conv)          # the first one-token step captures (and compiles) the graphs
-    first_step_s = time.perf_counter() - t_first
-    for _ in range(cfg.warmup):
-        logits = decoder.forward([int(torch.argmax(logits))], conv)
-    conv.stats = type(conv.stats)()
-    extra = decoder.strategy.stats.extra
-    read0, total0, kernel0 = extra.get("keys_read", 0), extra.get("keys_searchable", 0), extra.get("kernel_s")
-    t0 = time.perf_counter()
-    for _ in range(cfg.steps):
-        logits = decoder.forward([int(torch.argmax(logits))], conv)
-    wall = time.perf_counter() - t0
-    read, total = extra.get("keys_read", 0) - read0, extra.get("keys_searchable", 0) - total0
-    # flat reads every searchable key; strategies that read a share count what they read
-    keys_read_pct = 100.0 if strategy == "flat" else (round(100 * read / total, 2) if total else None)
-    s = conv.stats.summary()
-    if kernel0 is not None:   # routed's compiled call alone, inside search_ms
-        s["kernel_ms"] = 1e3 * (extra["kernel_s"] - kernel0) / cfg.steps
-    rss, hwm = cpu_rss()
-    breakdown = {k: round(s[k], 2) for k in ("gpu_ms", "d2h_ms", "search_ms", "kernel_ms", "context_ms", "h2d_ms")
-                 if k in s}
-    return {"tokens_per_s": cfg.steps / wall, "ms_per_step": 1e3 * wall / cfg.steps, "breakdown": breakdown,
-            "steps": cfg.steps, "k": cfg.k, "strategy_options": options,
-            "keys_read_pct": keys_read_pct, "open_s": round(open_s, 1),
-            "cuda_graphs": decoder.segments is not None and decoder.segments.graphs is not None,
-            "compiled": decoder.segments is not None and decoder.segments.compiled,
-            "first_step_s": round(first_step_s, 2),
-            "fp32_rescans": decoder.strategy.stats.extra.get("fp32_rescans", 0),
-            **_device_routes_row(decoder),
-            "peak_gpu_gib": _gib(peak_gpu(device)), "cpu_rss_gib": _gib(rss), "cpu_peak_rss_gib": _gib(hwm)}
+    try:
+        conv = decoder.new_conversation()
+        t_first = time.perf_counter()
+        logits = decoder.forward([5], conv)          # the first one-token step captures (and compiles) the graphs
+        first_step_s = time.perf_counter() - t_first
+        for _ in range(cfg.warmup):
+            logits = decoder.forward([int(torch.argmax(logits))], conv)
+        conv.stats = type(conv.stats)()
+        extra = decoder.strategy.stats.extra
+        read0, total0, kernel0 = extra.get("keys_read", 0), extra.get("keys_searchable", 0), extra.get("kernel_s")
+        t0 = time.perf_counter()
+        for _ in range(cfg.steps):
+            logits = decoder.forward([int(torch.argmax(logits))], conv)
+        wall = time.perf_counter() - t0
+        read, total = extra.get("keys_read", 0) - read0, extra.get("keys_searchable", 0) - total0
+        # flat reads every searchable key; strategies that read a share count what they read
+        keys_read_pct = 100.0 if strategy == "flat" else (round(100 * read / total, 2) if total else None)
+        s = conv.stats.summary()
+        if kernel0 is not None:   # routed's compiled call alone, inside search_ms
+            s["kernel_ms"] = 1e3 * (extra["kernel_s"] - kernel0) / cfg.steps
+        rss, hwm = cpu_rss()
+        breakdown = {k: round(s[k], 2) for k in ("gpu_ms", "d2h_ms", "search_ms", "kernel_ms", "context_ms", "h2d_ms")
+                     if k in s}
+        return {"tokens_per_s": cfg.steps / wall, "ms_per_step": 1e3 * wall / cfg.steps, "breakdown": breakdown,
+                "steps": cfg.steps, "k": cfg.k, "strategy_options": options,
+                "keys_read_pct": keys_read_pct, "open_s": round(open_s, 1),
+                "cuda_graphs": decoder.segments is not None and decoder.segments.graphs is not None,
+                "compiled": decoder.segments is not None and decoder.segments.compiled,
+                "first_step_s": round(first_step_s, 2),
+                "fp32_rescans": decoder.strategy.stats.extra.get("fp32_rescans", 0),
+                "host_embedding": decoder.host_embedding is not None, **_device_routes_row(decoder),
+                "peak_gpu_gib": _gib(peak_gpu(device)), "cpu_rss_gib": _gib(rss), "cpu_peak_rss_gib": _gib(hwm)}
+    finally:   # the model gets its input embedding back (decode/embedding.py) for the rows after
+        decoder.close()
 
 
 def _device_routes_row(decoder) -> dict:

@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from topk_decode.config import DecodeConfig
+from topk_decode.decode import embedding
 from topk_decode.decode.context import ContextAttention
 from topk_decode.decode.graphs import StepSegments
 from topk_decode.decode.layer import finish_layer
@@ -147,6 +148,9 @@ class TopKDecoder:
         if self.shape.sliding_window and n > self.shape.sliding_window:
             warnings.warn(f"the model's sliding window ({self.shape.sliding_window}) is shorter than the context "
                           f"({n} tokens); top-k decoding attends over the whole context", TopkWarning, stacklevel=2)
+        # last: nothing after it may fail and leave the model changed
+        want = config.host_embedding if config.host_embedding is not None else self._cuda and not embedding.tied(model)
+        self.host_embedding = embedding.move_embedding_to_host(model, self.device) if want else None
 
     def new_conversation(self) -> Conversation:
         """A fresh conversation: the window starts with the context's sinks and tail."""
@@ -236,10 +240,14 @@ class TopKDecoder:
             self._segments = None
 
     def close(self) -> None:
-        """Stop the strategy's worker threads; later steps raise TopkError. Idempotent."""
+        """Stop the strategy's worker threads and give the model back its input embedding (`host_embedding`);
+        later steps raise TopkError. Idempotent."""
         with self.lock:        # after any step in flight
             self.closed = True
             self.strategy.close()
+            if self.host_embedding is not None:
+                embedding.restore(self.model, self.host_embedding)
+                self.host_embedding = None
 
     @torch.inference_mode()
     def _forward_locked(self, ids: list[int], conv: Conversation) -> torch.Tensor:

@@ -29,6 +29,7 @@ import warnings
 import torch
 
 from topk_decode.decode import layer as layer_math
+from topk_decode.decode.embedding import HostEmbedding
 from topk_decode.decode.layer import finish_layer, layer_boundary, start_layer
 from topk_decode.decode.merge import fixed_window_attention, lse_merge
 from topk_decode.decode.window import Window, new_buffers, window_capacity
@@ -65,6 +66,10 @@ class StepSegments:
         self._boundary = layer_math.compiled_boundary() if self.compiled else layer_boundary
         self.dtype = next(model.parameters()).dtype
         self.token = torch.zeros((1, 1), dtype=torch.int64, device=device)
+        # an input embedding in CPU RAM (decode/embedding.py) writes the token's row here before each step
+        self.host_embedding = model.model.embed_tokens if isinstance(model.model.embed_tokens, HostEmbedding) else None
+        self.x_in = torch.zeros((1, 1, shape.hidden_size), dtype=self.dtype, device=device) \
+            if self.host_embedding is not None else None
         self.position = torch.zeros((1,), dtype=torch.int64, device=device)
         H, hkv, D, L = shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.n_layers
         pin = device.type == "cuda"
@@ -137,7 +142,7 @@ class StepSegments:
     # ---- the segments: first (l = 0), boundary (1 ≤ l < L), last (l = L) ---------------------------
     def _first(self) -> None:
         """Segment 0: embedding, RoPE, the window mask, then layer 0's attention inputs and window part."""
-        x = self.model.model.embed_tokens(self.token)                          # (1, 1, C)
+        x = self.x_in if self.host_embedding is not None else self.model.model.embed_tokens(self.token)  # (1, 1, C)
         self.cos, self.sin = rope(self.model, x, self.position)
         torch.le(self._slots, self.win_len, out=self.visible[0])               # old slots and this token's
         self.bias.masked_fill_(self.visible, 0.0).masked_fill_(~self.visible, float("-inf"))
@@ -245,5 +250,7 @@ class StepSegments:
     def start(self, token: int, position: int, window: Window) -> None:
         """Set the step's token, position and window length (no host sync: device-side fills)."""
         self.token.fill_(token)
+        if self.host_embedding is not None:
+            self.host_embedding.stage(token, self.x_in)
         self.position.fill_(position)
         self.win_len.fill_(window.length)
