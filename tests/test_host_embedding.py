@@ -80,3 +80,23 @@ def test_host_embedding_in_captured_steps_decodes_the_same_tokens(built_cache):
     assert got == ref
     dec.close()
     assert model.model.embed_tokens.weight.is_cuda
+
+
+def test_close_keeps_the_table_in_cpu_ram_when_the_device_has_no_room_for_it(built_cache, monkeypatch):
+    cache, model_dir = built_cache
+    model = _untied(model_dir)
+    dec = TopKDecoder(model, open_cache(cache), DecodeConfig(k=8, host_embedding=True))
+    original, calls = dec.host_embedding.original, []
+    move = original.to
+
+    def no_room(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("no room")
+        return move(*args, **kwargs)
+
+    monkeypatch.setattr(original, "to", no_room)
+    with pytest.warns(Warning, match="stays in CPU RAM"):
+        dec.close()
+    assert isinstance(model.model.embed_tokens, HostEmbedding)      # still a working model
+    assert model.model.embed_tokens(torch.tensor([[5, 6]])).shape == (1, 2, model.config.hidden_size)

@@ -72,8 +72,17 @@ def move_embedding_to_host(model, device: torch.device) -> HostEmbedding:
     return host
 
 
-def restore(model, host: HostEmbedding) -> None:
-    """Undo `move_embedding_to_host`: the original embedding back in the model, on the decode device."""
-    if model.model.embed_tokens is host:
+def restore(model, host: HostEmbedding) -> bool:
+    """Undo `move_embedding_to_host`: the original embedding back in the model, on the decode device.
+
+    Returns False, leaving the table in CPU RAM (the model still works), where the device has no room for it.
+    """
+    if model.model.embed_tokens is not host:
+        return True
+    try:
         host.original.to(host.device)
-        model.model.embed_tokens = host.original
+    except torch.OutOfMemoryError:
+        host.original.to("cpu")
+        return False
+    model.model.embed_tokens = host.original
+    return True

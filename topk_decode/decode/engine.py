@@ -10,6 +10,7 @@ Per step and layer (batch 1):
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 import warnings
@@ -246,7 +247,13 @@ class TopKDecoder:
             self.closed = True
             self.strategy.close()
             if self.host_embedding is not None:
-                embedding.restore(self.model, self.host_embedding)
+                self._segments = None             # the step's buffers and tables first: room for the table
+                if self._cuda:
+                    gc.collect()                      # captured graphs hold their pool until collected
+                    torch.cuda.empty_cache()
+                if not embedding.restore(self.model, self.host_embedding):
+                    warnings.warn("the input embedding stays in CPU RAM: no room for it on the device",
+                                  TopkWarning, stacklevel=2)
                 self.host_embedding = None
 
     @torch.inference_mode()
