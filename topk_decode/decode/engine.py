@@ -247,7 +247,9 @@ class TopKDecoder:
             self.closed = True
             self.strategy.close()
             if self.host_embedding is not None:
-                self._segments = None             # the step's buffers and tables first: room for the table
+                if self._segments is not None:    # the step's buffers and tables first: room for the table
+                    self._segments.park()             # (a conversation's window resident there keeps them alive)
+                self._segments = None
                 if self._cuda:
                     gc.collect()                      # captured graphs hold their pool until collected
                     torch.cuda.empty_cache()
