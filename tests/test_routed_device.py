@@ -72,14 +72,19 @@ def test_device_routing_selects_and_attends_as_the_cpu_path(clustered_cache, ope
         torch.testing.assert_close(out_d, out_c, rtol=1e-2, atol=1e-2)
 
 
-def test_float8_value_means_change_the_estimate_by_little(clustered_cache, opened):
-    strat = opened(clustered_cache, "routed", {"cluster_size": 32, "probe_fraction": 0.05, "kernel": "numba",
-                                               "device_route": "true"})
+def _keys_and_float8_routes(clustered_cache, opened, kind: str) -> tuple[DeviceRoutes, DeviceRoutes]:
+    """The same layers' device routes with tables in the keys' dtype and in float8 tier `kind` (on the CPU)."""
     if getattr(torch, "float8_e4m3fn", None) is None:
         pytest.skip("this torch has no float8")
+    strat = opened(clustered_cache, "routed", {"cluster_size": 32, "probe_fraction": 0.05, "kernel": "numba",
+                                               "device_route": "true"})
     args = (strat._stats, strat._sizes, strat._bias, [strat._budget(40)] * 2, strat.ckv.n_tokens, strat.scale, True,
             CPU)
-    exact, fp8 = DeviceRoutes(*args, values="keys"), DeviceRoutes(*args, values="fp8-values")
+    return DeviceRoutes(*args, values="keys"), DeviceRoutes(*args, values=kind)
+
+
+def test_float8_value_means_change_the_estimate_by_little(clustered_cache, opened):
+    exact, fp8 = _keys_and_float8_routes(clustered_cache, opened, "fp8-values")
     assert fp8.values_kind == "fp8-values" and fp8.nbytes() < exact.nbytes()
     q = _queries(seed=5)
     for routes in (exact, fp8):
@@ -91,13 +96,7 @@ def test_float8_value_means_change_the_estimate_by_little(clustered_cache, opene
 
 
 def test_float8_centroids_keep_most_of_the_routed_clusters(clustered_cache, opened):
-    strat = opened(clustered_cache, "routed", {"cluster_size": 32, "probe_fraction": 0.05, "kernel": "numba",
-                                               "device_route": "true"})
-    if getattr(torch, "float8_e4m3fn", None) is None:
-        pytest.skip("this torch has no float8")
-    args = (strat._stats, strat._sizes, strat._bias, [strat._budget(40)] * 2, strat.ckv.n_tokens, strat.scale, True,
-            CPU)
-    exact, fp8 = DeviceRoutes(*args, values="keys"), DeviceRoutes(*args, values="fp8")
+    exact, fp8 = _keys_and_float8_routes(clustered_cache, opened, "fp8")
     assert fp8.values_kind == "fp8" and fp8.tables[0].cent.dtype == torch.float8_e4m3fn
     q = _queries(seed=6)
     for routes in (exact, fp8):
@@ -121,7 +120,9 @@ def test_device_route_is_off_where_it_cannot_apply(clustered_cache, opened):
         opened(clustered_cache, "routed", {"device_route": "gpu"})
 
 
-def test_decoder_routes_on_the_device_in_one_token_steps_and_matches_cpu_routing(tmp_path, model_factory, docs_dir):
+def _routed_stores(tmp_path, model_factory, docs_dir, device: str, modes: tuple[str, str], segments: bool):
+    """Two stores over one bf16 cache of the tiny model, device_route=modes[0] and modes[1], and each one's
+    logits for a prompt then one-token steps (the captured step's segments; eagerly on the CPU)."""
     from topk_decode import KVStore
     from topk_decode.prefill.build import build_cache
 
@@ -129,13 +130,18 @@ def test_decoder_routes_on_the_device_in_one_token_steps_and_matches_cpu_routing
     build_cache(docs_dir, cache, model_factory("llama_gqa"), chunk_size=97, device="cpu", dtype="bf16")
     opts = {"probe_fraction": 0.1, "cluster_size": 16, "kernel": "numba"}
     logits, stores = {}, {}
-    for mode in ("true", "false"):
-        store = stores[mode] = KVStore.open(cache, k=8, device="cpu", dtype="bf16", strategy="routed", n_sink=4,
+    for mode in modes:
+        store = stores[mode] = KVStore.open(cache, k=8, device=device, dtype="bf16", strategy="routed", n_sink=4,
                                             n_tail=16, strategy_options=dict(opts, device_route=mode))
         dec = store.decoder
-        dec._use_segments = True                     # the captured step's segments, run eagerly on the CPU
+        dec._use_segments = segments or dec._use_segments
         conv = dec.new_conversation()
-        logits[mode] = [dec.forward([5, 17, 42, 99], conv)] + [dec.forward([t], conv) for t in (7, 8, 9)]
+        logits[mode] = [dec.forward([5, 17, 42, 99], conv)] + [dec.forward([t], conv) for t in (7, 8, 9, 10)]
+    return stores, logits
+
+
+def test_decoder_routes_on_the_device_in_one_token_steps_and_matches_cpu_routing(tmp_path, model_factory, docs_dir):
+    stores, logits = _routed_stores(tmp_path, model_factory, docs_dir, "cpu", ("true", "false"), segments=True)
     seg = stores["true"].decoder.segments
     assert seg.routes is not None and seg.routes.layers_on_device() == stores["true"].decoder.shape.n_layers
     assert stores["false"].decoder.segments.routes is None
@@ -152,19 +158,7 @@ def test_decoder_routes_on_the_device_in_one_token_steps_and_matches_cpu_routing
 
 @pytest.mark.gpu
 def test_captured_cuda_step_routes_on_the_gpu_and_matches_cpu_routing(tmp_path, model_factory, docs_dir):
-    from topk_decode import KVStore
-    from topk_decode.prefill.build import build_cache
-
-    cache = tmp_path / "bf16"
-    build_cache(docs_dir, cache, model_factory("llama_gqa"), chunk_size=97, device="cpu", dtype="bf16")
-    opts = {"probe_fraction": 0.1, "cluster_size": 16, "kernel": "numba"}
-    logits, stores = {}, {}
-    for mode in ("auto", "false"):
-        store = stores[mode] = KVStore.open(cache, k=8, device="cuda", dtype="bf16", strategy="routed", n_sink=4,
-                                            n_tail=16, strategy_options=dict(opts, device_route=mode))
-        conv = store.decoder.new_conversation()
-        logits[mode] = [store.decoder.forward([5, 17, 42, 99], conv)] + \
-            [store.decoder.forward([t], conv) for t in (7, 8, 9, 10)]
+    stores, logits = _routed_stores(tmp_path, model_factory, docs_dir, "cuda", ("auto", "false"), segments=False)
     seg = stores["auto"].decoder.segments
     assert seg.graphs is not None and seg.routes is not None and seg.routes.layers_on_device() > 0
     for a, b in zip(logits["auto"], logits["false"]):

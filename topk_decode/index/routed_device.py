@@ -37,9 +37,10 @@ _FP8 = getattr(torch, "float8_e4m3fn", None)
 class LayerTables:
     """One layer's routing tables on the device.
 
-    cent: (Hkv, C, D) centroids (keys' dtype or float8); cscale: (Hkv, 1, D) float32 float8 scale or None; bias: (Hkv, 1, C) float32 0 or −inf (no searchable key);
+    cent: (Hkv, C, D) centroids (keys' dtype or float8); cscale: (Hkv, 1, D) float32 float8 scale or None;
+    bias: (Hkv, 1, C) float32 0 or −inf (no searchable key);
     log_n: (Hkv, 1, C) float32; sizes: (Hkv, C) int64 rows per cluster; vmeans: (Hkv, C, D) mean values
-    (keys' dtype or float8) or None without the estimate; vscale: (Hkv, 1, 1) float32 float8 scale or None.
+    (keys' dtype or float8) or None without the estimate; vscale: (Hkv, 1, D) float32 float8 scale or None.
     budget: keys to read per head; width: clusters ranked per head (W).
     """
 
@@ -143,7 +144,8 @@ class DeviceRoutes:
             vmeans, vscale = _to_fp8(st.value_means) if kind != "keys" else (st.value_means, None)
             vmeans, vscale = vmeans.to(dev), None if vscale is None else vscale.to(dev)
         cent, cscale = _to_fp8(st.centroids) if kind == "fp8" else (st.centroids, None)
-        return LayerTables(cent=cent.to(dev), cscale=None if cscale is None else cscale.to(dev), bias=bias.float().to(dev), log_n=st.log_n.float().to(dev),
+        return LayerTables(cent=cent.to(dev), cscale=None if cscale is None else cscale.to(dev),
+                           bias=bias.float().to(dev), log_n=st.log_n.float().to(dev),
                            sizes=sizes.to(dev, torch.int64), vmeans=vmeans, vscale=vscale, budget=budget,
                            width=ranked_width(budget, C, n_tokens))
 
