@@ -18,10 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import mmap
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's package, not an installed one
@@ -66,6 +68,26 @@ def step_ms(strat, context: ContextAttention, qs: list[torch.Tensor], k: int, la
     return times[len(times) // 2]
 
 
+def _huge_copy(a: np.ndarray, keep: list) -> np.ndarray:
+    """A copy of `a` in an anonymous mapping advised MADV_HUGEPAGE before its first touch."""
+    buf = mmap.mmap(-1, max(a.nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf.madvise(mmap.MADV_HUGEPAGE)
+    keep.append(buf)
+    out = np.frombuffer(buf, dtype=a.dtype, count=a.size).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+def _to_hugepages(strat) -> None:
+    """Point routed's compiled path at huge-page copies of its layout's keys, values, positions and flags."""
+    keep: list = []
+    for layer, arr in enumerate(strat._kernel_in):
+        vals = None if arr.vals is None else _huge_copy(arr.vals, keep)
+        strat._kernel_in[layer] = arr._replace(keys=_huge_copy(arr.keys, keep), vals=vals,
+                                               pos=_huge_copy(arr.pos, keep), outside=_huge_copy(arr.outside, keep))
+    strat._huge, strat._huge_maps = True, keep
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=131072, help="context tokens (keys per KV head)")
@@ -78,6 +100,9 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=["flat", "routed:kernel=torch", "routed:kernel=numba"])
     ap.add_argument("--threads", type=int, nargs="+", default=[None],
                     help="routed's compiled path: numba threads, one row per count (default: one per core)")
+    ap.add_argument("--hugepages", action="store_true",
+                    help="routed's compiled path: then again with its keys and values copied into memory advised "
+                         "for transparent huge pages before first touch (one more row per thread count)")
     ap.add_argument("--out", default=None, help="append the JSON lines here too")
     a = ap.parse_args()
     ckv = synthetic_kv(a.layers, a.kv_heads, a.head_dim, a.n, torch.bfloat16, 0)
@@ -95,7 +120,10 @@ def main() -> None:
         if name == "routed" and opts.get("device_route") == "true":
             routes = strat.device_routes(torch.device("cuda" if torch.cuda.is_available() else "cpu"),
                                          [a.k] * a.layers)
-        for threads in a.threads:
+        variants = [False, True] if a.hugepages and getattr(strat, "kernel", False) else [False]
+        for huge, threads in [(h, t) for h in variants for t in a.threads]:
+            if huge and not getattr(strat, "_huge", False):
+                _to_hugepages(strat)
             if threads is not None:
                 strat.threads = threads
             ms = step_ms(strat, context, qs, a.k, a.layers, a.reps, routes)
@@ -109,6 +137,7 @@ def main() -> None:
                 import numba
 
                 row["numba_threading_layer"] = numba.threading_layer()
+                row["hugepages"] = huge
             line = json.dumps(row)
             print(line, flush=True)
             if a.out:
