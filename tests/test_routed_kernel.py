@@ -167,3 +167,19 @@ def test_decoder_runs_the_fused_path_and_matches_the_torch_path(tmp_path, model_
     for store in stores.values():
         store.close()
 
+
+
+def test_kth_largest_is_the_partition_value_with_ties_infinities_and_signed_zeros():
+    import numpy as np
+
+    from topk_decode.index.routed_kernel import kth_largest
+
+    rng = np.random.default_rng(0)
+    hist = np.empty(2048, np.int64)
+    rows = [rng.standard_normal(m).astype(np.float32) * scale for m, scale in ((1, 1), (7, 1e-3), (300, 40), (2000, 3))]
+    rows.append(np.array([0.0, -0.0, 0.0, -0.0, 1.0, -np.inf, -np.inf], np.float32))
+    rows.append(np.round(rng.standard_normal(500) * 2).astype(np.float32))          # many ties
+    rows.append(np.full(64, -np.inf, np.float32))
+    for s in rows:
+        for kk in sorted({1, min(2, len(s)), len(s) // 2 or 1, len(s)}):
+            assert kth_largest(s, kk, hist) == np.sort(s)[len(s) - kk], (s[:8], kk)

@@ -174,13 +174,46 @@ def _scan(keys, outside, offsets, order, taken, m, qh):
 
 
 @jit
+def _order_key(b):
+    """A float32's bits (uint32) → a uint32 whose unsigned order is the floats' order (−0 just below +0)."""
+    return b ^ np.uint32(0xFFFFFFFF) if b >> np.uint32(31) else b | np.uint32(0x80000000)
+
+
+@jit
+def kth_largest(s, kk, hist):
+    """The kk-th largest of s (float32, 1 ≤ kk ≤ len(s), no NaN), exactly.
+
+    Radix select: a histogram of the top 11 bits of order-preserving keys, then a partition of the one
+    bucket holding it. np.partition of the whole row was ~5× slower on fresh data (its quickselect
+    mispredicts; docs/BENCHMARKS.md run 14). hist: (2048,) int64 scratch."""
+    m = s.shape[0]
+    bits = s.view(np.uint32)
+    hist[:] = 0
+    for r in range(m):
+        hist[_order_key(bits[r]) >> np.uint32(21)] += 1
+    above, bucket = 0, 2047
+    while above + hist[bucket] < kk:
+        above += hist[bucket]
+        bucket -= 1
+    cand = np.empty(hist[bucket], dtype=np.float32)
+    n = 0
+    for r in range(m):
+        if _order_key(bits[r]) >> np.uint32(21) == bucket:
+            cand[n] = s[r]
+            n += 1
+    need = kk - above                                     # its rank from the top inside the bucket
+    return np.partition(cand, n - need)[n - need]
+
+
+@jit
 def _top_k(scores, rows, pos, ids_out, sc_out, cols_out):
-    """Each query's top-k by the k-th largest score (a partition), ties at it filled in row order.
+    """Each query's top-k by the k-th largest score (`kth_largest`), ties at it filled in row order.
 
     Writes ids (original positions), scores and the scan columns they came from; −1 / 0 / −1 in unfilled slots.
     """
     Q, m = scores.shape
     K = ids_out.shape[1]
+    hist = np.empty(2048, dtype=np.int64)
     for i in range(Q):
         s = scores[i]
         n_valid = 0
@@ -190,7 +223,7 @@ def _top_k(scores, rows, pos, ids_out, sc_out, cols_out):
         kk = min(K, n_valid)
         o = 0
         if kk > 0:
-            cut = np.partition(s, m - kk)[m - kk]
+            cut = kth_largest(s, kk, hist)
             for r in range(m):
                 if s[r] > cut:
                     ids_out[i, o], sc_out[i, o], cols_out[i, o] = pos[rows[r]], s[r], r
