@@ -34,9 +34,8 @@ def jit(fn):
 def pjit(fn):
     """fn compiled with its `prange` loops run on numba's threads (`jit` otherwise).
 
-    One such call per layer replaces a Python thread pool's map: a few µs to start the heads instead of
-    ~0.2 ms of futures and GIL hand-offs, which at ~0.3 ms of work per head dominated a step
-    (docs/BENCHMARKS.md, "Routing on the device")."""
+    One such call per layer replaces a Python thread pool's map, whose futures and GIL hand-offs cost
+    about as much as a head's work (docs/BENCHMARKS.md run 14)."""
     return numba.njit(nogil=True, cache=True, fastmath=_FASTMATH, parallel=True)(fn) if numba is not None else fn
 
 

@@ -330,10 +330,12 @@ class RoutedStrategy(SelectionStrategy):
         """The compiled path's selection (and, given o and mz, its context part): routed_compiled.search_layer."""
         res = routed_compiled.search_layer(self._kernel_in[layer], q, budget, k, self.scale, self.estimate, self.threads,
                                            o, mz, self._kernel_scratch)
+        return self._kernel_selection(res, RestPart(out=res.rest_out, lse=res.rest_lse) if self.estimate else None)
+
+    def _kernel_selection(self, res: routed_compiled.LayerResult, rest: RestPart | None = None) -> Selection:
+        """A compiled call's result as a Selection, its keys read added to the strategy's counters."""
         self.stats.extra["keys_read"] += res.read
-        self.stats.extra["keys_searchable"] += q.shape[0] * self.n_searchable
-        rest = RestPart(out=res.rest_out, lse=res.rest_lse) if self.estimate else None
-        # slots fill in order, so a query has an empty slot iff its last one is
+        self.stats.extra["keys_searchable"] += res.ids.shape[0] * self.n_searchable
         return Selection(ids=res.ids, scores=res.scores, no_empty_slots=res.filled == res.ids.numel(), rest=rest,
                          filled=res.filled)
 
@@ -366,12 +368,8 @@ class RoutedStrategy(SelectionStrategy):
         mz_np = mz.numpy().reshape(hkv, Q, 2) if mz.is_contiguous() else np.empty((hkv, Q, 2), np.float32)
         t = time.perf_counter()
         if route is not None:
-            res = routed_compiled.scan_layer(self._kernel_in[layer], q, route[0], route[1], k, self.scale, self.threads,
-                                             o32.numpy(), mz_np)
-            self.stats.extra["keys_read"] += res.read
-            self.stats.extra["keys_searchable"] += hkv * self.n_searchable
-            sel = Selection(ids=res.ids, scores=res.scores, no_empty_slots=res.filled == res.ids.numel(),
-                            filled=res.filled)
+            sel = self._kernel_selection(routed_compiled.scan_layer(self._kernel_in[layer], q, route[0], route[1], k,
+                                                                    self.scale, self.threads, o32.numpy(), mz_np))
         else:
             sel = self._compiled(layer, q, k, self._budget(k), o32.numpy(), mz_np)
         self.stats.extra["kernel_s"] += time.perf_counter() - t   # the compiled call (bench: kernel_ms)

@@ -70,8 +70,8 @@ class LayerResult(NamedTuple):
 def team_size(cores: int) -> int:
     """Threads of the per-layer call on a host with `cores` cores: one fewer than the cores, and (at the
     call) no more than its tasks. Every team member waits at the region's end, so one descheduled member
-    stalls the layer for an OS time slice: with all 16 cores in the team while the GPU ran the step, a
-    layer of 8 heads took 7 ms instead of 1.1 (docs/BENCHMARKS.md, "Routing on the device")."""
+    stalls the layer for an OS time slice; a team of every core did, while the GPU ran the step
+    (docs/BENCHMARKS.md run 14)."""
     return max(1, cores - 1)
 
 

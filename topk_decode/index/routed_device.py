@@ -2,7 +2,7 @@
 
 On the CPU, routing reads every centroid and the estimate every cluster's mean value at every step and
 layer: at 128K tokens and clusters of 16 that is 4 MB per KV head, three times the keys the scan reads,
-and it dominated the step on the GPU host (docs/BENCHMARKS.md, "Routing on the device"). On the GPU
+and it dominated the step on the GPU host (docs/BENCHMARKS.md run 14). On the GPU
 the same arithmetic is a few microseconds of a kernel. So, for the layers whose tables fit the device:
 
 - per layer, the step's segment (decode/graphs.py) scores the query against the centroids, ranks the
@@ -17,8 +17,8 @@ the same arithmetic is a few microseconds of a kernel. So, for the layers whose 
 The tables: centroids and mean values, log cluster sizes, sizes. Where the tables of every layer do not fit
 beside `reserve` bytes in the keys' dtype, the mean values (they only feed the estimate) go to float8
 (e4m3, one scale per KV head and dimension), and where that does not fit either, the centroids too (then
-routing ranks with ~3 % error per centroid element: docs/STRATEGIES.md "Routing on the device"). Layers
-whose tables still do not fit route on the CPU as before.
+routing ranks with e4m3 rounding, 3 mantissa bits per centroid element: docs/STRATEGIES.md "Routing on
+the device"). Layers whose tables still do not fit route on the CPU as before.
 """
 
 from __future__ import annotations

@@ -184,8 +184,8 @@ def kth_largest(s, kk, hist):
     """The kk-th largest of s (float32, 1 ≤ kk ≤ len(s), no NaN), exactly.
 
     Radix select: a histogram of the top 11 bits of order-preserving keys, then a partition of the one
-    bucket holding it. np.partition of the whole row was ~5× slower on fresh data (its quickselect
-    mispredicts; docs/BENCHMARKS.md run 14). hist: (2048,) int64 scratch."""
+    bucket holding it; np.partition of the whole row is a branchy quickselect, slower on fresh rows
+    (docs/BENCHMARKS.md run 14). hist: (2048,) int64 scratch."""
     m = s.shape[0]
     bits = s.view(np.uint32)
     hist[:] = 0
@@ -353,6 +353,20 @@ def _value_rows(rows, pos, values_by_row):
 
 
 @jit
+def _read_clusters(keys, pos, outside, offsets, order, taken, m, qh, scale, vals, values_by_row, rest_o, rest_lse,
+                   with_rest, attend, ids_out, sc_out, o_out, mz_out):
+    """What a head does once its clusters are chosen: the exact scan of the first `taken` of `order` (m rows),
+    each query's top-k into ids_out / sc_out, and with `attend` the context part (merged with rest_o /
+    rest_lse when `with_rest`) into o_out / mz_out."""
+    rows, scores = _scan(keys, outside, offsets, order, taken, m, qh)
+    cols = np.empty(ids_out.shape, dtype=np.int64)
+    _top_k(scores, rows, pos, ids_out, sc_out, cols)
+    if attend:
+        _attend(vals, _value_rows(rows, pos, values_by_row), cols, sc_out, scale, rest_o, rest_lse, with_rest,
+                o_out, mz_out)
+
+
+@jit
 def finish_head(keys, pos, outside, offsets, size_factor, vmeans, qh, budget, k, scale, estimate, vals,
                  values_by_row, attend, logit, e, bounds, mx_parts, z_parts, ids_out, sc_out, rest_o, rest_lse,
                  o_out, mz_out):
@@ -391,14 +405,10 @@ def finish_head(keys, pos, outside, offsets, size_factor, vmeans, qh, budget, k,
                 total += z_parts[p, i] * factor[p, i]
         lz[i] = mxs[i] + math.log(total)
     order, taken, m = _cluster_order(logit, lz, offsets, budget, keys.shape[0])
-    rows, scores = _scan(keys, outside, offsets, order, taken, m, qh)
-    cols = np.empty(ids_out.shape, dtype=np.int64)
-    _top_k(scores, rows, pos, ids_out, sc_out, cols)
     if estimate:
         _unread(e, size_factor, vmeans, order, taken, bounds, factor, mxs, rest_o, rest_lse)
-    if attend:
-        _attend(vals, _value_rows(rows, pos, values_by_row), cols, sc_out, scale, rest_o, rest_lse, estimate,
-                o_out, mz_out)
+    _read_clusters(keys, pos, outside, offsets, order, taken, m, qh, scale, vals, values_by_row, rest_o, rest_lse,
+                   estimate, attend, ids_out, sc_out, o_out, mz_out)
     return m
 
 
@@ -414,12 +424,9 @@ def scan_head(keys, pos, outside, offsets, order, taken, qh, k, scale, vals, val
     m = 0
     for t in range(taken):
         m += offsets[order[t] + 1] - offsets[order[t]]
-    rows, scores = _scan(keys, outside, offsets, order, taken, m, qh)
-    cols = np.empty(ids_out.shape, dtype=np.int64)
-    _top_k(scores, rows, pos, ids_out, sc_out, cols)
     no_rest_o, no_rest_lse = np.zeros((1, o_out.shape[1]), np.float32), np.zeros(1, np.float32)
-    _attend(vals, _value_rows(rows, pos, values_by_row), cols, sc_out, scale, no_rest_o, no_rest_lse, False,
-            o_out, mz_out)
+    _read_clusters(keys, pos, outside, offsets, order, taken, m, qh, scale, vals, values_by_row, no_rest_o,
+                   no_rest_lse, False, True, ids_out, sc_out, o_out, mz_out)
     return m
 
 
