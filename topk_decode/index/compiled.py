@@ -11,6 +11,9 @@ import torch
 
 try:  # without numba, flat and routed run their torch paths
     import numba
+    from llvmlite import ir
+    from numba.core import cgutils
+    from numba.extending import intrinsic
 except ImportError:  # pragma: no cover - exercised where numba is absent
     numba = None
 
@@ -51,3 +54,27 @@ def set_threads(n: int) -> None:
 def bits(t: torch.Tensor) -> np.ndarray:
     """A bf16 tensor's storage as uint16 (a view, no copy)."""
     return t.view(torch.int16).numpy().view(np.uint16)
+
+
+if numba is not None:
+    @intrinsic
+    def prefetch(typingctx, addr):
+        """Ask for the cache line at byte address `addr` (an integer: `a.ctypes.data` + offset) to be loaded.
+
+        routed's scan reads small clusters scattered over the layout; without a hint each row is a serial
+        DRAM miss (docs/BENCHMARKS.md run 15). A hint costs one instruction and never faults."""
+        if not isinstance(addr, numba.types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                                "llvm.prefetch.p0")
+            # read, highest temporal locality, data cache
+            builder.call(fn, [builder.inttoptr(args[0], i8p), i32(0), i32(3), i32(1)])
+            return context.get_dummy_value()
+
+        return numba.types.void(addr), codegen
+else:  # pragma: no cover - exercised where numba is absent
+    def prefetch(addr: int) -> None:
+        """A no-op without numba."""

@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from topk_decode.index.compiled import jit, pjit, prange
+from topk_decode.index.compiled import jit, pjit, prange, prefetch
 
 @jit
 def _exp_into(x, out, bits):
@@ -147,30 +147,64 @@ def _cluster_order(logit, lz, offsets, budget, n):
     return order, taken, m
 
 
+# Rows ahead of the scan whose cache lines are requested: the clusters read are small and scattered, so
+# without it each row is a serial DRAM miss; 16 rows keep ~70 lines in flight (docs/BENCHMARKS.md run 15).
+_AHEAD = 16
+
+
 @jit
-def _scan(keys, outside, offsets, order, taken, m, qh):
-    """Exact fp32 q·k of every row of the first `taken` clusters: (rows (m,), scores (Q, m), −inf outside)."""
-    Q, d = qh.shape
-    scores = np.empty((Q, m), dtype=np.float32)
+def _prefetch_row(a, row):
+    """Request the cache lines of a[row] (a row of a 2-D array, an element of a 1-D one)."""
+    base = a.ctypes.data + row * a.strides[0]
+    for b in range(0, a.strides[0], 64):
+        prefetch(base + b)
+    prefetch(base + a.strides[0] - 1)                   # a row that straddles one more line
+
+
+@jit
+def _cluster_rows(offsets, order, taken, m):
+    """The layout rows of the first `taken` clusters of `order`, in that order: (m,) int64."""
     rows = np.empty(m, dtype=np.int64)
-    widened = np.empty(d, dtype=np.uint32)
-    kf = widened.view(np.float32)
-    dots = np.empty(Q, dtype=np.float32)
     r = 0
     for t in range(taken):
+        if t + _AHEAD < taken:
+            _prefetch_row(offsets, order[t + _AHEAD])
         c = order[t]
         for row in range(offsets[c], offsets[c + 1]):
             rows[r] = row
-            if outside[row]:
-                for i in range(Q):
-                    scores[i, r] = -np.inf
-            else:
-                _widen(keys[row], widened)
-                _dot_queries(qh, kf, dots)
-                for i in range(Q):
-                    scores[i, r] = dots[i]
             r += 1
-    return rows, scores
+    return rows
+
+
+@jit
+def _scan(keys, pos, outside, rows, qh):
+    """Exact fp32 q·k of every row in `rows`: (positions (m,), scores (Q, m), −inf outside)."""
+    Q, d = qh.shape
+    m = rows.shape[0]
+    scores = np.empty((Q, m), dtype=np.float32)
+    rpos = np.empty(m, dtype=np.int64)
+    widened = np.empty(d, dtype=np.uint32)
+    kf = widened.view(np.float32)
+    dots = np.empty(Q, dtype=np.float32)
+    for r in range(min(_AHEAD, m)):
+        _prefetch_row(keys, rows[r])
+    for r in range(m):
+        if r + _AHEAD < m:
+            ahead = rows[r + _AHEAD]
+            _prefetch_row(keys, ahead)
+            _prefetch_row(pos, ahead)
+            _prefetch_row(outside, ahead)
+        row = rows[r]
+        rpos[r] = pos[row]
+        if outside[row]:
+            for i in range(Q):
+                scores[i, r] = -np.inf
+        else:
+            _widen(keys[row], widened)
+            _dot_queries(qh, kf, dots)
+            for i in range(Q):
+                scores[i, r] = dots[i]
+    return rpos, scores
 
 
 @jit
@@ -206,10 +240,11 @@ def kth_largest(s, kk, hist):
 
 
 @jit
-def _top_k(scores, rows, pos, ids_out, sc_out, cols_out):
+def _top_k(scores, rpos, ids_out, sc_out, cols_out):
     """Each query's top-k by the k-th largest score (`kth_largest`), ties at it filled in row order.
 
-    Writes ids (original positions), scores and the scan columns they came from; −1 / 0 / −1 in unfilled slots.
+    rpos: (m,) each scan column's original position. Writes ids (positions), scores and the scan columns they
+    came from; −1 / 0 / −1 in unfilled slots.
     """
     Q, m = scores.shape
     K = ids_out.shape[1]
@@ -226,13 +261,13 @@ def _top_k(scores, rows, pos, ids_out, sc_out, cols_out):
             cut = kth_largest(s, kk, hist)
             for r in range(m):
                 if s[r] > cut:
-                    ids_out[i, o], sc_out[i, o], cols_out[i, o] = pos[rows[r]], s[r], r
+                    ids_out[i, o], sc_out[i, o], cols_out[i, o] = rpos[r], s[r], r
                     o += 1
             for r in range(m):
                 if o >= kk:
                     break
                 if s[r] == cut:
-                    ids_out[i, o], sc_out[i, o], cols_out[i, o] = pos[rows[r]], s[r], r
+                    ids_out[i, o], sc_out[i, o], cols_out[i, o] = rpos[r], s[r], r
                     o += 1
         while o < K:
             ids_out[i, o], sc_out[i, o], cols_out[i, o] = -1, 0.0, -1
@@ -312,15 +347,24 @@ def _attend(vals, src, cols, sc, scale, rest_o, rest_lse, with_rest, o_out, mz_o
                 w[cols[i, t], i] = ex[t]
                 z += ex[t]
         ms[i], zs[i] = mx, z
-    widened = np.empty(d, dtype=np.uint32)
-    vf = widened.view(np.float32)
-    o_out[:, :] = 0.0
+    hits = np.empty(m, dtype=np.int64)                      # scan columns some query selected, in scan order
+    n_hit = 0
     for r in range(m):
         hit = False
         for i in range(Q):
             hit = hit or w[r, i] != 0.0
-        if not hit:
-            continue
+        if hit:
+            hits[n_hit] = r
+            n_hit += 1
+    widened = np.empty(d, dtype=np.uint32)
+    vf = widened.view(np.float32)
+    o_out[:, :] = 0.0
+    for x in range(min(_AHEAD, n_hit)):
+        _prefetch_row(vals, src[hits[x]])
+    for x in range(n_hit):
+        if x + _AHEAD < n_hit:
+            _prefetch_row(vals, src[hits[x + _AHEAD]])
+        r = hits[x]
         _widen(vals[src[r]], widened)
         for i in range(Q):
             wi = w[r, i]
@@ -342,28 +386,18 @@ def _attend(vals, src, cols, sc, scale, rest_o, rest_lse, with_rest, o_out, mz_o
 
 
 @jit
-def _value_rows(rows, pos, values_by_row):
-    """The values' row of every scan column: its layout row (values stored by row) or its position."""
-    if values_by_row:
-        return rows
-    src = np.empty_like(rows)
-    for r in range(rows.shape[0]):
-        src[r] = pos[rows[r]]
-    return src
-
-
-@jit
 def _read_clusters(keys, pos, outside, offsets, order, taken, m, qh, scale, vals, values_by_row, rest_o, rest_lse,
                    with_rest, attend, ids_out, sc_out, o_out, mz_out):
     """What a head does once its clusters are chosen: the exact scan of the first `taken` of `order` (m rows),
     each query's top-k into ids_out / sc_out, and with `attend` the context part (merged with rest_o /
     rest_lse when `with_rest`) into o_out / mz_out."""
-    rows, scores = _scan(keys, outside, offsets, order, taken, m, qh)
+    rows = _cluster_rows(offsets, order, taken, m)
+    rpos, scores = _scan(keys, pos, outside, rows, qh)
     cols = np.empty(ids_out.shape, dtype=np.int64)
-    _top_k(scores, rows, pos, ids_out, sc_out, cols)
-    if attend:
-        _attend(vals, _value_rows(rows, pos, values_by_row), cols, sc_out, scale, rest_o, rest_lse, with_rest,
-                o_out, mz_out)
+    _top_k(scores, rpos, ids_out, sc_out, cols)
+    if attend:   # the values' row of each scan column: its layout row (values stored by row) or its position
+        _attend(vals, rows if values_by_row else rpos, cols, sc_out, scale, rest_o, rest_lse, with_rest, o_out,
+                mz_out)
 
 
 @jit
