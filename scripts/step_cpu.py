@@ -126,6 +126,9 @@ def main() -> None:
                 _to_hugepages(strat)
             if threads is not None:
                 strat.threads = threads
+            timed = ("kernel_s", "span_s", "head_max_s", "head_mean_s")
+            before = {name: strat.stats.extra.get(name) for name in timed}
+            calls = strat.stats.searches
             ms = step_ms(strat, context, qs, a.k, a.layers, a.reps, routes)
             row = {"what": "step_cpu", "config": text, "n": a.n, "layers": a.layers, "kv_heads": a.kv_heads,
                    "head_dim": a.head_dim, "group": a.group, "k": a.k,
@@ -133,6 +136,10 @@ def main() -> None:
                    "open_s": round(open_s, 1), "ms_per_step": round(ms, 2), "ms_per_layer": round(ms / a.layers, 3)}
             if hasattr(strat, "keys_read_fraction") and strat.keys_read_fraction() is not None:
                 row["keys_read_pct"] = round(100 * strat.keys_read_fraction(), 2)
+            calls = strat.stats.searches - calls
+            for tname, v0 in before.items():   # per layer, inside the compiled call (routed_compiled.HeadTimes)
+                if v0 is not None and calls:
+                    row[tname[:-2] + "_ms_per_layer"] = round(1e3 * (strat.stats.extra[tname] - v0) / calls, 3)
             if name == "routed" and getattr(strat, "kernel", False):
                 import numba
 

@@ -6,6 +6,8 @@ keys as their uint16 bits and widen them exactly to fp32 inside functions that r
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -78,3 +80,41 @@ if numba is not None:
 else:  # pragma: no cover - exercised where numba is absent
     def prefetch(addr: int) -> None:
         """A no-op without numba."""
+
+
+if numba is not None:
+    @intrinsic
+    def cycles(typingctx):
+        """The CPU's cycle counter (x86: rdtsc, constant rate), int64: timestamps inside compiled code."""
+        def codegen(context, builder, signature, args):
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
+                                                "llvm.readcyclecounter")
+            return builder.call(fn, [])
+
+        return numba.types.int64(), codegen
+else:  # pragma: no cover - exercised where numba is absent
+    def cycles() -> int:
+        """Nanoseconds without numba (then `cycles_per_second` is 1e9)."""
+        return time.perf_counter_ns()
+
+
+@jit
+def _now() -> int:
+    return cycles()
+
+
+_RATE: list[float] = []
+
+
+def cycles_per_second() -> float:
+    """The rate of `cycles`, measured once per process against time.perf_counter over ~20 ms."""
+    if not _RATE:
+        if numba is None:  # pragma: no cover
+            _RATE.append(1e9)
+        else:
+            _now()                                             # compile first
+            t0, c0 = time.perf_counter(), _now()
+            time.sleep(0.02)
+            t1, c1 = time.perf_counter(), _now()
+            _RATE.append((c1 - c0) / (t1 - t0))
+    return _RATE[0]

@@ -200,7 +200,8 @@ class RoutedStrategy(SelectionStrategy):
             self._kernel_in = [self._kernel_arrays(layer) for layer in range(self.ckv.n_layers)]
             routed_compiled.warm_up(self._kernel_in[0])  # compile at open, not inside the first step
             self._kernel_scratch: dict = {}            # routing buffers, reused (routed_compiled.search_layer)
-        self.stats.extra.update(keys_read=0, keys_searchable=0, kernel_s=0.0)
+        self.stats.extra.update(keys_read=0, keys_searchable=0, kernel_s=0.0, head_mean_s=0.0, head_max_s=0.0,
+                                span_s=0.0)
 
     def _use_kernel(self, choice: str) -> bool:
         """Whether routed_kernel.py's compiled path runs (the `kernel` option; "auto": wherever it applies)."""
@@ -334,8 +335,12 @@ class RoutedStrategy(SelectionStrategy):
 
     def _kernel_selection(self, res: routed_compiled.LayerResult, rest: RestPart | None = None) -> Selection:
         """A compiled call's result as a Selection, its keys read added to the strategy's counters."""
-        self.stats.extra["keys_read"] += res.read
-        self.stats.extra["keys_searchable"] += res.ids.shape[0] * self.n_searchable
+        extra = self.stats.extra
+        extra["keys_read"] += res.read
+        extra["keys_searchable"] += res.ids.shape[0] * self.n_searchable
+        extra["head_mean_s"] += res.times.mean              # inside the compiled call (bench: head_*_ms, span_ms)
+        extra["head_max_s"] += res.times.slowest
+        extra["span_s"] += res.times.span
         return Selection(ids=res.ids, scores=res.scores, no_empty_slots=res.filled == res.ids.numel(), rest=rest,
                          filled=res.filled)
 

@@ -56,8 +56,9 @@ class LayerArrays(NamedTuple):
 
 class LayerResult(NamedTuple):
     """ids (Hkv, Q, K) int64 (−1 in empty slots), scores (Hkv, Q, K) float32, the estimate's out
-    (Hkv, Q, D) and lse (Hkv, Q) float32 (meaningful with estimate), the keys read in all heads and the
-    slots filled (counted by numpy: a torch op would wake torch's OpenMP threads, engine.py)."""
+    (Hkv, Q, D) and lse (Hkv, Q) float32 (meaningful with estimate), the keys read in all heads, the
+    slots filled (counted by numpy: a torch op would wake torch's OpenMP threads, engine.py) and the
+    heads' timing (`HeadTimes`)."""
 
     ids: torch.Tensor
     scores: torch.Tensor
@@ -65,6 +66,25 @@ class LayerResult(NamedTuple):
     rest_lse: torch.Tensor
     read: int
     filled: int
+    times: "HeadTimes"
+
+
+class HeadTimes(NamedTuple):
+    """Seconds inside one compiled call: the mean and the slowest head's own work, and the span from the
+    first head's start to the last one's end (the call's time beyond the span is starting and joining
+    the threads; beyond the slowest head, heads that started late)."""
+
+    mean: float
+    slowest: float
+    span: float
+
+
+def _head_times(clock: np.ndarray) -> HeadTimes:
+    """HeadTimes of a call's clock (Hkv, 2) `cycles` (start, end) per head."""
+    rate = compiled.cycles_per_second()
+    work = clock[:, 1] - clock[:, 0]
+    return HeadTimes(float(work.mean()) / rate, float(work.max()) / rate,
+                     float(clock[:, 1].max() - clock[:, 0].min()) / rate)
 
 
 def team_size(cores: int) -> int:
@@ -117,13 +137,13 @@ def search_layer(arrays: LayerArrays, q: torch.Tensor, budget: int, k: int, scal
     bounds = np.array([C * p // J for p in range(J + 1)], dtype=np.int64)
     logit, e = (_reused(scratch, name, (hkv, C, Q), np.float32) for name in ("logit", "e"))
     mx_p, z_p = (_reused(scratch, name, (hkv, J, Q), np.float32) for name in ("mx", "z"))
-    read = np.zeros(hkv, dtype=np.int64)
+    read, clock = np.zeros(hkv, dtype=np.int64), np.zeros((hkv, 2), dtype=np.int64)
     compiled.set_threads(min(threads, hkv * J))      # no idle team members (see `team_size`)
     search_layer_par(a.keys, a.pos, a.outside, a.offsets, a.size_factor, a.vmeans, qn, a.cent, a.bias, budget, k, s,
                      estimate, vals, a.values_by_row, attend, logit, e, bounds, mx_p, z_p, ids, scores, rest_o,
-                     rest_lse, o, mz, read)
+                     rest_lse, o, mz, read, clock)
     return LayerResult(torch.from_numpy(ids), torch.from_numpy(scores), torch.from_numpy(rest_o),
-                       torch.from_numpy(rest_lse), int(read.sum()), int(np.count_nonzero(ids >= 0)))
+                       torch.from_numpy(rest_lse), int(read.sum()), int(np.count_nonzero(ids >= 0)), _head_times(clock))
 
 
 def scan_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take: torch.Tensor, k: int,
@@ -145,9 +165,10 @@ def scan_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take: 
     ids = np.empty((hkv, Q, k), dtype=np.int64)
     scores = np.empty((hkv, Q, k), dtype=np.float32)
     vals = a.vals if a.vals is not None else a.keys
-    read = np.zeros(hkv, dtype=np.int64)
+    read, clock = np.zeros(hkv, dtype=np.int64), np.zeros((hkv, 2), dtype=np.int64)
     compiled.set_threads(min(threads, hkv))
     scan_layer_par(a.keys, a.pos, a.outside, a.offsets, order_n, take_n, qn, k, s, vals, a.values_by_row, ids, scores,
-                   o, mz, read)
+                   o, mz, read, clock)
     return LayerResult(torch.from_numpy(ids), torch.from_numpy(scores), torch.zeros(hkv, Q, d),
-                       torch.full((hkv, Q), -float("inf")), int(read.sum()), int(np.count_nonzero(ids >= 0)))
+                       torch.full((hkv, Q), -float("inf")), int(read.sum()), int(np.count_nonzero(ids >= 0)),
+                       _head_times(clock))

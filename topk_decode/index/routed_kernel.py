@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from topk_decode.index.compiled import jit, pjit, prange, prefetch
+from topk_decode.index.compiled import cycles, jit, pjit, prange, prefetch
 
 @jit
 def _exp_into(x, out, bits):
@@ -467,10 +467,11 @@ def scan_head(keys, pos, outside, offsets, order, taken, qh, k, scale, vals, val
 @pjit
 def search_layer_par(keys, pos, outside, offsets, size_factor, vmeans, q, cent, bias, budget, k, scale, estimate,
                      vals, values_by_row, attend, logit, e, bounds, mx_p, z_p, ids, scores, rest_o, rest_lse, o, mz,
-                     read):
+                     read, clock):
     """One layer, every KV head: routing over (head, cluster range) tasks, then `finish_head` per head, each
     round on numba's threads. Arrays are the per-head arguments of `route_chunk` / `finish_head` with a
-    leading (Hkv,) axis; read (Hkv,) int64 receives each head's keys read."""
+    leading (Hkv,) axis; read (Hkv,) int64 receives each head's keys read, clock (Hkv, 2) int64 the `cycles`
+    at which its `finish_head` started and ended."""
     hkv = keys.shape[0]
     J = bounds.shape[0] - 1
     for t in prange(hkv * J):
@@ -479,16 +480,21 @@ def search_layer_par(keys, pos, outside, offsets, size_factor, vmeans, q, cent, 
         route_chunk(q[h], cent[h, c0:c1], bias[h, c0:c1], scale, logit[h, c0:c1], e[h, c0:c1], mx_p[h, p],
                     z_p[h, p])
     for h in prange(hkv):
+        clock[h, 0] = cycles()
         read[h] = finish_head(keys[h], pos[h], outside[h], offsets[h], size_factor[h], vmeans[h], q[h], budget, k,
                               scale, estimate, vals[h], values_by_row, attend, logit[h], e[h], bounds, mx_p[h],
                               z_p[h], ids[h], scores[h], rest_o[h], rest_lse[h], o[h], mz[h])
+        clock[h, 1] = cycles()
 
 
 @pjit
 def scan_layer_par(keys, pos, outside, offsets, order, take, q, k, scale, vals, values_by_row, ids, scores, o, mz,
-                   read):
+                   read, clock):
     """One layer routed elsewhere, every KV head on numba's threads: `scan_head` per head (arguments with a
-    leading (Hkv,) axis; take (Hkv,) int32; read (Hkv,) int64 receives each head's keys read)."""
+    leading (Hkv,) axis; take (Hkv,) int32; read (Hkv,) int64 receives each head's keys read, clock (Hkv, 2)
+    int64 the `cycles` at which it started and ended)."""
     for h in prange(keys.shape[0]):
+        clock[h, 0] = cycles()
         read[h] = scan_head(keys[h], pos[h], outside[h], offsets[h], order[h], take[h], q[h], k, scale, vals[h],
                             values_by_row, ids[h], scores[h], o[h], mz[h])
+        clock[h, 1] = cycles()
