@@ -113,15 +113,18 @@ class RoutedStrategy(SelectionStrategy):
             (also on a CPU decode device: the tests' way in) or "false". Routing and the estimate then run
             inside the captured step on the device (routed_device.py), and the CPU only scans the chosen
             clusters (compiled path only; one-token steps only, prompts route on the CPU).
+        split: device-routed layers cut all heads' scan and value sums into equal pieces, one per thread of
+            the team (routed_split.py; default True), rather than one task per KV head (`scan_layer_par`).
     """
 
     name = "routed"
     keeps_query = False
     BUILD_DEFAULTS = {"cluster_size": 16, "iters": 6, "store_values": True}
     SEARCH_DEFAULTS = {"probe_fraction": 0.04, "spread": False, "sizes": False, "estimate": True,
-                       "estimate_read": False, "kernel": "auto", "device_route": "auto"}
+                       "estimate_read": False, "kernel": "auto", "device_route": "auto", "split": True}
     OPTIONS = {"cluster_size": int, "iters": int, "store_values": bool, "probe_fraction": float, "spread": bool,
-               "sizes": bool, "estimate": bool, "estimate_read": bool, "kernel": str, "device_route": str}
+               "sizes": bool, "estimate": bool, "estimate_read": bool, "kernel": str, "device_route": str,
+               "split": bool}
 
     # ---- options / build -------------------------------------------------------------------------
     @classmethod
@@ -147,6 +150,7 @@ class RoutedStrategy(SelectionStrategy):
         self.device_route = str(o.get("device_route", self.SEARCH_DEFAULTS["device_route"])).lower()
         if self.device_route not in ("auto", "true", "false"):
             raise TopkError(f"option device_route must be auto, true or false, got {self.device_route!r}")
+        self.split = as_bool(o.get("split", self.SEARCH_DEFAULTS["split"]))
         opts = self.build_options(o)
         if not on_disk(self.ckv):
             self.layouts = list(layer_layouts(self.ckv, opts, progress))
@@ -200,6 +204,7 @@ class RoutedStrategy(SelectionStrategy):
             self._kernel_in = [self._kernel_arrays(layer) for layer in range(self.ckv.n_layers)]
             routed_compiled.warm_up(self._kernel_in[0])  # compile at open, not inside the first step
             self._kernel_scratch: dict = {}            # routing buffers, reused (routed_compiled.search_layer)
+            self._split_scratch: dict = {}             # the split scan's buffers (routed_compiled.split_layer)
         self.stats.extra.update(keys_read=0, keys_searchable=0, kernel_s=0.0, head_mean_s=0.0, head_max_s=0.0,
                                 span_s=0.0)
 
@@ -372,7 +377,11 @@ class RoutedStrategy(SelectionStrategy):
         o32 = self._o32(hkv * Q * D).view(hkv, Q, D)
         mz_np = mz.numpy().reshape(hkv, Q, 2) if mz.is_contiguous() else np.empty((hkv, Q, 2), np.float32)
         t = time.perf_counter()
-        if route is not None:
+        if route is not None and self.split:
+            sel = self._kernel_selection(routed_compiled.split_layer(self._kernel_in[layer], q, route[0], route[1], k,
+                                                                     self.scale, self.threads, o32.numpy(), mz_np,
+                                                                     self._split_scratch))
+        elif route is not None:
             sel = self._kernel_selection(routed_compiled.scan_layer(self._kernel_in[layer], q, route[0], route[1], k,
                                                                     self.scale, self.threads, o32.numpy(), mz_np))
         else:

@@ -17,6 +17,7 @@ import torch
 
 from topk_decode.index import compiled
 from topk_decode.index.routed_kernel import scan_layer_par, search_layer_par
+from topk_decode.index.routed_split import SplitScratch, new_scratch, split_layer_par  # noqa: F401 - new_scratch re-exported
 
 # The smallest cluster range of one routing task: below it a task's fixed cost rivals its work.
 _MIN_CLUSTERS_PER_TASK = 1024
@@ -170,5 +171,38 @@ def scan_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take: 
     scan_layer_par(a.keys, a.pos, a.outside, a.offsets, order_n, take_n, qn, k, s, vals, a.values_by_row, ids, scores,
                    o, mz, read, clock)
     return LayerResult(torch.from_numpy(ids), torch.from_numpy(scores), torch.zeros(hkv, Q, d),
+                       torch.full((hkv, Q), -float("inf")), int(read.sum()), int(np.count_nonzero(ids >= 0)),
+                       _head_times(clock))
+
+
+def split_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take: torch.Tensor, k: int,
+                scale: float, threads: int, o: np.ndarray, mz: np.ndarray, scratch: dict) -> LayerResult:
+    """`scan_layer` with the heads' work cut into `threads` equal pieces per round (routed_split.py), so every
+    thread of the team has work however few the KV heads are.
+
+    Args: as `scan_layer`; scratch: the caller's dict, which keeps the buffers (grown when a layer needs more
+    rows than they hold) across layers and steps.
+    """
+    hkv, Q, d = q.shape
+    qn = q.contiguous().numpy()
+    order_n, take_n = order.numpy(), take.numpy()
+    ids = _reused(scratch, "ids", (hkv, Q, k), np.int64)
+    scores = _reused(scratch, "scores", (hkv, Q, k), np.float32)
+    vals = arrays.vals if arrays.vals is not None else arrays.keys
+    read, clock = np.zeros(hkv, dtype=np.int64), np.zeros((threads, 2), dtype=np.int64)
+    compiled.set_threads(threads)
+    for _ in range(2):
+        buf: SplitScratch | None = scratch.get("split")
+        if buf is None or buf.part.shape[:2] != (threads, hkv) or buf.scores.shape[1] != Q:
+            buf = scratch["split"] = new_scratch(hkv, Q, d, 0, threads)
+        split_layer_par(arrays.keys, arrays.pos, arrays.outside, arrays.offsets, order_n, take_n, qn, k,
+                        np.float32(scale), vals, arrays.values_by_row, threads, *buf, ids, scores, o, mz, read, clock)
+        need = int(read.max())
+        if need <= buf.rows.shape[1]:
+            break
+        # too few rows for this layer (the first call, or a layer reading more): grow with a margin, again
+        scratch["split"] = new_scratch(hkv, Q, d, need + need // 4 + 64, threads)
+    # ids/scores are reused buffers: the Selection gets copies (the engine may keep them past the next layer)
+    return LayerResult(torch.from_numpy(ids.copy()), torch.from_numpy(scores.copy()), torch.zeros(hkv, Q, d),
                        torch.full((hkv, Q), -float("inf")), int(read.sum()), int(np.count_nonzero(ids >= 0)),
                        _head_times(clock))

@@ -165,6 +165,13 @@ def _prefetch_row(a, row):
 def _cluster_rows(offsets, order, taken, m):
     """The layout rows of the first `taken` clusters of `order`, in that order: (m,) int64."""
     rows = np.empty(m, dtype=np.int64)
+    _cluster_rows_into(offsets, order, taken, rows)
+    return rows
+
+
+@jit
+def _cluster_rows_into(offsets, order, taken, rows):
+    """Write the layout rows of the first `taken` clusters of `order` into rows[:m], in that order."""
     r = 0
     for t in range(taken):
         if t + _AHEAD < taken:
@@ -173,23 +180,29 @@ def _cluster_rows(offsets, order, taken, m):
         for row in range(offsets[c], offsets[c + 1]):
             rows[r] = row
             r += 1
-    return rows
 
 
 @jit
 def _scan(keys, pos, outside, rows, qh):
     """Exact fp32 q·k of every row in `rows`: (positions (m,), scores (Q, m), −inf outside)."""
-    Q, d = qh.shape
     m = rows.shape[0]
-    scores = np.empty((Q, m), dtype=np.float32)
+    scores = np.empty((qh.shape[0], m), dtype=np.float32)
     rpos = np.empty(m, dtype=np.int64)
+    _scan_range(keys, pos, outside, rows, 0, m, qh, rpos, scores)
+    return rpos, scores
+
+
+@jit
+def _scan_range(keys, pos, outside, rows, r0, r1, qh, rpos, scores):
+    """`_scan` of rows[r0:r1] into rpos[r0:r1] and scores[:, r0:r1]."""
+    Q, d = qh.shape
     widened = np.empty(d, dtype=np.uint32)
     kf = widened.view(np.float32)
     dots = np.empty(Q, dtype=np.float32)
-    for r in range(min(_AHEAD, m)):
+    for r in range(r0, min(r0 + _AHEAD, r1)):
         _prefetch_row(keys, rows[r])
-    for r in range(m):
-        if r + _AHEAD < m:
+    for r in range(r0, r1):
+        if r + _AHEAD < r1:
             ahead = rows[r + _AHEAD]
             _prefetch_row(keys, ahead)
             _prefetch_row(pos, ahead)
@@ -204,7 +217,6 @@ def _scan(keys, pos, outside, rows, qh):
             _dot_queries(qh, kf, dots)
             for i in range(Q):
                 scores[i, r] = dots[i]
-    return rpos, scores
 
 
 @jit
@@ -241,37 +253,41 @@ def kth_largest(s, kk, hist):
 
 @jit
 def _top_k(scores, rpos, ids_out, sc_out, cols_out):
-    """Each query's top-k by the k-th largest score (`kth_largest`), ties at it filled in row order.
-
-    rpos: (m,) each scan column's original position. Writes ids (positions), scores and the scan columns they
-    came from; −1 / 0 / −1 in unfilled slots.
-    """
-    Q, m = scores.shape
-    K = ids_out.shape[1]
+    """Each query's top-k (`_top_k_one`) of scores (Q, m); rpos: (m,) each scan column's original position."""
     hist = np.empty(2048, dtype=np.int64)
-    for i in range(Q):
-        s = scores[i]
-        n_valid = 0
+    for i in range(scores.shape[0]):
+        _top_k_one(scores[i], rpos, ids_out[i], sc_out[i], cols_out[i], hist)
+
+
+@jit
+def _top_k_one(s, rpos, ids_out, sc_out, cols_out, hist):
+    """One query's top-k by the k-th largest score (`kth_largest`), ties at it filled in row order.
+
+    s: (m,) scores (−inf: never returned); rpos: (m,) positions. Writes ids (positions), scores and the scan
+    columns they came from into the (K,) outputs; −1 / 0 / −1 in unfilled slots. hist: (2048,) scratch.
+    """
+    m, K = s.shape[0], ids_out.shape[0]
+    n_valid = 0
+    for r in range(m):
+        if s[r] > -np.inf:
+            n_valid += 1
+    kk = min(K, n_valid)
+    o = 0
+    if kk > 0:
+        cut = kth_largest(s, kk, hist)
         for r in range(m):
-            if s[r] > -np.inf:
-                n_valid += 1
-        kk = min(K, n_valid)
-        o = 0
-        if kk > 0:
-            cut = kth_largest(s, kk, hist)
-            for r in range(m):
-                if s[r] > cut:
-                    ids_out[i, o], sc_out[i, o], cols_out[i, o] = rpos[r], s[r], r
-                    o += 1
-            for r in range(m):
-                if o >= kk:
-                    break
-                if s[r] == cut:
-                    ids_out[i, o], sc_out[i, o], cols_out[i, o] = rpos[r], s[r], r
-                    o += 1
-        while o < K:
-            ids_out[i, o], sc_out[i, o], cols_out[i, o] = -1, 0.0, -1
-            o += 1
+            if s[r] > cut:
+                ids_out[o], sc_out[o], cols_out[o] = rpos[r], s[r], r
+                o += 1
+        for r in range(m):
+            if o >= kk:
+                break
+            if s[r] == cut:
+                ids_out[o], sc_out[o], cols_out[o] = rpos[r], s[r], r
+                o += 1
+    while o < K:
+        ids_out[o], sc_out[o], cols_out[o] = -1, 0.0, -1
+        o += 1
 
 
 @jit
@@ -315,6 +331,66 @@ def _unread(e, size_factor, vmeans, order, taken, bounds, factor, mxs, rest_o, r
 
 
 @jit
+def _slot_weights(sc, cols, scale, w, shifted, ex, bits):
+    """One query's softmax weights exp(s·a − m) of its filled slots, written at their scan columns w[cols[t]].
+
+    sc, cols: (K,) the slots' scores and scan columns (−1 empty); w: (m,) this query's column of the weights.
+    Returns (m, z); (0, 0) for a query with no filled slot. shifted, ex, bits: (K,) scratch."""
+    K = sc.shape[0]
+    mx = -np.inf
+    for t in range(K):
+        if cols[t] >= 0:
+            mx = max(mx, sc[t] * scale)
+    if mx == -np.inf:
+        return np.float32(0.0), np.float32(0.0)
+    for t in range(K):
+        shifted[t] = sc[t] * scale - mx
+    _exp_into(shifted, ex, bits)
+    z = np.float32(0.0)
+    for t in range(K):
+        if cols[t] >= 0:
+            w[cols[t]] = ex[t]
+            z += ex[t]
+    return np.float32(mx), z
+
+
+@jit
+def _hit_rows(w, m, hits):
+    """Write the scan columns r < m some query weighs (w[r] ≠ 0, w: (≥ m, Q)) into hits, in scan order; returns
+    how many."""
+    n_hit = 0
+    for r in range(m):
+        hit = False
+        for i in range(w.shape[1]):
+            hit = hit or w[r, i] != 0.0
+        if hit:
+            hits[n_hit] = r
+            n_hit += 1
+    return n_hit
+
+
+@jit
+def _sum_values(vals, src, hits, x0, x1, w, out):
+    """out (Q, D) += Σ_r w[r, i]·v_r over the scan columns r of hits[x0:x1] (value row src[r]): each value row is
+    read once for all the queries that weigh it, in scan order (cluster runs), prefetched ahead."""
+    Q, d = out.shape
+    widened = np.empty(d, dtype=np.uint32)
+    vf = widened.view(np.float32)
+    for x in range(x0, min(x0 + _AHEAD, x1)):
+        _prefetch_row(vals, src[hits[x]])
+    for x in range(x0, x1):
+        if x + _AHEAD < x1:
+            _prefetch_row(vals, src[hits[x + _AHEAD]])
+        r = hits[x]
+        _widen(vals[src[r]], widened)
+        for i in range(Q):
+            wi = w[r, i]
+            if wi != 0.0:
+                for j in range(d):
+                    out[i, j] += wi * vf[j]
+
+
+@jit
 def _attend(vals, src, cols, sc, scale, rest_o, rest_lse, with_rest, o_out, mz_out):
     """The context part (decode/context.py) of each query's selected rows, merged with the estimate.
 
@@ -329,48 +405,14 @@ def _attend(vals, src, cols, sc, scale, rest_o, rest_lse, with_rest, o_out, mz_o
     Q, K = sc.shape
     m, d = src.shape[0], vals.shape[1]
     w = np.zeros((m, Q), dtype=np.float32)
-    shifted, ex, bits = np.empty(K, np.float32), np.empty(K, np.float32), np.empty(K, np.int32)
     ms, zs = np.zeros(Q, np.float32), np.zeros(Q, np.float32)
+    shifted, ex, bits = np.empty(K, np.float32), np.empty(K, np.float32), np.empty(K, np.int32)
     for i in range(Q):
-        mx = -np.inf
-        for t in range(K):
-            if cols[i, t] >= 0:
-                mx = max(mx, sc[i, t] * scale)
-        if mx == -np.inf:
-            continue
-        for t in range(K):
-            shifted[t] = sc[i, t] * scale - mx
-        _exp_into(shifted, ex, bits)
-        z = np.float32(0.0)
-        for t in range(K):
-            if cols[i, t] >= 0:
-                w[cols[i, t], i] = ex[t]
-                z += ex[t]
-        ms[i], zs[i] = mx, z
-    hits = np.empty(m, dtype=np.int64)                      # scan columns some query selected, in scan order
-    n_hit = 0
-    for r in range(m):
-        hit = False
-        for i in range(Q):
-            hit = hit or w[r, i] != 0.0
-        if hit:
-            hits[n_hit] = r
-            n_hit += 1
-    widened = np.empty(d, dtype=np.uint32)
-    vf = widened.view(np.float32)
+        ms[i], zs[i] = _slot_weights(sc[i], cols[i], scale, w[:, i], shifted, ex, bits)
+    hits = np.empty(m, dtype=np.int64)
+    n_hit = _hit_rows(w, m, hits)
     o_out[:, :] = 0.0
-    for x in range(min(_AHEAD, n_hit)):
-        _prefetch_row(vals, src[hits[x]])
-    for x in range(n_hit):
-        if x + _AHEAD < n_hit:
-            _prefetch_row(vals, src[hits[x + _AHEAD]])
-        r = hits[x]
-        _widen(vals[src[r]], widened)
-        for i in range(Q):
-            wi = w[r, i]
-            if wi != 0.0:
-                for j in range(d):
-                    o_out[i, j] += wi * vf[j]
+    _sum_values(vals, src, hits, 0, n_hit, w, o_out)
     for i in range(Q):
         m_i, z = ms[i], zs[i]
         if with_rest and rest_lse[i] > -np.inf:

@@ -1,0 +1,83 @@
+"""routed's split scan (index/routed_split.py) gives what one task per head gives, for any number of pieces."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from test_routed import _open, _queries, clustered_cache  # noqa: F401 - fixture
+from topk_decode.index import routed_compiled
+
+pytest.importorskip("numba")
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def device_routed(clustered_cache):
+    """A device-routed strategy (routing on the CPU device) over the clustered cache; closed after the test."""
+    strat = _open(clustered_cache, "routed", {"cluster_size": 32, "probe_fraction": 0.05, "kernel": "numba",
+                                              "device_route": "true"})
+    yield strat
+    strat.close()
+
+
+def _layer(fn, strat, layer: int, q: torch.Tensor, order, take, k: int, threads: int, *scratch):
+    hkv, Q, d = q.shape
+    o, mz = np.full((hkv, Q, d), np.nan, np.float32), np.full((hkv, Q, 2), np.nan, np.float32)
+    res = fn(strat._kernel_in[layer], q, order, take, k, strat.scale, threads, o, mz, *scratch)
+    return res, o, mz
+
+
+@pytest.mark.parametrize("pieces", [1, 3, 7, 16])
+def test_split_scan_selects_and_attends_as_one_task_per_head(device_routed, pieces):
+    strat, k = device_routed, 40
+    routes = strat.device_routes(CPU, [k, k])
+    scratch: dict = {}
+    for layer, seed in ((0, 11), (1, 12), (0, 13)):
+        q = _queries(seed=seed)
+        routes.route(layer, q)
+        order, take = routes.host_route(layer)
+        ref, o_ref, mz_ref = _layer(routed_compiled.scan_layer, strat, layer, q, order, take, k, 2)
+        got, o, mz = _layer(routed_compiled.split_layer, strat, layer, q, order, take, k, pieces, scratch)
+        assert torch.equal(got.ids, ref.ids) and torch.equal(got.scores, ref.scores)   # same slots, same order
+        assert got.read == ref.read and got.filled == ref.filled
+        np.testing.assert_array_equal(mz, mz_ref)                                     # same weights, same sums
+        np.testing.assert_allclose(o, o_ref, rtol=1e-5, atol=1e-5)                     # partial sums reordered
+
+
+def test_split_scan_grows_its_buffers_and_handles_a_head_with_nothing_to_read(device_routed):
+    strat, k = device_routed, 40
+    routes = strat.device_routes(CPU, [k, k])
+    q = _queries(seed=3)
+    routes.route(1, q)
+    order, take = routes.host_route(1)
+    scratch = {"split": routed_compiled.new_scratch(2, 4, 16, 8, 5)}       # too small: grown, then used
+    take = take.clone()
+    take[0] = 0                                                             # head 0 reads no cluster
+    res, o, mz = _layer(routed_compiled.split_layer, strat, 1, q, order, take, k, 5, scratch)
+    assert scratch["split"].rows.shape[1] >= res.read
+    assert bool((res.ids[0] == -1).all()) and not o[0].any() and not mz[0].any()
+    ref, o_ref, mz_ref = _layer(routed_compiled.scan_layer, strat, 1, q, order, take, k, 2)
+    assert torch.equal(res.ids, ref.ids)
+    np.testing.assert_allclose(o, o_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_device_routed_select_and_attend_uses_the_split_scan_unless_told_not_to(clustered_cache):
+    outs = {}
+    for split in (True, False):
+        strat = _open(clustered_cache, "routed", {"cluster_size": 32, "probe_fraction": 0.05, "kernel": "numba",
+                                                  "device_route": "true", "split": split})
+        assert strat.split is split
+        routes = strat.device_routes(CPU, [40, 40])
+        q = _queries(seed=21)
+        routes.route(0, q)
+        o, mz = torch.empty(8, 16, dtype=torch.bfloat16), torch.empty(8, 2)
+        sel = strat.select_and_attend(0, q, 40, None, o, mz, route=routes.host_route(0))
+        outs[split] = (sel.ids, o.float(), mz)
+        assert ("split" in strat._split_scratch) is split
+        strat.close()
+    assert torch.equal(outs[True][0], outs[False][0])
+    torch.testing.assert_close(outs[True][1], outs[False][1], rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(outs[True][2], outs[False][2], rtol=0, atol=0)

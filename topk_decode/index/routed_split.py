@@ -1,0 +1,134 @@
+"""routed's device-routed layer with the heads' work cut into equal pieces for the whole thread team.
+
+`scan_layer_par` gives each KV head one task: Llama-3-8B's 8 heads use 8 of a 16-core host's threads
+(Qwen2.5-7B's 4 heads use 4), and the layer waits for its slowest head. Here one call runs the layer in
+rounds over the whole team (docs/BENCHMARKS.md run 15):
+
+    rows:    per head, the layout rows of its chosen clusters, in routing order;
+    scan:    all heads' rows, cut into `pieces` equal ranges, scored against their head's queries;
+    top-k:   per (head, query), the k-th largest score, the slots, and the slots' softmax weights;
+    values:  the rows some query of the head selected, cut into equal ranges again, each summing
+             weight × value into a partial output per (piece, head); then each head adds its partials.
+
+Same ids and scores as `scan_head`, and the same context part up to fp32 summation order
+(tests/test_routed_split.py). The buffers are the caller's (`SplitScratch`): fresh MB-sized ones in
+every layer would be page-faulted in, and unmapped again with a TLB shootdown on every core of the team.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from topk_decode.index.compiled import cycles, jit, pjit, prange
+from topk_decode.index.routed_kernel import (_cluster_rows_into, _hit_rows, _scan_range, _slot_weights, _sum_values,
+                                             _top_k_one)
+
+
+class SplitScratch(NamedTuple):
+    """The split call's buffers for `cap` rows per head (`new_scratch`)."""
+
+    rows: np.ndarray      # (Hkv, cap) int64 layout rows of the chosen clusters
+    rpos: np.ndarray      # (Hkv, cap) int64 their positions
+    scores: np.ndarray    # (Hkv, Q, cap) float32 exact scores
+    w: np.ndarray         # (Hkv, cap, Q) float32 softmax weights of the selected rows (0 elsewhere)
+    hits: np.ndarray      # (Hkv, cap) int64 scan columns some query selected
+    part: np.ndarray      # (pieces, Hkv, Q, D) float32 partial outputs
+    touched: np.ndarray   # (pieces, Hkv) bool which partials a piece wrote
+
+
+def new_scratch(hkv: int, Q: int, d: int, cap: int, pieces: int) -> SplitScratch:
+    """Buffers for a split call of `pieces` pieces over Hkv heads of Q queries, up to `cap` rows per head."""
+    return SplitScratch(np.empty((hkv, cap), np.int64), np.empty((hkv, cap), np.int64),
+                        np.empty((hkv, Q, cap), np.float32), np.empty((hkv, cap, Q), np.float32),
+                        np.empty((hkv, cap), np.int64), np.empty((pieces, hkv, Q, d), np.float32),
+                        np.empty((pieces, hkv), np.bool_))
+
+
+@jit
+def _first_head(starts, a):
+    """The head whose flattened range [starts[h], starts[h+1]) holds index a (the last such head for empty ones)."""
+    h = 0
+    while h + 1 < starts.shape[0] - 1 and starts[h + 1] <= a:
+        h += 1
+    return h
+
+
+@jit
+def _cumulative(counts):
+    """(H + 1,) int64 starts of each head's range in the flattened order."""
+    starts = np.zeros(counts.shape[0] + 1, dtype=np.int64)
+    for h in range(counts.shape[0]):
+        starts[h + 1] = starts[h] + counts[h]
+    return starts
+
+
+@pjit
+def split_layer_par(keys, pos, outside, offsets, order, take, q, k, scale, vals, values_by_row, pieces, rows, rpos,
+                    sc, w, hits, part, touched, ids, scores, o, mz, read, clock):
+    """One device-routed layer (arguments as `scan_layer_par`, plus the `SplitScratch` buffers) in `pieces`
+    equal pieces per round. The buffers must hold every head's rows (`read` says how many each needed:
+    when some head needs more than they hold, nothing else is written and the caller retries with larger
+    ones). clock (pieces, 2) receives the `cycles` at which each piece started scanning and finished its
+    values."""
+    hkv, Q, d = q.shape
+    cap = rows.shape[1]
+    for h in prange(hkv):
+        n = 0
+        for t in range(take[h]):
+            c = order[h, t]
+            n += offsets[h, c + 1] - offsets[h, c]
+        read[h] = n
+    if read.max() > cap:
+        return
+    for h in prange(hkv):
+        _cluster_rows_into(offsets[h], order[h], take[h], rows[h])
+    starts = _cumulative(read)
+    total = starts[hkv]
+    for p in prange(pieces):
+        clock[p, 0] = cycles()
+        a0, a1 = total * p // pieces, total * (p + 1) // pieces
+        h = _first_head(starts, a0)
+        while h < hkv and starts[h] < a1:
+            r0, r1 = max(a0, starts[h]) - starts[h], min(a1, starts[h + 1]) - starts[h]
+            if r1 > r0:
+                _scan_range(keys[h], pos[h], outside[h], rows[h], r0, r1, q[h], rpos[h], sc[h])
+                w[h, r0:r1, :] = 0.0
+            h += 1
+    ms, zs = np.zeros((hkv, Q), np.float32), np.zeros((hkv, Q), np.float32)
+    K = ids.shape[2]
+    for t in prange(hkv * Q):
+        h, i = t // Q, t % Q
+        n = read[h]
+        cols = np.empty(K, np.int64)
+        _top_k_one(sc[h, i, :n], rpos[h, :n], ids[h, i], scores[h, i], cols, np.empty(2048, np.int64))
+        ms[h, i], zs[h, i] = _slot_weights(scores[h, i], cols, scale, w[h, :, i], np.empty(K, np.float32),
+                                           np.empty(K, np.float32), np.empty(K, np.int32))
+    n_hit = np.zeros(hkv, np.int64)
+    for h in prange(hkv):
+        n_hit[h] = _hit_rows(w[h], read[h], hits[h])
+    hstarts = _cumulative(n_hit)
+    htotal = hstarts[hkv]
+    for p in prange(pieces):
+        touched[p, :] = False
+        a0, a1 = htotal * p // pieces, htotal * (p + 1) // pieces
+        h = _first_head(hstarts, a0)
+        while h < hkv and hstarts[h] < a1:
+            x0, x1 = max(a0, hstarts[h]) - hstarts[h], min(a1, hstarts[h + 1]) - hstarts[h]
+            if x1 > x0:
+                part[p, h] = 0.0
+                touched[p, h] = True
+                _sum_values(vals[h], rows[h] if values_by_row else rpos[h], hits[h], x0, x1, w[h], part[p, h])
+            h += 1
+        clock[p, 1] = cycles()
+    for h in prange(hkv):
+        o[h] = 0.0
+        for p in range(pieces):
+            if touched[p, h]:
+                for i in range(Q):
+                    for j in range(d):
+                        o[h, i, j] += part[p, h, i, j]
+        for i in range(Q):
+            mz[h, i, 0] = ms[h, i]
+            mz[h, i, 1] = zs[h, i]
