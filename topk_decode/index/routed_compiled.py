@@ -189,20 +189,23 @@ def split_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take:
     ids = _reused(scratch, "ids", (hkv, Q, k), np.int64)
     scores = _reused(scratch, "scores", (hkv, Q, k), np.float32)
     vals = arrays.vals if arrays.vals is not None else arrays.keys
-    read, clock = np.zeros(hkv, dtype=np.int64), np.zeros((threads, 2), dtype=np.int64)
+    read, filled, clock = np.zeros(hkv, np.int64), np.zeros((hkv, Q), np.int64), np.zeros((threads, 2), np.int64)
     compiled.set_threads(threads)
     for _ in range(2):
         buf: SplitScratch | None = scratch.get("split")
         if buf is None or buf.part.shape[:2] != (threads, hkv) or buf.scores.shape[1] != Q:
             buf = scratch["split"] = new_scratch(hkv, Q, d, 0, threads)
         split_layer_par(arrays.keys, arrays.pos, arrays.outside, arrays.offsets, order_n, take_n, qn, k,
-                        np.float32(scale), vals, arrays.values_by_row, threads, *buf, ids, scores, o, mz, read, clock)
+                        np.float32(scale), vals, arrays.values_by_row, threads, *buf, ids, scores, o, mz, read, filled,
+                        clock)
         need = int(read.max())
         if need <= buf.rows.shape[1]:
             break
         # too few rows for this layer (the first call, or a layer reading more): grow with a margin, again
         scratch["split"] = new_scratch(hkv, Q, d, need + need // 4 + 64, threads)
+    no_rest = scratch.get("no_rest")
+    if no_rest is None or no_rest[0].shape != (hkv, Q, d):
+        no_rest = scratch["no_rest"] = (torch.zeros(hkv, Q, d), torch.full((hkv, Q), -float("inf")))
     # ids/scores are reused buffers: the Selection gets copies (the engine may keep them past the next layer)
-    return LayerResult(torch.from_numpy(ids.copy()), torch.from_numpy(scores.copy()), torch.zeros(hkv, Q, d),
-                       torch.full((hkv, Q), -float("inf")), int(read.sum()), int(np.count_nonzero(ids >= 0)),
-                       _head_times(clock))
+    return LayerResult(torch.from_numpy(ids.copy()), torch.from_numpy(scores.copy()), *no_rest, int(read.sum()),
+                       int(filled.sum()), _head_times(clock))

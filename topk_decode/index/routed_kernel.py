@@ -265,6 +265,7 @@ def _top_k_one(s, rpos, ids_out, sc_out, cols_out, hist):
 
     s: (m,) scores (−inf: never returned); rpos: (m,) positions. Writes ids (positions), scores and the scan
     columns they came from into the (K,) outputs; −1 / 0 / −1 in unfilled slots. hist: (2048,) scratch.
+    Returns the slots filled.
     """
     m, K = s.shape[0], ids_out.shape[0]
     n_valid = 0
@@ -288,6 +289,7 @@ def _top_k_one(s, rpos, ids_out, sc_out, cols_out, hist):
     while o < K:
         ids_out[o], sc_out[o], cols_out[o] = -1, 0.0, -1
         o += 1
+    return kk
 
 
 @jit
@@ -355,11 +357,11 @@ def _slot_weights(sc, cols, scale, w, shifted, ex, bits):
 
 
 @jit
-def _hit_rows(w, m, hits):
-    """Write the scan columns r < m some query weighs (w[r] ≠ 0, w: (≥ m, Q)) into hits, in scan order; returns
-    how many."""
+def _hit_rows(w, r0, r1, hits):
+    """Write the scan columns r0 ≤ r < r1 some query weighs (w[r] ≠ 0, w: (≥ r1, Q)) into hits, in scan order;
+    returns how many."""
     n_hit = 0
-    for r in range(m):
+    for r in range(r0, r1):
         hit = False
         for i in range(w.shape[1]):
             hit = hit or w[r, i] != 0.0
@@ -410,7 +412,7 @@ def _attend(vals, src, cols, sc, scale, rest_o, rest_lse, with_rest, o_out, mz_o
     for i in range(Q):
         ms[i], zs[i] = _slot_weights(sc[i], cols[i], scale, w[:, i], shifted, ex, bits)
     hits = np.empty(m, dtype=np.int64)
-    n_hit = _hit_rows(w, m, hits)
+    n_hit = _hit_rows(w, 0, m, hits)
     o_out[:, :] = 0.0
     _sum_values(vals, src, hits, 0, n_hit, w, o_out)
     for i in range(Q):

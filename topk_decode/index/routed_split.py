@@ -7,8 +7,8 @@ rounds over the whole team (docs/BENCHMARKS.md run 15):
     rows:    per head, the layout rows of its chosen clusters, in routing order;
     scan:    all heads' rows, cut into `pieces` equal ranges, scored against their head's queries;
     top-k:   per (head, query), the k-th largest score, the slots, and the slots' softmax weights;
-    values:  the rows some query of the head selected, cut into equal ranges again, each summing
-             weight × value into a partial output per (piece, head); then each head adds its partials.
+    values:  the same ranges again: each piece sums weight × value over its rows that some query of the
+             head selected, into a partial output per (piece, head); then each head adds its partials.
 
 Same ids and scores as `scan_head`, and the same context part up to fp32 summation order
 (tests/test_routed_split.py). The buffers are the caller's (`SplitScratch`): fresh MB-sized ones in
@@ -33,7 +33,6 @@ class SplitScratch(NamedTuple):
     rpos: np.ndarray      # (Hkv, cap) int64 their positions
     scores: np.ndarray    # (Hkv, Q, cap) float32 exact scores
     w: np.ndarray         # (Hkv, cap, Q) float32 softmax weights of the selected rows (0 elsewhere)
-    hits: np.ndarray      # (Hkv, cap) int64 scan columns some query selected
     part: np.ndarray      # (pieces, Hkv, Q, D) float32 partial outputs
     touched: np.ndarray   # (pieces, Hkv) bool which partials a piece wrote
 
@@ -42,7 +41,7 @@ def new_scratch(hkv: int, Q: int, d: int, cap: int, pieces: int) -> SplitScratch
     """Buffers for a split call of `pieces` pieces over Hkv heads of Q queries, up to `cap` rows per head."""
     return SplitScratch(np.empty((hkv, cap), np.int64), np.empty((hkv, cap), np.int64),
                         np.empty((hkv, Q, cap), np.float32), np.empty((hkv, cap, Q), np.float32),
-                        np.empty((hkv, cap), np.int64), np.empty((pieces, hkv, Q, d), np.float32),
+                        np.empty((pieces, hkv, Q, d), np.float32),
                         np.empty((pieces, hkv), np.bool_))
 
 
@@ -66,12 +65,12 @@ def _cumulative(counts):
 
 @pjit
 def split_layer_par(keys, pos, outside, offsets, order, take, q, k, scale, vals, values_by_row, pieces, rows, rpos,
-                    sc, w, hits, part, touched, ids, scores, o, mz, read, clock):
+                    sc, w, part, touched, ids, scores, o, mz, read, filled, clock):
     """One device-routed layer (arguments as `scan_layer_par`, plus the `SplitScratch` buffers) in `pieces`
     equal pieces per round. The buffers must hold every head's rows (`read` says how many each needed:
     when some head needs more than they hold, nothing else is written and the caller retries with larger
-    ones). clock (pieces, 2) receives the `cycles` at which each piece started scanning and finished its
-    values."""
+    ones). filled (Hkv, Q) receives each query's slots filled; clock (pieces, 2) the `cycles` at which each
+    piece started scanning and finished its values."""
     hkv, Q, d = q.shape
     cap = rows.shape[1]
     for h in prange(hkv):
@@ -80,10 +79,10 @@ def split_layer_par(keys, pos, outside, offsets, order, take, q, k, scale, vals,
             c = order[h, t]
             n += offsets[h, c + 1] - offsets[h, c]
         read[h] = n
+        if n <= cap:
+            _cluster_rows_into(offsets[h], order[h], take[h], rows[h])
     if read.max() > cap:
         return
-    for h in prange(hkv):
-        _cluster_rows_into(offsets[h], order[h], take[h], rows[h])
     starts = _cumulative(read)
     total = starts[hkv]
     for p in prange(pieces):
@@ -102,24 +101,21 @@ def split_layer_par(keys, pos, outside, offsets, order, take, q, k, scale, vals,
         h, i = t // Q, t % Q
         n = read[h]
         cols = np.empty(K, np.int64)
-        _top_k_one(sc[h, i, :n], rpos[h, :n], ids[h, i], scores[h, i], cols, np.empty(2048, np.int64))
+        filled[h, i] = _top_k_one(sc[h, i, :n], rpos[h, :n], ids[h, i], scores[h, i], cols, np.empty(2048, np.int64))
         ms[h, i], zs[h, i] = _slot_weights(scores[h, i], cols, scale, w[h, :, i], np.empty(K, np.float32),
                                            np.empty(K, np.float32), np.empty(K, np.int32))
-    n_hit = np.zeros(hkv, np.int64)
-    for h in prange(hkv):
-        n_hit[h] = _hit_rows(w[h], read[h], hits[h])
-    hstarts = _cumulative(n_hit)
-    htotal = hstarts[hkv]
-    for p in prange(pieces):
+    for p in prange(pieces):   # the same row ranges as the scan: each piece sums the rows it scanned that were chosen
         touched[p, :] = False
-        a0, a1 = htotal * p // pieces, htotal * (p + 1) // pieces
-        h = _first_head(hstarts, a0)
-        while h < hkv and hstarts[h] < a1:
-            x0, x1 = max(a0, hstarts[h]) - hstarts[h], min(a1, hstarts[h + 1]) - hstarts[h]
-            if x1 > x0:
+        a0, a1 = total * p // pieces, total * (p + 1) // pieces
+        hits = np.empty(a1 - a0, np.int64)
+        h = _first_head(starts, a0)
+        while h < hkv and starts[h] < a1:
+            r0, r1 = max(a0, starts[h]) - starts[h], min(a1, starts[h + 1]) - starts[h]
+            if r1 > r0:
                 part[p, h] = 0.0
                 touched[p, h] = True
-                _sum_values(vals[h], rows[h] if values_by_row else rpos[h], hits[h], x0, x1, w[h], part[p, h])
+                n_hit = _hit_rows(w[h], r0, r1, hits)
+                _sum_values(vals[h], rows[h] if values_by_row else rpos[h], hits, 0, n_hit, w[h], part[p, h])
             h += 1
         clock[p, 1] = cycles()
     for h in prange(hkv):
