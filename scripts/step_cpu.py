@@ -126,8 +126,9 @@ def main() -> None:
                 _to_hugepages(strat)
             if threads is not None:
                 strat.threads = threads
-            timed = ("kernel_s", "span_s", "head_max_s", "head_mean_s")
-            before = {name: strat.stats.extra.get(name) for name in timed}
+            timed = ("kernel_s", "span_s", "head_max_s", "head_mean_s", "rows_s", "scan_s", "top_k_s", "values_s",
+                     "sums_s")
+            before = {name: strat.stats.extra.get(name, 0.0) for name in timed}
             calls = strat.stats.searches
             ms = step_ms(strat, context, qs, a.k, a.layers, a.reps, routes)
             row = {"what": "step_cpu", "config": text, "n": a.n, "layers": a.layers, "kv_heads": a.kv_heads,
@@ -138,7 +139,7 @@ def main() -> None:
                 row["keys_read_pct"] = round(100 * strat.keys_read_fraction(), 2)
             calls = strat.stats.searches - calls
             for tname, v0 in before.items():   # per layer, inside the compiled call (routed_compiled.HeadTimes)
-                if v0 is not None and calls:
+                if tname in strat.stats.extra and calls:
                     row[tname[:-2] + "_ms_per_layer"] = round(1e3 * (strat.stats.extra[tname] - v0) / calls, 3)
             if name == "routed" and getattr(strat, "kernel", False):
                 import numba

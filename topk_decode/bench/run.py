@@ -30,6 +30,7 @@ from topk_decode.bench.synthetic import kv_bytes, kv_in_memory, synthetic_kv
 from topk_decode.config import DecodeConfig
 from topk_decode.decode.engine import TopKDecoder
 from topk_decode.errors import TopkError
+from topk_decode.index.routed_compiled import SPLIT_ROUNDS
 from topk_decode.model.blocks import ModelShape
 from topk_decode.prefill.layerwise import prefill_layers
 
@@ -205,7 +206,8 @@ def _topk_decode(model, ckv, cfg: BenchConfig, device: torch.device, strategy: s
         conv.stats = type(conv.stats)()
         extra = decoder.strategy.stats.extra
         read0, total0, kernel0 = extra.get("keys_read", 0), extra.get("keys_searchable", 0), extra.get("kernel_s")
-        timed0 = {name: extra.get(name) for name in ("head_mean_s", "head_max_s", "span_s")}
+        timed0 = {name: extra.get(name, 0.0) for name in ("head_mean_s", "head_max_s", "span_s",
+                                                         *(r + "_s" for r in SPLIT_ROUNDS))}
         t0 = time.perf_counter()
         for _ in range(cfg.steps):
             logits = decoder.forward([int(torch.argmax(logits))], conv)
@@ -216,12 +218,13 @@ def _topk_decode(model, ckv, cfg: BenchConfig, device: torch.device, strategy: s
         s = conv.stats.summary()
         if kernel0 is not None:   # routed's compiled call alone, inside search_ms
             s["kernel_ms"] = 1e3 * (extra["kernel_s"] - kernel0) / cfg.steps
-        for name, v0 in timed0.items():   # inside it: the heads' own work and their span (routed_compiled.HeadTimes)
-            if v0 is not None:
+        for name, v0 in timed0.items():   # inside it: the heads' own work, their span, the split rounds (HeadTimes)
+            if name in extra:
                 s[name[:-2] + "_ms"] = 1e3 * (extra[name] - v0) / cfg.steps
         rss, hwm = cpu_rss()
         breakdown = {k: round(s[k], 2) for k in ("gpu_ms", "d2h_ms", "search_ms", "kernel_ms", "span_ms", "head_max_ms",
-                                                "head_mean_ms", "context_ms", "h2d_ms")
+                                                "head_mean_ms", *(r + "_ms" for r in SPLIT_ROUNDS), "context_ms",
+                                                "h2d_ms")
                      if k in s}
         return {"tokens_per_s": cfg.steps / wall, "ms_per_step": 1e3 * wall / cfg.steps, "breakdown": breakdown,
                 "steps": cfg.steps, "k": cfg.k, "strategy_options": options,

@@ -346,6 +346,8 @@ class RoutedStrategy(SelectionStrategy):
         extra["head_mean_s"] += res.times.mean              # inside the compiled call (bench: head_*_ms, span_ms)
         extra["head_max_s"] += res.times.slowest
         extra["span_s"] += res.times.span
+        for name, seconds in zip(routed_compiled.SPLIT_ROUNDS, res.times.rounds):   # bench: rows_ms ... sums_ms
+            extra[name + "_s"] = extra.get(name + "_s", 0.0) + seconds
         return Selection(ids=res.ids, scores=res.scores, no_empty_slots=res.filled == res.ids.numel(), rest=rest,
                          filled=res.filled)
 

@@ -25,13 +25,15 @@ _MIN_CLUSTERS_PER_TASK = 1024
 
 def warm_up(arrays: "LayerArrays") -> None:
     """Compile the per-layer calls for these arrays' types now (seconds on a first run without numba's disk
-    cache), not inside a decode step: a search of one query with k = 1, then a scan of one cluster."""
+    cache), not inside a decode step: a search of one query with k = 1, then a scan of one cluster, per head
+    and split."""
     hkv, d = arrays.keys.shape[0], arrays.keys.shape[2]
     q = torch.zeros(hkv, 1, d)
     o, mz = np.empty((hkv, 1, d), np.float32), np.empty((hkv, 1, 2), np.float32)
     search_layer(arrays, q, 1, 1, 1.0, True, 1, o, mz)
-    scan_layer(arrays, q, torch.zeros(hkv, 1, dtype=torch.int32), torch.ones(hkv, dtype=torch.int32), 1, 1.0, 1,
-               o, mz)
+    order, take = torch.zeros(hkv, 1, dtype=torch.int32), torch.ones(hkv, dtype=torch.int32)
+    scan_layer(arrays, q, order, take, 1, 1.0, 1, o, mz)
+    split_layer(arrays, q, order, take, 1, 1.0, 2, o, mz, {})
 
 
 class LayerArrays(NamedTuple):
@@ -70,14 +72,20 @@ class LayerResult(NamedTuple):
     times: "HeadTimes"
 
 
+# the rounds of a split call (routed_split.py), as HeadTimes.rounds times them
+SPLIT_ROUNDS = ("rows", "scan", "top_k", "values", "sums")
+
+
 class HeadTimes(NamedTuple):
     """Seconds inside one compiled call: the mean and the slowest head's own work, and the span from the
     first head's start to the last one's end (the call's time beyond the span is starting and joining
-    the threads; beyond the slowest head, heads that started late)."""
+    the threads; beyond the slowest head, heads that started late). A split call (routed_split.py) times
+    its pieces instead of heads, and its rounds (rows, scan, top-k, values, sums) as `rounds`."""
 
     mean: float
     slowest: float
     span: float
+    rounds: tuple = ()
 
 
 def _head_times(clock: np.ndarray) -> HeadTimes:
@@ -190,6 +198,7 @@ def split_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take:
     scores = _reused(scratch, "scores", (hkv, Q, k), np.float32)
     vals = arrays.vals if arrays.vals is not None else arrays.keys
     read, filled, clock = np.zeros(hkv, np.int64), np.zeros((hkv, Q), np.int64), np.zeros((threads, 2), np.int64)
+    phases = np.zeros(6, np.int64)
     compiled.set_threads(threads)
     for _ in range(2):
         buf: SplitScratch | None = scratch.get("split")
@@ -197,7 +206,7 @@ def split_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take:
             buf = scratch["split"] = new_scratch(hkv, Q, d, 0, threads)
         split_layer_par(arrays.keys, arrays.pos, arrays.outside, arrays.offsets, order_n, take_n, qn, k,
                         np.float32(scale), vals, arrays.values_by_row, threads, *buf, ids, scores, o, mz, read, filled,
-                        clock)
+                        clock, phases)
         need = int(read.max())
         if need <= buf.rows.shape[1]:
             break
@@ -207,5 +216,6 @@ def split_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take:
     if no_rest is None or no_rest[0].shape != (hkv, Q, d):
         no_rest = scratch["no_rest"] = (torch.zeros(hkv, Q, d), torch.full((hkv, Q), -float("inf")))
     # ids/scores are reused buffers: the Selection gets copies (the engine may keep them past the next layer)
+    times = _head_times(clock)._replace(rounds=tuple(float(x) for x in np.diff(phases) / compiled.cycles_per_second()))
     return LayerResult(torch.from_numpy(ids.copy()), torch.from_numpy(scores.copy()), *no_rest, int(read.sum()),
-                       int(filled.sum()), _head_times(clock))
+                       int(filled.sum()), times)

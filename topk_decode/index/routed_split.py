@@ -65,14 +65,16 @@ def _cumulative(counts):
 
 @pjit
 def split_layer_par(keys, pos, outside, offsets, order, take, q, k, scale, vals, values_by_row, pieces, rows, rpos,
-                    sc, w, part, touched, ids, scores, o, mz, read, filled, clock):
+                    sc, w, part, touched, ids, scores, o, mz, read, filled, clock, phases):
     """One device-routed layer (arguments as `scan_layer_par`, plus the `SplitScratch` buffers) in `pieces`
     equal pieces per round. The buffers must hold every head's rows (`read` says how many each needed:
     when some head needs more than they hold, nothing else is written and the caller retries with larger
     ones). filled (Hkv, Q) receives each query's slots filled; clock (pieces, 2) the `cycles` at which each
-    piece started scanning and finished its values."""
+    piece started scanning and finished its values; phases (6,) the `cycles` at the call's start and at the end
+    of each round (rows, scan, top-k, values, sums)."""
     hkv, Q, d = q.shape
     cap = rows.shape[1]
+    phases[0] = cycles()
     for h in prange(hkv):
         n = 0
         for t in range(take[h]):
@@ -81,6 +83,7 @@ def split_layer_par(keys, pos, outside, offsets, order, take, q, k, scale, vals,
         read[h] = n
         if n <= cap:
             _cluster_rows_into(offsets[h], order[h], take[h], rows[h])
+    phases[1] = cycles()
     if read.max() > cap:
         return
     starts = _cumulative(read)
@@ -95,6 +98,7 @@ def split_layer_par(keys, pos, outside, offsets, order, take, q, k, scale, vals,
                 _scan_range(keys[h], pos[h], outside[h], rows[h], r0, r1, q[h], rpos[h], sc[h])
                 w[h, r0:r1, :] = 0.0
             h += 1
+    phases[2] = cycles()
     ms, zs = np.zeros((hkv, Q), np.float32), np.zeros((hkv, Q), np.float32)
     K = ids.shape[2]
     for t in prange(hkv * Q):
@@ -104,6 +108,7 @@ def split_layer_par(keys, pos, outside, offsets, order, take, q, k, scale, vals,
         filled[h, i] = _top_k_one(sc[h, i, :n], rpos[h, :n], ids[h, i], scores[h, i], cols, np.empty(2048, np.int64))
         ms[h, i], zs[h, i] = _slot_weights(scores[h, i], cols, scale, w[h, :, i], np.empty(K, np.float32),
                                            np.empty(K, np.float32), np.empty(K, np.int32))
+    phases[3] = cycles()
     for p in prange(pieces):   # the same row ranges as the scan: each piece sums the rows it scanned that were chosen
         touched[p, :] = False
         a0, a1 = total * p // pieces, total * (p + 1) // pieces
@@ -118,6 +123,7 @@ def split_layer_par(keys, pos, outside, offsets, order, take, q, k, scale, vals,
                 _sum_values(vals[h], rows[h] if values_by_row else rpos[h], hits, 0, n_hit, w[h], part[p, h])
             h += 1
         clock[p, 1] = cycles()
+    phases[4] = cycles()
     for h in prange(hkv):
         o[h] = 0.0
         for p in range(pieces):
@@ -128,3 +134,4 @@ def split_layer_par(keys, pos, outside, offsets, order, take, q, k, scale, vals,
         for i in range(Q):
             mz[h, i, 0] = ms[h, i]
             mz[h, i, 1] = zs[h, i]
+    phases[5] = cycles()
