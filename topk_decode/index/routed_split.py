@@ -13,6 +13,8 @@ rounds over the whole team (docs/BENCHMARKS.md run 15):
 Same ids and scores as `scan_head`, and the same context part up to fp32 summation order
 (tests/test_routed_split.py). The buffers are the caller's (`SplitScratch`): fresh MB-sized ones in
 every layer would be page-faulted in, and unmapped again with a TLB shootdown on every core of the team.
+The weights are stored query-major, (Hkv, Q, rows): the G top-k tasks of a head write their own rows
+rather than interleaved floats of shared cache lines.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class SplitScratch(NamedTuple):
     rows: np.ndarray      # (Hkv, cap) int64 layout rows of the chosen clusters
     rpos: np.ndarray      # (Hkv, cap) int64 their positions
     scores: np.ndarray    # (Hkv, Q, cap) float32 exact scores
-    w: np.ndarray         # (Hkv, cap, Q) float32 softmax weights of the selected rows (0 elsewhere)
+    w: np.ndarray         # (Hkv, Q, cap) float32 softmax weights of the selected rows (0 elsewhere)
     part: np.ndarray      # (pieces, Hkv, Q, D) float32 partial outputs
     touched: np.ndarray   # (pieces, Hkv) bool which partials a piece wrote
 
@@ -40,7 +42,7 @@ class SplitScratch(NamedTuple):
 def new_scratch(hkv: int, Q: int, d: int, cap: int, pieces: int) -> SplitScratch:
     """Buffers for a split call of `pieces` pieces over Hkv heads of Q queries, up to `cap` rows per head."""
     return SplitScratch(np.empty((hkv, cap), np.int64), np.empty((hkv, cap), np.int64),
-                        np.empty((hkv, Q, cap), np.float32), np.empty((hkv, cap, Q), np.float32),
+                        np.empty((hkv, Q, cap), np.float32), np.empty((hkv, Q, cap), np.float32),
                         np.empty((pieces, hkv, Q, d), np.float32),
                         np.empty((pieces, hkv), np.bool_))
 
@@ -96,7 +98,7 @@ def split_layer_par(keys, pos, outside, offsets, order, take, q, k, scale, vals,
             r0, r1 = max(a0, starts[h]) - starts[h], min(a1, starts[h + 1]) - starts[h]
             if r1 > r0:
                 _scan_range(keys[h], pos[h], outside[h], rows[h], r0, r1, q[h], rpos[h], sc[h])
-                w[h, r0:r1, :] = 0.0
+                w[h, :, r0:r1] = 0.0
             h += 1
     phases[2] = cycles()
     ms, zs = np.zeros((hkv, Q), np.float32), np.zeros((hkv, Q), np.float32)
@@ -106,7 +108,7 @@ def split_layer_par(keys, pos, outside, offsets, order, take, q, k, scale, vals,
         n = read[h]
         cols = np.empty(K, np.int64)
         filled[h, i] = _top_k_one(sc[h, i, :n], rpos[h, :n], ids[h, i], scores[h, i], cols, np.empty(2048, np.int64))
-        ms[h, i], zs[h, i] = _slot_weights(scores[h, i], cols, scale, w[h, :, i], np.empty(K, np.float32),
+        ms[h, i], zs[h, i] = _slot_weights(scores[h, i], cols, scale, w[h, i], np.empty(K, np.float32),
                                            np.empty(K, np.float32), np.empty(K, np.int32))
     phases[3] = cycles()
     for p in prange(pieces):   # the same row ranges as the scan: each piece sums the rows it scanned that were chosen
@@ -119,8 +121,8 @@ def split_layer_par(keys, pos, outside, offsets, order, take, q, k, scale, vals,
             if r1 > r0:
                 part[p, h] = 0.0
                 touched[p, h] = True
-                n_hit = _hit_rows(w[h], r0, r1, hits)
-                _sum_values(vals[h], rows[h] if values_by_row else rpos[h], hits, 0, n_hit, w[h], part[p, h])
+                n_hit = _hit_rows(w[h].T, r0, r1, hits)
+                _sum_values(vals[h], rows[h] if values_by_row else rpos[h], hits, 0, n_hit, w[h].T, part[p, h])
             h += 1
         clock[p, 1] = cycles()
     phases[4] = cycles()
