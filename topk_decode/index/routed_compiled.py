@@ -194,8 +194,8 @@ def split_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take:
     hkv, Q, d = q.shape
     qn = q.contiguous().numpy()
     order_n, take_n = order.numpy(), take.numpy()
-    ids = _reused(scratch, "ids", (hkv, Q, k), np.int64)
-    scores = _reused(scratch, "scores", (hkv, Q, k), np.float32)
+    ids = np.empty((hkv, Q, k), dtype=np.int64)
+    scores = np.empty((hkv, Q, k), dtype=np.float32)
     vals = arrays.vals if arrays.vals is not None else arrays.keys
     read, filled, clock = np.zeros(hkv, np.int64), np.zeros((hkv, Q), np.int64), np.zeros((threads, 2), np.int64)
     phases = np.zeros(6, np.int64)
@@ -215,7 +215,6 @@ def split_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take:
     no_rest = scratch.get("no_rest")
     if no_rest is None or no_rest[0].shape != (hkv, Q, d):
         no_rest = scratch["no_rest"] = (torch.zeros(hkv, Q, d), torch.full((hkv, Q), -float("inf")))
-    # ids/scores are reused buffers: the Selection gets copies (the engine may keep them past the next layer)
     times = _head_times(clock)._replace(rounds=tuple(float(x) for x in np.diff(phases) / compiled.cycles_per_second()))
-    return LayerResult(torch.from_numpy(ids.copy()), torch.from_numpy(scores.copy()), *no_rest, int(read.sum()),
-                       int(filled.sum()), times)
+    return LayerResult(torch.from_numpy(ids), torch.from_numpy(scores), *no_rest, int(read.sum()), int(filled.sum()),
+                       times)

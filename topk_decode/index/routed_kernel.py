@@ -170,8 +170,17 @@ def _cluster_rows(offsets, order, taken, m):
 
 
 @jit
+def _count_rows(offsets, order, taken):
+    """Rows in the first `taken` clusters of `order`."""
+    m = 0
+    for t in range(taken):
+        m += offsets[order[t] + 1] - offsets[order[t]]
+    return m
+
+
+@jit
 def _cluster_rows_into(offsets, order, taken, rows):
-    """Write the layout rows of the first `taken` clusters of `order` into rows[:m], in that order."""
+    """Write the layout rows of the first `taken` clusters of `order` into the start of rows, in that order."""
     r = 0
     for t in range(taken):
         if t + _AHEAD < taken:
@@ -499,9 +508,7 @@ def scan_head(keys, pos, outside, offsets, order, taken, qh, k, scale, vals, val
 
     Args: as `finish_head`; order: (W,) int32 clusters by priority; taken: how many of them to read.
     """
-    m = 0
-    for t in range(taken):
-        m += offsets[order[t] + 1] - offsets[order[t]]
+    m = _count_rows(offsets, order, taken)
     no_rest_o, no_rest_lse = np.zeros((1, o_out.shape[1]), np.float32), np.zeros(1, np.float32)
     _read_clusters(keys, pos, outside, offsets, order, taken, m, qh, scale, vals, values_by_row, no_rest_o,
                    no_rest_lse, False, True, ids_out, sc_out, o_out, mz_out)

@@ -24,8 +24,8 @@ from typing import NamedTuple
 import numpy as np
 
 from topk_decode.index.compiled import cycles, jit, pjit, prange
-from topk_decode.index.routed_kernel import (_cluster_rows_into, _hit_rows, _scan_range, _slot_weights, _sum_values,
-                                             _top_k_one)
+from topk_decode.index.routed_kernel import (_cluster_rows_into, _count_rows, _hit_rows, _scan_range, _slot_weights,
+                                             _sum_values, _top_k_one)
 
 
 class SplitScratch(NamedTuple):
@@ -36,38 +36,36 @@ class SplitScratch(NamedTuple):
     scores: np.ndarray    # (Hkv, Q, cap) float32 exact scores
     w: np.ndarray         # (Hkv, Q, cap) float32 softmax weights of the selected rows (0 elsewhere)
     part: np.ndarray      # (pieces, Hkv, Q, D) float32 partial outputs
-    touched: np.ndarray   # (pieces, Hkv) bool which partials a piece wrote
 
 
 def new_scratch(hkv: int, Q: int, d: int, cap: int, pieces: int) -> SplitScratch:
     """Buffers for a split call of `pieces` pieces over Hkv heads of Q queries, up to `cap` rows per head."""
     return SplitScratch(np.empty((hkv, cap), np.int64), np.empty((hkv, cap), np.int64),
                         np.empty((hkv, Q, cap), np.float32), np.empty((hkv, Q, cap), np.float32),
-                        np.empty((pieces, hkv, Q, d), np.float32),
-                        np.empty((pieces, hkv), np.bool_))
+                        np.empty((pieces, hkv, Q, d), np.float32))
 
 
 @jit
-def _first_head(starts, a):
-    """The head whose flattened range [starts[h], starts[h+1]) holds index a (the last such head for empty ones)."""
-    h = 0
-    while h + 1 < starts.shape[0] - 1 and starts[h + 1] <= a:
-        h += 1
-    return h
-
-
-@jit
-def _cumulative(counts):
-    """(H + 1,) int64 starts of each head's range in the flattened order."""
-    starts = np.zeros(counts.shape[0] + 1, dtype=np.int64)
-    for h in range(counts.shape[0]):
+def _pieces(counts, pieces):
+    """Each piece's rows in each head, (pieces, Hkv, 2) int64 [r0, r1) (r0 = r1: none): the heads' rows
+    (counts (Hkv,)) laid end to end and cut into `pieces` equal ranges."""
+    hkv = counts.shape[0]
+    starts = np.zeros(hkv + 1, dtype=np.int64)
+    for h in range(hkv):
         starts[h + 1] = starts[h] + counts[h]
-    return starts
+    seg = np.zeros((pieces, hkv, 2), dtype=np.int64)
+    for p in range(pieces):
+        a0, a1 = starts[hkv] * p // pieces, starts[hkv] * (p + 1) // pieces
+        for h in range(hkv):
+            r0, r1 = max(a0, starts[h]) - starts[h], min(a1, starts[h + 1]) - starts[h]
+            if r1 > r0:
+                seg[p, h, 0], seg[p, h, 1] = r0, r1
+    return seg
 
 
 @pjit
 def split_layer_par(keys, pos, outside, offsets, order, take, q, k, scale, vals, values_by_row, pieces, rows, rpos,
-                    sc, w, part, touched, ids, scores, o, mz, read, filled, clock, phases):
+                    sc, w, part, ids, scores, o, mz, read, filled, clock, phases):
     """One device-routed layer (arguments as `scan_layer_par`, plus the `SplitScratch` buffers) in `pieces`
     equal pieces per round. The buffers must hold every head's rows (`read` says how many each needed:
     when some head needs more than they hold, nothing else is written and the caller retries with larger
@@ -78,28 +76,20 @@ def split_layer_par(keys, pos, outside, offsets, order, take, q, k, scale, vals,
     cap = rows.shape[1]
     phases[0] = cycles()
     for h in prange(hkv):
-        n = 0
-        for t in range(take[h]):
-            c = order[h, t]
-            n += offsets[h, c + 1] - offsets[h, c]
-        read[h] = n
-        if n <= cap:
+        read[h] = _count_rows(offsets[h], order[h], take[h])
+        if read[h] <= cap:
             _cluster_rows_into(offsets[h], order[h], take[h], rows[h])
     phases[1] = cycles()
     if read.max() > cap:
         return
-    starts = _cumulative(read)
-    total = starts[hkv]
+    seg = _pieces(read, pieces)
     for p in prange(pieces):
         clock[p, 0] = cycles()
-        a0, a1 = total * p // pieces, total * (p + 1) // pieces
-        h = _first_head(starts, a0)
-        while h < hkv and starts[h] < a1:
-            r0, r1 = max(a0, starts[h]) - starts[h], min(a1, starts[h + 1]) - starts[h]
+        for h in range(hkv):
+            r0, r1 = seg[p, h, 0], seg[p, h, 1]
             if r1 > r0:
                 _scan_range(keys[h], pos[h], outside[h], rows[h], r0, r1, q[h], rpos[h], sc[h])
                 w[h, :, r0:r1] = 0.0
-            h += 1
     phases[2] = cycles()
     ms, zs = np.zeros((hkv, Q), np.float32), np.zeros((hkv, Q), np.float32)
     K = ids.shape[2]
@@ -112,24 +102,19 @@ def split_layer_par(keys, pos, outside, offsets, order, take, q, k, scale, vals,
                                            np.empty(K, np.float32), np.empty(K, np.int32))
     phases[3] = cycles()
     for p in prange(pieces):   # the same row ranges as the scan: each piece sums the rows it scanned that were chosen
-        touched[p, :] = False
-        a0, a1 = total * p // pieces, total * (p + 1) // pieces
-        hits = np.empty(a1 - a0, np.int64)
-        h = _first_head(starts, a0)
-        while h < hkv and starts[h] < a1:
-            r0, r1 = max(a0, starts[h]) - starts[h], min(a1, starts[h + 1]) - starts[h]
+        hits = np.empty(cap, np.int64)
+        for h in range(hkv):
+            r0, r1 = seg[p, h, 0], seg[p, h, 1]
             if r1 > r0:
                 part[p, h] = 0.0
-                touched[p, h] = True
                 n_hit = _hit_rows(w[h].T, r0, r1, hits)
                 _sum_values(vals[h], rows[h] if values_by_row else rpos[h], hits, 0, n_hit, w[h].T, part[p, h])
-            h += 1
         clock[p, 1] = cycles()
     phases[4] = cycles()
     for h in prange(hkv):
         o[h] = 0.0
         for p in range(pieces):
-            if touched[p, h]:
+            if seg[p, h, 1] > seg[p, h, 0]:        # pieces with rows of this head wrote a partial for it
                 for i in range(Q):
                     for j in range(d):
                         o[h, i, j] += part[p, h, i, j]
