@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's package, not an installed one
-from topk_decode.index.routed_kernel import _attend, _cluster_rows, _scan, _top_k, scan_head
+from topk_decode.index.routed_kernel import _attend, _cluster_rows, _count_rows, _scan, _top_k, scan_head
 
 
 def bf16_bits(shape: tuple, gen: torch.Generator) -> np.ndarray:
@@ -55,7 +55,7 @@ def main() -> None:
     for r in range(a.rounds + 1):
         heads = next(rounds)
         for keys, vals, pos, outside, offsets, order, taken, qh in heads:
-            m = int(sum(offsets[c + 1] - offsets[c] for c in order[:taken]))
+            m = int(_count_rows(offsets, order, taken))
             t0 = time.perf_counter()
             rows = _cluster_rows(offsets, order, taken, m)
             rpos, scores = _scan(keys, pos, outside, rows, qh)

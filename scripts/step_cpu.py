@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's
 from topk_decode.bench.synthetic import synthetic_kv
 from topk_decode.decode.context import ContextAttention
 from topk_decode.index import get_strategy
+from topk_decode.index.routed_compiled import SPLIT_ROUNDS
 
 
 def parse_config(text: str) -> tuple[str, dict]:
@@ -126,8 +127,7 @@ def main() -> None:
                 _to_hugepages(strat)
             if threads is not None:
                 strat.threads = threads
-            timed = ("kernel_s", "span_s", "head_max_s", "head_mean_s", "rows_s", "scan_s", "top_k_s", "values_s",
-                     "sums_s")
+            timed = ("kernel_s", "span_s", "head_max_s", "head_mean_s", *(r + "_s" for r in SPLIT_ROUNDS))
             before = {name: strat.stats.extra.get(name, 0.0) for name in timed}
             calls = strat.stats.searches
             ms = step_ms(strat, context, qs, a.k, a.layers, a.reps, routes)
