@@ -70,6 +70,41 @@ def test_layout_is_a_cluster_contiguous_permutation_of_every_head():
                 assert torch.allclose(lay.centroids[h, c], keys[h][lay.pos[h, s:e]].mean(0), atol=1e-5)
 
 
+@pytest.mark.parametrize("segment", [100, 96, 7])     # segments of whole clusters; 7 is rounded up to 20
+def test_segmented_layout_clusters_each_segment_alone_into_ceil_n_over_s_clusters(segment):
+    gen = torch.Generator().manual_seed(2)
+    keys, values = torch.randn(2, 530, 8, generator=gen), torch.randn(2, 530, 8, generator=gen)
+    S = 20
+    lay = build_layer(keys, values, KMeansConfig(cluster_size=S, iters=3, segment=segment), torch.device("cpu"))
+    seg = -(-segment // S) * S
+    assert lay.offsets.shape == (2, -(-530 // S) + 1)
+    for h in range(2):
+        assert sorted(lay.pos[h].tolist()) == list(range(530))
+        assert torch.equal(lay.keys[h], keys[h][lay.pos[h]])
+        for c in range(lay.offsets.shape[1] - 1):   # every cluster's positions lie in one segment
+            members = lay.pos[h, lay.offsets[h, c]:lay.offsets[h, c + 1]]
+            if len(members):
+                assert (members // seg).unique().numel() == 1
+                assert c // (seg // S) == int(members[0]) // seg    # clusters numbered segment by segment
+
+
+def test_segment_at_least_the_context_gives_the_whole_context_layout():
+    keys = torch.randn(2, 300, 8, generator=torch.Generator().manual_seed(4))
+    whole = build_layer(keys, None, KMeansConfig(cluster_size=20, iters=3, segment=10**9), torch.device("cpu"))
+    exact = build_layer(keys, None, KMeansConfig(cluster_size=20, iters=3, segment=300), torch.device("cpu"))
+    assert torch.equal(whole.pos, exact.pos) and torch.equal(whole.offsets, exact.offsets)
+
+
+def test_routed_with_segments_probing_every_cluster_equals_flat(clustered_cache, tmp_path):
+    cache = shutil.copytree(clustered_cache, tmp_path / "cache")     # the shared cache keeps its layout
+    routed = _open(cache, "routed", {"cluster_size": 32, "segment": 1000, "probe_fraction": 1})
+    assert recorded_options(cache, "routed")["segment"] == 1000
+    flat = _open(cache, "flat")
+    q = _queries(seed=6)
+    a, b = routed.select(1, q, 40), flat.select(1, q, 40)
+    assert torch.equal(a.ids.sort(-1).values, b.ids.sort(-1).values)
+
+
 @pytest.mark.parametrize("lo,hi", [(3, 2990), (0, 3000)])   # padding masked as a sink row / by its own mask
 def test_routed_reads_the_probe_fraction_and_returns_exact_scores_inside_the_range(clustered_cache, lo, hi):
     strat = _open(clustered_cache, "routed", {"cluster_size": 32, "probe_fraction": 0.1}, lo=lo, hi=hi)

@@ -11,6 +11,10 @@ key norms that the scores depend on.
 
 The layout of one layer: keys (and optionally values) permuted so that each cluster's rows are one
 contiguous run, the original position of every row, per-cluster offsets, centroids and spreads.
+Long contexts are clustered in segments of `segment` consecutive tokens, each into its own ⌈n/S⌉
+clusters (RetroInfer's segmented clustering): one assignment then costs N·(segment/S) distances instead of
+N·N/S, which at 1M tokens is 16× less and what lets the layout be built at all (docs/STRATEGIES.md
+"segments"). Contexts up to one segment are clustered whole.
 K-means runs on the GPU when one is available (bf16/fp32 matmuls, all points); on a CPU it trains on a
 subsample and stops early when its time budget is spent — the final assignment of all N keys always runs.
 Assignments only decide which keys are read together: scores are always recomputed exactly.
@@ -38,6 +42,8 @@ class KMeansConfig:
         cpu_sample: on a CPU, train on at most this many points per cluster (all N are assigned at the end).
         cpu_seconds: on a CPU, stop iterating a head after this many seconds (at least one iteration runs).
         seed: initialisation seed.
+        segment: tokens per independently clustered segment (rounded up to a multiple of cluster_size;
+            0: the whole context at once).
     """
 
     cluster_size: int = 16
@@ -45,6 +51,7 @@ class KMeansConfig:
     cpu_sample: int = 16
     cpu_seconds: float = 2.0
     seed: int = 0
+    segment: int = 65536
 
 
 @dataclass
@@ -149,6 +156,33 @@ def kmeans(keys: torch.Tensor, n_clusters: int, cfg: KMeansConfig,
     return labels.cpu(), cents.cpu(), spread.cpu()
 
 
+def kmeans_segmented(keys: torch.Tensor, cfg: KMeansConfig,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`kmeans` of one head's keys, segment by segment; labels numbered across segments, ⌈N / S⌉ clusters in all.
+
+    Args:
+        keys: (N, D) keys of one (layer, KV head), on the CPU.
+        cfg: k-means configuration (cluster_size S and segment).
+        device: where to compute.
+    Returns:
+        labels (N,) int64, centroids (C, D) float32, spread (C,) float32, as `kmeans`.
+    """
+    n, S = keys.shape[0], cfg.cluster_size
+    seg = -(-cfg.segment // S) * S if cfg.segment > 0 else n    # whole clusters per segment: C = ⌈N / S⌉
+    if n <= seg:
+        return kmeans(keys, max(1, -(-n // S)), cfg, device)
+    labels, cents, spread = [], [], []
+    base = 0
+    for s in range(0, n, seg):
+        c = -(-min(seg, n - s) // S)
+        lab, cen, spr = kmeans(keys[s:s + seg], c, cfg, device)
+        labels.append(lab + base)
+        cents.append(cen)
+        spread.append(spr)
+        base += c
+    return torch.cat(labels), torch.cat(cents), torch.cat(spread)
+
+
 def build_layer(keys: torch.Tensor, values: torch.Tensor | None, cfg: KMeansConfig,
                 device: torch.device, store_values: bool = True) -> LayerLayout:
     """Cluster every KV head of one layer and permute its keys (and values) cluster-contiguously.
@@ -172,10 +206,10 @@ def build_layer(keys: torch.Tensor, values: torch.Tensor | None, cfg: KMeansConf
     for h in range(hkv):
         kh = keys[h]
         try:
-            labels, cents[h], spread[h] = kmeans(kh, C, cfg, device)
+            labels, cents[h], spread[h] = kmeans_segmented(kh, cfg, device)
         except torch.OutOfMemoryError:      # the GPU budget is taken (e.g. by the weights): the CPU path
             torch.cuda.empty_cache()
-            labels, cents[h], spread[h] = kmeans(kh, C, cfg, torch.device("cpu"))
+            labels, cents[h], spread[h] = kmeans_segmented(kh, cfg, torch.device("cpu"))
         perm = torch.sort(labels, stable=True).indices                        # (N,) rows grouped by cluster
         offsets[h, 1:] = torch.cumsum(torch.bincount(labels, minlength=C), 0)
         pos[h] = perm

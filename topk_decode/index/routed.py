@@ -91,6 +91,8 @@ class RoutedStrategy(SelectionStrategy):
         iters: Lloyd iterations of k-means (default 6; on a CPU also bounded by time, cluster.py).
         store_values: also store the values cluster-contiguously (default True; not read by the
             context part yet).
+        segment: tokens clustered together (default 65,536): longer contexts are clustered segment by
+            segment, which bounds k-means' cost per key (cluster.py; a value ≥ the context clusters it whole).
     Search options:
         probe_fraction: share of a KV head's searchable keys read per step (default 0.04, so that
             with the last cluster's overshoot at most ~5 % are read).
@@ -119,10 +121,10 @@ class RoutedStrategy(SelectionStrategy):
 
     name = "routed"
     keeps_query = False
-    BUILD_DEFAULTS = {"cluster_size": 16, "iters": 6, "store_values": True}
+    BUILD_DEFAULTS = {"cluster_size": 16, "iters": 6, "store_values": True, "segment": 65536}
     SEARCH_DEFAULTS = {"probe_fraction": 0.04, "spread": False, "sizes": False, "estimate": True,
                        "estimate_read": False, "kernel": "auto", "device_route": "auto", "split": True}
-    OPTIONS = {"cluster_size": int, "iters": int, "store_values": bool, "probe_fraction": float, "spread": bool,
+    OPTIONS = {"cluster_size": int, "iters": int, "store_values": bool, "segment": int, "probe_fraction": float, "spread": bool,
                "sizes": bool, "estimate": bool, "estimate_read": bool, "kernel": str, "device_route": str,
                "split": bool}
 
@@ -132,7 +134,8 @@ class RoutedStrategy(SelectionStrategy):
         """Validated build options (defaults filled in)."""
         return {"cluster_size": positive_int(options, "cluster_size", cls.BUILD_DEFAULTS["cluster_size"]),
                 "iters": positive_int(options, "iters", cls.BUILD_DEFAULTS["iters"]),
-                "store_values": as_bool(options.get("store_values", cls.BUILD_DEFAULTS["store_values"]))}
+                "store_values": as_bool(options.get("store_values", cls.BUILD_DEFAULTS["store_values"])),
+                "segment": positive_int(options, "segment", cls.BUILD_DEFAULTS["segment"])}
 
     @classmethod
     def build_artifacts(cls, ckv: ContextKV, options: dict | None = None,

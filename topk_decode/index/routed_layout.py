@@ -29,9 +29,10 @@ def layer_layouts(ckv: ContextKV, opts: dict, progress: Callable[[int, int], Non
     """Each layer's clustered layout, built in turn (k-means on the GPU when there is one, cluster.py).
 
     Args:
-        ckv: the context; opts: routed's build options (cluster_size, iters, store_values); progress: (done, total).
+        ckv: the context; opts: routed's build options (cluster_size, iters, store_values, segment);
+            progress: (done, total).
     """
-    cfg = KMeansConfig(cluster_size=opts["cluster_size"], iters=opts["iters"])
+    cfg = KMeansConfig(cluster_size=opts["cluster_size"], iters=opts["iters"], segment=opts["segment"])
     device = kmeans_device()
     for layer in range(ckv.n_layers):
         yield build_layer(ckv.keys[layer], ckv.values[layer], cfg, device, store_values=opts["store_values"])
