@@ -17,7 +17,7 @@ import torch
 
 from topk_decode.index import compiled
 from topk_decode.index.routed_kernel import scan_layer_par, search_layer_par
-from topk_decode.index.routed_split import SplitScratch, new_scratch, split_layer_par  # noqa: F401 - new_scratch re-exported
+from topk_decode.index.routed_split import TALLY, SplitScratch, new_scratch, split_layer_par  # noqa: F401 - new_scratch re-exported
 
 # The smallest cluster range of one routing task: below it a task's fixed cost rivals its work.
 _MIN_CLUSTERS_PER_TASK = 1024
@@ -72,8 +72,9 @@ class LayerResult(NamedTuple):
     times: "HeadTimes"
 
 
-# the rounds of a split call (routed_split.py), as HeadTimes.rounds times them
-SPLIT_ROUNDS = ("rows", "scan", "top_k", "values", "sums")
+# the parts of a split call (routed_split.py), as HeadTimes.rounds times them: from the Python side's call to the
+# compiled function's start, its rounds, and from their end back to the Python side
+SPLIT_ROUNDS = ("enter", "rows", "scan", "top_k", "values", "sums", "exit")
 
 
 class HeadTimes(NamedTuple):
@@ -197,17 +198,17 @@ def split_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take:
     ids = np.empty((hkv, Q, k), dtype=np.int64)
     scores = np.empty((hkv, Q, k), dtype=np.float32)
     vals = arrays.vals if arrays.vals is not None else arrays.keys
-    read, filled, clock = np.zeros(hkv, np.int64), np.zeros((hkv, Q), np.int64), np.zeros((threads, 2), np.int64)
-    phases = np.zeros(6, np.int64)
+    tally = _reused(scratch, "tally", (TALLY,), np.int64)
     compiled.set_threads(threads)
     for _ in range(2):
+        c_in = compiled.now()
         buf: SplitScratch | None = scratch.get("split")
         if buf is None or buf.part.shape[:2] != (threads, hkv) or buf.scores.shape[1] != Q:
             buf = scratch["split"] = new_scratch(hkv, Q, d, 0, threads)
         split_layer_par(arrays.keys, arrays.pos, arrays.outside, arrays.offsets, order_n, take_n, qn, k,
-                        np.float32(scale), vals, arrays.values_by_row, threads, *buf, ids, scores, o, mz, read, filled,
-                        clock, phases)
-        need = int(read.max())
+                        np.float32(scale), vals, arrays.values_by_row, threads, *buf, ids, scores, o, mz, tally)
+        c_out = compiled.now()
+        need = int(tally[1])
         if need <= buf.rows.shape[1]:
             break
         # too few rows for this layer (the first call, or a layer reading more): grow with a margin, again
@@ -215,6 +216,8 @@ def split_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take:
     no_rest = scratch.get("no_rest")
     if no_rest is None or no_rest[0].shape != (hkv, Q, d):
         no_rest = scratch["no_rest"] = (torch.zeros(hkv, Q, d), torch.full((hkv, Q), -float("inf")))
-    times = _head_times(clock)._replace(rounds=tuple(float(x) for x in np.diff(phases) / compiled.cycles_per_second()))
-    return LayerResult(torch.from_numpy(ids), torch.from_numpy(scores), *no_rest, int(read.sum()), int(filled.sum()),
-                       times)
+    t, rate = tally.tolist(), compiled.cycles_per_second()
+    marks = [c_in, *t[6:], c_out]
+    times = HeadTimes(t[3] / threads / rate, t[4] / rate, t[5] / rate,
+                      tuple((marks[i + 1] - marks[i]) / rate for i in range(len(SPLIT_ROUNDS))))
+    return LayerResult(torch.from_numpy(ids), torch.from_numpy(scores), *no_rest, t[0], t[2], times)

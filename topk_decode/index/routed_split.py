@@ -63,24 +63,30 @@ def _pieces(counts, pieces):
     return seg
 
 
+# tally of a split call: keys read (all heads, the most in one head), slots filled, the pieces' work (sum, most,
+# span) in `cycles`, then the `cycles` at the call's start and at the end of each round (rows … sums)
+TALLY = 12
+
+
 @pjit
 def split_layer_par(keys, pos, outside, offsets, order, take, q, k, scale, vals, values_by_row, pieces, rows, rpos,
-                    sc, w, part, ids, scores, o, mz, read, filled, clock, phases):
+                    sc, w, part, ids, scores, o, mz, tally):
     """One device-routed layer (arguments as `scan_layer_par`, plus the `SplitScratch` buffers) in `pieces`
-    equal pieces per round. The buffers must hold every head's rows (`read` says how many each needed:
-    when some head needs more than they hold, nothing else is written and the caller retries with larger
-    ones). filled (Hkv, Q) receives each query's slots filled; clock (pieces, 2) the `cycles` at which each
-    piece started scanning and finished its values; phases (6,) the `cycles` at the call's start and at the end
-    of each round (rows, scan, top-k, values, sums)."""
+    equal pieces per round. The buffers must hold every head's rows: when some head needs more than they hold
+    (tally[1] says how many), nothing else is written and the caller retries with larger ones. tally (TALLY,)
+    int64 receives the call's counts and times, reduced here so that the Python side does no array work."""
     hkv, Q, d = q.shape
     cap = rows.shape[1]
+    read, filled, clock = np.zeros(hkv, np.int64), np.zeros((hkv, Q), np.int64), np.zeros((pieces, 2), np.int64)
+    phases = tally[6:]
     phases[0] = cycles()
     for h in prange(hkv):
         read[h] = _count_rows(offsets[h], order[h], take[h])
         if read[h] <= cap:
             _cluster_rows_into(offsets[h], order[h], take[h], rows[h])
     phases[1] = cycles()
-    if read.max() > cap:
+    tally[0], tally[1] = read.sum(), read.max()
+    if tally[1] > cap:
         return
     seg = _pieces(read, pieces)
     for p in prange(pieces):
@@ -89,7 +95,6 @@ def split_layer_par(keys, pos, outside, offsets, order, take, q, k, scale, vals,
             r0, r1 = seg[p, h, 0], seg[p, h, 1]
             if r1 > r0:
                 _scan_range(keys[h], pos[h], outside[h], rows[h], r0, r1, q[h], rpos[h], sc[h])
-                w[h, :, r0:r1] = 0.0
     phases[2] = cycles()
     ms, zs = np.zeros((hkv, Q), np.float32), np.zeros((hkv, Q), np.float32)
     K = ids.shape[2]
@@ -98,6 +103,9 @@ def split_layer_par(keys, pos, outside, offsets, order, take, q, k, scale, vals,
         n = read[h]
         cols = np.empty(K, np.int64)
         filled[h, i] = _top_k_one(sc[h, i, :n], rpos[h, :n], ids[h, i], scores[h, i], cols, np.empty(2048, np.int64))
+        # zeroed by the task that scatters into it (its lines then sit in this core's cache, not in the scan
+        # pieces' caches); no measurable change on the host either way (docs/BENCHMARKS.md run 16)
+        w[h, i, :n] = 0.0
         ms[h, i], zs[h, i] = _slot_weights(scores[h, i], cols, scale, w[h, i], np.empty(K, np.float32),
                                            np.empty(K, np.float32), np.empty(K, np.int32))
     phases[3] = cycles()
@@ -122,3 +130,6 @@ def split_layer_par(keys, pos, outside, offsets, order, take, q, k, scale, vals,
             mz[h, i, 0] = ms[h, i]
             mz[h, i, 1] = zs[h, i]
     phases[5] = cycles()
+    work = clock[:, 1] - clock[:, 0]
+    tally[2], tally[3], tally[4] = filled.sum(), work.sum(), work.max()
+    tally[5] = clock[:, 1].max() - clock[:, 0].min()
