@@ -54,11 +54,11 @@ def main() -> None:
     read, clusters = [], []
     for r in range(a.rounds + 1):
         heads = next(rounds)
-        for keys, vals, pos, outside, offsets, order, taken, qh in heads:
+        for keys, vals, pos, offsets, order, taken, qh in heads:
             m = int(_count_rows(offsets, order, taken))
             t0 = time.perf_counter()
             rows = _cluster_rows(offsets, order, taken, m)
-            rpos, scores = _scan(keys, pos, outside, rows, qh)
+            rpos, scores = _scan(keys, pos, rows, qh)
             t1 = time.perf_counter()
             _top_k(scores, rpos, ids, sc, cols)
             t2 = time.perf_counter()
@@ -67,9 +67,9 @@ def main() -> None:
             if r:   # round 0 compiles
                 times["scan"].append(t1 - t0), times["top_k"].append(t2 - t1), times["attend"].append(t3 - t2)
                 read.append(m), clusters.append(taken)
-        for keys, vals, pos, outside, offsets, order, taken, qh in next(rounds):   # other clusters: cold again
+        for keys, vals, pos, offsets, order, taken, qh in next(rounds):   # other clusters: cold again
             t0 = time.perf_counter()
-            scan_head(keys, pos, outside, offsets, order, taken, qh, a.k, s, vals, True, ids, sc, o, mz)
+            scan_head(keys, pos, offsets, order, taken, qh, a.k, s, vals, True, ids, sc, o, mz)
             if r:
                 times["scan_head"].append(time.perf_counter() - t0)
     row = {"what": "kernel_parts", "layout": a.layout, "n": a.n, "rows": int(np.median(read)),
@@ -84,7 +84,7 @@ def uniform_rounds(a, rng):
     N, S, d = a.n, a.cluster_size, a.head_dim
     keys = [bf16_bits((N, d), gen) for _ in range(a.heads)]
     vals = [bf16_bits((N, d), gen) for _ in range(a.heads)]
-    pos, outside = np.arange(N, dtype=np.int64), np.zeros(N, np.bool_)
+    pos = np.arange(N, dtype=np.int32)
     offsets = np.arange(0, N + 1, S, dtype=np.int64)
     taken = -(-a.rows // S)
     orders = [rng.permutation(N // S).astype(np.int32) for _ in range(a.heads)]
@@ -92,7 +92,7 @@ def uniform_rounds(a, rng):
     while True:
         if not a.warm:   # fresh clusters every round: read from DRAM, as a decode step does
             orders = [rng.permutation(N // S).astype(np.int32) for _ in range(a.heads)]
-        yield [(keys[h], vals[h], pos, outside, offsets, orders[h], taken, qh) for h in range(a.heads)]
+        yield [(keys[h], vals[h], pos, offsets, orders[h], taken, qh) for h in range(a.heads)]
 
 
 def routed_rounds(a, rng):
@@ -113,7 +113,7 @@ def routed_rounds(a, rng):
         order, take = (t.numpy() for t in routes.host_route(layer))
         arr = strat._kernel_in[layer]
         qn = q.numpy()
-        yield [(arr.keys[h], arr.vals[h], arr.pos[h], arr.outside[h], arr.offsets[h], order[h], int(take[h]), qn[h])
+        yield [(arr.keys[h], arr.vals[h], arr.pos[h], arr.offsets[h], order[h], int(take[h]), qn[h])
                for h in range(a.heads)]
         layer = (layer + 1) % a.layers
 

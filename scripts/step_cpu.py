@@ -80,13 +80,24 @@ def _huge_copy(a: np.ndarray, keep: list) -> np.ndarray:
 
 
 def _to_hugepages(strat) -> None:
-    """Point routed's compiled path at huge-page copies of its layout's keys, values, positions and flags."""
+    """Point routed's compiled path at huge-page copies of its layout's keys, values and positions."""
     keep: list = []
     for layer, arr in enumerate(strat._kernel_in):
         vals = None if arr.vals is None else _huge_copy(arr.vals, keep)
         strat._kernel_in[layer] = arr._replace(keys=_huge_copy(arr.keys, keep), vals=vals,
-                                               pos=_huge_copy(arr.pos, keep), outside=_huge_copy(arr.outside, keep))
+                                               pos=_huge_copy(arr.pos, keep))
     strat._huge, strat._huge_maps = True, keep
+
+
+def _anon_huge_gib() -> float:
+    """GiB of this process's anonymous memory in transparent huge pages (/proc/self/smaps_rollup; 0 elsewhere)."""
+    try:
+        for line in open("/proc/self/smaps_rollup"):
+            if line.startswith("AnonHugePages:"):
+                return round(int(line.split()[1]) / 2**20, 2)
+    except OSError:
+        pass
+    return 0.0
 
 
 def main() -> None:
@@ -146,6 +157,7 @@ def main() -> None:
 
                 row["numba_threading_layer"] = numba.threading_layer()
                 row["hugepages"] = huge
+                row["anon_huge_pages_gib"] = _anon_huge_gib()
             line = json.dumps(row)
             print(line, flush=True)
             if a.out:

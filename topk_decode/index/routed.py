@@ -234,7 +234,7 @@ class RoutedStrategy(SelectionStrategy):
         # n_c·exp(−bias_c): turns routing's exp(s·q·μ_c + bias_c − max) into the estimate's weights
         size_factor = torch.where(torch.isinf(bias), 0.0, (st.log_n[:, 0] - bias).exp())
         return routed_compiled.LayerArrays(
-            keys=compiled.bits(lay.keys), pos=lay.pos.numpy(), outside=self._outside[layer].view(hkv, -1).numpy(),
+            keys=compiled.bits(lay.keys), pos=routed_compiled.kernel_positions(lay.pos, self._outside[layer]),
             offsets=lay.offsets.numpy(), cent=compiled.bits(st.centroids.contiguous()),
             bias=bias.numpy(), size_factor=size_factor.numpy(),
             vmeans=compiled.bits(vmeans.contiguous()),

@@ -192,17 +192,18 @@ def _cluster_rows_into(offsets, order, taken, rows):
 
 
 @jit
-def _scan(keys, pos, outside, rows, qh):
-    """Exact fp32 q·k of every row in `rows`: (positions (m,), scores (Q, m), −inf outside)."""
+def _scan(keys, pos, rows, qh):
+    """Exact fp32 q·k of every row in `rows`: (positions (m,), scores (Q, m), −inf for rows outside the
+    searchable range, whose pos is −1)."""
     m = rows.shape[0]
     scores = np.empty((qh.shape[0], m), dtype=np.float32)
     rpos = np.empty(m, dtype=np.int64)
-    _scan_range(keys, pos, outside, rows, 0, m, qh, rpos, scores)
+    _scan_range(keys, pos, rows, 0, m, qh, rpos, scores)
     return rpos, scores
 
 
 @jit
-def _scan_range(keys, pos, outside, rows, r0, r1, qh, rpos, scores):
+def _scan_range(keys, pos, rows, r0, r1, qh, rpos, scores):
     """`_scan` of rows[r0:r1] into rpos[r0:r1] and scores[:, r0:r1]."""
     Q, d = qh.shape
     widened = np.empty(d, dtype=np.uint32)
@@ -215,10 +216,9 @@ def _scan_range(keys, pos, outside, rows, r0, r1, qh, rpos, scores):
             ahead = rows[r + _AHEAD]
             _prefetch_row(keys, ahead)
             _prefetch_row(pos, ahead)
-            _prefetch_row(outside, ahead)
         row = rows[r]
         rpos[r] = pos[row]
-        if outside[row]:
+        if pos[row] < 0:
             for i in range(Q):
                 scores[i, r] = -np.inf
         else:
@@ -439,13 +439,13 @@ def _attend(vals, src, cols, sc, scale, rest_o, rest_lse, with_rest, o_out, mz_o
 
 
 @jit
-def _read_clusters(keys, pos, outside, offsets, order, taken, m, qh, scale, vals, values_by_row, rest_o, rest_lse,
+def _read_clusters(keys, pos, offsets, order, taken, m, qh, scale, vals, values_by_row, rest_o, rest_lse,
                    with_rest, attend, ids_out, sc_out, o_out, mz_out):
     """What a head does once its clusters are chosen: the exact scan of the first `taken` of `order` (m rows),
     each query's top-k into ids_out / sc_out, and with `attend` the context part (merged with rest_o /
     rest_lse when `with_rest`) into o_out / mz_out."""
     rows = _cluster_rows(offsets, order, taken, m)
-    rpos, scores = _scan(keys, pos, outside, rows, qh)
+    rpos, scores = _scan(keys, pos, rows, qh)
     cols = np.empty(ids_out.shape, dtype=np.int64)
     _top_k(scores, rpos, ids_out, sc_out, cols)
     if attend:   # the values' row of each scan column: its layout row (values stored by row) or its position
@@ -454,7 +454,7 @@ def _read_clusters(keys, pos, outside, offsets, order, taken, m, qh, scale, vals
 
 
 @jit
-def finish_head(keys, pos, outside, offsets, size_factor, vmeans, qh, budget, k, scale, estimate, vals,
+def finish_head(keys, pos, offsets, size_factor, vmeans, qh, budget, k, scale, estimate, vals,
                  values_by_row, attend, logit, e, bounds, mx_parts, z_parts, ids_out, sc_out, rest_o, rest_lse,
                  o_out, mz_out):
     """One KV head after its routing tasks: cluster choice, scan up to `budget` keys, top-k, [estimate],
@@ -462,7 +462,8 @@ def finish_head(keys, pos, outside, offsets, size_factor, vmeans, qh, budget, k,
 
     Args:
         keys: (N, D) the head's cluster-contiguous bf16 keys as their uint16 bits.
-        pos: (N,) int64 original positions; outside: (N,) bool rows never returned (sinks, tail).
+        pos: (N,) int32 original positions, −1 for rows never returned (sinks, tail): one array read per row,
+            not positions and flags (docs/BENCHMARKS.md run 16).
         offsets: (C + 1,) int64 cluster c = rows [offsets[c], offsets[c+1]).
         size_factor: (C,) float32 n_c·exp(−bias_c), 0 without searchable keys; vmeans: (C, D) bf16 mean
             values as uint16 (both for the estimate only).
@@ -494,13 +495,13 @@ def finish_head(keys, pos, outside, offsets, size_factor, vmeans, qh, budget, k,
     order, taken, m = _cluster_order(logit, lz, offsets, budget, keys.shape[0])
     if estimate:
         _unread(e, size_factor, vmeans, order, taken, bounds, factor, mxs, rest_o, rest_lse)
-    _read_clusters(keys, pos, outside, offsets, order, taken, m, qh, scale, vals, values_by_row, rest_o, rest_lse,
+    _read_clusters(keys, pos, offsets, order, taken, m, qh, scale, vals, values_by_row, rest_o, rest_lse,
                    estimate, attend, ids_out, sc_out, o_out, mz_out)
     return m
 
 
 @jit
-def scan_head(keys, pos, outside, offsets, order, taken, qh, k, scale, vals, values_by_row, ids_out, sc_out,
+def scan_head(keys, pos, offsets, order, taken, qh, k, scale, vals, values_by_row, ids_out, sc_out,
               o_out, mz_out):
     """One KV head whose clusters were chosen elsewhere (routed_device.py, on the decode device): scan the
     first `taken` clusters of `order`, top-k, context part (without an estimate: the device merges its
@@ -510,13 +511,13 @@ def scan_head(keys, pos, outside, offsets, order, taken, qh, k, scale, vals, val
     """
     m = _count_rows(offsets, order, taken)
     no_rest_o, no_rest_lse = np.zeros((1, o_out.shape[1]), np.float32), np.zeros(1, np.float32)
-    _read_clusters(keys, pos, outside, offsets, order, taken, m, qh, scale, vals, values_by_row, no_rest_o,
+    _read_clusters(keys, pos, offsets, order, taken, m, qh, scale, vals, values_by_row, no_rest_o,
                    no_rest_lse, False, True, ids_out, sc_out, o_out, mz_out)
     return m
 
 
 @pjit
-def search_layer_par(keys, pos, outside, offsets, size_factor, vmeans, q, cent, bias, budget, k, scale, estimate,
+def search_layer_par(keys, pos, offsets, size_factor, vmeans, q, cent, bias, budget, k, scale, estimate,
                      vals, values_by_row, attend, logit, e, bounds, mx_p, z_p, ids, scores, rest_o, rest_lse, o, mz,
                      read, clock):
     """One layer, every KV head: routing over (head, cluster range) tasks, then `finish_head` per head, each
@@ -532,20 +533,20 @@ def search_layer_par(keys, pos, outside, offsets, size_factor, vmeans, q, cent, 
                     z_p[h, p])
     for h in prange(hkv):
         clock[h, 0] = cycles()
-        read[h] = finish_head(keys[h], pos[h], outside[h], offsets[h], size_factor[h], vmeans[h], q[h], budget, k,
+        read[h] = finish_head(keys[h], pos[h], offsets[h], size_factor[h], vmeans[h], q[h], budget, k,
                               scale, estimate, vals[h], values_by_row, attend, logit[h], e[h], bounds, mx_p[h],
                               z_p[h], ids[h], scores[h], rest_o[h], rest_lse[h], o[h], mz[h])
         clock[h, 1] = cycles()
 
 
 @pjit
-def scan_layer_par(keys, pos, outside, offsets, order, take, q, k, scale, vals, values_by_row, ids, scores, o, mz,
+def scan_layer_par(keys, pos, offsets, order, take, q, k, scale, vals, values_by_row, ids, scores, o, mz,
                    read, clock):
     """One layer routed elsewhere, every KV head on numba's threads: `scan_head` per head (arguments with a
     leading (Hkv,) axis; take (Hkv,) int32; read (Hkv,) int64 receives each head's keys read, clock (Hkv, 2)
     int64 the `cycles` at which it started and ended)."""
     for h in prange(keys.shape[0]):
         clock[h, 0] = cycles()
-        read[h] = scan_head(keys[h], pos[h], outside[h], offsets[h], order[h], take[h], q[h], k, scale, vals[h],
+        read[h] = scan_head(keys[h], pos[h], offsets[h], order[h], take[h], q[h], k, scale, vals[h],
                             values_by_row, ids[h], scores[h], o[h], mz[h])
         clock[h, 1] = cycles()

@@ -69,7 +69,7 @@ TALLY = 12
 
 
 @pjit
-def split_layer_par(keys, pos, outside, offsets, order, take, q, k, scale, vals, values_by_row, pieces, rows, rpos,
+def split_layer_par(keys, pos, offsets, order, take, q, k, scale, vals, values_by_row, pieces, rows, rpos,
                     sc, w, part, ids, scores, o, mz, tally):
     """One device-routed layer (arguments as `scan_layer_par`, plus the `SplitScratch` buffers) in `pieces`
     equal pieces per round. The buffers must hold every head's rows: when some head needs more than they hold
@@ -94,7 +94,7 @@ def split_layer_par(keys, pos, outside, offsets, order, take, q, k, scale, vals,
         for h in range(hkv):
             r0, r1 = seg[p, h, 0], seg[p, h, 1]
             if r1 > r0:
-                _scan_range(keys[h], pos[h], outside[h], rows[h], r0, r1, q[h], rpos[h], sc[h])
+                _scan_range(keys[h], pos[h], rows[h], r0, r1, q[h], rpos[h], sc[h])
     phases[2] = cycles()
     ms, zs = np.zeros((hkv, Q), np.float32), np.zeros((hkv, Q), np.float32)
     K = ids.shape[2]
