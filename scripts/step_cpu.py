@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import mmap
 import sys
 import time
 from pathlib import Path
@@ -27,10 +26,12 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's package, not an installed one
+from topk_decode.bench.measure import anon_huge_pages
 from topk_decode.bench.synthetic import synthetic_kv
 from topk_decode.decode.context import ContextAttention
 from topk_decode.index import get_strategy
 from topk_decode.index.routed_compiled import SPLIT_ROUNDS
+from topk_decode.store.huge_pages import huge_copy
 
 
 def parse_config(text: str) -> tuple[str, dict]:
@@ -70,13 +71,9 @@ def step_ms(strat, context: ContextAttention, qs: list[torch.Tensor], k: int, la
 
 
 def _huge_copy(a: np.ndarray, keep: list) -> np.ndarray:
-    """A copy of `a` in an anonymous mapping advised MADV_HUGEPAGE before its first touch."""
-    buf = mmap.mmap(-1, max(a.nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buf.madvise(mmap.MADV_HUGEPAGE)
-    keep.append(buf)
-    out = np.frombuffer(buf, dtype=a.dtype, count=a.size).reshape(a.shape)
-    out[...] = a
-    return out
+    """A copy of `a` in memory advised for huge pages before first touch (store/huge_pages.py)."""
+    keep.append(huge_copy(torch.from_numpy(a)))
+    return keep[-1].numpy()
 
 
 def _to_hugepages(strat) -> None:
@@ -87,17 +84,6 @@ def _to_hugepages(strat) -> None:
         strat._kernel_in[layer] = arr._replace(keys=_huge_copy(arr.keys, keep), vals=vals,
                                                pos=_huge_copy(arr.pos, keep))
     strat._huge, strat._huge_maps = True, keep
-
-
-def _anon_huge_gib() -> float:
-    """GiB of this process's anonymous memory in transparent huge pages (/proc/self/smaps_rollup; 0 elsewhere)."""
-    try:
-        for line in open("/proc/self/smaps_rollup"):
-            if line.startswith("AnonHugePages:"):
-                return round(int(line.split()[1]) / 2**20, 2)
-    except OSError:
-        pass
-    return 0.0
 
 
 def main() -> None:
@@ -157,7 +143,7 @@ def main() -> None:
 
                 row["numba_threading_layer"] = numba.threading_layer()
                 row["hugepages"] = huge
-                row["anon_huge_pages_gib"] = _anon_huge_gib()
+                row["anon_huge_pages_gib"] = round(anon_huge_pages() / 2**30, 2)
             line = json.dumps(row)
             print(line, flush=True)
             if a.out:

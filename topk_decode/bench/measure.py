@@ -38,6 +38,16 @@ def parse_tokens(text: str) -> int:
     return int(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20}[m.group(2).lower()]
 
 
+def anon_huge_pages() -> int:
+    """Bytes of this process's anonymous memory in transparent huge pages (/proc/self/smaps_rollup; 0 elsewhere)."""
+    try:
+        text = open("/proc/self/smaps_rollup").read()
+    except OSError:
+        return 0
+    m = re.search(r"AnonHugePages:\s+(\d+) kB", text)
+    return int(m.group(1)) * 1024 if m else 0
+
+
 def cpu_rss() -> tuple[int, int]:
     """(current, peak) resident set size of this process in bytes (Linux /proc; zeros elsewhere)."""
     try:

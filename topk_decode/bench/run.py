@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from topk_decode.bench.hf import fits_hf, hf_decode, weights_bytes
-from topk_decode.bench.measure import GIB, cpu_rss, is_oom, peak_gpu, release, set_gpu_budget
+from topk_decode.bench.measure import GIB, anon_huge_pages, cpu_rss, is_oom, peak_gpu, release, set_gpu_budget
 from topk_decode.bench.shapes import build_model
 from topk_decode.bench.synthetic import kv_bytes, kv_in_memory, synthetic_kv
 from topk_decode.config import DecodeConfig
@@ -234,7 +234,8 @@ def _topk_decode(model, ckv, cfg: BenchConfig, device: torch.device, strategy: s
                 "first_step_s": round(first_step_s, 2),
                 "fp32_rescans": decoder.strategy.stats.extra.get("fp32_rescans", 0),
                 "host_embedding": decoder.host_embedding is not None, **_device_routes_row(decoder),
-                "peak_gpu_gib": _gib(peak_gpu(device)), "cpu_rss_gib": _gib(rss), "cpu_peak_rss_gib": _gib(hwm)}
+                "peak_gpu_gib": _gib(peak_gpu(device)), "cpu_rss_gib": _gib(rss), "cpu_peak_rss_gib": _gib(hwm),
+                "huge_pages_gib": _gib(anon_huge_pages())}   # routed's `hugepages` copies (store/huge_pages.py)
     finally:   # the model gets its input embedding back (decode/embedding.py) for the rows after
         decoder.close()
 

@@ -41,6 +41,7 @@ from topk_decode.index.estimate import combine, read_rest_part, searchable_stats
 from topk_decode.index.routed_device import DeviceRoutes
 from topk_decode.index.routed_layout import layer_layouts, load_layouts, on_disk, write_layouts
 from topk_decode.index.threads import default_threads
+from topk_decode.store import huge_pages
 from topk_decode.store.cache_dir import ContextKV
 from topk_decode.store.format import dtype_name
 
@@ -117,16 +118,22 @@ class RoutedStrategy(SelectionStrategy):
             clusters (compiled path only; one-token steps only, prompts route on the CPU).
         split: device-routed layers cut all heads' scan and value sums into equal pieces, one per thread of
             the team (routed_split.py; default True), rather than one task per KV head (`scan_layer_par`).
+        hugepages: the compiled path reads the layout's keys, values and offsets from copies in memory backed
+            by transparent huge pages (store/huge_pages.py; default True): always for a layout in RAM (each
+            copy replaces its original), for a memory-mapped one when it fits in half the available memory
+            (it is then read whole at open). Scattered cluster reads otherwise miss the TLB on almost every
+            cluster (docs/BENCHMARKS.md run 16).
     """
 
     name = "routed"
     keeps_query = False
     BUILD_DEFAULTS = {"cluster_size": 16, "iters": 6, "store_values": True, "segment": 65536}
     SEARCH_DEFAULTS = {"probe_fraction": 0.04, "spread": False, "sizes": False, "estimate": True,
-                       "estimate_read": False, "kernel": "auto", "device_route": "auto", "split": True}
+                       "estimate_read": False, "kernel": "auto", "device_route": "auto", "split": True,
+                       "hugepages": True}
     OPTIONS = {"cluster_size": int, "iters": int, "store_values": bool, "segment": int, "probe_fraction": float, "spread": bool,
                "sizes": bool, "estimate": bool, "estimate_read": bool, "kernel": str, "device_route": str,
-               "split": bool}
+               "split": bool, "hugepages": bool}
 
     # ---- options / build -------------------------------------------------------------------------
     @classmethod
@@ -154,6 +161,7 @@ class RoutedStrategy(SelectionStrategy):
         if self.device_route not in ("auto", "true", "false"):
             raise TopkError(f"option device_route must be auto, true or false, got {self.device_route!r}")
         self.split = as_bool(o.get("split", self.SEARCH_DEFAULTS["split"]))
+        self.hugepages = as_bool(o.get("hugepages", self.SEARCH_DEFAULTS["hugepages"]))
         opts = self.build_options(o)
         if not on_disk(self.ckv):
             self.layouts = list(layer_layouts(self.ckv, opts, progress))
@@ -202,7 +210,10 @@ class RoutedStrategy(SelectionStrategy):
             has = out.view(hkv, n).any(1)
             first = out.view(hkv, n).to(torch.uint8).argmax(1)                  # first outside row per head
             self._pad_rows.append((self._row_base[:, 0] + first).view(hkv, 1) if bool(has.all()) else None)
+        self.huge_bytes = 0
         if self.kernel:
+            if self.hugepages:
+                self.huge_bytes = self._to_huge_pages()
             self.threads = routed_compiled.team_size(default_threads())   # numba threads per layer call
             self._kernel_in = [self._kernel_arrays(layer) for layer in range(self.ckv.n_layers)]
             routed_compiled.warm_up(self._kernel_in[0])  # compile at open, not inside the first step
@@ -210,6 +221,20 @@ class RoutedStrategy(SelectionStrategy):
             self._split_scratch: dict = {}             # the split scan's buffers (routed_compiled.split_layer)
         self.stats.extra.update(keys_read=0, keys_searchable=0, kernel_s=0.0, head_mean_s=0.0, head_max_s=0.0,
                                 span_s=0.0)
+
+    def _to_huge_pages(self) -> int:
+        """Move the layout's keys, values and offsets into huge-page memory (the `hugepages` option); returns
+        the bytes moved (0 where the platform cannot, or a memory-mapped layout would not fit)."""
+        # (no list of the arrays: it would keep every original alive until all copies exist)
+        need = sum(t.numel() * t.element_size() for lay in self.layouts for t in (lay.keys, lay.values, lay.offsets)
+                   if t is not None)
+        if not huge_pages.supported() or (on_disk(self.ckv) and need > huge_pages.available_bytes() // 2):
+            return 0
+        for lay in self.layouts:    # layer by layer: an in-RAM original is freed as its copy replaces it
+            lay.keys, lay.offsets = huge_pages.huge_copy(lay.keys), huge_pages.huge_copy(lay.offsets)
+            if lay.values is not None:
+                lay.values = huge_pages.huge_copy(lay.values)
+        return need
 
     def _use_kernel(self, choice: str) -> bool:
         """Whether routed_kernel.py's compiled path runs (the `kernel` option; "auto": wherever it applies)."""
@@ -234,11 +259,17 @@ class RoutedStrategy(SelectionStrategy):
         # n_c·exp(−bias_c): turns routing's exp(s·q·μ_c + bias_c − max) into the estimate's weights
         size_factor = torch.where(torch.isinf(bias), 0.0, (st.log_n[:, 0] - bias).exp())
         return routed_compiled.LayerArrays(
-            keys=compiled.bits(lay.keys), pos=routed_compiled.kernel_positions(lay.pos, self._outside[layer]),
+            keys=compiled.bits(lay.keys), pos=self._positions(layer),
             offsets=lay.offsets.numpy(), cent=compiled.bits(st.centroids.contiguous()),
             bias=bias.numpy(), size_factor=size_factor.numpy(),
             vmeans=compiled.bits(vmeans.contiguous()),
             vals=compiled.bits(lay.values if by_row else self.ckv.values[layer]), values_by_row=by_row)
+
+    def _positions(self, layer: int) -> np.ndarray:
+        """The kernels' int32 positions of a layer (−1 outside the searchable range), in huge pages with the
+        rest of the layout."""
+        pos = routed_compiled.kernel_positions(self.layouts[layer].pos, self._outside[layer])
+        return huge_pages.huge_copy(torch.from_numpy(pos)).numpy() if self.huge_bytes else pos
 
     # ---- search ----------------------------------------------------------------------------------
     def route(self, layer: int, q: torch.Tensor, budget: int) -> Route:
