@@ -183,3 +183,30 @@ def test_kth_largest_is_the_partition_value_with_ties_infinities_and_signed_zero
     for s in rows:
         for kk in sorted({1, min(2, len(s)), len(s) // 2 or 1, len(s)}):
             assert kth_largest(s, kk, hist) == np.sort(s)[len(s) - kk], (s[:8], kk)
+
+
+def test_top_k_one_takes_every_score_above_the_cut_then_the_first_ties_in_row_order():
+    import numpy as np
+
+    from topk_decode.index.routed_kernel import _top_k_one
+
+    rng = np.random.default_rng(1)
+    rows = [rng.standard_normal(3000).astype(np.float32), np.round(rng.standard_normal(800)).astype(np.float32),
+            np.array([0.0, -0.0, 0.0, -0.0, 1.0, -np.inf, -np.inf, -0.0], np.float32),
+            np.full(40, -np.inf, np.float32), rng.standard_normal(5).astype(np.float32)]
+    rows[0][::7] = -np.inf
+    for s in rows:
+        rpos = np.arange(len(s), dtype=np.int64) * 3 + 1
+        for K in (1, 4, 64, 1024):
+            ids, sc, cols = np.empty(K, np.int64), np.empty(K, np.float32), np.empty(K, np.int64)
+            filled = _top_k_one(s, rpos, ids, sc, cols, np.empty(2048, np.int64))
+            valid = s[s > -np.inf]
+            kk = min(K, len(valid))
+            assert filled == kk
+            want = []
+            if kk:
+                cut = np.sort(valid)[len(valid) - kk]
+                want = [r for r in range(len(s)) if s[r] > cut]
+                want += [r for r in range(len(s)) if s[r] == cut][:kk - len(want)]
+            assert cols[:kk].tolist() == want and (cols[kk:] == -1).all() and (ids[kk:] == -1).all()
+            assert ids[:kk].tolist() == rpos[want].tolist() and np.array_equal(sc[:kk], s[want])
