@@ -9,6 +9,9 @@
 #   bash scripts/device_bench.sh device    # routed with routing on the GPU (routed_device.py): its GPU tests, then
 #                                          # flat and routed beside HF dense at 32K/128K
 #   bash scripts/device_bench.sh device_cpu  # the CPU side alone at 128K, CPU- vs device-routed (step_cpu.py)
+#   bash scripts/device_bench.sh huge      # routed with and without its huge-page copies (option hugepages): the CPU
+#                                          # side alone (step_cpu.py), then tok/s at 128K, and the 1M row
+#   bash scripts/device_bench.sh team      # what an empty parallel round of numba's team costs (team_overhead.py)
 #   bash scripts/device_bench.sh fused     # routed's compiled path (search + context part in one kernel) vs its torch
 #                                          # path: the CPU side alone over 32 layers (step_cpu.py), then tok/s at 32K/128K
 #                                          # (needs numba: pip install the carried numba + llvmlite wheels first)
@@ -100,6 +103,20 @@ if [ "$phase" = parts ]; then   # a head's device-routed layer by part (scan, to
     $PY -m topk_decode bench --model llama-3-8b --context 32K --gpu-memory "$budget" --k 1024 --steps 16 --kv $kv \
         --strategy routed --systems topk --no-offload-prefill --out "$OUT/parts_$kv" 2>&1 | tee "$OUT/log_parts_$kv.txt"; snap
   done
+fi
+if [ "$phase" = huge ]; then   # run 16's open question: huge pages over a whole decode step
+  $PY scripts/step_cpu.py --n 131072 --layers 16 --reps 3 --configs routed:kernel=numba,device_route=true,hugepages=false \
+      --hugepages --out "$OUT/step_cpu_huge.jsonl" 2>&1 | tee "$OUT/log_step_cpu_huge.txt"; snap
+  for huge in true false; do
+    $PY -m topk_decode bench --model llama-3-8b --context 128K --gpu-memory "$budget" --k 1024 --steps 16 \
+        --strategy routed --systems topk --no-offload-prefill --opt hugepages=$huge --out "$OUT/huge_$huge" \
+        2>&1 | tee "$OUT/log_huge_$huge.txt"; snap
+  done
+  bench qwen2.5-7b 1048576 routed 16 "strategy_options={'probe_fraction': 0.02, 'store_values': False}" \
+      2>&1 | tee "$OUT/log_huge_qwen7b_1m.txt"; snap
+fi
+if [ "$phase" = team ]; then
+  $PY scripts/team_overhead.py --threads 15 --rounds 1 5 --gap-us 0 500 2>&1 | tee "$OUT/team_overhead.jsonl"; snap
 fi
 if [ "$phase" = nographs ]; then
   $PY -m topk_decode bench --model llama-3-8b --context 32K,128K --systems topk --no-graphs --no-offload-prefill \
