@@ -69,6 +69,17 @@ def test_prefill_refuses_an_unknown_option_before_any_work(built_cache, docs_dir
     assert not out.exists()
 
 
+@pytest.mark.parametrize("option,fragment", [("segment=0", "option segment must be a positive integer, got 0"),
+                                             ("cluster_size=-3", "option cluster_size must be a positive integer")])
+def test_prefill_refuses_a_bad_routed_build_value_before_any_work(built_cache, docs_dir, tmp_path, option, fragment):
+    _, model_dir = built_cache
+    out = tmp_path / "new"
+    result = topk("prefill", docs_dir, "--out", out, "--model", model_dir, "--device", "cpu",
+                  "--strategy", "routed", "--opt", option)
+    assert fragment in one_error_line(result)
+    assert not out.exists()
+
+
 def test_chat_refuses_an_unknown_option(built_cache):
     cache, _ = built_cache
     result = topk("chat", cache, "--prompt", "Why?", "--k", 8, "--max-new-tokens", 2, "--opt", "nprob=1")

@@ -145,6 +145,14 @@ class RoutedStrategy(SelectionStrategy):
                 "segment": positive_int(options, "segment", cls.BUILD_DEFAULTS["segment"])}
 
     @classmethod
+    def checked_options(cls, options: dict | None) -> dict:
+        """Names and types checked (`SelectionStrategy.checked_options`), and the build values too, so that
+        `topk prefill --strategy routed --opt segment=0` fails before the prefill, not after it."""
+        checked = super().checked_options(options)
+        cls.build_options(checked)
+        return checked
+
+    @classmethod
     def build_artifacts(cls, ckv: ContextKV, options: dict | None = None,
                         progress: Callable[[int, int], None] | None = None) -> None:
         write_layouts(ckv, cls.name, cls.build_options(cls.checked_options(options)), progress)
