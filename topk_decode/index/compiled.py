@@ -40,7 +40,9 @@ def pjit(fn):
     """fn compiled with its `prange` loops run on numba's threads (`jit` otherwise).
 
     One such call per layer replaces a Python thread pool's map, whose futures and GIL hand-offs cost
-    about as much as a head's work (docs/BENCHMARKS.md run 14)."""
+    about as much as a head's work (docs/BENCHMARKS.md run 14). Outside its `prange` loops, numba also turns
+    every array expression (np.zeros, a.sum(), a - b) into a parallel region of its own: write those as loops
+    or in `jit` helpers (docs/BENCHMARKS.md run 16)."""
     return numba.njit(nogil=True, cache=True, fastmath=_FASTMATH, parallel=True)(fn) if numba is not None else fn
 
 

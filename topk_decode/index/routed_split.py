@@ -63,6 +63,31 @@ def _pieces(counts, pieces):
     return seg
 
 
+@jit
+def _tally_reads(read, tally):
+    """tally[0], tally[1] = the keys read in all heads, the most in one head (serial: see split_layer_par)."""
+    tally[0], tally[1] = 0, 0
+    for h in range(read.shape[0]):
+        tally[0] += read[h]
+        tally[1] = max(tally[1], read[h])
+
+
+@jit
+def _tally_work(filled, clock, tally):
+    """tally[2:6] = slots filled, the pieces' work summed and at most (`cycles`), and their span."""
+    tally[2] = 0
+    for h in range(filled.shape[0]):
+        for i in range(filled.shape[1]):
+            tally[2] += filled[h, i]
+    first, last = clock[0, 0], clock[0, 1]
+    tally[3], tally[4] = 0, 0
+    for p in range(clock.shape[0]):
+        tally[3] += clock[p, 1] - clock[p, 0]
+        tally[4] = max(tally[4], clock[p, 1] - clock[p, 0])
+        first, last = min(first, clock[p, 0]), max(last, clock[p, 1])
+    tally[5] = last - first
+
+
 # tally of a split call: keys read (all heads, the most in one head), slots filled, the pieces' work (sum, most,
 # span) in `cycles`, then the `cycles` at the call's start and at the end of each round (rows … sums)
 TALLY = 12
@@ -77,7 +102,10 @@ def split_layer_par(keys, pos, offsets, order, take, q, k, scale, vals, values_b
     int64 receives the call's counts and times, reduced here so that the Python side does no array work."""
     hkv, Q, d = q.shape
     cap = rows.shape[1]
-    read, filled, clock = np.zeros(hkv, np.int64), np.zeros((hkv, Q), np.int64), np.zeros((pieces, 2), np.int64)
+    # np.empty, not np.zeros, and the reductions in `_tally`: in a parallel function numba turns each array
+    # expression (a fill, a sum) into a parallel region of its own, ~10 µs each on the host (run 16). Every
+    # element of these is written by the rounds.
+    read, filled, clock = np.empty(hkv, np.int64), np.empty((hkv, Q), np.int64), np.empty((pieces, 2), np.int64)
     phases = tally[6:]
     phases[0] = cycles()
     for h in prange(hkv):
@@ -85,7 +113,7 @@ def split_layer_par(keys, pos, offsets, order, take, q, k, scale, vals, values_b
         if read[h] <= cap:
             _cluster_rows_into(offsets[h], order[h], take[h], rows[h])
     phases[1] = cycles()
-    tally[0], tally[1] = read.sum(), read.max()
+    _tally_reads(read, tally)
     if tally[1] > cap:
         return
     seg = _pieces(read, pieces)
@@ -96,7 +124,7 @@ def split_layer_par(keys, pos, offsets, order, take, q, k, scale, vals, values_b
             if r1 > r0:
                 _scan_range(keys[h], pos[h], rows[h], r0, r1, q[h], rpos[h], sc[h])
     phases[2] = cycles()
-    ms, zs = np.zeros((hkv, Q), np.float32), np.zeros((hkv, Q), np.float32)
+    ms, zs = np.empty((hkv, Q), np.float32), np.empty((hkv, Q), np.float32)
     K = ids.shape[2]
     for t in prange(hkv * Q):
         h, i = t // Q, t % Q
@@ -130,6 +158,4 @@ def split_layer_par(keys, pos, offsets, order, take, q, k, scale, vals, values_b
             mz[h, i, 0] = ms[h, i]
             mz[h, i, 1] = zs[h, i]
     phases[5] = cycles()
-    work = clock[:, 1] - clock[:, 0]
-    tally[2], tally[3], tally[4] = filled.sum(), work.sum(), work.max()
-    tally[5] = clock[:, 1].max() - clock[:, 0].min()
+    _tally_work(filled, clock, tally)
