@@ -131,9 +131,9 @@ class RoutedStrategy(SelectionStrategy):
     SEARCH_DEFAULTS = {"probe_fraction": 0.04, "spread": False, "sizes": False, "estimate": True,
                        "estimate_read": False, "kernel": "auto", "device_route": "auto", "split": True,
                        "hugepages": True}
-    OPTIONS = {"cluster_size": int, "iters": int, "store_values": bool, "segment": int, "probe_fraction": float, "spread": bool,
-               "sizes": bool, "estimate": bool, "estimate_read": bool, "kernel": str, "device_route": str,
-               "split": bool, "hugepages": bool}
+    OPTIONS = {"cluster_size": int, "iters": int, "store_values": bool, "segment": int, "probe_fraction": float,
+               "spread": bool, "sizes": bool, "estimate": bool, "estimate_read": bool, "kernel": str,
+               "device_route": str, "split": bool, "hugepages": bool}
 
     # ---- options / build -------------------------------------------------------------------------
     @classmethod

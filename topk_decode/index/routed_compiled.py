@@ -17,7 +17,8 @@ import torch
 
 from topk_decode.index import compiled
 from topk_decode.index.routed_kernel import scan_layer_par, search_layer_par
-from topk_decode.index.routed_split import TALLY, SplitScratch, new_scratch, split_layer_par  # noqa: F401 - new_scratch re-exported
+from topk_decode.index.routed_split import (TALLY, SplitScratch, new_scratch,  # noqa: F401 - new_scratch re-exported
+                                            split_layer_par)
 
 # The smallest cluster range of one routing task: below it a task's fixed cost rivals its work.
 _MIN_CLUSTERS_PER_TASK = 1024
