@@ -39,7 +39,7 @@ from topk_decode.index.artifacts import ensure_artifacts, recorded_options
 from topk_decode.index.base import RestPart, Selection, SelectionStrategy, as_bool, positive_int
 from topk_decode.index.estimate import combine, read_rest_part, searchable_stats, unread_part
 from topk_decode.index.routed_device import DeviceRoutes
-from topk_decode.index.routed_layout import layer_layouts, load_layouts, on_disk, write_layouts
+from topk_decode.index.routed_layout import layer_layouts, load_layouts, on_disk, to_huge_pages, write_layouts
 from topk_decode.index.threads import default_threads
 from topk_decode.store import huge_pages
 from topk_decode.store.cache_dir import ContextKV
@@ -221,7 +221,7 @@ class RoutedStrategy(SelectionStrategy):
         self.huge_bytes = 0
         if self.kernel:
             if self.hugepages:
-                self.huge_bytes = self._to_huge_pages()
+                self.huge_bytes = to_huge_pages(self.layouts, on_disk(self.ckv))
             self.threads = routed_compiled.team_size(default_threads())   # numba threads per layer call
             self._kernel_in = [self._kernel_arrays(layer) for layer in range(self.ckv.n_layers)]
             routed_compiled.warm_up(self._kernel_in[0])  # compile at open, not inside the first step
@@ -229,20 +229,6 @@ class RoutedStrategy(SelectionStrategy):
             self._split_scratch: dict = {}             # the split scan's buffers (routed_compiled.split_layer)
         self.stats.extra.update(keys_read=0, keys_searchable=0, kernel_s=0.0, head_mean_s=0.0, head_max_s=0.0,
                                 span_s=0.0)
-
-    def _to_huge_pages(self) -> int:
-        """Move the layout's keys, values and offsets into huge-page memory (the `hugepages` option); returns
-        the bytes moved (0 where the platform cannot, or a memory-mapped layout would not fit)."""
-        # (no list of the arrays: it would keep every original alive until all copies exist)
-        need = sum(t.numel() * t.element_size() for lay in self.layouts for t in (lay.keys, lay.values, lay.offsets)
-                   if t is not None)
-        if not huge_pages.supported() or (on_disk(self.ckv) and need > huge_pages.available_bytes() // 2):
-            return 0
-        for lay in self.layouts:    # layer by layer: an in-RAM original is freed as its copy replaces it
-            lay.keys, lay.offsets = huge_pages.huge_copy(lay.keys), huge_pages.huge_copy(lay.offsets)
-            if lay.values is not None:
-                lay.values = huge_pages.huge_copy(lay.values)
-        return need
 
     def _use_kernel(self, choice: str) -> bool:
         """Whether routed_kernel.py's compiled path runs (the `kernel` option; "auto": wherever it applies)."""

@@ -16,6 +16,7 @@ import torch
 
 from topk_decode.index.artifacts import artifact_dir, start_artifacts, write_done, write_file, writing
 from topk_decode.index.cluster import KMeansConfig, LayerLayout, build_layer, kmeans_device
+from topk_decode.store import huge_pages
 from topk_decode.store.cache_dir import ContextKV
 from topk_decode.store.format import as_torch, dtype_name, numpy_storage
 
@@ -96,3 +97,24 @@ def load_layouts(ckv: ContextKV, name: str, built: dict) -> list[LayerLayout]:
             spread=arr("spread", layer, np.float32, (hkv, C)),
             value_means=arr("vmeans", layer, np.float32, (hkv, C, D)) if built.get("value_means") else None))
     return out
+
+
+def to_huge_pages(layouts: list[LayerLayout], mapped: bool) -> int:
+    """Move the layouts' keys, values and offsets into huge-page memory (routed's `hugepages` option,
+    store/huge_pages.py); returns the bytes moved (0 where the platform cannot, or where memory-mapped
+    layouts would not fit in half the available memory).
+
+    Args:
+        layouts: every layer's layout (their fields are replaced); mapped: the layouts are memory-mapped files
+            (their copies add to RAM) rather than in RAM (each copy replaces its original).
+    """
+    # (no list of the arrays: it would keep every original alive until all copies exist)
+    need = sum(t.numel() * t.element_size() for lay in layouts for t in (lay.keys, lay.values, lay.offsets)
+               if t is not None)
+    if not huge_pages.supported() or (mapped and need > huge_pages.available_bytes() // 2):
+        return 0
+    for lay in layouts:         # layer by layer: an in-RAM original is freed as its copy replaces it
+        lay.keys, lay.offsets = huge_pages.huge_copy(lay.keys), huge_pages.huge_copy(lay.offsets)
+        if lay.values is not None:
+            lay.values = huge_pages.huge_copy(lay.values)
+    return need
