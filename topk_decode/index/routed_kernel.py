@@ -170,19 +170,19 @@ def _cluster_rows(offsets, order, taken, m):
 
 
 @jit
-def _count_rows(offsets, order, taken):
-    """Rows in the first `taken` clusters of `order`."""
+def _count_rows(offsets, order, taken, t0=0):
+    """Rows in clusters order[t0:taken] (by default the first `taken`)."""
     m = 0
-    for t in range(taken):
+    for t in range(t0, taken):
         m += offsets[order[t] + 1] - offsets[order[t]]
     return m
 
 
 @jit
-def _cluster_rows_into(offsets, order, taken, rows):
-    """Write the layout rows of the first `taken` clusters of `order` into the start of rows, in that order."""
-    r = 0
-    for t in range(taken):
+def _cluster_rows_into(offsets, order, taken, rows, t0=0, r=0):
+    """Write the layout rows of clusters order[t0:taken] (by default the first `taken`) into rows from index r on,
+    in that order."""
+    for t in range(t0, taken):
         if t + _AHEAD < taken:
             _prefetch_row(offsets, order[t + _AHEAD])
         c = order[t]

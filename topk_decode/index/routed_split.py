@@ -4,7 +4,8 @@
 (Qwen2.5-7B's 4 heads use 4), and the layer waits for its slowest head. Here one call runs the layer in
 rounds over the whole team (docs/BENCHMARKS.md run 15):
 
-    rows:    per head, the layout rows of its chosen clusters, in routing order;
+    rows:    per head, the layout rows of its chosen clusters, in routing order (counted, then listed, over
+             ranges of its clusters);
     scan:    all heads' rows, cut into `pieces` equal ranges, scored against their head's queries;
     top-k:   per (head, query), the k-th largest score, the slots, and the slots' softmax weights;
     values:  the same ranges again: each piece sums weight × value over its rows that some query of the
@@ -64,10 +65,16 @@ def _pieces(counts, pieces):
 
 
 @jit
-def _tally_reads(read, tally):
-    """tally[0], tally[1] = the keys read in all heads, the most in one head (serial: see split_layer_par)."""
+def _tally_reads(starts, read, tally):
+    """From each head's row counts per cluster range (starts[h, j + 1], j < J): starts[h, j] = the first row of
+    range j, read[h] = the head's rows; tally[0], tally[1] = the rows of all heads, the most in one head
+    (serial: see split_layer_par)."""
     tally[0], tally[1] = 0, 0
-    for h in range(read.shape[0]):
+    for h in range(starts.shape[0]):
+        starts[h, 0] = 0
+        for j in range(1, starts.shape[1]):
+            starts[h, j] += starts[h, j - 1]
+        read[h] = starts[h, starts.shape[1] - 1]
         tally[0] += read[h]
         tally[1] = max(tally[1], read[h])
 
@@ -108,14 +115,29 @@ def split_layer_par(keys, pos, offsets, order, take, q, k, scale, vals, values_b
     read, filled, clock = np.empty(hkv, np.int64), np.empty((hkv, Q), np.int64), np.empty((pieces, 2), np.int64)
     phases = tally[6:]
     phases[0] = cycles()
-    for h in prange(hkv):
-        read[h] = _count_rows(offsets[h], order[h], take[h])
-        if read[h] <= cap:
-            _cluster_rows_into(offsets[h], order[h], take[h], rows[h])
+    # the rows round: with fewer KV heads than threads (Qwen2.5-7B: 4 heads of ~10,000 chosen clusters at 1M),
+    # each head's clusters in J ranges, counted, then listed (two parallel regions); else one task per head
+    J = max(1, pieces // hkv)
+    starts = np.empty((hkv, J + 1), np.int64)
+    if J == 1:
+        for h in prange(hkv):
+            starts[h, 1] = _count_rows(offsets[h], order[h], take[h])
+            if starts[h, 1] <= cap:
+                _cluster_rows_into(offsets[h], order[h], take[h], rows[h])
+        _tally_reads(starts, read, tally)
+        if tally[1] > cap:
+            return
+    else:
+        for t in prange(hkv * J):
+            h, j = t // J, t % J
+            starts[h, j + 1] = _count_rows(offsets[h], order[h], take[h] * (j + 1) // J, take[h] * j // J)
+        _tally_reads(starts, read, tally)
+        if tally[1] > cap:
+            return
+        for t in prange(hkv * J):
+            h, j = t // J, t % J
+            _cluster_rows_into(offsets[h], order[h], take[h] * (j + 1) // J, rows[h], take[h] * j // J, starts[h, j])
     phases[1] = cycles()
-    _tally_reads(read, tally)
-    if tally[1] > cap:
-        return
     seg = _pieces(read, pieces)
     for p in prange(pieces):
         clock[p, 0] = cycles()
