@@ -109,31 +109,27 @@ def split_layer_par(keys, pos, offsets, order, take, q, k, scale, vals, values_b
     int64 receives the call's counts and times, reduced here so that the Python side does no array work."""
     hkv, Q, d = q.shape
     cap = rows.shape[1]
-    # np.empty, not np.zeros, and the reductions in `_tally`: in a parallel function numba turns each array
-    # expression (a fill, a sum) into a parallel region of its own, ~10 µs each on the host (run 16). Every
-    # element of these is written by the rounds.
+    # np.empty, not np.zeros, and the reductions in `_tally_reads` / `_tally_work`: in a parallel function
+    # numba turns each array expression (a fill, a sum) into a parallel region of its own, ~10 µs each on the
+    # host (run 16). Every element of these is written by the rounds.
     read, filled, clock = np.empty(hkv, np.int64), np.empty((hkv, Q), np.int64), np.empty((pieces, 2), np.int64)
     phases = tally[6:]
     phases[0] = cycles()
     # the rows round: with fewer KV heads than threads (Qwen2.5-7B: 4 heads of ~10,000 chosen clusters at 1M),
-    # each head's clusters in J ranges, counted, then listed (two parallel regions); else one task per head
+    # each head's clusters in J ranges, counted, then listed once every range's first row is known (a second
+    # parallel region); with one range per head it starts at row 0, so the counting task lists it too
     J = max(1, pieces // hkv)
     starts = np.empty((hkv, J + 1), np.int64)
-    if J == 1:
-        for h in prange(hkv):
-            starts[h, 1] = _count_rows(offsets[h], order[h], take[h])
-            if starts[h, 1] <= cap:
-                _cluster_rows_into(offsets[h], order[h], take[h], rows[h])
-        _tally_reads(starts, read, tally)
-        if tally[1] > cap:
-            return
-    else:
-        for t in prange(hkv * J):
-            h, j = t // J, t % J
-            starts[h, j + 1] = _count_rows(offsets[h], order[h], take[h] * (j + 1) // J, take[h] * j // J)
-        _tally_reads(starts, read, tally)
-        if tally[1] > cap:
-            return
+    for t in prange(hkv * J):
+        h, j = t // J, t % J
+        t0, t1 = take[h] * j // J, take[h] * (j + 1) // J
+        starts[h, j + 1] = _count_rows(offsets[h], order[h], t1, t0)
+        if J == 1 and starts[h, 1] <= cap:
+            _cluster_rows_into(offsets[h], order[h], t1, rows[h])
+    _tally_reads(starts, read, tally)
+    if tally[1] > cap:
+        return
+    if J > 1:
         for t in prange(hkv * J):
             h, j = t // J, t % J
             _cluster_rows_into(offsets[h], order[h], take[h] * (j + 1) // J, rows[h], take[h] * j // J, starts[h, j])
