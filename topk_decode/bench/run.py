@@ -33,6 +33,7 @@ from topk_decode.errors import TopkError
 from topk_decode.index.routed_compiled import SPLIT_ROUNDS
 from topk_decode.model.blocks import ModelShape
 from topk_decode.prefill.layerwise import prefill_layers
+from topk_decode.store.huge_pages import available_bytes
 
 SYSTEMS = ("topk", "hf-dense", "hf-offload")
 
@@ -127,16 +128,6 @@ def environment(device: torch.device) -> dict:
     except OSError:
         pass
     return env
-
-
-def _mem_available() -> int | None:
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def _gib(x: int | None) -> float | None:
@@ -307,7 +298,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
 
 def _run_topk(rec, model, shape, tokens, kv, real, cfg, device, dtype, budget) -> None:
     n = len(tokens)
-    avail = _mem_available()
+    avail = available_bytes()
     if avail is not None and kv > 0.9 * avail:
         rec.add("topk", n, status=f"does not fit: KV is {kv / GIB:.1f} GiB, host RAM available {avail / GIB:.1f} GiB",
                 kv="synthetic" if not real else "prefill", kv_gib=_gib(kv))
@@ -350,7 +341,7 @@ def _run_hf(rec, model, tokens, kv, system, cfg, device, budget) -> None:
         rec.add(system, n, status="skipped: the offloaded cache needs CUDA")
         return
     fits, why = fits_hf(model, kv, n, offloading, device)
-    avail = _mem_available()
+    avail = available_bytes()
     if offloading and avail is not None and kv > 0.9 * avail:
         fits, why = False, f"offloaded KV {kv / GIB:.1f} GiB > host RAM available {avail / GIB:.1f} GiB"
     if not fits:

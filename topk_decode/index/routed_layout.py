@@ -111,7 +111,8 @@ def to_huge_pages(layouts: list[LayerLayout], mapped: bool) -> int:
     # (no list of the arrays: it would keep every original alive until all copies exist)
     need = sum(t.numel() * t.element_size() for lay in layouts for t in (lay.keys, lay.values, lay.offsets)
                if t is not None)
-    if not huge_pages.supported() or (mapped and need > huge_pages.available_bytes() // 2):
+    avail = huge_pages.available_bytes()
+    if not huge_pages.supported() or (mapped and (avail is None or need > avail // 2)):
         return 0
     for lay in layouts:         # layer by layer: an in-RAM original is freed as its copy replaces it
         lay.keys, lay.offsets = huge_pages.huge_copy(lay.keys), huge_pages.huge_copy(lay.offsets)

@@ -37,8 +37,8 @@ def huge_copy(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def available_bytes() -> int:
-    """MemAvailable of /proc/meminfo in bytes (0 where there is none)."""
+def available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -46,4 +46,4 @@ def available_bytes() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0
+    return None
