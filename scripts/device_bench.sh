@@ -106,7 +106,8 @@ if [ "$phase" = parts ]; then   # a head's device-routed layer by part (scan, to
 fi
 if [ "$phase" = huge ]; then   # run 16's open question: huge pages over a whole decode step
   $PY scripts/step_cpu.py --n 131072 --layers 16 --reps 3 --configs routed:kernel=numba,device_route=true,hugepages=false \
-      --hugepages --out "$OUT/step_cpu_huge.jsonl" 2>&1 | tee "$OUT/log_step_cpu_huge.txt"; snap
+      routed:kernel=numba,device_route=true,hugepages=true --out "$OUT/step_cpu_huge.jsonl" 2>&1 \
+      | tee "$OUT/log_step_cpu_huge.txt"; snap
   for huge in true false; do
     $PY -m topk_decode bench --model llama-3-8b --context 128K --gpu-memory "$budget" --k 1024 --steps 16 \
         --strategy routed --systems topk --no-offload-prefill --opt hugepages=$huge --out "$OUT/huge_$huge" \

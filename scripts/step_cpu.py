@@ -31,7 +31,6 @@ from topk_decode.bench.synthetic import synthetic_kv
 from topk_decode.decode.context import ContextAttention
 from topk_decode.index import get_strategy
 from topk_decode.index.routed_compiled import SPLIT_ROUNDS
-from topk_decode.store.huge_pages import huge_copy
 
 
 def parse_config(text: str) -> tuple[str, dict]:
@@ -70,22 +69,6 @@ def step_ms(strat, context: ContextAttention, qs: list[torch.Tensor], k: int, la
     return times[len(times) // 2]
 
 
-def _huge_copy(a: np.ndarray, keep: list) -> np.ndarray:
-    """A copy of `a` in memory advised for huge pages before first touch (store/huge_pages.py)."""
-    keep.append(huge_copy(torch.from_numpy(a)))
-    return keep[-1].numpy()
-
-
-def _to_hugepages(strat) -> None:
-    """Point routed's compiled path at huge-page copies of its layout's keys, values and positions."""
-    keep: list = []
-    for layer, arr in enumerate(strat._kernel_in):
-        vals = None if arr.vals is None else _huge_copy(arr.vals, keep)
-        strat._kernel_in[layer] = arr._replace(keys=_huge_copy(arr.keys, keep), vals=vals,
-                                               pos=_huge_copy(arr.pos, keep))
-    strat._huge, strat._huge_maps = True, keep
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=131072, help="context tokens (keys per KV head)")
@@ -98,9 +81,6 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=["flat", "routed:kernel=torch", "routed:kernel=numba"])
     ap.add_argument("--threads", type=int, nargs="+", default=[None],
                     help="routed's compiled path: numba threads, one row per count (default: one per core)")
-    ap.add_argument("--hugepages", action="store_true",
-                    help="routed's compiled path: then again with its keys and values copied into memory advised "
-                         "for transparent huge pages before first touch (one more row per thread count)")
     ap.add_argument("--out", default=None, help="append the JSON lines here too")
     a = ap.parse_args()
     ckv = synthetic_kv(a.layers, a.kv_heads, a.head_dim, a.n, torch.bfloat16, 0)
@@ -118,10 +98,7 @@ def main() -> None:
         if name == "routed" and opts.get("device_route") == "true":
             routes = strat.device_routes(torch.device("cuda" if torch.cuda.is_available() else "cpu"),
                                          [a.k] * a.layers)
-        variants = [False, True] if a.hugepages and getattr(strat, "kernel", False) else [False]
-        for huge, threads in [(h, t) for h in variants for t in a.threads]:
-            if huge and not getattr(strat, "_huge", False):
-                _to_hugepages(strat)
+        for threads in a.threads:
             if threads is not None:
                 strat.threads = threads
             timed = ("kernel_s", "span_s", "head_max_s", "head_mean_s", *(r + "_s" for r in SPLIT_ROUNDS))
@@ -142,7 +119,7 @@ def main() -> None:
                 import numba
 
                 row["numba_threading_layer"] = numba.threading_layer()
-                row["hugepages"] = huge
+                row["hugepages"] = strat.huge_bytes > 0      # routed's option `hugepages` (compare its two values)
                 row["anon_huge_pages_gib"] = round(anon_huge_pages() / 2**30, 2)
             line = json.dumps(row)
             print(line, flush=True)

@@ -90,7 +90,7 @@ class HeadTimes(NamedTuple):
     """Seconds inside one compiled call: the mean and the slowest head's own work, and the span from the
     first head's start to the last one's end (the call's time beyond the span is starting and joining
     the threads; beyond the slowest head, heads that started late). A split call (routed_split.py) times
-    its pieces instead of heads, and its rounds (rows, scan, top-k, values, sums) as `rounds`."""
+    its pieces instead of heads, and its parts (`SPLIT_ROUNDS`: entry, the rounds, exit) as `rounds`."""
 
     mean: float
     slowest: float
