@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's package, not an installed one
-from topk_decode.index.routed_kernel import _attend, _cluster_rows, _count_rows, _scan, _top_k, scan_head
+from topk_decode.index.kernel_topk import top_k_rows
+from topk_decode.index.routed_kernel import _attend, _cluster_rows, _count_rows, _scan, scan_head
 
 
 def bf16_bits(shape: tuple, gen: torch.Generator) -> np.ndarray:
@@ -60,7 +61,7 @@ def main() -> None:
             rows = _cluster_rows(offsets, order, taken, m)
             rpos, scores = _scan(keys, pos, rows, qh)
             t1 = time.perf_counter()
-            _top_k(scores, rpos, ids, sc, cols)
+            top_k_rows(scores, rpos, ids, sc, cols)
             t2 = time.perf_counter()
             _attend(vals, rows, cols, sc, s, no_o, no_lse, False, o, mz)
             t3 = time.perf_counter()

@@ -172,7 +172,7 @@ def test_decoder_runs_the_fused_path_and_matches_the_torch_path(tmp_path, model_
 def test_kth_largest_is_the_partition_value_with_ties_infinities_and_signed_zeros():
     import numpy as np
 
-    from topk_decode.index.routed_kernel import kth_largest
+    from topk_decode.index.kernel_topk import kth_largest
 
     rng = np.random.default_rng(0)
     hist = np.empty(2048, np.int64)
@@ -180,6 +180,8 @@ def test_kth_largest_is_the_partition_value_with_ties_infinities_and_signed_zero
     rows.append(np.array([0.0, -0.0, 0.0, -0.0, 1.0, -np.inf, -np.inf], np.float32))
     rows.append(np.round(rng.standard_normal(500) * 2).astype(np.float32))          # many ties
     rows.append(np.full(64, -np.inf, np.float32))
+    rows.append(rng.permutation(np.nextafter(np.float32(1.0), np.float32(2.0)) + np.arange(3000, dtype=np.float32)
+                                * np.float32(2**-23)))     # one bucket, keys apart in their lowest bits only
     for s in rows:
         for kk in sorted({1, min(2, len(s)), len(s) // 2 or 1, len(s)}):
             assert kth_largest(s, kk, hist) == np.sort(s)[len(s) - kk], (s[:8], kk)
@@ -188,18 +190,19 @@ def test_kth_largest_is_the_partition_value_with_ties_infinities_and_signed_zero
 def test_top_k_one_takes_every_score_above_the_cut_then_the_first_ties_in_row_order():
     import numpy as np
 
-    from topk_decode.index.routed_kernel import _top_k_one
+    from topk_decode.index.kernel_topk import top_k_one
 
     rng = np.random.default_rng(1)
     rows = [rng.standard_normal(3000).astype(np.float32), np.round(rng.standard_normal(800)).astype(np.float32),
             np.array([0.0, -0.0, 0.0, -0.0, 1.0, -np.inf, -np.inf, -0.0], np.float32),
-            np.full(40, -np.inf, np.float32), rng.standard_normal(5).astype(np.float32)]
+            np.full(40, -np.inf, np.float32), rng.standard_normal(5).astype(np.float32),
+            rng.permutation(np.float32(1.0) + (np.arange(3000) // 2).astype(np.float32) * np.float32(2**-23))]  # pairs
     rows[0][::7] = -np.inf
     for s in rows:
         rpos = np.arange(len(s), dtype=np.int64) * 3 + 1
         for K in (1, 4, 64, 1024):
             ids, sc, cols = np.empty(K, np.int64), np.empty(K, np.float32), np.empty(K, np.int64)
-            filled = _top_k_one(s, rpos, ids, sc, cols, np.empty(2048, np.int64))
+            filled = top_k_one(s, rpos, ids, sc, cols, np.empty(2048, np.int64))
             valid = s[s > -np.inf]
             kk = min(K, len(valid))
             assert filled == kk

@@ -26,6 +26,7 @@ import math
 import numpy as np
 
 from topk_decode.index.compiled import cycles, jit, pjit, prange, prefetch
+from topk_decode.index.kernel_topk import top_k_rows
 
 @jit
 def _exp_into(x, out, bits):
@@ -229,79 +230,6 @@ def _scan_range(keys, pos, rows, r0, r1, qh, rpos, scores):
 
 
 @jit
-def _order_key(b):
-    """A float32's bits (uint32) → a uint32 whose unsigned order is the floats' order (−0 just below +0)."""
-    return b ^ np.uint32(0xFFFFFFFF) if b >> np.uint32(31) else b | np.uint32(0x80000000)
-
-
-@jit
-def kth_largest(s, kk, hist):
-    """The kk-th largest of s (float32, 1 ≤ kk ≤ len(s), no NaN), exactly.
-
-    Radix select: a histogram of the top 11 bits of order-preserving keys, then a partition of the one
-    bucket holding it; np.partition of the whole row is a branchy quickselect, slower on fresh rows
-    (docs/BENCHMARKS.md run 14). hist: (2048,) int64 scratch."""
-    m = s.shape[0]
-    bits = s.view(np.uint32)
-    hist[:] = 0
-    for r in range(m):
-        hist[_order_key(bits[r]) >> np.uint32(21)] += 1
-    above, bucket = 0, 2047
-    while above + hist[bucket] < kk:
-        above += hist[bucket]
-        bucket -= 1
-    cand = np.empty(hist[bucket], dtype=np.float32)
-    n = 0
-    for r in range(m):
-        if _order_key(bits[r]) >> np.uint32(21) == bucket:
-            cand[n] = s[r]
-            n += 1
-    need = kk - above                                     # its rank from the top inside the bucket
-    return np.partition(cand, n - need)[n - need]
-
-
-@jit
-def _top_k(scores, rpos, ids_out, sc_out, cols_out):
-    """Each query's top-k (`_top_k_one`) of scores (Q, m); rpos: (m,) each scan column's original position."""
-    hist = np.empty(2048, dtype=np.int64)
-    for i in range(scores.shape[0]):
-        _top_k_one(scores[i], rpos, ids_out[i], sc_out[i], cols_out[i], hist)
-
-
-@jit
-def _top_k_one(s, rpos, ids_out, sc_out, cols_out, hist):
-    """One query's top-k by the k-th largest score (`kth_largest`), ties at it filled in row order.
-
-    s: (m,) scores (−inf: never returned); rpos: (m,) positions. Writes ids (positions), scores and the scan
-    columns they came from into the (K,) outputs; −1 / 0 / −1 in unfilled slots. hist: (2048,) scratch.
-    Returns the slots filled.
-    """
-    m, K = s.shape[0], ids_out.shape[0]
-    n_valid = 0
-    for r in range(m):
-        if s[r] > -np.inf:
-            n_valid += 1
-    kk = min(K, n_valid)
-    o = 0
-    if kk > 0:
-        cut = kth_largest(s, kk, hist)
-        for r in range(m):
-            if s[r] > cut:
-                ids_out[o], sc_out[o], cols_out[o] = rpos[r], s[r], r
-                o += 1
-        for r in range(m):
-            if o >= kk:
-                break
-            if s[r] == cut:
-                ids_out[o], sc_out[o], cols_out[o] = rpos[r], s[r], r
-                o += 1
-    while o < K:
-        ids_out[o], sc_out[o], cols_out[o] = -1, 0.0, -1
-        o += 1
-    return kk
-
-
-@jit
 def _unread(e, size_factor, vmeans, order, taken, bounds, factor, mxs, rest_o, rest_lse):
     """The unread clusters' estimate (estimate.py `unread_part`): lse = logsumexp_c(s·q·μ_c + log n_c),
     out = Σ_c p_c·v̄_c over the clusters not read.
@@ -447,7 +375,7 @@ def _read_clusters(keys, pos, offsets, order, taken, m, qh, scale, vals, values_
     rows = _cluster_rows(offsets, order, taken, m)
     rpos, scores = _scan(keys, pos, rows, qh)
     cols = np.empty(ids_out.shape, dtype=np.int64)
-    _top_k(scores, rpos, ids_out, sc_out, cols)
+    top_k_rows(scores, rpos, ids_out, sc_out, cols)
     if attend:   # the values' row of each scan column: its layout row (values stored by row) or its position
         _attend(vals, rows if values_by_row else rpos, cols, sc_out, scale, rest_o, rest_lse, with_rest, o_out,
                 mz_out)

@@ -25,8 +25,9 @@ from typing import NamedTuple
 import numpy as np
 
 from topk_decode.index.compiled import cycles, jit, pjit, prange
+from topk_decode.index.kernel_topk import top_k_one
 from topk_decode.index.routed_kernel import (_cluster_rows_into, _count_rows, _hit_rows, _scan_range, _slot_weights,
-                                             _sum_values, _top_k_one)
+                                             _sum_values)
 
 
 class SplitScratch(NamedTuple):
@@ -148,7 +149,7 @@ def split_layer_par(keys, pos, offsets, order, take, q, k, scale, vals, values_b
         h, i = t // Q, t % Q
         n = read[h]
         cols = np.empty(K, np.int64)
-        filled[h, i] = _top_k_one(sc[h, i, :n], rpos[h, :n], ids[h, i], scores[h, i], cols, np.empty(2048, np.int64))
+        filled[h, i] = top_k_one(sc[h, i, :n], rpos[h, :n], ids[h, i], scores[h, i], cols, np.empty(2048, np.int64))
         # zeroed by the task that scatters into it (its lines then sit in this core's cache, not in the scan
         # pieces' caches); no measurable change on the host either way (docs/BENCHMARKS.md run 16)
         w[h, i, :n] = 0.0
