@@ -81,3 +81,30 @@ def test_device_routed_select_and_attend_uses_the_split_scan_unless_told_not_to(
     assert torch.equal(outs[True][0], outs[False][0])
     torch.testing.assert_close(outs[True][1], outs[False][1], rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(outs[True][2], outs[False][2], rtol=0, atol=0)
+
+
+def test_split_scan_writes_its_output_rounded_to_bf16_as_torch_rounds_it(device_routed):
+    strat, k = device_routed, 40
+    routes = strat.device_routes(CPU, [k, k])
+    q = _queries(seed=5)
+    routes.route(0, q)
+    order, take = routes.host_route(0)
+    hkv, Q, d = q.shape
+    o16 = np.zeros((hkv, Q, d), np.uint16)
+    _, o, _ = _layer(routed_compiled.split_layer, strat, 0, q, order, take, k, 3, {}, o16)
+    assert np.isfinite(o).all() and o.any()
+    np.testing.assert_array_equal(o16, torch.from_numpy(o).bfloat16().view(torch.int16).numpy().view(np.uint16))
+
+
+def test_bf16_rounding_matches_torch_on_ties_infinities_nan_and_subnormals():
+    from topk_decode.index.routed_kernel import _round_bf16
+
+    bits = np.array([0x3F808000, 0x3F818000, 0x3F808001, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000,
+                     0x7FC00000, 0xFFC00001, 0x00000001, 0x80008000, 0x00018000, 0, 0x80000000], np.uint32)
+    x = np.concatenate([bits.view(np.float32), np.random.default_rng(0).standard_normal(1000).astype(np.float32)])
+    out = np.empty(len(x), np.uint16)
+    _round_bf16(x, out)
+    want = torch.from_numpy(x).bfloat16().view(torch.int16).numpy().view(np.uint16)
+    nan = np.isnan(x)
+    np.testing.assert_array_equal(out[~nan], want[~nan])
+    assert np.isnan(torch.from_numpy(out[nan].view(np.int16)).view(torch.bfloat16).float().numpy()).all()

@@ -6,6 +6,7 @@ keys as their uint16 bits and widen them exactly to fp32 inside functions that r
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -49,10 +50,16 @@ def pjit(fn):
 prange = numba.prange if numba is not None else range
 
 
+_SET = threading.local()   # the count this thread last set through `set_threads` (numba's is per thread too)
+
+
 def set_threads(n: int) -> None:
     """Run this thread's later `pjit` calls on at most n of numba's threads (a per-thread setting)."""
     if numba is not None:
-        numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
+        n = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
+        if getattr(_SET, "n", None) != n:     # numba's setter checks its thread pool: ~10 µs per layer call
+            numba.set_num_threads(n)
+            _SET.n = n
 
 
 def bits(t: torch.Tensor) -> np.ndarray:

@@ -47,6 +47,8 @@ from topk_decode.store.format import dtype_name
 
 # Every query must find at least k candidates: read at least this many keys per k.
 _MIN_READ_PER_K = 2
+# stats.extra's keys of the split call's parts (bench: enter_ms ... exit_ms)
+_ROUND_KEYS = tuple(name + "_s" for name in routed_compiled.SPLIT_ROUNDS)
 # Threads of the routing ops (None: all). One thread was tried (its ~20 ops are small, as the context
 # part's, decode/context.py) and lost on the 16-core host: re-waking the pool for the scan after it
 # costs more, and the centroid product is not small at 1M (docs/BENCHMARKS.md).
@@ -374,8 +376,8 @@ class RoutedStrategy(SelectionStrategy):
         extra["head_mean_s"] += res.times.mean              # inside the compiled call (bench: head_*_ms, span_ms)
         extra["head_max_s"] += res.times.slowest
         extra["span_s"] += res.times.span
-        for name, seconds in zip(routed_compiled.SPLIT_ROUNDS, res.times.rounds):   # bench: rows_ms ... sums_ms
-            extra[name + "_s"] = extra.get(name + "_s", 0.0) + seconds
+        for name, seconds in zip(_ROUND_KEYS, res.times.rounds):   # bench: rows_ms ... sums_ms
+            extra[name] = extra.get(name, 0.0) + seconds
         return Selection(ids=res.ids, scores=res.scores, no_empty_slots=res.filled == res.ids.numel(), rest=rest,
                          filled=res.filled)
 
@@ -404,30 +406,41 @@ class RoutedStrategy(SelectionStrategy):
             return None
         self.stats.searches += 1
         hkv, Q, D = q.shape
-        o32 = self._o32(hkv * Q * D).view(hkv, Q, D)
-        mz_np = mz.numpy().reshape(hkv, Q, 2) if mz.is_contiguous() else np.empty((hkv, Q, 2), np.float32)
+        o32 = routed_compiled.reused_buffer(self._split_scratch, "o32", (hkv, Q, D), np.float32)
+        o16, mz_np = self._part_views(o, mz, (hkv, Q, D))
         t = time.perf_counter()
-        if route is not None and self.split:
+        if route is None:
+            sel = self._compiled(layer, q, k, self._budget(k), o32, mz_np)
+        elif self.split:   # o16: the kernel rounds o to bf16 into the decoder's buffer itself
             sel = self._kernel_selection(routed_compiled.split_layer(self._kernel_in[layer], q, route[0], route[1], k,
-                                                                     self.scale, self.threads, o32.numpy(), mz_np,
-                                                                     self._split_scratch))
-        elif route is not None:
-            sel = self._kernel_selection(routed_compiled.scan_layer(self._kernel_in[layer], q, route[0], route[1], k,
-                                                                    self.scale, self.threads, o32.numpy(), mz_np))
+                                                                     self.scale, self.threads, o32, mz_np,
+                                                                     self._split_scratch, o16))
         else:
-            sel = self._compiled(layer, q, k, self._budget(k), o32.numpy(), mz_np)
+            sel = self._kernel_selection(routed_compiled.scan_layer(self._kernel_in[layer], q, route[0], route[1], k,
+                                                                    self.scale, self.threads, o32, mz_np))
         self.stats.extra["kernel_s"] += time.perf_counter() - t   # the compiled call (bench: kernel_ms)
-        o.copy_(o32.view(hkv * Q, D))                     # fp32 → the values' dtype, rounded once
-        if not mz.is_contiguous():
+        if o16 is None or route is None or not self.split:
+            o.copy_(torch.from_numpy(o32).view(hkv * Q, D))       # fp32 → the values' dtype, rounded once
+        if not mz.is_contiguous():                                # mz_np is a buffer of our own
             mz.copy_(torch.from_numpy(mz_np).view(hkv * Q, 2))
         return sel
 
-    def _o32(self, n: int) -> torch.Tensor:
-        """A reused fp32 buffer of at least n elements for the fused context part."""
-        buf = getattr(self, "_o32_buf", None)
-        if buf is None or buf.numel() < n:
-            buf = self._o32_buf = torch.empty(n)
-        return buf[:n]
+    def _part_views(self, o: torch.Tensor, mz: torch.Tensor, shape: tuple) -> tuple[np.ndarray | None, np.ndarray]:
+        """Numpy views of the decoder's part buffers for the compiled calls: o's bf16 bits (Hkv, Q, D) uint16
+        (None where o is not contiguous) and mz (Hkv, Q, 2), or a fresh array where mz is not contiguous.
+        Kept per buffer: the decoder passes the same per-layer buffers every step, and making the views costs
+        about what a small layer's compiled call does (docs/BENCHMARKS.md run 17)."""
+        views = self._split_scratch.setdefault("views", {})
+        hit = views.get((id(o), id(mz)))
+        if hit is not None and hit[0] is o and hit[1] is mz and hit[3].shape[:2] == shape[:2]:
+            return hit[2], hit[3]
+        hkv, Q, D = shape
+        o16 = compiled.bits(o).reshape(hkv, Q, D) if o.is_contiguous() else None
+        mz_np = mz.numpy().reshape(hkv, Q, 2) if mz.is_contiguous() else np.empty((hkv, Q, 2), np.float32)
+        if len(views) > 4 * self.ckv.n_layers:     # the eager path's buffers are new every call
+            views.clear()
+        views[(id(o), id(mz))] = (o, mz, o16, mz_np)
+        return o16, mz_np
 
     def _rest(self, layer: int, route: Route, scores_read: torch.Tensor, top: torch.Tensor) -> RestPart:
         """The estimate of what the selection leaves out (index/estimate.py): unread clusters and/or read

@@ -114,7 +114,7 @@ def team_size(cores: int) -> int:
     return max(1, cores - 1)
 
 
-def _reused(scratch: dict | None, name: str, shape: tuple, dtype: type) -> np.ndarray:
+def reused_buffer(scratch: dict | None, name: str, shape: tuple, dtype: type) -> np.ndarray:
     """scratch[name] when it has this shape, else a new buffer kept there (None: always a new one)."""
     buf = None if scratch is None else scratch.get(name)
     if buf is None or buf.shape != shape:
@@ -154,8 +154,8 @@ def search_layer(arrays: LayerArrays, q: torch.Tensor, budget: int, k: int, scal
     # at least _MIN_CLUSTERS_PER_TASK clusters.
     J = max(1, min(-(-threads // hkv), C // _MIN_CLUSTERS_PER_TASK))
     bounds = np.array([C * p // J for p in range(J + 1)], dtype=np.int64)
-    logit, e = (_reused(scratch, name, (hkv, C, Q), np.float32) for name in ("logit", "e"))
-    mx_p, z_p = (_reused(scratch, name, (hkv, J, Q), np.float32) for name in ("mx", "z"))
+    logit, e = (reused_buffer(scratch, name, (hkv, C, Q), np.float32) for name in ("logit", "e"))
+    mx_p, z_p = (reused_buffer(scratch, name, (hkv, J, Q), np.float32) for name in ("mx", "z"))
     read, clock = np.zeros(hkv, dtype=np.int64), np.zeros((hkv, 2), dtype=np.int64)
     compiled.set_threads(min(threads, hkv * J))      # no idle team members (see `team_size`)
     search_layer_par(a.keys, a.pos, a.offsets, a.size_factor, a.vmeans, qn, a.cent, a.bias, budget, k, s,
@@ -194,28 +194,33 @@ def scan_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take: 
 
 
 def split_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take: torch.Tensor, k: int,
-                scale: float, threads: int, o: np.ndarray, mz: np.ndarray, scratch: dict) -> LayerResult:
+                scale: float, threads: int, o: np.ndarray, mz: np.ndarray, scratch: dict,
+                o_bf16: np.ndarray | None = None) -> LayerResult:
     """`scan_layer` with the heads' work cut into `threads` equal pieces per round (routed_split.py), so every
     thread of the team has work however few the KV heads are.
 
     Args: as `scan_layer`; scratch: the caller's dict, which keeps the buffers (grown when a layer needs more
-    rows than they hold) across layers and steps.
+        rows than they hold) across layers and steps; o_bf16: (Hkv, Q, D) uint16 that receives o rounded to
+        bf16 too (the decoder's part buffer), or None.
     """
+    # Called once per layer and step: its Python side is on the critical path (docs/BENCHMARKS.md run 17)
     hkv, Q, d = q.shape
-    qn = q.contiguous().numpy()
-    order_n, take_n = order.numpy(), take.numpy()
+    qn = q.numpy() if q.is_contiguous() else q.contiguous().numpy()
     ids = np.empty((hkv, Q, k), dtype=np.int64)
     scores = np.empty((hkv, Q, k), dtype=np.float32)
     vals = arrays.vals if arrays.vals is not None else arrays.keys
-    tally = _reused(scratch, "tally", (TALLY,), np.int64)
+    tally = reused_buffer(scratch, "tally", (TALLY,), np.int64)
+    if o_bf16 is None:
+        o_bf16 = reused_buffer(scratch, "no_bf16", (0, Q, d), np.uint16)
     compiled.set_threads(threads)
     for _ in range(2):
         c_in = compiled.now()
         buf: SplitScratch | None = scratch.get("split")
         if buf is None or buf.part.shape[:2] != (threads, hkv) or buf.scores.shape[1] != Q:
             buf = scratch["split"] = new_scratch(hkv, Q, d, 0, threads)
-        split_layer_par(arrays.keys, arrays.pos, arrays.offsets, order_n, take_n, qn, k,
-                        np.float32(scale), vals, arrays.values_by_row, threads, *buf, ids, scores, o, mz, tally)
+        split_layer_par(arrays.keys, arrays.pos, arrays.offsets, order.numpy(), take.numpy(), qn, k,
+                        np.float32(scale), vals, arrays.values_by_row, threads, *buf, ids, scores, o, o_bf16, mz,
+                        tally)
         c_out = compiled.now()
         need = int(tally[1])
         if need <= buf.rows.shape[1]:
@@ -226,7 +231,7 @@ def split_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take:
     if no_rest is None or no_rest[0].shape != (hkv, Q, d):
         no_rest = scratch["no_rest"] = (torch.zeros(hkv, Q, d), torch.full((hkv, Q), -float("inf")))
     t, rate = tally.tolist(), compiled.cycles_per_second()
-    marks = [c_in, *t[6:], c_out]
+    marks = (c_in, *t[6:], c_out)
     times = HeadTimes(t[3] / threads / rate, t[4] / rate, t[5] / rate,
-                      tuple((marks[i + 1] - marks[i]) / rate for i in range(len(SPLIT_ROUNDS))))
+                      tuple((b - a) / rate for a, b in zip(marks, marks[1:])))
     return LayerResult(torch.from_numpy(ids), torch.from_numpy(scores), *no_rest, t[0], t[2], times)

@@ -61,6 +61,18 @@ def _widen(row, widened):
 
 
 @jit
+def _round_bf16(x, out):
+    """out (D,) uint16 = x (D,) float32 rounded to bf16 bits, to nearest even as torch rounds (NaN → 0x7FC0)."""
+    bits = x.view(np.uint32)
+    for j in range(x.shape[0]):
+        b = bits[j]
+        if b & np.uint32(0x7FFFFFFF) > np.uint32(0x7F800000):
+            out[j] = np.uint16(0x7FC0)
+        else:
+            out[j] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+@jit
 def _dot_queries(qh, x, out):
     """out[i] = q_i·x for every query (Q, D) against one fp32 row x (D,)."""
     for i in range(qh.shape[0]):

@@ -26,8 +26,8 @@ import numpy as np
 
 from topk_decode.index.compiled import cycles, jit, pjit, prange
 from topk_decode.index.kernel_topk import top_k_one
-from topk_decode.index.routed_kernel import (_cluster_rows_into, _count_rows, _hit_rows, _scan_range, _slot_weights,
-                                             _sum_values)
+from topk_decode.index.routed_kernel import (_cluster_rows_into, _count_rows, _hit_rows, _round_bf16, _scan_range,
+                                             _slot_weights, _sum_values)
 
 
 class SplitScratch(NamedTuple):
@@ -103,11 +103,13 @@ TALLY = 12
 
 @pjit
 def split_layer_par(keys, pos, offsets, order, take, q, k, scale, vals, values_by_row, pieces, rows, rpos,
-                    sc, w, part, ids, scores, o, mz, tally):
+                    sc, w, part, ids, scores, o, o16, mz, tally):
     """One device-routed layer (arguments as `scan_layer_par`, plus the `SplitScratch` buffers) in `pieces`
     equal pieces per round. The buffers must hold every head's rows: when some head needs more than they hold
     (tally[1] says how many), nothing else is written and the caller retries with larger ones. tally (TALLY,)
-    int64 receives the call's counts and times, reduced here so that the Python side does no array work."""
+    int64 receives the call's counts and times, reduced here so that the Python side does no array work.
+    o16: (Hkv, Q, D) uint16 receives o rounded to bf16 as well (the decoder's part buffer: no conversion on
+    the Python side), or (0, Q, D): o only."""
     hkv, Q, d = q.shape
     cap = rows.shape[1]
     # np.empty, not np.zeros, and the reductions in `_tally_reads` / `_tally_work`: in a parallel function
@@ -176,5 +178,7 @@ def split_layer_par(keys, pos, offsets, order, take, q, k, scale, vals, values_b
         for i in range(Q):
             mz[h, i, 0] = ms[h, i]
             mz[h, i, 1] = zs[h, i]
+            if o16.shape[0] > 0:
+                _round_bf16(o[h, i], o16[h, i])
     phases[5] = cycles()
     _tally_work(filled, clock, tally)
