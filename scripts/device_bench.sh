@@ -12,6 +12,8 @@
 #   bash scripts/device_bench.sh huge      # routed with and without its huge-page copies (option hugepages): the CPU
 #                                          # side alone (step_cpu.py), then tok/s at 128K, and the 1M row
 #   bash scripts/device_bench.sh team      # what an empty parallel round of numba's team costs (team_overhead.py)
+#   bash scripts/device_bench.sh route     # the device routing of one layer as a captured graph (route_gpu_speed.py),
+                                         # Llama-3-8B at 128K and Qwen2.5-7B at 1M
 #   bash scripts/device_bench.sh fused     # routed's compiled path (search + context part in one kernel) vs its torch
 #                                          # path: the CPU side alone over 32 layers (step_cpu.py), then tok/s at 32K/128K
 #                                          # (needs numba: pip install the carried numba + llvmlite wheels first)
@@ -115,6 +117,11 @@ if [ "$phase" = huge ]; then   # run 16's open question: huge pages over a whole
   done
   bench qwen2.5-7b 1048576 routed 16 "strategy_options={'probe_fraction': 0.02, 'store_values': False}" \
       2>&1 | tee "$OUT/log_huge_qwen7b_1m.txt"; snap
+fi
+if [ "$phase" = route ]; then
+  $PY scripts/route_gpu_speed.py --n 131072 --kv-heads 8 --group 4 2>&1 | tee "$OUT/route_gpu.jsonl"
+  $PY scripts/route_gpu_speed.py --n 1048576 --kv-heads 4 --group 7 --probe-fraction 0.02 --values fp8 2>&1 \
+      | tee -a "$OUT/route_gpu.jsonl"; snap
 fi
 if [ "$phase" = team ]; then
   $PY scripts/team_overhead.py --threads 15 --rounds 1 5 --gap-us 0 500 2>&1 | tee "$OUT/team_overhead.jsonl"; snap
