@@ -166,7 +166,7 @@ def main() -> None:
         emit({"what": "flat_scan_stage", **v,
               **{k.replace("_ms", "_pct_of_dram"): pct(key_bytes / ms / 1e6) for k, ms in v.items()}})
     if "routed" not in a.skip:
-      import topk_decode.index.routed as routed_mod
+      import topk_decode.index.routed_torch as routed_mod
 
       for kernel in a.kernels:
         t = time.perf_counter()

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -37,9 +37,10 @@ from topk_decode.errors import TopkError
 from topk_decode.index import compiled, routed_compiled
 from topk_decode.index.artifacts import ensure_artifacts, recorded_options
 from topk_decode.index.base import RestPart, Selection, SelectionStrategy, as_bool, positive_int
-from topk_decode.index.estimate import combine, read_rest_part, searchable_stats, unread_part
+from topk_decode.index.estimate import searchable_stats
 from topk_decode.index.routed_device import DeviceRoutes
 from topk_decode.index.routed_layout import layer_layouts, load_layouts, on_disk, to_huge_pages, write_layouts
+from topk_decode.index.routed_torch import TorchPath
 from topk_decode.index.threads import default_threads
 from topk_decode.store import huge_pages
 from topk_decode.store.cache_dir import ContextKV
@@ -49,28 +50,6 @@ from topk_decode.store.format import dtype_name
 _MIN_READ_PER_K = 2
 # stats.extra's keys of the split call's parts (bench: enter_ms ... exit_ms)
 _ROUND_KEYS = tuple(name + "_s" for name in routed_compiled.SPLIT_ROUNDS)
-# Threads of the routing ops (None: all). One thread was tried (its ~20 ops are small, as the context
-# part's, decode/context.py) and lost on the 16-core host: re-waking the pool for the scan after it
-# costs more, and the centroid product is not small at 1M (docs/BENCHMARKS.md).
-_SMALL_OP_THREADS: int | None = None
-
-
-class Route(NamedTuple):
-    """What routing chose for one layer and step (`RoutedStrategy.route`).
-
-    rows: (Hkv, Mmax) int64 rows of the layout's flat (Hkv·N, D) keys to read, padded to the longest head.
-    valid: (Hkv, Mmax) bool, False on padding; None when every padding row is a sink/tail row (masked with them).
-    base: (Hkv, Q, C) float32 s·q·μ_c of every cluster (μ_c over its searchable keys).
-    clusters: (Hkv, W) int64 the clusters considered, by priority; taken: (Hkv, W) bool, those read.
-    run: (Hkv, Mmax) int64 the index into `clusters` of every row read.
-    """
-
-    rows: torch.Tensor
-    valid: torch.Tensor | None
-    base: torch.Tensor
-    clusters: torch.Tensor
-    taken: torch.Tensor
-    run: torch.Tensor
 
 
 def _fraction(options: dict, key: str, default: float) -> float:
@@ -84,7 +63,7 @@ def _fraction(options: dict, key: str, default: float) -> float:
     return value
 
 
-class RoutedStrategy(SelectionStrategy):
+class RoutedStrategy(TorchPath, SelectionStrategy):
     """Clustered keys, mass-estimate routing, exact top-k over the routed clusters.
 
     Build options (recorded in done.json; a different value rebuilds):
@@ -113,7 +92,7 @@ class RoutedStrategy(SelectionStrategy):
             functions on numba's threads (one call per layer), and in the decoder computes the context part too
             (`select_and_attend`); it needs
             numba and bf16 keys and values, and implements neither `spread` nor `estimate_read`. torch is
-            the tensor ops below. Both give the same selection and estimate (tests/test_routed_kernel.py).
+            the tensor ops of routed_torch.py. Both give the same selection and estimate (tests/test_routed_kernel.py).
         device_route: "auto" (default: on a CUDA decode device, for the layers whose tables fit), "true"
             (also on a CPU decode device: the tests' way in) or "false". Routing and the estimate then run
             inside the captured step on the device (routed_device.py), and the CPU only scans the chosen
@@ -268,91 +247,15 @@ class RoutedStrategy(SelectionStrategy):
         return huge_pages.huge_copy(torch.from_numpy(pos)).numpy() if self.huge_bytes else pos
 
     # ---- search ----------------------------------------------------------------------------------
-    def route(self, layer: int, q: torch.Tensor, budget: int) -> Route:
-        """Rows of the layout's flat (Hkv·N, D) keys to read, per head, padded to the longest head's list.
-
-        Args:
-            layer: layer index; q: (Hkv, Q, D) float32 queries; budget: keys to read per head (at least).
-        Returns:
-            the rows, their padding mask and which clusters they belong to (`Route`).
-        """
-        sizes_all = self._sizes[layer]
-        hkv, C = sizes_all.shape
-        base = torch.bmm(q, self._cent_t[layer]).mul_(self.scale)               # (Hkv, Q, C) s·q·μ_c
-        logit = base + self._bias[layer]
-        if self.use_spread:
-            logit.addcmul_(q.square().sum(-1, keepdim=True), self._spread[layer])
-        share = (logit - torch.logsumexp(logit, dim=-1, keepdim=True)).amax(1)  # (Hkv, C) union over queries
-        # Only the first clusters by share are needed: a top-k of twice the expected count, and the
-        # full sort only when some head's largest clusters did not reach the budget (rare).
-        guess = min(C, 2 * -(-budget * C // self.ckv.n_tokens) + 16)
-        order = share.topk(guess, dim=-1, sorted=True).indices                 # (Hkv, guess) by share
-        sizes = sizes_all.gather(1, order)
-        cums = sizes.cumsum(1)
-        if guess < C and bool((cums[:, -1] < budget).any()):
-            order = share.argsort(dim=-1, descending=True)                      # (Hkv, C)
-            sizes = sizes_all.gather(1, order)
-            cums = sizes.cumsum(1)
-        n_take = (cums < budget).sum(1, keepdim=True)                           # (Hkv, 1) clusters per head − 1
-        width = min(int(n_take.max()) + 1, order.shape[1])
-        lens = sizes[:, :width].masked_fill(torch.arange(width) > n_take, 0)    # (Hkv, W) 0 past the budget
-        starts = self._starts[layer].gather(1, order[:, :width])                # (Hkv, W) flat rows
-        per_head = lens.sum(1)                                                  # (Hkv,)
-        m_max = int(per_head.max())
-        # Row r of head h's padded list: run i where cum[i-1] ≤ r < cum[i], row starts[i] + r − cum[i-1].
-        # Padding (r ≥ per_head[h]) reads a sink/tail row of head h (masked with them), else its first row.
-        cum = lens.cumsum(1)                                                    # (Hkv, W)
-        r = torch.arange(m_max).repeat(hkv, 1)                                   # (Hkv, Mmax), contiguous for searchsorted
-        run = torch.searchsorted(cum, r, right=True).clamp_(max=width - 1)      # (Hkv, Mmax)
-        run_start = (cum - lens).gather(1, run)
-        rows = starts.gather(1, run) + (r - run_start)
-        valid = r < per_head[:, None]
-        pad = self._pad_rows[layer]
-        rows = torch.where(valid, rows, self._row_base if pad is None else pad)
-        total = int(per_head.sum())
-        self.stats.extra["keys_read"] += total
-        self.stats.extra["keys_searchable"] += hkv * self.n_searchable
-        return Route(rows, valid if pad is None else None, base, order[:, :width], lens > 0, run)
-
     def select(self, layer: int, q: torch.Tensor, k: int, state: Any = None) -> Selection:
         M = self.n_searchable
         if k >= M:
             return self.all_tokens(q, layer)
         self.stats.searches += 1
-        lay = self.layouts[layer]
-        hkv, Q, D = q.shape
         budget = self._budget(k)
         if self.kernel:
             return self._compiled(layer, q, k, budget)
-        threads = torch.get_num_threads()
-        if _SMALL_OP_THREADS:
-            torch.set_num_threads(min(threads, _SMALL_OP_THREADS))
-        try:
-            route = self.route(layer, q, budget)
-            rows, valid = route.rows, route.valid                               # (Hkv, Mmax)
-        finally:
-            torch.set_num_threads(threads)
-        m_max = rows.shape[1]
-        k_low, k32, scores = self._buffers(hkv * m_max, Q, D, lay.keys.dtype)
-        torch.index_select(lay.keys.reshape(-1, D), 0, rows.view(-1), out=k_low)   # (Hkv·Mmax, D) contiguous runs
-        pos = lay.pos.reshape(-1).index_select(0, rows.view(-1)).view(hkv, m_max)
-        bad = self._outside[layer].index_select(0, rows.view(-1)).view(hkv, m_max)   # sinks, tail (and padding)
-        if valid is not None:
-            bad |= ~valid
-        if k32 is not k_low:
-            k32.copy_(k_low)                                                    # exact upcast, into a reused buffer
-        torch.bmm(q, k32.view(hkv, m_max, D).transpose(1, 2), out=scores)       # (Hkv, Q, Mmax) exact fp32
-        if bool(bad.any()):
-            scores.masked_fill_(bad[:, None, :], float("-inf"))
-        top = scores.topk(min(k, m_max), dim=-1, sorted=False)
-        scores_read = scores
-        ids = pos[:, None, :].expand(hkv, Q, m_max).gather(-1, top.indices)     # (Hkv, Q, K) original positions
-        scores, empty = top.values, torch.isinf(top.values)
-        no_empty_slots = not bool(empty.any())
-        rest = self._rest(layer, route, scores_read, top.indices) if self.estimate or self.estimate_read else None
-        if not no_empty_slots:   # fewer than k valid keys were read for some query: empty slots
-            ids, scores = ids.masked_fill(empty, -1), scores.masked_fill(empty, 0.0)
-        return Selection(ids=ids, scores=scores, no_empty_slots=no_empty_slots, rest=rest)
+        return self._select_torch(layer, q, k, budget)
 
     def _budget(self, k: int) -> int:
         """Keys to read per KV head: probe_fraction of the searchable ones, at least 2·k (probe_fraction 1:
@@ -441,36 +344,6 @@ class RoutedStrategy(SelectionStrategy):
             views.clear()
         views[(id(o), id(mz))] = (o, mz, o16, mz_np)
         return o16, mz_np
-
-    def _rest(self, layer: int, route: Route, scores_read: torch.Tensor, top: torch.Tensor) -> RestPart:
-        """The estimate of what the selection leaves out (index/estimate.py): unread clusters and/or read
-        keys outside the top-k, as one part for the context part's merge.
-
-        Args:
-            layer: the layer; route: this step's routing; scores_read: (Hkv, Q, Mmax) exact q·k of the rows
-            read (−inf outside the range); top: (Hkv, Q, K) the columns each query kept.
-        """
-        st = self._stats[layer]
-        parts = []
-        if self.estimate:
-            read = torch.zeros(route.base.shape[0], route.base.shape[2], dtype=torch.bool)
-            read.scatter_(1, route.clusters, route.taken)                        # (Hkv, C) clusters read
-            parts.append(unread_part(route.base + st.log_n, read, self._vmeans[layer]))
-        if self.estimate_read:
-            parts.append(read_rest_part(scores_read * self.scale, top, route.run, route.clusters, self._vmeans[layer]))
-        return parts[0] if len(parts) == 1 else combine(parts[0], parts[1])
-
-    def _buffers(self, rows: int, Q: int, D: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """Gather, fp32 and score buffers reused across layers and steps (fresh 10-50 MiB tensors per layer
-        would be page-faulted in every time); grown when a step reads more rows than any before."""
-        cap = getattr(self, "_cap", None)
-        if cap is None or cap[0] < rows or cap[1] != (Q, D, dtype):
-            n = int(rows * 1.25)
-            low = torch.empty((n, D), dtype=dtype)
-            self._buf = (low, low if dtype == torch.float32 else torch.empty((n, D)), torch.empty(n * Q))
-            self._cap = (n, (Q, D, dtype))
-        low, k32, sc = self._buf
-        return low[:rows], k32[:rows], sc[:rows * Q].view(self.ckv.n_kv_heads, Q, rows // self.ckv.n_kv_heads)
 
     def keys_read_fraction(self) -> float | None:
         """Keys read / searchable keys over all searches so far (None before the first search)."""

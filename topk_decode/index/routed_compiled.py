@@ -1,11 +1,12 @@
 """routed's compiled path, the Python side: one layer's arrays in, one compiled call per layer out.
 
-The compiled functions are in routed_kernel.py. Per layer, one call (`search_layer_par`) runs two
-parallel rounds on numba's threads:
+The compiled functions are in routed_cpu_route.py, routed_kernel.py and routed_split.py. With routing on
+the CPU, one call per layer (`search_layer_par`) runs two parallel rounds on numba's threads:
 - routing, over (KV head, range of clusters): logits and their exponentials (`route_chunk`);
 - the rest of each head (`finish_head`): cluster choice, scan, top-k, the estimate, the context part.
 Splitting routing over ranges gives every thread work when the KV heads are fewer than the cores. When
-the decode device routes (routed_device.py), `scan_layer_par` runs `scan_head` per head instead.
+the decode device routes (routed_device.py), `split_layer_par` cuts the scan, top-k and context part into
+pieces for the whole team (`split_layer`), or `scan_layer_par` runs `scan_head` per head (`split=false`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import numpy as np
 import torch
 
 from topk_decode.index import compiled
-from topk_decode.index.routed_kernel import scan_layer_par, search_layer_par
+from topk_decode.index.routed_cpu_route import search_layer_par
+from topk_decode.index.routed_kernel import scan_layer_par
 from topk_decode.index.routed_split import (TALLY, SplitScratch, new_scratch,  # noqa: F401 - new_scratch re-exported
                                             split_layer_par)
 
