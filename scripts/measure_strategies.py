@@ -83,6 +83,17 @@ def record_queries(cache: Path, question_ids: list[int], steps: int) -> tuple[li
     return per_step, (store, out)
 
 
+def _select(strat, routes, layer: int, q: torch.Tensor, k: int, state):
+    """One layer's selection: the strategy's own `select`, or (routes: routed's `DeviceRoutes`, here on the CPU)
+    the device's ranking and the compiled scan, as a device-routed decode step selects."""
+    if routes is None:
+        return strat.select(layer, q, k, state)
+    hkv, Q, d = q.shape
+    routes.route(layer, q)
+    o, mz = torch.empty(hkv * Q, d, dtype=torch.bfloat16), torch.empty(hkv * Q, 2)
+    return strat.select_and_attend(layer, q, k, state, o, mz, route=routes.host_route(layer))
+
+
 def recall_rows(cache: Path, steps_q: list[list[torch.Tensor]], budgets: list[int], n_sink: int, n_tail: int) -> list[dict]:
     """Replay recorded queries through every configuration and budget."""
     ckv = open_cache(cache)
@@ -102,11 +113,14 @@ def recall_rows(cache: Path, steps_q: list[list[torch.Tensor]], budgets: list[in
             if k >= hi - lo:
                 continue
             id_rec, mass, times = [], [], []
+            # routed with device_route=true: rank as the decode device does (its `device_tables` precision)
+            routes = strat.device_routes(torch.device("cpu"), [k] * ckv.n_layers) \
+                if options.get("device_route") == "true" else None
             state = strat.new_state()
             strat.stats.searches = strat.stats.reused = 0
             for qs, ex in zip(steps_q, exact):
                 t0 = time.perf_counter()
-                sels = [strat.select(layer, q, k, state) for layer, q in enumerate(qs)]
+                sels = [_select(strat, routes, layer, q, k, state) for layer, q in enumerate(qs)]
                 times.append(time.perf_counter() - t0)
                 for sel, (s, p) in zip(sels, ex):
                     top = s.topk(k, dim=-1).indices + lo                           # (Hkv, Q, k)
@@ -160,7 +174,7 @@ def cmd_recall(args) -> None:
     cache = work / "cache"
     if not (cache / "manifest.json").is_file():
         t0 = time.perf_counter()
-        build_cache(work / "docs", cache, model_dir, chunk_size=1024, device="cpu")
+        build_cache(work / "docs", cache, model_dir, chunk_size=1024, device="cpu", dtype=args.kv_dtype)
         print(f"prefill {time.perf_counter() - t0:.1f}s")
     question = tok(inst.question, add_special_tokens=False).input_ids
     steps_q, (_, generated) = record_queries(cache, question, args.steps)
@@ -260,6 +274,8 @@ def main() -> None:
     r.add_argument("--steps", type=int, default=8, help="decode steps whose queries are replayed")
     r.add_argument("--k", type=int, nargs="+", default=[32, 128, 512])
     r.add_argument("--work", help="working directory (the cache is reused when present)")
+    r.add_argument("--kv-dtype", default=None, help="the cache's KV dtype, e.g. bf16 (routed's compiled path and "
+                   "device routing read bf16 only; default: build_cache's)")
     r.add_argument("--out", default="recall.json")
     s = sub.add_parser("speed", help="search time per layer on synthetic bf16 keys")
     s.add_argument("--sizes", type=int, nargs="+", default=[16384, 65536])

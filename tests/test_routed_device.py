@@ -120,6 +120,15 @@ def test_device_route_is_off_where_it_cannot_apply(clustered_cache, opened):
         opened(clustered_cache, "routed", {"device_route": "gpu"})
 
 
+def test_device_tables_option_picks_the_tables_precision(clustered_cache, opened):
+    for kind in ("keys", "fp8-values", "fp8"):
+        strat = opened(clustered_cache, "routed", {"cluster_size": 32, "kernel": "numba", "device_route": "true",
+                                                   "device_tables": kind})
+        assert strat.device_routes(CPU, [40, 40]).values_kind == kind
+    with pytest.raises(TopkError, match="device_tables must be auto, keys, fp8-values, fp8"):
+        opened(clustered_cache, "routed", {"device_tables": "fp4"})
+
+
 def _routed_stores(tmp_path, model_factory, docs_dir, device: str, modes: tuple[str, str], segments: bool):
     """Two stores over one bf16 cache of the tiny model, device_route=modes[0] and modes[1], and each one's
     logits for a prompt then one-token steps (the captured step's segments; eagerly on the CPU)."""

@@ -38,7 +38,7 @@ from topk_decode.index import compiled, routed_compiled
 from topk_decode.index.artifacts import ensure_artifacts, recorded_options
 from topk_decode.index.base import RestPart, Selection, SelectionStrategy, as_bool, positive_int
 from topk_decode.index.estimate import searchable_stats
-from topk_decode.index.routed_device import DeviceRoutes
+from topk_decode.index.routed_device import TABLE_KINDS, DeviceRoutes
 from topk_decode.index.routed_layout import layer_layouts, load_layouts, on_disk, to_huge_pages, write_layouts
 from topk_decode.index.routed_torch import TorchPath
 from topk_decode.index.threads import default_threads
@@ -97,6 +97,9 @@ class RoutedStrategy(TorchPath, SelectionStrategy):
             (also on a CPU decode device: the tests' way in) or "false". Routing and the estimate then run
             inside the captured step on the device (routed_device.py), and the CPU only scans the chosen
             clusters (compiled path only; one-token steps only, prompts route on the CPU).
+        device_tables: the precision of the device's routing tables: "auto" (default: the first of keys,
+            fp8-values, fp8 that holds every layer beside the step), "keys" (centroids and mean values in the
+            keys' dtype), "fp8-values" (float8 mean values) or "fp8" (float8 centroids too; routed_device.py).
         split: device-routed layers cut all heads' scan and value sums into equal pieces, one per thread of
             the team (routed_split.py; default True), rather than one task per KV head (`scan_layer_par`).
         hugepages: the compiled path reads the layout's keys, values and offsets from copies in memory backed
@@ -110,11 +113,11 @@ class RoutedStrategy(TorchPath, SelectionStrategy):
     keeps_query = False
     BUILD_DEFAULTS = {"cluster_size": 16, "iters": 6, "store_values": True, "segment": 65536}
     SEARCH_DEFAULTS = {"probe_fraction": 0.04, "spread": False, "sizes": False, "estimate": True,
-                       "estimate_read": False, "kernel": "auto", "device_route": "auto", "split": True,
-                       "hugepages": True}
+                       "estimate_read": False, "kernel": "auto", "device_route": "auto",
+                       "device_tables": "auto", "split": True, "hugepages": True}
     OPTIONS = {"cluster_size": int, "iters": int, "store_values": bool, "segment": int, "probe_fraction": float,
                "spread": bool, "sizes": bool, "estimate": bool, "estimate_read": bool, "kernel": str,
-               "device_route": str, "split": bool, "hugepages": bool}
+               "device_route": str, "device_tables": str, "split": bool, "hugepages": bool}
 
     # ---- options / build -------------------------------------------------------------------------
     @classmethod
@@ -149,6 +152,9 @@ class RoutedStrategy(TorchPath, SelectionStrategy):
         self.device_route = str(o.get("device_route", self.SEARCH_DEFAULTS["device_route"])).lower()
         if self.device_route not in ("auto", "true", "false"):
             raise TopkError(f"option device_route must be auto, true or false, got {self.device_route!r}")
+        self.device_tables = str(o.get("device_tables", self.SEARCH_DEFAULTS["device_tables"])).lower()
+        if self.device_tables not in ("auto", *TABLE_KINDS):
+            raise TopkError(f"option device_tables must be auto, {', '.join(TABLE_KINDS)}, got {self.device_tables!r}")
         self.split = as_bool(o.get("split", self.SEARCH_DEFAULTS["split"]))
         self.hugepages = as_bool(o.get("hugepages", self.SEARCH_DEFAULTS["hugepages"]))
         opts = self.build_options(o)
@@ -295,7 +301,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy):
         if not wanted or not self.kernel or any(k >= self.n_searchable for k in k_per_layer):
             return None
         routes = DeviceRoutes(self._stats, self._sizes, self._bias, [self._budget(k) for k in k_per_layer],
-                              self.ckv.n_tokens, self.scale, self.estimate, device)
+                              self.ckv.n_tokens, self.scale, self.estimate, device, values=self.device_tables)
         return routes if routes.layers_on_device() else None
 
     def select_and_attend(self, layer: int, q: torch.Tensor, k: int, state: Any, o: torch.Tensor,

@@ -31,6 +31,8 @@ from topk_decode.index.estimate import unread_part
 
 # Free device memory kept beside the tables for the step itself (its graphs' temporaries, the window).
 DEFAULT_RESERVE = 384 << 20
+# The tables' precisions, most exact first: what `values="auto"` tries in turn (see `DeviceRoutes`).
+TABLE_KINDS = ("keys", "fp8-values", "fp8")
 _FP8 = getattr(torch, "float8_e4m3fn", None)
 
 
@@ -102,7 +104,7 @@ class DeviceRoutes:
         self.n_layers = len(stats)
         hkv = sizes[0].shape[0]
         self.tables: list[LayerTables | None] = [None] * self.n_layers
-        kinds = ["keys", "fp8-values", "fp8"] if values == "auto" else [values]
+        kinds = list(TABLE_KINDS) if values == "auto" else [values]
         if _FP8 is None:
             kinds = ["keys"]
         # On CUDA bf16 products accumulate into fp32 outputs directly: no fp32 copy of a table per step
