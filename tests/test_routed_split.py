@@ -47,12 +47,17 @@ def test_split_scan_selects_and_attends_as_one_task_per_head(device_routed, piec
         np.testing.assert_allclose(o, o_ref, rtol=1e-5, atol=1e-5)                     # partial sums reordered
 
 
+def _ranked(strat, k: int, layer: int, seed: int):
+    """Queries of `seed` and the device's ranking of `layer` for them (routing on the CPU device)."""
+    routes = strat.device_routes(CPU, [k, k])
+    q = _queries(seed=seed)
+    routes.route(layer, q)
+    return (q, *routes.host_route(layer))
+
+
 def test_split_scan_grows_its_buffers_and_handles_a_head_with_nothing_to_read(device_routed):
     strat, k = device_routed, 40
-    routes = strat.device_routes(CPU, [k, k])
-    q = _queries(seed=3)
-    routes.route(1, q)
-    order, take = routes.host_route(1)
+    q, order, take = _ranked(strat, k, 1, seed=3)
     scratch = {"split": routed_compiled.new_scratch(2, 4, 16, 8, 5)}       # too small: grown, then used
     take = take.clone()
     take[0] = 0                                                             # head 0 reads no cluster
@@ -85,10 +90,7 @@ def test_device_routed_select_and_attend_uses_the_split_scan_unless_told_not_to(
 
 def test_split_scan_writes_its_output_rounded_to_bf16_as_torch_rounds_it(device_routed):
     strat, k = device_routed, 40
-    routes = strat.device_routes(CPU, [k, k])
-    q = _queries(seed=5)
-    routes.route(0, q)
-    order, take = routes.host_route(0)
+    q, order, take = _ranked(strat, k, 0, seed=5)
     hkv, Q, d = q.shape
     o16 = np.zeros((hkv, Q, d), np.uint16)
     _, o, _ = _layer(routed_compiled.split_layer, strat, 0, q, order, take, k, 3, {}, o16)
