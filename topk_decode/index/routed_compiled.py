@@ -235,5 +235,5 @@ def split_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take:
     t, rate = tally.tolist(), compiled.cycles_per_second()
     marks = (c_in, *t[6:], c_out)
     times = HeadTimes(t[3] / threads / rate, t[4] / rate, t[5] / rate,
-                      tuple((b - a) / rate for a, b in zip(marks, marks[1:])))
+                      tuple([(b - a) / rate for a, b in zip(marks, marks[1:])]))
     return LayerResult(torch.from_numpy(ids), torch.from_numpy(scores), *no_rest, t[0], t[2], times)
