@@ -125,7 +125,7 @@ def test_device_tables_option_picks_the_tables_precision(clustered_cache, opened
         strat = opened(clustered_cache, "routed", {"cluster_size": 32, "kernel": "numba", "device_route": "true",
                                                    "device_tables": kind})
         assert strat.device_routes(CPU, [40, 40]).values_kind == kind
-    with pytest.raises(TopkError, match="device_tables must be auto, keys, fp8-values, fp8"):
+    with pytest.raises(TopkError, match="device_tables must be auto, keys, fp8-values or fp8"):
         opened(clustered_cache, "routed", {"device_tables": "fp4"})
 
 

@@ -76,6 +76,14 @@ def positive_int(options: dict, key: str, default: int) -> int:
     return value
 
 
+def one_of(key: str, value: Any, allowed: tuple[str, ...]) -> Any:
+    """value when it is one of `allowed`, else a TopkError naming them ("option k must be a, b or c, got 'x'")."""
+    if value not in allowed:
+        words = ", ".join(allowed[:-1]) + " or " + allowed[-1]
+        raise TopkError(f"option {key} must be {words}, got {value!r}")
+    return value
+
+
 def check_options(name: str, declared: dict[str, type], options: dict) -> dict:
     """Validate strategy options against the names and types a strategy declares.
 

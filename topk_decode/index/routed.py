@@ -36,7 +36,7 @@ import torch
 from topk_decode.errors import TopkError
 from topk_decode.index import compiled, routed_compiled
 from topk_decode.index.artifacts import ensure_artifacts, recorded_options
-from topk_decode.index.base import RestPart, Selection, SelectionStrategy, as_bool, positive_int
+from topk_decode.index.base import RestPart, Selection, SelectionStrategy, as_bool, one_of, positive_int
 from topk_decode.index.estimate import searchable_stats
 from topk_decode.index.routed_device import TABLE_KINDS, DeviceRoutes
 from topk_decode.index.routed_layout import layer_layouts, load_layouts, on_disk, to_huge_pages, write_layouts
@@ -149,12 +149,9 @@ class RoutedStrategy(TorchPath, SelectionStrategy):
         self.estimate = as_bool(o.get("estimate", self.SEARCH_DEFAULTS["estimate"]))
         self.estimate_read = as_bool(o.get("estimate_read", self.SEARCH_DEFAULTS["estimate_read"]))
         self.kernel = self._use_kernel(o.get("kernel", self.SEARCH_DEFAULTS["kernel"]))   # refused before any build
-        self.device_route = str(o.get("device_route", self.SEARCH_DEFAULTS["device_route"])).lower()
-        if self.device_route not in ("auto", "true", "false"):
-            raise TopkError(f"option device_route must be auto, true or false, got {self.device_route!r}")
-        self.device_tables = str(o.get("device_tables", self.SEARCH_DEFAULTS["device_tables"])).lower()
-        if self.device_tables not in ("auto", *TABLE_KINDS):
-            raise TopkError(f"option device_tables must be auto, {', '.join(TABLE_KINDS)}, got {self.device_tables!r}")
+        route, tables = (str(o.get(key, self.SEARCH_DEFAULTS[key])).lower() for key in ("device_route", "device_tables"))
+        self.device_route = one_of("device_route", route, ("auto", "true", "false"))
+        self.device_tables = one_of("device_tables", tables, ("auto", *TABLE_KINDS))
         self.split = as_bool(o.get("split", self.SEARCH_DEFAULTS["split"]))
         self.hugepages = as_bool(o.get("hugepages", self.SEARCH_DEFAULTS["hugepages"]))
         opts = self.build_options(o)
@@ -219,8 +216,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy):
 
     def _use_kernel(self, choice: str) -> bool:
         """Whether routed_kernel.py's compiled path runs (the `kernel` option; "auto": wherever it applies)."""
-        if choice not in ("auto", "numba", "torch"):
-            raise TopkError(f"option kernel must be auto, torch or numba, got {choice!r}")
+        one_of("kernel", choice, ("auto", "torch", "numba"))
         why = ("numba is not installed (pip install numba)" if not compiled.available() else
                f"it reads bf16 keys and values, these are {dtype_name(self.ckv.dtype)}"
                if self.ckv.dtype not in compiled.KEY_DTYPES else
