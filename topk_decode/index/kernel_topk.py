@@ -72,19 +72,31 @@ def _kth_key(keys, n, need):
 
 
 @jit
+def _cut(bits, kk, hist, cols, keys):
+    """After `_histogram(bits, hist)`: (the kk-th largest float, n), with cols[:n] the columns at or above its
+    histogram bucket, in row order. One pass over the row, writing without branches (a score above or below the
+    cut is a coin flip for the branch predictor); then the bucket's keys alone (`_kth_key`).
+    cols (m,) int64 and keys (m,) uint32: scratch."""
+    b, above = _bucket(hist, kk)
+    nb = np.uint32(b)
+    n, n_b = 0, 0
+    for r in range(bits.shape[0]):
+        key = _order_key(bits[r])
+        top = key >> np.uint32(21)
+        cols[n] = r
+        n += top >= nb
+        keys[n_b] = key
+        n_b += top == nb
+    return _key_float(_kth_key(keys, n_b, kk - above)), n
+
+
+@jit
 def kth_largest(s, kk, hist):
     """The kk-th largest of s (float32, 1 ≤ kk ≤ len(s), no NaN), exactly. hist: (2048,) int64 scratch."""
     bits = s.view(np.uint32)
     _histogram(bits, hist)
-    b, above = _bucket(hist, kk)
-    keys = np.empty(hist[b], dtype=np.uint32)
-    n = 0
-    for r in range(s.shape[0]):
-        key = _order_key(bits[r])
-        if key >> np.uint32(21) == b:
-            keys[n] = key
-            n += 1
-    return _key_float(_kth_key(keys, n, kk - above))
+    m = s.shape[0]
+    return _cut(bits, kk, hist, np.empty(m, dtype=np.int64), np.empty(m, dtype=np.uint32))[0]
 
 
 @jit
@@ -101,21 +113,8 @@ def top_k_one(s, rpos, ids_out, sc_out, cols_out, hist):
     kk = min(K, m - hist[_NEG_INF_BUCKET])
     o = 0
     if kk > 0:
-        b, above = _bucket(hist, kk)
-        nb = np.uint32(b)
-        # one pass: the columns at or above bucket b, in row order, and bucket b's keys (writes without
-        # branches: a score above or below the cut is a coin flip for the branch predictor)
         cols = np.empty(m, dtype=np.int64)
-        keys = np.empty(m, dtype=np.uint32)
-        n, n_b = 0, 0
-        for r in range(m):
-            key = _order_key(bits[r])
-            top = key >> np.uint32(21)
-            cols[n] = r
-            n += top >= nb
-            keys[n_b] = key
-            n_b += top == nb
-        cut = _key_float(_kth_key(keys, n_b, kk - above))
+        cut, n = _cut(bits, kk, hist, cols, np.empty(m, dtype=np.uint32))
         for x in range(n):
             r = cols[x]
             if s[r] > cut:
