@@ -57,7 +57,8 @@ def set_threads(n: int) -> None:
     """Run this thread's later `pjit` calls on at most n of numba's threads (a per-thread setting)."""
     if numba is not None:
         n = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
-        if getattr(_SET, "n", None) != n:     # numba's setter checks its thread pool: ~10 µs per layer call
+        # numba's setter checks its thread pool on every call, once per layer here (docs/BENCHMARKS.md run 17)
+        if getattr(_SET, "n", None) != n:
             numba.set_num_threads(n)
             _SET.n = n
 

@@ -113,8 +113,8 @@ def split_layer_par(keys, pos, offsets, order, take, q, k, scale, vals, values_b
     hkv, Q, d = q.shape
     cap = rows.shape[1]
     # np.empty, not np.zeros, and the reductions in `_tally_reads` / `_tally_work`: in a parallel function
-    # numba turns each array expression (a fill, a sum) into a parallel region of its own, ~10 µs each on the
-    # host (run 16). Every element of these is written by the rounds.
+    # numba turns each array expression (a fill, a sum) into a parallel region of its own, a fork and join of
+    # the team each (docs/BENCHMARKS.md run 16). Every element of these is written by the rounds.
     read, filled, clock = np.empty(hkv, np.int64), np.empty((hkv, Q), np.int64), np.empty((pieces, 2), np.int64)
     phases = tally[6:]
     phases[0] = cycles()

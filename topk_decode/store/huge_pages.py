@@ -1,10 +1,10 @@
 """Copies of large arrays in memory backed by transparent huge pages (Linux), for scans that read scattered rows.
 
 routed's compiled scan reads clusters of a few rows scattered over GiBs of keys and values. With 4 KiB pages
-nearly every cluster read is a TLB miss and a page walk; in 2 MiB pages the walks mostly go away (the CPU side
-of a 128K step 17 % faster on the H100 host, docs/BENCHMARKS.md run 16). Transparent huge pages are only given
-to anonymous memory advised MADV_HUGEPAGE before it is first touched (hosts commonly run THP in `madvise`
-mode), so the arrays are copied into such a mapping; a memory-mapped file stays in 4 KiB pages.
+nearly every cluster read is a TLB miss and a page walk; in 2 MiB pages the walks mostly go away
+(docs/BENCHMARKS.md runs 16 and 17). Transparent huge pages are only given to anonymous memory advised
+MADV_HUGEPAGE before it is first touched (hosts commonly run THP in `madvise` mode), so the arrays are copied
+into such a mapping; a memory-mapped file stays in 4 KiB pages.
 """
 
 from __future__ import annotations
