@@ -92,6 +92,35 @@ else:  # pragma: no cover - exercised where numba is absent
         """A no-op without numba."""
 
 
+@jit
+def prefetch_row(a, row):
+    """Request the cache lines of a[row] (a row of a 2-D array, an element of a 1-D one)."""
+    base = a.ctypes.data + row * a.strides[0]
+    for b in range(0, a.strides[0], 64):
+        prefetch(base + b)
+    prefetch(base + a.strides[0] - 1)                   # a row that straddles one more line
+
+
+if numba is not None:
+    @intrinsic
+    def bf16_float(typingctx, b):
+        """The float32 value of a bf16's bits (an unsigned 16-bit integer): exact, and a plain zero-extend,
+        shift and bitcast that LLVM vectorizes inside a dot-product loop (a widening loop through a uint32
+        buffer did not vectorize)."""
+        if not isinstance(b, numba.types.Integer) or b.bitwidth != 16:
+            return None
+
+        def codegen(context, builder, signature, args):
+            i32 = ir.IntType(32)
+            return builder.bitcast(builder.shl(builder.zext(args[0], i32), i32(16)), ir.FloatType())
+
+        return numba.types.float32(b), codegen
+else:  # pragma: no cover - exercised where numba is absent
+    def bf16_float(b: int) -> float:
+        """The float value of a bf16's bits, without numba."""
+        return float(np.array([int(b) << 16], dtype=np.uint32).view(np.float32)[0])
+
+
 if numba is not None:
     @intrinsic
     def cycles(typingctx):

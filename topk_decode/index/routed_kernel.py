@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-from topk_decode.index.compiled import cycles, jit, pjit, prange, prefetch
+from topk_decode.index.compiled import cycles, jit, pjit, prange, prefetch_row
 from topk_decode.index.kernel_topk import top_k_rows
 
 @jit
@@ -89,15 +89,6 @@ _AHEAD = 16
 
 
 @jit
-def _prefetch_row(a, row):
-    """Request the cache lines of a[row] (a row of a 2-D array, an element of a 1-D one)."""
-    base = a.ctypes.data + row * a.strides[0]
-    for b in range(0, a.strides[0], 64):
-        prefetch(base + b)
-    prefetch(base + a.strides[0] - 1)                   # a row that straddles one more line
-
-
-@jit
 def _cluster_rows(offsets, order, taken, m):
     """The layout rows of the first `taken` clusters of `order`, in that order: (m,) int64."""
     rows = np.empty(m, dtype=np.int64)
@@ -120,7 +111,7 @@ def _cluster_rows_into(offsets, order, taken, rows, t0=0, r=0):
     in that order."""
     for t in range(t0, taken):
         if t + _AHEAD < taken:
-            _prefetch_row(offsets, order[t + _AHEAD])
+            prefetch_row(offsets, order[t + _AHEAD])
         c = order[t]
         for row in range(offsets[c], offsets[c + 1]):
             rows[r] = row
@@ -146,12 +137,12 @@ def _scan_range(keys, pos, rows, r0, r1, qh, rpos, scores):
     kf = widened.view(np.float32)
     dots = np.empty(Q, dtype=np.float32)
     for r in range(r0, min(r0 + _AHEAD, r1)):
-        _prefetch_row(keys, rows[r])
+        prefetch_row(keys, rows[r])
     for r in range(r0, r1):
         if r + _AHEAD < r1:
             ahead = rows[r + _AHEAD]
-            _prefetch_row(keys, ahead)
-            _prefetch_row(pos, ahead)
+            prefetch_row(keys, ahead)
+            prefetch_row(pos, ahead)
         row = rows[r]
         rpos[r] = pos[row]
         if pos[row] < 0:
@@ -211,10 +202,10 @@ def _sum_values(vals, src, hits, x0, x1, w, out):
     widened = np.empty(d, dtype=np.uint32)
     vf = widened.view(np.float32)
     for x in range(x0, min(x0 + _AHEAD, x1)):
-        _prefetch_row(vals, src[hits[x]])
+        prefetch_row(vals, src[hits[x]])
     for x in range(x0, x1):
         if x + _AHEAD < x1:
-            _prefetch_row(vals, src[hits[x + _AHEAD]])
+            prefetch_row(vals, src[hits[x + _AHEAD]])
         r = hits[x]
         _widen(vals[src[r]], widened)
         for i in range(Q):
