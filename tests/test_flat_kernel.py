@@ -10,17 +10,14 @@ from topk_decode.errors import TopkError
 from topk_decode.index import compiled as compiled_paths, flat_kernel
 from topk_decode.index.base import exact_scores
 from topk_decode.index.flat import FlatStrategy
-from topk_decode.index.threads import HeadPool
 
 pytest.importorskip("numba")
 
 
 @pytest.fixture(scope="module")
-def pool():
-    """Two worker threads, as the strategy would start on this machine."""
-    p = HeadPool(2)
-    yield p
-    p.close()
+def threads():
+    """Two worker threads, as the strategy would use on this machine."""
+    return 2
 
 
 def _keys_and_queries(hkv: int, n: int, d: int, q: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,38 +60,83 @@ def _assert_exact_topk(ids: torch.Tensor, sc: torch.Tensor, keys: torch.Tensor, 
     (64, 32, 8, 1, 2999, 512),      # a prompt chunk's worth of queries
     (128, 5, 700, 700, 1500, 100),  # a narrow range in the middle
 ])
-def test_search_returns_the_exact_topk_across_block_boundaries(pool, d, Q, k, lo, hi, block):
+def test_search_returns_the_exact_topk_across_block_boundaries(threads, d, Q, k, lo, hi, block):
     keys, q = _keys_and_queries(2, 3000, d, Q, seed=d + Q + k)
-    ids, sc = flat_kernel.search(keys, q, k, lo, hi, pool, block=block)
+    ids, sc = flat_kernel.search(keys, q, k, lo, hi, threads, block=block)
     _assert_exact_topk(ids, sc, keys, q, k, lo, hi)
 
 
 @pytest.mark.parametrize("k,lo,hi", [(900, 100, 1000), (2000, 100, 1000), (1, 0, 1)])
-def test_k_at_least_the_range_returns_every_key_then_empty_slots(pool, k, lo, hi):
+def test_k_at_least_the_range_returns_every_key_then_empty_slots(threads, k, lo, hi):
     keys, q = _keys_and_queries(2, 1000, 64, 4, seed=3)
-    ids, sc = flat_kernel.search(keys, q, k, lo, hi, pool, block=64)
+    ids, sc = flat_kernel.search(keys, q, k, lo, hi, threads, block=64)
     _assert_exact_topk(ids, sc, keys, q, k, lo, hi)
     assert (sc[..., hi - lo:] == 0).all()
 
 
-def test_empty_range_returns_only_empty_slots(pool):
+def test_empty_range_returns_only_empty_slots(threads):
     keys, q = _keys_and_queries(2, 100, 64, 4, seed=4)
-    ids, sc = flat_kernel.search(keys, q, 5, 50, 50, pool)
+    ids, sc = flat_kernel.search(keys, q, 5, 50, 50, threads)
     assert (ids == -1).all() and (sc == 0).all() and ids.shape == (2, 4, 5)
 
 
-def test_ties_at_the_kth_score_go_to_the_lowest_positions_whatever_the_threads_and_blocks(pool):
+def test_ties_at_the_kth_score_go_to_the_lowest_positions_whatever_the_threads_and_blocks(threads):
     hkv, n, d = 2, 2000, 64
     keys = torch.ones(hkv, n, d, dtype=torch.bfloat16)          # every key scores the same...
     keys[:, 1500:1510] = 2.0                                    # ...but ten, which score higher for q = 1
     q = torch.ones(hkv, 3, d)
     want = set(range(1500, 1510)) | set(range(10, 40))          # lo = 10: the 30 lowest tied positions
-    for p, block in ((pool, 16), (pool, 64), (pool, 1000), (None, 300), (pool, None)):
+    for p, block in ((threads, 16), (threads, 64), (threads, 1000), (1, 300), (threads, None)):
         ids, sc = flat_kernel.search(keys, q, 40, 10, 1990, p, block=block)
         for h in range(hkv):
             for i in range(3):
                 assert set(ids[h, i].tolist()) == want
         assert sorted(sc[0, 0].tolist()) == [64.0] * 30 + [128.0] * 10
+
+
+def _sampled_block_is_used(keys: torch.Tensor, q: torch.Tensor, k: int, s: int, e: int) -> bool:
+    """Whether `_block_topk` guesses a cut from a sample for this block (else it starts from −inf)."""
+    import numpy as np
+
+    Q = q.shape[1]
+    qp = np.zeros((-(-Q // 4) * 4, q.shape[2]), dtype=np.float32)   # queries padded to whole groups of four
+    qp[:Q] = q[0].numpy()
+    spec = np.empty(Q, dtype=np.float32)
+    flat_kernel._sample_cut(compiled_paths.bits(keys[0]), qp, Q, s, e, k, spec)
+    return bool((spec > -np.inf).all())
+
+
+@pytest.mark.parametrize("Q,k,lo,hi,block", [
+    (4, 256, 0, 12000, None),      # one block per head on one thread: the sample's cut is used
+    (7, 300, 5, 11990, 6000),      # two blocks, a padded query group
+    (4, 2048, 0, 12000, None),     # k large against the block: no sample, the running cut alone
+])
+def test_sampled_cut_keeps_the_exact_topk(Q, k, lo, hi, block):
+    keys, q = _keys_and_queries(2, 12000, 64, Q, seed=Q + k)
+    assert _sampled_block_is_used(keys, q, k, lo, hi) == (k < 2000)
+    ids, sc = flat_kernel.search(keys, q, k, lo, hi, 1, block=block)
+    _assert_exact_topk(ids, sc, keys, q, k, lo, hi)
+
+
+def test_a_sample_that_guesses_too_high_falls_back_to_the_exact_topk():
+    hkv, n, d, k = 1, 8192, 64, 256
+    gen = torch.Generator().manual_seed(5)
+    keys = torch.randn(hkv, n, d, generator=gen) * 0.1
+    keys[:, ::8] += 1.0            # exactly the sampled rows (stride 8 at k = 256) score high: the sample's
+    q = torch.ones(hkv, 2, d)      # 64th best lets only ~64 rows through, far fewer than k
+    keys = keys.bfloat16()
+    assert _sampled_block_is_used(keys, q, k, 0, n)
+    ids, sc = flat_kernel.search(keys, q, k, 0, n, 1)
+    _assert_exact_topk(ids, sc, keys, q, k, 0, n)
+
+
+def test_ties_everywhere_with_a_sampled_cut_go_to_the_lowest_positions():
+    hkv, n, d, k = 1, 8192, 64, 256
+    keys = torch.ones(hkv, n, d, dtype=torch.bfloat16)       # the sample's cut equals every score
+    q = torch.ones(hkv, 2, d)
+    assert _sampled_block_is_used(keys, q, k, 0, n)
+    ids, _ = flat_kernel.search(keys, q, k, 0, n, 1)
+    assert all(set(ids[0, i].tolist()) == set(range(k)) for i in range(2))
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -131,7 +173,7 @@ def test_numba_backend_takes_fp32_queries_not_representable_in_bf16():
 def test_bad_backend_values_raise_one_line_topk_errors(monkeypatch):
     keys, _ = _keys_and_queries(1, 100, 64, 1, seed=0)
     ckv = kv_in_memory([keys], [keys], list(range(100)), "llama")
-    with pytest.raises(TopkError, match="use torch, faiss or numba"):
+    with pytest.raises(TopkError, match="use torch, numba or faiss"):
         FlatStrategy(ckv, 0, 100, {"backend": "numbaa"}).prepare()
     fp32 = kv_in_memory([keys.float()], [keys.float()], list(range(100)), "llama")
     with pytest.raises(TopkError, match="reads bf16 keys, these are float32") as err:

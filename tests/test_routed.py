@@ -139,14 +139,16 @@ def test_routed_probing_every_cluster_equals_flat(clustered_cache):
     assert torch.allclose(a.scores.sort(-1).values, b.scores.sort(-1).values, atol=1e-4)
 
 
-def test_flat_faiss_backend_still_matches_the_default_torch_backend(clustered_cache):
+def test_flat_backends_select_the_same_keys_as_the_default_torch_backend(clustered_cache):
     pytest.importorskip("faiss")
-    torch_ = _open(clustered_cache, "flat")
-    assert torch_.backend == "torch"
-    faiss_ = _open(clustered_cache, "flat", {"backend": "faiss", "threads": 1})
+    pytest.importorskip("numba")
+    default = _open(clustered_cache, "flat")
+    assert default.backend == "torch"
+    others = [_open(clustered_cache, "flat", {"backend": b, "threads": 1}) for b in ("numba", "faiss")]
     q = _queries(seed=7)
-    a, b = torch_.select(0, q, 20), faiss_.select(0, q, 20)
-    assert torch.equal(a.ids.sort(-1).values, b.ids.sort(-1).values)
+    want = default.select(0, q, 20).ids.sort(-1).values
+    for strat in others:
+        assert torch.equal(strat.select(0, q, 20).ids.sort(-1).values, want)
 
 
 def test_artifacts_are_reused_and_rebuilt_when_the_cluster_size_changes(clustered_cache):

@@ -16,7 +16,7 @@ def bench_command(
     k: Annotated[int, typer.Option("--k", help="Retrieved tokens per query head and layer.")] = 1024,
     strategy: Annotated[str, typer.Option("--strategy", help="Selection strategy of the top-k rows: flat (exact) or e.g. routed.")] = "flat",
     opt: Annotated[Optional[list[str]], typer.Option("--opt", help="Strategy option key=value, e.g. probe_fraction=0.02 (repeatable).")] = None,
-    backend: Annotated[str, typer.Option("--backend", help="Flat search backend: torch, faiss or numba "
+    backend: Annotated[str, typer.Option("--backend", help="Flat search backend: torch, numba or faiss "
                                          "(--opt applies to the other strategies).")] = "torch",
     steps: Annotated[int, typer.Option("--steps", help="Timed decode steps per row.")] = 16,
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed decode steps before timing.")] = 3,

@@ -2,14 +2,14 @@
 
 The keys are added in the precision they were stored in (fp32 → IndexFlatIP; fp16 / bf16 →
 IndexScalarQuantizer QT_fp16 / QT_bf16, which decodes them exactly), so the returned scores are the
-exact fp32 inner products of the stored keys: recall 1.0 by construction. The `torch` backend (the
-default) scans the memory-mapped keys directly (no second copy of the keys in RAM, nothing built at
-open): all KV heads in one batched matmul, in the keys' own half precision, followed by an exact fp32
-rescoring of the candidates with a certificate that the result is the exact top-k (see `_half_scan`).
-It is the faster backend on a 16-core host (docs/BENCHMARKS.md); `backend=faiss` stays available.
-Faiss is imported only when the faiss backend is used. `backend=numba` (bf16 keys, needs numba) scans
-the memory map with compiled (head, block of keys) tasks on the strategy's threads that score every key
-exactly in fp32 once and keep it only if it beats a running threshold (flat_kernel.py).
+exact fp32 inner products of the stored keys: recall 1.0 by construction. Two backends scan the
+memory-mapped keys directly (no second copy of the keys in RAM, nothing built at open). `torch` (the
+default) scores all KV heads in one batched matmul, in the keys' own half precision, then rescores the
+candidates exactly in fp32 with a certificate that the result is the exact top-k (see `_half_scan`).
+`numba` (bf16 keys) runs compiled (head, block of keys) tasks that score every key exactly in fp32 once
+and keep it only if it reaches its query's cut (flat_kernel.py); it stays opt-in until its speed on the
+GPU host is settled (docs/STRATEGIES.md "flat's default backend"). `backend=faiss` stays available;
+Faiss is imported only when it is used.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from topk_decode.index.base import Selection, SelectionStrategy
 from topk_decode.index.select_topk import topk_by_threshold
 from topk_decode.index.threads import HeadPool, default_threads
 
-# The torch scan reads the memory map in place and is the faster backend (docs/BENCHMARKS.md).
+# torch reads the memory map in place; numba is faster in some harnesses, slower in one (docs/STRATEGIES.md)
 DEFAULT_BACKEND = "torch"
+BACKENDS = ("torch", "numba", "faiss")
 # Scoring kernel of the torch backend: on the 16-core GPU host one batched matmul reads the keys much
 # closer to the DRAM bandwidth than the threaded blocks (docs/BENCHMARKS.md, "Scan bandwidth").
 DEFAULT_SCAN = "bmm"
@@ -53,10 +54,10 @@ class FlatStrategy(SelectionStrategy):
     """Exact top-k per query head.
 
     Options:
-        backend: "torch" (default: zero-copy scan of the memory map), "faiss" (indices copied into RAM at
-            open) or "numba" (flat_kernel.py: compiled exact fp32 scan of the memory map in (head, block of
-            keys) tasks on the strategy's threads, a running threshold per query, then a merge of the
-            blocks' candidates; exact like the others; bf16 keys only, needs numba).
+        backend: "torch" (default: zero-copy batched matmul of the memory map and an exact rescoring),
+            "numba" (flat_kernel.py: compiled exact fp32 scan of the memory map in (head, block of keys)
+            tasks on the strategy's threads, a cut per query, then a merge of the blocks' candidates; bf16
+            keys only, needs numba) or "faiss" (indices copied into RAM at open). All are exact.
         threads: parallel head searches, or the numba backend's worker threads (default: CPU cores).
         scan: torch backend's scoring kernel: "bmm" (default: one batched matmul q·Kᵀ), "kq" (K·qᵀ, the
             keys as the tall operand, then a transpose of the scores) or "blocks" (threads over (head,
@@ -69,10 +70,10 @@ class FlatStrategy(SelectionStrategy):
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
         self.backend = self.options.get("backend", DEFAULT_BACKEND)
-        if self.backend not in ("faiss", "torch", "numba"):
+        if self.backend not in BACKENDS:
             from topk_decode.errors import TopkError
 
-            raise TopkError(f"unknown flat backend {self.backend!r} (use torch, faiss or numba)")
+            raise TopkError(f"unknown flat backend {self.backend!r} (use torch, numba or faiss)")
         if self.backend == "numba":
             _check_numba(self.ckv.dtype)
         self.threads = int(self.options.get("threads") or default_threads())
@@ -115,7 +116,7 @@ class FlatStrategy(SelectionStrategy):
         if self.backend == "numba":
             from topk_decode.index import flat_kernel
 
-            ids, scores = flat_kernel.search(self.ckv.keys[layer], q, k, self.lo, self.hi, self.pool)
+            ids, scores = flat_kernel.search(self.ckv.keys[layer], q, k, self.lo, self.hi, self.threads)
             # k < hi − lo here: a slot stays empty only if fewer than k keys score above −inf (inf/nan keys)
             return Selection(ids=ids, scores=scores, no_empty_slots=not bool((ids < 0).any()))
         qn = q.numpy()

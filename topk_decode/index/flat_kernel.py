@@ -3,14 +3,17 @@
 The torch backend scores all keys in bf16 with one batched matmul, then selects candidates and
 rescores them in fp32 (flat.py `_half_scan`): several passes over (Hkv, Q, N) score buffers, and a
 matmul whose CPU kernel reads the keys well below the DRAM bandwidth when Q is 4-7 rows. Here each
-task (one KV head × one contiguous block of keys) reads its block once: the bf16 rows are widened
-exactly to fp32 a small tile at a time, dotted against all of the head's queries (exact fp32 scores),
-and kept only when they beat the query's running threshold, so almost every key costs one compare
-after its dot products. The threshold is the task's own k-th best so far, raised further by a cut
-that another block of the same head has published (`bar`): both are lower bounds of the final k-th
-score, so nothing rejected could have been returned. A second pass merges each (head, query)'s
-block candidates into the exact top-k. Tasks run on the strategy's thread pool; the compiled
-functions release the GIL.
+task (one KV head × one contiguous block of keys) reads its block once: each bf16 row is widened
+exactly to fp32 inside the dot products with all of the head's queries (exact fp32 scores, four
+queries at a time), and kept only when it reaches the query's cut, so almost every key costs one
+compare after its dot products. The cut is the highest of three: the task's own k-th best so far; a
+cut that another block of the same head has published (`bar`), both lower bounds of the final k-th
+score; and a guess from a strided sample of the block (`_sample_cut`), which is checked afterwards:
+a query whose guess let fewer than k rows through is scanned again without it. Rows are prefetched
+ahead of the dot products, so that reading the next rows overlaps the arithmetic. A second pass
+merges each (head, query)'s block candidates into the exact top-k. Both passes run as one numba
+parallel call each (`prange` over the workers, then over the heads): a Python thread pool's start
+alone cost ~2 ms per layer on the 16-core host (docs/BENCHMARKS.md run 18).
 
 Result: the top k by (exact fp32 score descending, position ascending): ties at the k-th score go to
 the lower positions, independent of thread timing. The k ids are returned in no particular order.
@@ -23,15 +26,27 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from topk_decode.index.compiled import bits, jit
+from topk_decode.index import compiled
+from topk_decode.index.compiled import bf16_float, bits, jit, pjit, prange, prefetch_row
 
 # Tasks per pool worker when the block size is left to `search`: few, long tasks keep each running
 # threshold close to the final k-th score (fewer insertions and compactions, fewer candidates to
 # merge); two rather than one so that a worker delayed by other work does not hold up the whole layer.
 TASKS_PER_WORKER = 2
 MIN_BLOCK = 1 << 12   # keys per task at least (1 MiB at D=128): smaller tasks only add setup and merging
-_TILE = 16     # rows widened at once: a (16, D) fp32 tile stays in L1 while every query reads it
 _QGROUP = 4    # queries dotted together: each widened element is loaded once for four FMAs
+_CHUNK = 64    # rows scored before their scores are compared (a (Qp, 64) fp32 buffer: L1); and between two
+               # reads of the other blocks' published cuts
+# Rows prefetched ahead of the dot products: the hardware prefetcher alone left a task's reads and its
+# arithmetic one after the other (docs/BENCHMARKS.md run 18).
+AHEAD = 16
+# The sample's cut is its _SAMPLE_RANK-th largest score, with the stride that aims it at _SURVIVORS_PER_K·kb
+# rows of the block. Two, not one: a guess that lets fewer than kb rows through costs a second pass (a
+# 4-sigma miss at rank 64 on a random order). No sample where it would be over 1/_MIN_STRIDE of the rows.
+_SAMPLE_RANK = 64
+_SURVIVORS_PER_K = 2
+_MIN_STRIDE = 8
+_SAMPLE_AHEAD = 8   # sample rows prefetched ahead
 
 
 @jit
@@ -61,8 +76,102 @@ def _keep_top(cs, cr, n, kb):
 
 
 @jit
-def _block_topk(keys, q, s, e, k, bar, ids_out, sc_out):
+def _dot4(keys, t, q, i):
+    """Exact fp32 dot products of bf16 row t of keys (uint16 bits) with queries i .. i+3 of q (Qp, D).
+
+    Indexes the 2-D arrays directly: a row view (keys[t]) would touch the array's shared reference count on
+    every call, an atomic that all the threads scanning one layer contend for."""
+    a0 = np.float32(0.0)
+    a1 = np.float32(0.0)
+    a2 = np.float32(0.0)
+    a3 = np.float32(0.0)
+    for j in range(keys.shape[1]):
+        x = bf16_float(keys[t, j])            # bf16 → fp32 is exact; vectorizes with the FMAs
+        a0 += q[i, j] * x
+        a1 += q[i + 1, j] * x
+        a2 += q[i + 2, j] * x
+        a3 += q[i + 3, j] * x
+    return a0, a1, a2, a3
+
+
+@jit
+def _sample_cut(keys, qp, Q, s, e, kb, spec):
+    """spec[:Q] = a cut that about _SURVIVORS_PER_K·kb of rows [s, e) reach: the _SAMPLE_RANK-th largest score
+    of an evenly strided sample of the rows.
+
+    A guess, not a bound: `_block_topk` rescans a query whose guess let fewer than kb rows through. −inf
+    where the sample would be too large a share of the block to pay (small blocks, small k: few insertions
+    there anyway).
+    """
+    spec[:] = -np.inf
+    rank = min(_SAMPLE_RANK, kb)
+    stride = _SURVIVORS_PER_K * kb // rank
+    ns = (e - s) // stride
+    if stride < _MIN_STRIDE or ns < 4 * rank:
+        return
+    sc = np.empty((qp.shape[0], ns), dtype=np.float32)   # (Qp, ns) the sample's scores
+    for r in range(ns):
+        if r + _SAMPLE_AHEAD < ns:                    # rows far apart: no hardware prefetcher follows them
+            prefetch_row(keys, s + (r + _SAMPLE_AHEAD) * stride)
+        for i in range(0, qp.shape[0], _QGROUP):
+            sc[i, r], sc[i + 1, r], sc[i + 2, r], sc[i + 3, r] = _dot4(keys, s + r * stride, qp, i)
+    for i in range(Q):
+        spec[i] = np.partition(sc[i], ns - rank)[ns - rank]   # the rank-th largest of the sample
+
+
+@jit
+def _score_rows(keys, qp, t0, t1, ahead, e, sc):
+    """sc[:, r] = exact fp32 scores of row t0 + r against every (padded) query, rows [t0, t1); row t + ahead
+    (if below e) is prefetched while row t is scored."""
+    for t in range(t0, t1):
+        if t + ahead < e:
+            prefetch_row(keys, t + ahead)
+        r = t - t0
+        for i in range(0, qp.shape[0], _QGROUP):
+            sc[i, r], sc[i + 1, r], sc[i + 2, r], sc[i + 3, r] = _dot4(keys, t, qp, i)
+
+
+@jit
+def _block_pass(keys, qp, Q, s, e, kb, publish, bar, spec, cs, cr, cnt, thr, ahead):
+    """Rows [s, e) into each query's candidates: a row joins query i's list when its score beats i's own
+    cut (thr), reaches the head's published cut (bar) and the sample's guess (spec). Lists compact to their
+    top kb when full.
+
+    Chunks of _CHUNK rows: first every score of the chunk (a tight loop of dot products, `_score_rows`),
+    then one compare per score against the query's combined cut; the rare score that reaches it is looked at
+    again. Kept apart, both loops compile tight (one loop doing both ran ~1.5× the dot products alone).
+    """
+    sc = np.empty((qp.shape[0], _CHUNK), dtype=np.float32)   # (Qp, CHUNK) one chunk's scores
+    for t0 in range(s, e, _CHUNK):
+        t1 = min(t0 + _CHUNK, e)
+        _score_rows(keys, qp, t0, t1, ahead, e, sc)
+        for u in range(Q):
+            cut = max(thr[u], bar[u], spec[u])        # the other blocks' published cuts, once a chunk
+            for r in range(t1 - t0):
+                v = sc[u, r]
+                # > own: ties at the own cut lose to the earlier rows kept; ≥ shared: a tie with another
+                # block's cut may still be needed (keeps the result independent of thread timing)
+                if v >= cut and v > thr[u] and v >= bar[u] and v >= spec[u]:
+                    n = cnt[u]
+                    cs[u, n] = v
+                    cr[u, n] = t0 + r
+                    cnt[u] = n + 1
+                    if n + 1 == cs.shape[1]:
+                        own = _keep_top(cs[u], cr[u], n + 1, kb)
+                        thr[u] = own
+                        cnt[u] = kb
+                        cut = max(cut, own)
+                        if publish and own > bar[u]:   # racy max: any published cut is a valid bound
+                            bar[u] = own
+
+
+@jit
+def _block_topk(keys, q, s, e, k, bar, ids_out, sc_out, ahead):
     """One task: the exact top-kb of rows [s, e) of one head's keys for each of its queries.
+
+    A strided sample first guesses each query's final cut (`_sample_cut`), so that about 2·kb rows are ever
+    inserted instead of the kb·(1 + ln(m/kb)) a running cut lets in from −inf; a query whose guess
+    let fewer than kb rows through is rescanned without it (exact either way).
 
     Args:
         keys: (N, D) the head's bf16 keys as their uint16 bits.
@@ -70,6 +179,7 @@ def _block_topk(keys, q, s, e, k, bar, ids_out, sc_out):
         bar: (Q,) float32 cuts published by this head's blocks (−inf: none yet); shared between threads.
         ids_out: (Q, kb) int64 positions out, kb = min(k, block size); sc_out: (Q, kb) float32 scores out.
             Unfilled slots get −1 / −inf.
+        ahead: rows prefetched ahead of the one being scored.
     """
     d = keys.shape[1]
     Q = q.shape[0]
@@ -77,51 +187,28 @@ def _block_topk(keys, q, s, e, k, bar, ids_out, sc_out):
     publish = kb >= k                       # a cut of k candidates bounds the final k-th score
     qp_n = (Q + _QGROUP - 1) // _QGROUP * _QGROUP
     qp = np.zeros((qp_n, d), dtype=np.float32)        # (Qp, D) zero rows pad the last group
-    qp[:Q] = q
-    wide = np.empty(_TILE * d, dtype=np.uint32)       # (TILE·D,) widened bits, viewed once as fp32
-    kf = wide.view(np.float32)
-    sc = np.empty((qp_n, _TILE), dtype=np.float32)    # (Qp, TILE) scores of the tile
-    cap = 2 * kb + 64                                 # room to insert before a compaction
+    for i in range(Q):
+        for j in range(d):
+            qp[i, j] = q[i, j]
+    spec = np.empty(Q, dtype=np.float32)
+    _sample_cut(keys, qp, Q, s, e, kb, spec)
+    cap = (_SURVIVORS_PER_K + 1) * kb + 64            # room to insert before a compaction
     cs = np.empty((Q, cap), dtype=np.float32)         # (Q, cap) candidate scores
     cr = np.empty((Q, cap), dtype=np.int64)           # (Q, cap) candidate positions
     cnt = np.zeros(Q, dtype=np.int64)
     thr = np.full(Q, -np.inf, dtype=np.float32)       # each query's own cut: keep only scores above it
-    for t in range(s, e, _TILE):
-        m = min(_TILE, e - t)
-        for r in range(m):
-            for j in range(d):
-                wide[r * d + j] = np.uint32(keys[t + r, j]) << 16      # bf16 → fp32 is exact
-        for i in range(0, qp_n, _QGROUP):
-            q0, q1, q2, q3 = qp[i], qp[i + 1], qp[i + 2], qp[i + 3]
-            for r in range(m):
-                x = kf[r * d:(r + 1) * d]
-                a0 = np.float32(0.0)
-                a1 = np.float32(0.0)
-                a2 = np.float32(0.0)
-                a3 = np.float32(0.0)
-                for j in range(d):
-                    a0 += q0[j] * x[j]
-                    a1 += q1[j] * x[j]
-                    a2 += q2[j] * x[j]
-                    a3 += q3[j] * x[j]
-                sc[i, r], sc[i + 1, r], sc[i + 2, r], sc[i + 3, r] = a0, a1, a2, a3
-        for i in range(Q):
-            own, shared = thr[i], bar[i]
-            for r in range(m):
-                v = sc[i, r]
-                # > own: ties at the own cut lose to the earlier rows kept; ≥ shared: a tie with another
-                # block's cut may still be needed (keeps the result independent of thread timing)
-                if v > own and v >= shared:
-                    c = cnt[i]
-                    cs[i, c] = v
-                    cr[i, c] = t + r
-                    cnt[i] = c + 1
-                    if c + 1 == cap:
-                        own = _keep_top(cs[i], cr[i], cap, kb)
-                        thr[i] = own
-                        cnt[i] = kb
-                        if publish and own > bar[i]:   # racy max: any published cut is a valid bound
-                            bar[i] = own
+    _block_pass(keys, qp, Q, s, e, kb, publish, bar, spec, cs, cr, cnt, thr, ahead)
+    again = False
+    for i in range(Q):
+        if cnt[i] < kb and spec[i] > -np.inf:          # the guess was too high: rows below it may count
+            again = True
+            spec[i] = -np.inf
+            cnt[i] = 0
+            thr[i] = -np.inf
+        else:
+            spec[i] = np.inf                          # settled: take nothing more
+    if again:
+        _block_pass(keys, qp, Q, s, e, kb, publish, bar, spec, cs, cr, cnt, thr, ahead)
     for i in range(Q):
         n = cnt[i]
         if n > kb:
@@ -137,19 +224,20 @@ def _block_topk(keys, q, s, e, k, bar, ids_out, sc_out):
             sc_out[i, o] = -np.inf
 
 
-@jit
-def _scan_share(keys, q, task_h, task_s, task_e, first, step, k, bar, ids_out, sc_out):
-    """One worker's share of the tasks: tasks first, first + step, ... (one call per pool thread).
+@pjit
+def _scan_par(keys, q, task_h, task_s, task_e, workers, k, bar, ids_out, sc_out, ahead):
+    """Every task, split over `workers` numba threads: worker w takes tasks w, w + workers, ...
 
     Args:
         keys: (Hkv, N, D) uint16 bits; q: (Hkv, Q, D) float32.
-        task_h, task_s, task_e: (T,) int64 head and rows [s, e) of each task.
-        first, step: this worker's tasks; k: results per query.
-        bar: (Hkv, Q) float32 shared cuts; ids_out, sc_out: (T, Q, kb) per-task candidates.
+        task_h, task_s, task_e: (T,) int64 head and rows [s, e) of each task, head-major.
+        workers: threads; k: results per query; bar: (Hkv, Q) float32 shared cuts;
+        ids_out, sc_out: (T, Q, kb) per-task candidates; ahead: rows prefetched ahead.
     """
-    for t in range(first, task_h.shape[0], step):
-        h = task_h[t]
-        _block_topk(keys[h], q[h], task_s[t], task_e[t], k, bar[h], ids_out[t], sc_out[t])
+    for w in prange(workers):
+        for t in range(w, task_h.shape[0], workers):
+            h = task_h[t]
+            _block_topk(keys[h], q[h], task_s[t], task_e[t], k, bar[h], ids_out[t], sc_out[t], ahead)
 
 
 @jit
@@ -184,30 +272,38 @@ def _merge_head(ids_in, sc_in, bar, k, ids_out, sc_out):
             sc_out[i, o] = 0.0
 
 
+@pjit
+def _merge_par(ids_in, sc_in, bar, k, ids_out, sc_out):
+    """`_merge_head` of every head in parallel: ids_in, sc_in (Hkv, B, Q, kb); bar (Hkv, Q); outs (Hkv, Q, k)."""
+    for h in prange(ids_in.shape[0]):
+        _merge_head(ids_in[h], sc_in[h], bar[h], k, ids_out[h], sc_out[h])
+
+
 def warm_up() -> None:
     """Compile the kernels now (seconds on a first run without numba's disk cache), not inside a step."""
     keys = torch.zeros((1, 4, 2), dtype=torch.bfloat16)
-    search(keys, torch.zeros((1, 1, 2)), 1, 0, 4, None, block=2)
+    search(keys, torch.zeros((1, 1, 2)), 1, 0, 4, 1, block=2)
 
 
 def task_block(m: int, hkv: int, workers: int) -> int:
     """Keys per task so that each worker gets about TASKS_PER_WORKER tasks of equal size.
 
     Args:
-        m: searchable keys per head; hkv: KV heads; workers: pool threads.
+        m: searchable keys per head; hkv: KV heads; workers: threads.
     """
     chunks = max(1, -(-workers * TASKS_PER_WORKER // hkv))          # tasks per head
     return max(MIN_BLOCK, -(-m // chunks))
 
 
-def search(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, pool, block: int | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact top-k of every query over keys[:, lo:hi], (head, block) tasks in parallel on `pool`.
+def search(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, threads: int = 1,
+           block: int | None = None, ahead: int = AHEAD) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-k of every query over keys[:, lo:hi], (head, block) tasks in parallel on numba's threads.
 
     Args:
         keys: (Hkv, N, D) bf16 keys (KEY_DTYPES), e.g. a memory map; q: (Hkv, Q, D) float32 queries.
         k: results per query; lo, hi: the searchable rows [lo, hi).
-        pool: a `threads.HeadPool` (None: run on this thread); block: keys per task (None: `task_block`).
+        threads: numba threads to use; block: keys per task (None: `task_block`).
+        ahead: rows prefetched ahead of the dot products (a tuning knob: docs/BENCHMARKS.md run 18).
     Returns:
         ids (Hkv, Q, k) int64 positions in [lo, hi) (−1 in empty slots: only where k > hi − lo), scores
         (Hkv, Q, k) float32 exact q·k (0 in empty slots); in no particular order within a query.
@@ -219,31 +315,22 @@ def search(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, pool, 
     scores = torch.zeros((hkv, Q, k), dtype=torch.float32)
     if hi <= lo or k <= 0:
         return ids, scores
-    workers = pool.threads if pool is not None else 1
-    block = block or task_block(hi - lo, hkv, workers)
+    threads = max(1, threads)
+    block = block or task_block(hi - lo, hkv, threads)
     starts = np.arange(lo, hi, block, dtype=np.int64)
     nb = len(starts)
     kb = min(k, block, hi - lo)
     task_h = np.repeat(np.arange(hkv, dtype=np.int64), nb)          # (T,) head-major: a head's blocks in order
     task_s = np.tile(starts, hkv)
     task_e = np.minimum(task_s + block, hi)
-    keys_np = bits(keys)                                             # (Hkv, N, D) bits, no copy
     q_np = q.contiguous().numpy()
     bar = np.full((hkv, Q), -np.inf, dtype=np.float32)               # (Hkv, Q) shared cuts
     cand_i = np.empty((hkv * nb, Q, kb), dtype=np.int64)             # (T, Q, kb)
     cand_s = np.empty((hkv * nb, Q, kb), dtype=np.float32)
-    workers = min(workers, len(task_h))
-    args = (keys_np, q_np, task_h, task_s, task_e)
-    if workers > 1:
-        pool.map(lambda w: _scan_share(*args, w, workers, k, bar, cand_i, cand_s), range(workers))
-    else:
-        _scan_share(*args, 0, 1, k, bar, cand_i, cand_s)
-    ids_np, sc_np = ids.numpy(), scores.numpy()
-    cand_i, cand_s = cand_i.reshape(hkv, nb, Q, kb), cand_s.reshape(hkv, nb, Q, kb)
-    merge = (lambda h: _merge_head(cand_i[h], cand_s[h], bar[h], k, ids_np[h], sc_np[h]))
-    if pool is not None and pool.threads > 1 and hkv > 1:
-        pool.map(merge, range(hkv))
-    else:
-        for h in range(hkv):
-            merge(h)
+    workers = min(threads, len(task_h))
+    compiled.set_threads(workers)
+    _scan_par(bits(keys), q_np, task_h, task_s, task_e, workers, k, bar, cand_i, cand_s, ahead)
+    compiled.set_threads(min(threads, hkv))
+    _merge_par(cand_i.reshape(hkv, nb, Q, kb), cand_s.reshape(hkv, nb, Q, kb), bar, k, ids.numpy(),
+               scores.numpy())
     return ids, scores
