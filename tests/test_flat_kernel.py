@@ -7,7 +7,7 @@ import torch
 
 from topk_decode.bench.synthetic import kv_in_memory, synthetic_kv
 from topk_decode.errors import TopkError
-from topk_decode.index import compiled as compiled_paths, flat_kernel
+from topk_decode.index import bf16_dot, compiled as compiled_paths, flat_kernel
 from topk_decode.index.base import exact_scores
 from topk_decode.index.flat import FlatStrategy
 
@@ -18,6 +18,16 @@ pytest.importorskip("numba")
 def threads():
     """Two worker threads, as the strategy would use on this machine."""
     return 2
+
+
+_NO_BF16 = pytest.mark.skipif(not bf16_dot.available(64), reason="no AVX512-BF16 here (or numba targets another CPU)")
+# Both ways of scoring: the keys widened to fp32 (any query), the hardware bf16 dot product (bf16 queries)
+DOTS = ["fp32", pytest.param("bf16", marks=_NO_BF16)]
+
+
+def _for(dot: str, q: torch.Tensor) -> torch.Tensor:
+    """The queries the `dot` path is for: bf16-exact ones for "bf16" (as the decoder's), any for "fp32"."""
+    return q.bfloat16().float() if dot == "bf16" else q
 
 
 def _keys_and_queries(hkv: int, n: int, d: int, q: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,9 +70,11 @@ def _assert_exact_topk(ids: torch.Tensor, sc: torch.Tensor, keys: torch.Tensor, 
     (64, 32, 8, 1, 2999, 512),      # a prompt chunk's worth of queries
     (128, 5, 700, 700, 1500, 100),  # a narrow range in the middle
 ])
-def test_search_returns_the_exact_topk_across_block_boundaries(threads, d, Q, k, lo, hi, block):
+@pytest.mark.parametrize("dot", DOTS)
+def test_search_returns_the_exact_topk_across_block_boundaries(threads, d, Q, k, lo, hi, block, dot):
     keys, q = _keys_and_queries(2, 3000, d, Q, seed=d + Q + k)
-    ids, sc = flat_kernel.search(keys, q, k, lo, hi, threads, block=block)
+    q = _for(dot, q)
+    ids, sc = flat_kernel.search(keys, q, k, lo, hi, threads, block=block, dot=dot)
     _assert_exact_topk(ids, sc, keys, q, k, lo, hi)
 
 
@@ -80,14 +92,15 @@ def test_empty_range_returns_only_empty_slots(threads):
     assert (ids == -1).all() and (sc == 0).all() and ids.shape == (2, 4, 5)
 
 
-def test_ties_at_the_kth_score_go_to_the_lowest_positions_whatever_the_threads_and_blocks(threads):
+@pytest.mark.parametrize("dot", DOTS)
+def test_ties_at_the_kth_score_go_to_the_lowest_positions_whatever_the_threads_and_blocks(threads, dot):
     hkv, n, d = 2, 2000, 64
     keys = torch.ones(hkv, n, d, dtype=torch.bfloat16)          # every key scores the same...
     keys[:, 1500:1510] = 2.0                                    # ...but ten, which score higher for q = 1
     q = torch.ones(hkv, 3, d)
     want = set(range(1500, 1510)) | set(range(10, 40))          # lo = 10: the 30 lowest tied positions
     for p, block in ((threads, 16), (threads, 64), (threads, 1000), (1, 300), (threads, None)):
-        ids, sc = flat_kernel.search(keys, q, 40, 10, 1990, p, block=block)
+        ids, sc = flat_kernel.search(keys, q, 40, 10, 1990, p, block=block, dot=dot)
         for h in range(hkv):
             for i in range(3):
                 assert set(ids[h, i].tolist()) == want
@@ -111,10 +124,12 @@ def _sampled_block_is_used(keys: torch.Tensor, q: torch.Tensor, k: int, s: int, 
     (7, 300, 5, 11990, 6000),      # two blocks, a padded query group
     (4, 2048, 0, 12000, None),     # k large against the block: no sample, the running cut alone
 ])
-def test_sampled_cut_keeps_the_exact_topk(Q, k, lo, hi, block):
+@pytest.mark.parametrize("dot", DOTS)
+def test_sampled_cut_keeps_the_exact_topk(Q, k, lo, hi, block, dot):
     keys, q = _keys_and_queries(2, 12000, 64, Q, seed=Q + k)
+    q = _for(dot, q)
     assert _sampled_block_is_used(keys, q, k, lo, hi) == (k < 2000)
-    ids, sc = flat_kernel.search(keys, q, k, lo, hi, 1, block=block)
+    ids, sc = flat_kernel.search(keys, q, k, lo, hi, 1, block=block, dot=dot)
     _assert_exact_topk(ids, sc, keys, q, k, lo, hi)
 
 
@@ -159,6 +174,31 @@ def test_numba_backend_selects_what_the_torch_backend_selects_from_a_memory_mapp
         assert torch.equal(everything.ids, plain.select(0, q, hi - lo).ids)
     finally:
         compiled.close()
+
+
+@_NO_BF16
+@pytest.mark.parametrize("d,Q", [(128, 4), (64, 7), (96, 1)])
+def test_bf16_dot_products_select_and_score_what_the_fp32_path_does(threads, d, Q):
+    keys, q = _keys_and_queries(3, 5000, d, Q, seed=d * Q)
+    q = q.bfloat16().float()
+    assert flat_kernel.bf16_dot_applies(keys, q)
+    a_ids, a_sc = flat_kernel.search(keys, q, 100, 2, 4990, threads, dot="fp32")
+    b_ids, b_sc = flat_kernel.search(keys, q, 100, 2, 4990, threads)          # auto: bf16 here
+    assert torch.equal(a_ids.sort(-1).values, b_ids.sort(-1).values)
+    torch.testing.assert_close(a_sc.sort(-1).values, b_sc.sort(-1).values, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_dot_products_apply_only_to_bf16_exact_queries_and_rows_of_whole_registers(monkeypatch):
+    keys, q = _keys_and_queries(1, 100, 64, 4, seed=1)
+    assert not flat_kernel.bf16_dot_applies(keys, q)                           # q: fp32 bits below bf16's
+    assert not bf16_dot.available(48)                                          # 48 is no multiple of 32
+    monkeypatch.setenv("TOPK_NO_BF16_DOT", "1")                                # the switch for A/B runs
+    assert not bf16_dot.available(64)
+    monkeypatch.delenv("TOPK_NO_BF16_DOT")
+    import numba
+
+    monkeypatch.setattr(numba.config, "CPU_NAME", "generic")                   # numba built for another CPU
+    assert not bf16_dot.available(64)
 
 
 def test_numba_backend_takes_fp32_queries_not_representable_in_bf16():

@@ -21,7 +21,7 @@ except ImportError:  # pragma: no cover - exercised where numba is absent
     numba = None
 
 # Reassociation lets the dot products use SIMD lanes; no "ninf"/"nnan": −inf marks rows, slots, clusters.
-_FASTMATH = {"reassoc", "contract"}
+FASTMATH = {"reassoc", "contract"}
 # What the compiled paths read: bf16 (what GPU prefills write). fp32/fp16 caches take the torch paths.
 KEY_DTYPES = (torch.bfloat16,)
 
@@ -34,7 +34,7 @@ def available() -> bool:
 def jit(fn):
     """fn compiled by numba on first call (nogil: tasks run in parallel threads; cached on disk), or fn
     itself without numba."""
-    return numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)(fn) if numba is not None else fn
+    return numba.njit(nogil=True, cache=True, fastmath=FASTMATH)(fn) if numba is not None else fn
 
 
 def pjit(fn):
@@ -44,7 +44,7 @@ def pjit(fn):
     about as much as a head's work (docs/BENCHMARKS.md run 14). Outside its `prange` loops, numba also turns
     every array expression (np.zeros, a.sum(), a - b) into a parallel region of its own: write those as loops
     or in `jit` helpers (docs/BENCHMARKS.md run 16)."""
-    return numba.njit(nogil=True, cache=True, fastmath=_FASTMATH, parallel=True)(fn) if numba is not None else fn
+    return numba.njit(nogil=True, cache=True, fastmath=FASTMATH, parallel=True)(fn) if numba is not None else fn
 
 
 prange = numba.prange if numba is not None else range

@@ -90,7 +90,7 @@ class FlatStrategy(SelectionStrategy):
         if self.backend == "numba":
             from topk_decode.index import flat_kernel
 
-            flat_kernel.warm_up()   # compile (or load numba's disk cache) at open, not inside the first step
+            flat_kernel.warm_up(self.ckv.head_dim)   # compile (or load numba's disk cache) at open, not inside the first step
         if self.backend != "faiss" or self.n_searchable == 0:
             return
         L, H = self.ckv.n_layers, self.ckv.n_kv_heads

@@ -3,9 +3,10 @@
 The torch backend scores all keys in bf16 with one batched matmul, then selects candidates and
 rescores them in fp32 (flat.py `_half_scan`): several passes over (Hkv, Q, N) score buffers, and a
 matmul whose CPU kernel reads the keys well below the DRAM bandwidth when Q is 4-7 rows. Here each
-task (one KV head × one contiguous block of keys) reads its block once: each bf16 row is widened
-exactly to fp32 inside the dot products with all of the head's queries (exact fp32 scores, four
-queries at a time), and kept only when it reaches the query's cut, so almost every key costs one
+task (one KV head × one contiguous block of keys) reads its block once: each bf16 row is dotted with
+all of the head's queries, four at a time, with fp32 sums (`_dot4`: AVX512-BF16 dot products for
+bf16-exact queries where the CPU has them, bf16_dot.py, else the row widened exactly to fp32), and
+kept only when it reaches the query's cut, so almost every key costs one
 compare after its dot products. The cut is the highest of three: the task's own k-th best so far; a
 cut that another block of the same head has published (`bar`), both lower bounds of the final k-th
 score; and a guess from a strided sample of the block (`_sample_cut`), which is checked afterwards:
@@ -26,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from topk_decode.index import compiled
+from topk_decode.index import bf16_dot, compiled
 from topk_decode.index.compiled import bf16_float, bits, jit, pjit, prange, prefetch_row
 
 # Tasks per pool worker when the block size is left to `search`: few, long tasks keep each running
@@ -76,8 +77,8 @@ def _keep_top(cs, cr, n, kb):
 
 
 @jit
-def _dot4(keys, t, q, i):
-    """Exact fp32 dot products of bf16 row t of keys (uint16 bits) with queries i .. i+3 of q (Qp, D).
+def _dot4_f32(keys, t, q, i):
+    """Exact fp32 dot products of bf16 row t of keys (uint16 bits) with float32 queries i .. i+3 of q (Qp, D).
 
     Indexes the 2-D arrays directly: a row view (keys[t]) would touch the array's shared reference count on
     every call, an atomic that all the threads scanning one layer contend for."""
@@ -92,6 +93,26 @@ def _dot4(keys, t, q, i):
         a2 += q[i + 2, j] * x
         a3 += q[i + 3, j] * x
     return a0, a1, a2, a3
+
+
+def _dot4(keys, t, q, i):
+    """Row t of keys (uint16 bf16 bits) · queries i .. i+3 of q (Qp, D): four float32 scores.
+
+    q float32: `_dot4_f32` (the keys widened, FMAs). q uint16 (bf16 bits of bf16-exact queries, `search`
+    passes them where `bf16_dot.available`): the hardware bf16 dot product, the same scores up to the order
+    of the fp32 sums (bf16_dot.py)."""
+    return _dot4_f32(keys, t, q, i)   # without numba (the numba backend is refused there anyway)
+
+
+if compiled.numba is not None:
+    from numba import types as _types
+    from numba.extending import overload as _overload
+
+    @_overload(_dot4, jit_options={"nogil": True, "fastmath": compiled.FASTMATH})
+    def _dot4_typed(keys, t, q, i):
+        if q.dtype == _types.uint16:
+            return lambda keys, t, q, i: bf16_dot.dot4_bf16(keys, t, q, i)
+        return lambda keys, t, q, i: _dot4_f32(keys, t, q, i)
 
 
 @jit
@@ -186,7 +207,7 @@ def _block_topk(keys, q, s, e, k, bar, ids_out, sc_out, ahead):
     kb = ids_out.shape[1]
     publish = kb >= k                       # a cut of k candidates bounds the final k-th score
     qp_n = (Q + _QGROUP - 1) // _QGROUP * _QGROUP
-    qp = np.zeros((qp_n, d), dtype=np.float32)        # (Qp, D) zero rows pad the last group
+    qp = np.zeros((qp_n, d), dtype=q.dtype)           # (Qp, D) zero rows pad the last group (float32 or bf16 bits)
     for i in range(Q):
         for j in range(d):
             qp[i, j] = q[i, j]
@@ -279,10 +300,22 @@ def _merge_par(ids_in, sc_in, bar, k, ids_out, sc_out):
         _merge_head(ids_in[h], sc_in[h], bar[h], k, ids_out[h], sc_out[h])
 
 
-def warm_up() -> None:
-    """Compile the kernels now (seconds on a first run without numba's disk cache), not inside a step."""
-    keys = torch.zeros((1, 4, 2), dtype=torch.bfloat16)
-    search(keys, torch.zeros((1, 1, 2)), 1, 0, 4, 1, block=2)
+def warm_up(head_dim: int = 2) -> None:
+    """Compile the kernels now (seconds on a first run without numba's disk cache), not inside a step:
+    the fp32 path, and the bf16 one where it is available for rows of `head_dim`."""
+    for d in {2, head_dim}:
+        keys = torch.zeros((1, 4, d), dtype=torch.bfloat16)
+        search(keys, torch.zeros((1, 1, d)), 1, 0, 4, 1, block=2, dot="fp32")
+        if bf16_dot.available(d):
+            search(keys, torch.zeros((1, 1, d)), 1, 0, 4, 1, block=2, dot="bf16")
+
+
+def bf16_dot_applies(keys: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether `search` scores these (Hkv, N, D) keys and (Hkv, Q, D) float32 queries with the hardware bf16
+    dot product: it is available here, the key rows are contiguous and every query is bf16-exact (the
+    decoder's are)."""
+    return (bf16_dot.available(q.shape[-1]) and keys.stride(-1) == 1
+            and torch.equal(q.to(torch.bfloat16).float(), q))
 
 
 def task_block(m: int, hkv: int, workers: int) -> int:
@@ -296,7 +329,7 @@ def task_block(m: int, hkv: int, workers: int) -> int:
 
 
 def search(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, threads: int = 1,
-           block: int | None = None, ahead: int = AHEAD) -> tuple[torch.Tensor, torch.Tensor]:
+           block: int | None = None, ahead: int = AHEAD, dot: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-k of every query over keys[:, lo:hi], (head, block) tasks in parallel on numba's threads.
 
     Args:
@@ -304,6 +337,9 @@ def search(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, thread
         k: results per query; lo, hi: the searchable rows [lo, hi).
         threads: numba threads to use; block: keys per task (None: `task_block`).
         ahead: rows prefetched ahead of the dot products (a tuning knob: docs/BENCHMARKS.md run 18).
+        dot: "bf16" scores with the hardware bf16 dot product (bf16_dot.py; the queries are rounded to bf16),
+            "fp32" widens the keys and runs FMAs; "auto": bf16 where `bf16_dot_applies` (the same scores as
+            fp32 up to summation order), else fp32.
     Returns:
         ids (Hkv, Q, k) int64 positions in [lo, hi) (−1 in empty slots: only where k > hi − lo), scores
         (Hkv, Q, k) float32 exact q·k (0 in empty slots); in no particular order within a query.
@@ -323,7 +359,9 @@ def search(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, thread
     task_h = np.repeat(np.arange(hkv, dtype=np.int64), nb)          # (T,) head-major: a head's blocks in order
     task_s = np.tile(starts, hkv)
     task_e = np.minimum(task_s + block, hi)
-    q_np = q.contiguous().numpy()
+    if dot == "auto":
+        dot = "bf16" if bf16_dot_applies(keys, q) else "fp32"
+    q_np = bits(q.to(torch.bfloat16).contiguous()) if dot == "bf16" else q.contiguous().numpy()
     bar = np.full((hkv, Q), -np.inf, dtype=np.float32)               # (Hkv, Q) shared cuts
     cand_i = np.empty((hkv * nb, Q, kb), dtype=np.int64)             # (T, Q, kb)
     cand_s = np.empty((hkv * nb, Q, kb), dtype=np.float32)
