@@ -158,7 +158,8 @@ def main() -> None:
             gbs = key_bytes / ms / 1e6
             # the same top-k as the torch backend's (ties aside): share of equal id sets over heads × queries
             same = [torch.equal(sel.ids.sort(-1).values, ids.sort(-1).values) for sel, ids in zip(sels, exact)]
-            emit({"what": "flat", "backend": backend, "scan": opts.get("scan"), "ms_per_layer": round(ms, 2),
+            emit({"what": "flat", "backend": backend, "scan": opts.get("scan"), "dot": _numba_dot(backend, ckv, qs[0]),
+                  "ms_per_layer": round(ms, 2),
                   "key_gb_s": round(gbs, 1), "pct_of_dram": pct(gbs), "dram_gb_s": dram,
                   "same_ids_as_torch": round(sum(same) / len(same), 3)})
     if "variants" not in a.skip:
@@ -231,9 +232,19 @@ def main() -> None:
                    "ms_per_layer": round(ms / a.layers, 3)}
             if name.startswith("flat"):   # flat reads every key of every layer
                 gbs = key_bytes * a.layers / ms / 1e6
-                row.update(key_gb_s=round(gbs, 1), pct_of_dram=pct(gbs))
+                row.update(key_gb_s=round(gbs, 1), pct_of_dram=pct(gbs),
+                           dot=_numba_dot(name.removeprefix("flat_"), ckv, qs[0]))
             emit(row)
             del strat
+
+def _numba_dot(backend: str, ckv, q: torch.Tensor) -> str | None:
+    """How flat's numba backend scores here ("bf16": hardware dot products, "fp32"), None for other backends."""
+    if backend != "numba":
+        return None
+    from topk_decode.index import flat_kernel
+
+    return "bf16" if flat_kernel.bf16_dot_applies(ckv.keys[0], q) else "fp32"
+
 
 if __name__ == "__main__":
     main()
