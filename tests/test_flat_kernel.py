@@ -7,7 +7,7 @@ import torch
 
 from topk_decode.bench.synthetic import kv_in_memory, synthetic_kv
 from topk_decode.errors import TopkError
-from topk_decode.index import bf16_dot, compiled as compiled_paths, flat_kernel
+from topk_decode.index import compiled as compiled_paths, dots, flat_kernel
 from topk_decode.index.base import exact_scores
 from topk_decode.index.flat import FlatStrategy
 
@@ -20,7 +20,7 @@ def threads():
     return 2
 
 
-_NO_BF16 = pytest.mark.skipif(not bf16_dot.available(64), reason="no AVX512-BF16 here (or numba targets another CPU)")
+_NO_BF16 = pytest.mark.skipif(not dots.bf16_available(64), reason="no AVX512-BF16 here (or numba targets another CPU)")
 # Both ways of scoring: the keys widened to fp32 (any query), the hardware bf16 dot product (bf16 queries)
 DOTS = ["fp32", pytest.param("bf16", marks=_NO_BF16)]
 
@@ -191,14 +191,14 @@ def test_bf16_dot_products_select_and_score_what_the_fp32_path_does(threads, d, 
 def test_bf16_dot_products_apply_only_to_bf16_exact_queries_and_rows_of_whole_registers(monkeypatch):
     keys, q = _keys_and_queries(1, 100, 64, 4, seed=1)
     assert not flat_kernel.bf16_dot_applies(keys, q)                           # q: fp32 bits below bf16's
-    assert not bf16_dot.available(48)                                          # 48 is no multiple of 32
+    assert not dots.bf16_available(48)                                          # 48 is no multiple of 32
     monkeypatch.setenv("TOPK_NO_BF16_DOT", "1")                                # the switch for A/B runs
-    assert not bf16_dot.available(64)
+    assert not dots.bf16_available(64)
     monkeypatch.delenv("TOPK_NO_BF16_DOT")
     import numba
 
     monkeypatch.setattr(numba.config, "CPU_NAME", "generic")                   # numba built for another CPU
-    assert not bf16_dot.available(64)
+    assert not dots.bf16_available(64)
 
 
 def test_numba_backend_takes_fp32_queries_not_representable_in_bf16():

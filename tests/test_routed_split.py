@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from test_routed import _open, _queries, clustered_cache  # noqa: F401 - fixture
-from topk_decode.index import routed_compiled
+from topk_decode.index import dots, routed_compiled
 
 pytest.importorskip("numba")
 
@@ -110,3 +110,49 @@ def test_bf16_rounding_matches_torch_on_ties_infinities_nan_and_subnormals():
     nan = np.isnan(x)
     np.testing.assert_array_equal(out[~nan], want[~nan])
     assert np.isnan(torch.from_numpy(out[nan].view(np.int16)).view(torch.bfloat16).float().numpy()).all()
+
+
+@pytest.fixture(scope="module")
+def wide_cache(tmp_path_factory):
+    """1 layer × 2 KV heads × 2000 bf16 keys of D = 64 (whole 32-element registers) around 30 centres."""
+    from topk_decode.store.cache_dir import CacheWriter
+
+    out = tmp_path_factory.mktemp("wide") / "cache"
+    gen = torch.Generator().manual_seed(4)
+    n, hkv, d = 2000, 2, 64
+    centres = 4 * torch.randn(hkv, 30, d, generator=gen)
+    which = torch.randint(0, 30, (hkv, n), generator=gen)
+    keys = centres.gather(1, which[..., None].expand(hkv, n, d)) + 0.3 * torch.randn(hkv, n, d, generator=gen)
+    w = CacheWriter(out)
+    w.write_layer(0, keys.bfloat16(), torch.randn(hkv, n, d, generator=gen).bfloat16())
+    w.write_tokens(list(range(n)))
+    w.commit({"model": {"path": "none", "fingerprint": "none"}, "kv_dtype": "bfloat16", "n_tokens": n,
+              "shape": {"n_layers": 1, "n_heads": 14, "n_kv_heads": hkv, "head_dim": d}, "documents": []})
+    return out
+
+
+@pytest.mark.skipif(not dots.bf16_available(64), reason="no AVX512-BF16 here (or numba targets another CPU)")
+@pytest.mark.parametrize("Q", [4, 7])
+def test_split_scan_with_bf16_dot_products_selects_and_attends_as_the_fp32_scan(wide_cache, Q):
+    strat = _open(wide_cache, "routed", {"cluster_size": 32, "probe_fraction": 0.1, "kernel": "numba",
+                                         "device_route": "true"})
+    try:
+        k = 50
+        routes = strat.device_routes(CPU, [k])
+        q = _queries(q=Q, d=64, seed=Q)                                    # bf16-exact, as the decoder's
+        routes.route(0, q)
+        order, take = routes.host_route(0)
+        scratch: dict = {}
+        got, o, mz = _layer(routed_compiled.split_layer, strat, 0, q, order, take, k, 3, scratch)
+        assert scratch["qb"].dtype == np.uint16                            # the bf16 path ran
+        ref, o_ref, mz_ref = _layer(routed_compiled.scan_layer, strat, 0, q, order, take, k, 2)   # fp32 dots
+        assert got.read == ref.read
+        for h in range(2):
+            for i in range(Q):
+                a, b = got.scores[h, i].sort().values, ref.scores[h, i].sort().values
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+                assert set(got.ids[h, i].tolist()) == set(ref.ids[h, i].tolist())  # no near-tie at k here
+        np.testing.assert_allclose(o, o_ref, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(mz, mz_ref, rtol=1e-4, atol=1e-4)
+    finally:
+        strat.close()

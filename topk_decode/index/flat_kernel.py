@@ -5,7 +5,7 @@ rescores them in fp32 (flat.py `_half_scan`): several passes over (Hkv, Q, N) sc
 matmul whose CPU kernel reads the keys well below the DRAM bandwidth when Q is 4-7 rows. Here each
 task (one KV head × one contiguous block of keys) reads its block once: each bf16 row is dotted with
 all of the head's queries, four at a time, with fp32 sums (`_dot4`: AVX512-BF16 dot products for
-bf16-exact queries where the CPU has them, bf16_dot.py, else the row widened exactly to fp32), and
+bf16-exact queries where the CPU has them, else the row widened exactly to fp32; dots.py), and
 kept only when it reaches the query's cut, so almost every key costs one
 compare after its dot products. The cut is the highest of three: the task's own k-th best so far; a
 cut that another block of the same head has published (`bar`), both lower bounds of the final k-th
@@ -27,15 +27,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from topk_decode.index import bf16_dot, compiled
-from topk_decode.index.compiled import bf16_float, bits, jit, pjit, prange, prefetch_row
+from topk_decode.index import compiled, dots
+from topk_decode.index.compiled import bits, jit, pjit, prange, prefetch_row
+from topk_decode.index.dots import GROUP as _QGROUP, dot4 as _dot4
 
 # Tasks per pool worker when the block size is left to `search`: few, long tasks keep each running
 # threshold close to the final k-th score (fewer insertions and compactions, fewer candidates to
 # merge); two rather than one so that a worker delayed by other work does not hold up the whole layer.
 TASKS_PER_WORKER = 2
 MIN_BLOCK = 1 << 12   # keys per task at least (1 MiB at D=128): smaller tasks only add setup and merging
-_QGROUP = 4    # queries dotted together: each widened element is loaded once for four FMAs
 _CHUNK = 64    # rows scored before their scores are compared (a (Qp, 64) fp32 buffer: L1); and between two
                # reads of the other blocks' published cuts
 # Rows prefetched ahead of the dot products: the hardware prefetcher alone left a task's reads and its
@@ -74,45 +74,6 @@ def _keep_top(cs, cr, n, kb):
             cr[o] = cr[x]
             o += 1
     return cut
-
-
-@jit
-def _dot4_f32(keys, t, q, i):
-    """Exact fp32 dot products of bf16 row t of keys (uint16 bits) with float32 queries i .. i+3 of q (Qp, D).
-
-    Indexes the 2-D arrays directly: a row view (keys[t]) would touch the array's shared reference count on
-    every call, an atomic that all the threads scanning one layer contend for."""
-    a0 = np.float32(0.0)
-    a1 = np.float32(0.0)
-    a2 = np.float32(0.0)
-    a3 = np.float32(0.0)
-    for j in range(keys.shape[1]):
-        x = bf16_float(keys[t, j])            # bf16 → fp32 is exact; vectorizes with the FMAs
-        a0 += q[i, j] * x
-        a1 += q[i + 1, j] * x
-        a2 += q[i + 2, j] * x
-        a3 += q[i + 3, j] * x
-    return a0, a1, a2, a3
-
-
-def _dot4(keys, t, q, i):
-    """Row t of keys (uint16 bf16 bits) · queries i .. i+3 of q (Qp, D): four float32 scores.
-
-    q float32: `_dot4_f32` (the keys widened, FMAs). q uint16 (bf16 bits of bf16-exact queries, `search`
-    passes them where `bf16_dot.available`): the hardware bf16 dot product, the same scores up to the order
-    of the fp32 sums (bf16_dot.py)."""
-    return _dot4_f32(keys, t, q, i)   # without numba (the numba backend is refused there anyway)
-
-
-if compiled.numba is not None:
-    from numba import types as _types
-    from numba.extending import overload as _overload
-
-    @_overload(_dot4, jit_options={"nogil": True, "fastmath": compiled.FASTMATH})
-    def _dot4_typed(keys, t, q, i):
-        if q.dtype == _types.uint16:
-            return lambda keys, t, q, i: bf16_dot.dot4_bf16(keys, t, q, i)
-        return lambda keys, t, q, i: _dot4_f32(keys, t, q, i)
 
 
 @jit
@@ -306,7 +267,7 @@ def warm_up(head_dim: int = 2) -> None:
     for d in {2, head_dim}:
         keys = torch.zeros((1, 4, d), dtype=torch.bfloat16)
         search(keys, torch.zeros((1, 1, d)), 1, 0, 4, 1, block=2, dot="fp32")
-        if bf16_dot.available(d):
+        if dots.bf16_available(d):
             search(keys, torch.zeros((1, 1, d)), 1, 0, 4, 1, block=2, dot="bf16")
 
 
@@ -314,7 +275,7 @@ def bf16_dot_applies(keys: torch.Tensor, q: torch.Tensor) -> bool:
     """Whether `search` scores these (Hkv, N, D) keys and (Hkv, Q, D) float32 queries with the hardware bf16
     dot product: it is available here, the key rows are contiguous and every query is bf16-exact (the
     decoder's are)."""
-    return (bf16_dot.available(q.shape[-1]) and keys.stride(-1) == 1
+    return (dots.bf16_available(q.shape[-1]) and keys.stride(-1) == 1
             and torch.equal(q.to(torch.bfloat16).float(), q))
 
 
@@ -337,7 +298,7 @@ def search(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, thread
         k: results per query; lo, hi: the searchable rows [lo, hi).
         threads: numba threads to use; block: keys per task (None: `task_block`).
         ahead: rows prefetched ahead of the dot products (a tuning knob: docs/BENCHMARKS.md run 18).
-        dot: "bf16" scores with the hardware bf16 dot product (bf16_dot.py; the queries are rounded to bf16),
+        dot: "bf16" scores with the hardware bf16 dot product (dots.py; the queries are rounded to bf16),
             "fp32" widens the keys and runs FMAs; "auto": bf16 where `bf16_dot_applies` (the same scores as
             fp32 up to summation order), else fp32.
     Returns:

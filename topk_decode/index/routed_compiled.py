@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from topk_decode.index import compiled
+from topk_decode.index.dots import GROUP, bf16_available
 from topk_decode.index.routed_cpu_route import search_layer_par
 from topk_decode.index.routed_kernel import scan_layer_par
 from topk_decode.index.routed_split import (TALLY, SplitScratch, new_scratch,  # noqa: F401 - new_scratch re-exported
@@ -214,13 +215,18 @@ def split_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take:
     tally = reused_buffer(scratch, "tally", (TALLY,), np.int64)
     if o_bf16 is None:
         o_bf16 = reused_buffer(scratch, "no_bf16", (0, Q, d), np.uint16)
+    qp = (Q + GROUP - 1) // GROUP * GROUP
+    qf = reused_buffer(scratch, "qf", (hkv, qp, d), np.float32)
+    # bf16 bits where the CPU scores with bf16 dot products (dots.py); a float32 buffer tells the kernel it cannot
+    bf16 = bf16_available(d) and arrays.keys.strides[2] == 2
+    qb = reused_buffer(scratch, "qb" if bf16 else "qf_b", (hkv, qp, d), np.uint16 if bf16 else np.float32)
     compiled.set_threads(threads)
     for _ in range(2):
         c_in = compiled.now()
         buf: SplitScratch | None = scratch.get("split")
         if buf is None or buf.part.shape[:2] != (threads, hkv) or buf.scores.shape[1] != Q:
             buf = scratch["split"] = new_scratch(hkv, Q, d, 0, threads)
-        split_layer_par(arrays.keys, arrays.pos, arrays.offsets, order.numpy(), take.numpy(), qn, k,
+        split_layer_par(arrays.keys, arrays.pos, arrays.offsets, order.numpy(), take.numpy(), qn, qf, qb, k,
                         np.float32(scale), vals, arrays.values_by_row, threads, *buf, ids, scores, o, o_bf16, mz,
                         tally)
         c_out = compiled.now()

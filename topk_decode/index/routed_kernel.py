@@ -27,6 +27,7 @@ import math
 import numpy as np
 
 from topk_decode.index.compiled import cycles, jit, pjit, prange, prefetch_row
+from topk_decode.index.dots import GROUP, dot4, pad_queries
 from topk_decode.index.kernel_topk import top_k_rows
 
 @jit
@@ -123,19 +124,22 @@ def _scan(keys, pos, rows, qh):
     """Exact fp32 q·k of every row in `rows`: (positions (m,), scores (Q, m), −inf for rows outside the
     searchable range, whose pos is −1)."""
     m = rows.shape[0]
-    scores = np.empty((qh.shape[0], m), dtype=np.float32)
+    Q, d = qh.shape
+    scores = np.empty((Q, m), dtype=np.float32)
     rpos = np.empty(m, dtype=np.int64)
-    _scan_range(keys, pos, rows, 0, m, qh, rpos, scores)
+    qf = np.empty(((Q + GROUP - 1) // GROUP * GROUP, d), dtype=np.float32)   # (Qp, D) padded queries
+    pad_queries(qh, qf, qf)
+    _scan_range(keys, pos, rows, 0, m, qf, qf, False, rpos, scores)
     return rpos, scores
 
 
 @jit
-def _scan_range(keys, pos, rows, r0, r1, qh, rpos, scores):
-    """`_scan` of rows[r0:r1] into rpos[r0:r1] and scores[:, r0:r1]."""
-    Q, d = qh.shape
-    widened = np.empty(d, dtype=np.uint32)
-    kf = widened.view(np.float32)
-    dots = np.empty(Q, dtype=np.float32)
+def _scan_range(keys, pos, rows, r0, r1, qf, qb, use_b, rpos, scores):
+    """`_scan` of rows[r0:r1] into rpos[r0:r1] and scores[:, r0:r1] (Q = scores.shape[0] queries).
+
+    qf: (Qp, D) float32 queries padded to groups of GROUP (`dots.pad_queries`); qb: the same as bf16 bits,
+    used instead where `use_b` (the hardware bf16 dot product, dots.py; same scores up to summation order)."""
+    Q = scores.shape[0]
     for r in range(r0, min(r0 + _AHEAD, r1)):
         prefetch_row(keys, rows[r])
     for r in range(r0, r1):
@@ -148,11 +152,19 @@ def _scan_range(keys, pos, rows, r0, r1, qh, rpos, scores):
         if pos[row] < 0:
             for i in range(Q):
                 scores[i, r] = -np.inf
-        else:
-            _widen(keys[row], widened)
-            _dot_queries(qh, kf, dots)
-            for i in range(Q):
-                scores[i, r] = dots[i]
+            continue
+        for i in range(0, Q, GROUP):
+            if use_b:
+                a0, a1, a2, a3 = dot4(keys, row, qb, i)
+            else:
+                a0, a1, a2, a3 = dot4(keys, row, qf, i)
+            scores[i, r] = a0
+            if i + 1 < Q:
+                scores[i + 1, r] = a1
+            if i + 2 < Q:
+                scores[i + 2, r] = a2
+            if i + 3 < Q:
+                scores[i + 3, r] = a3
 
 
 @jit

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 from topk_decode.index.compiled import cycles, jit, pjit, prange
+from topk_decode.index.dots import pad_queries
 from topk_decode.index.kernel_topk import top_k_one
 from topk_decode.index.routed_kernel import (_cluster_rows_into, _count_rows, _hit_rows, _round_bf16, _scan_range,
                                              _slot_weights, _sum_values)
@@ -66,6 +67,14 @@ def _pieces(counts, pieces):
 
 
 @jit
+def _pad_heads(q, qf, qb, use_b):
+    """`dots.pad_queries` of every head (serial: see split_layer_par): use_b[h] = whether qb[h] holds head h's
+    queries exactly."""
+    for h in range(q.shape[0]):
+        use_b[h] = pad_queries(q[h], qf[h], qb[h])
+
+
+@jit
 def _tally_reads(starts, read, tally):
     """From each head's row counts per cluster range (starts[h, j + 1], j < J): starts[h, j] = the first row of
     range j, read[h] = the head's rows; tally[0], tally[1] = the rows of all heads, the most in one head
@@ -102,10 +111,11 @@ TALLY = 12
 
 
 @pjit
-def split_layer_par(keys, pos, offsets, order, take, q, k, scale, vals, values_by_row, pieces, rows, rpos,
-                    sc, w, part, ids, scores, o, o16, mz, tally):
+def split_layer_par(keys, pos, offsets, order, take, q, qf, qb, k, scale, vals, values_by_row, pieces, rows,
+                    rpos, sc, w, part, ids, scores, o, o16, mz, tally):
     """One device-routed layer (arguments as `scan_layer_par`, plus the `SplitScratch` buffers) in `pieces`
-    equal pieces per round. The buffers must hold every head's rows: when some head needs more than they hold
+    equal pieces per round. qf, qb: (Hkv, Qp, D) buffers for the queries padded to groups of four, as float32
+    and as bf16 bits (uint16 where the CPU has the bf16 dot product, else float32 and unused; dots.py). The buffers must hold every head's rows: when some head needs more than they hold
     (tally[1] says how many), nothing else is written and the caller retries with larger ones. tally (TALLY,)
     int64 receives the call's counts and times, reduced here so that the Python side does no array work.
     o16: (Hkv, Q, D) uint16 receives o rounded to bf16 as well (the decoder's part buffer: no conversion on
@@ -118,6 +128,8 @@ def split_layer_par(keys, pos, offsets, order, take, q, k, scale, vals, values_b
     read, filled, clock = np.empty(hkv, np.int64), np.empty((hkv, Q), np.int64), np.empty((pieces, 2), np.int64)
     phases = tally[6:]
     phases[0] = cycles()
+    use_b = np.empty(hkv, np.bool_)
+    _pad_heads(q, qf, qb, use_b)
     # the rows round: with fewer KV heads than threads (Qwen2.5-7B: 4 heads of ~10,000 chosen clusters at 1M),
     # each head's clusters in J ranges, counted, then listed once every range's first row is known (a second
     # parallel region); with one range per head it starts at row 0, so the counting task lists it too
@@ -143,7 +155,7 @@ def split_layer_par(keys, pos, offsets, order, take, q, k, scale, vals, values_b
         for h in range(hkv):
             r0, r1 = seg[p, h, 0], seg[p, h, 1]
             if r1 > r0:
-                _scan_range(keys[h], pos[h], rows[h], r0, r1, q[h], rpos[h], sc[h])
+                _scan_range(keys[h], pos[h], rows[h], r0, r1, qf[h], qb[h], use_b[h], rpos[h], sc[h])
     phases[2] = cycles()
     ms, zs = np.empty((hkv, Q), np.float32), np.empty((hkv, Q), np.float32)
     K = ids.shape[2]

@@ -1,37 +1,50 @@
-"""bf16 dot products in hardware (AVX512-BF16 `vdpbf16ps`) for flat's numba scan (flat_kernel.py).
+"""The dot products of the compiled scans (flat_kernel.py, routed's split scan): one bf16 key row against
+four queries, `dot4`, in one of two ways chosen by the queries' dtype.
 
-The fp32 path widens every bf16 key element to fp32 and runs one FMA per element and query: on the
-16-core GPU host that arithmetic, not DRAM, bounds the scan (docs/BENCHMARKS.md run 18). `vdpbf16ps`
-multiplies 32 bf16 pairs and adds them into 16 fp32 lanes in one instruction, with no widening.
+- float32 queries: the key row widened exactly to fp32 inside the loop, one FMA per element and query.
+- uint16 queries (bf16 bits): AVX512-BF16's `vdpbf16ps`, which multiplies 32 bf16 pairs and adds them
+  into 16 fp32 lanes in one instruction, with no widening. On the 16-core GPU host the fp32 arithmetic,
+  not DRAM, bounds flat's scan (docs/BENCHMARKS.md run 18); this removes most of it (run 19).
 
 Same scores as the fp32 path where the query is bf16-exact (the decoder's queries are: the model computes
 them in bf16): a product of two bf16 values is exact in fp32, and the sums are fp32 additions, as there;
 only their order differs (~1e-6 relative), as between any two fp32 kernels. One difference: the
 instruction treats bf16 denormals (|x| < 1.2e-38) as zero, which moves a score by less than D · 2^-126.
 
-Usable only where numba compiles for a CPU that has the instruction: `available()` checks the host's
+Usable only where numba compiles for a CPU that has the instruction: `bf16_available` checks the host's
 features and that numba's target is the host itself (a `NUMBA_CPU_NAME` of another CPU could lack it, and
 LLVM would abort the process on an instruction its target lacks, not raise).
 """
 
 from __future__ import annotations
 
+import functools
 import os
+
+import numpy as np
 
 from topk_decode.index import compiled
 
-_LANES = 32   # bf16 elements per 512-bit register: D must be a multiple
+_LANES = 32    # bf16 elements per 512-bit register: D must be a multiple
+GROUP = 4      # queries per `dot4` call: each key element is loaded once for four products
 
 
-def available(head_dim: int) -> bool:
-    """Whether `dot4_bf16` can run here for rows of `head_dim` elements."""
+def bf16_available(head_dim: int) -> bool:
+    """Whether `dot4` can take bf16 queries here, for rows of `head_dim` elements."""
     if compiled.numba is None or head_dim % _LANES or os.environ.get("TOPK_NO_BF16_DOT"):
         return False
     import numba
-    import llvmlite.binding as llvm
 
     if numba.config.CPU_NAME not in (None, "host") or numba.config.CPU_FEATURES:
         return False
+    return _host_has_bf16()
+
+
+@functools.lru_cache(maxsize=1)
+def _host_has_bf16() -> bool:
+    """Whether this CPU has AVX512-BF16 (asked once: the query costs more than a layer's Python side)."""
+    import llvmlite.binding as llvm
+
     features = llvm.get_host_cpu_features()
     return bool(features.get("avx512bf16") and features.get("avx512f"))
 
@@ -59,9 +72,9 @@ if compiled.numba is not None:
         return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
 
     @intrinsic
-    def dot4_bf16(typingctx, keys, t, q, i):
+    def _dot4_bf16(typingctx, keys, t, q, i):
         """(row t of keys) · (rows i .. i+3 of q), four float32: keys (N, D) and q (Qp, D) bf16 bits (uint16,
-        rows contiguous), D a multiple of 32. Only where `available(D)`."""
+        rows contiguous), D a multiple of 32. Only where `bf16_available(D)`."""
         if not (isinstance(keys, types.Array) and isinstance(q, types.Array)
                 and keys.dtype == types.uint16 and q.dtype == types.uint16):
             return None
@@ -91,3 +104,62 @@ if compiled.numba is not None:
             return context.make_tuple(builder, signature.return_type, sums)
 
         return sig, codegen
+
+
+@compiled.jit
+def dot4_f32(keys, t, q, i):
+    """Row t of keys (uint16 bf16 bits) · float32 queries i .. i+3 of q (Qp, D), the row widened exactly.
+
+    Indexes the 2-D arrays directly: a row view (keys[t]) would touch the array's shared reference count on
+    every call, an atomic that all the threads of a scan contend for."""
+    a0 = np.float32(0.0)
+    a1 = np.float32(0.0)
+    a2 = np.float32(0.0)
+    a3 = np.float32(0.0)
+    for j in range(keys.shape[1]):
+        x = compiled.bf16_float(keys[t, j])   # bf16 → fp32 is exact; vectorizes with the FMAs
+        a0 += q[i, j] * x
+        a1 += q[i + 1, j] * x
+        a2 += q[i + 2, j] * x
+        a3 += q[i + 3, j] * x
+    return a0, a1, a2, a3
+
+
+def dot4(keys, t, q, i):
+    """Row t of keys (N, D) uint16 bf16 bits · queries i .. i+3 of q (Qp, D): four float32 scores.
+
+    q float32: `dot4_f32`. q uint16 (the bf16 bits of bf16-exact queries, only where `bf16_available`):
+    `vdpbf16ps`, the same scores up to the order of the fp32 sums."""
+    return dot4_f32(keys, t, q, i)   # without numba
+
+
+@compiled.jit
+def pad_queries(q, qf, qb):
+    """qf (Qp, D) float32 = q (Q, D) float32 padded with zero rows to whole groups of GROUP; qb (Qp, D) the
+    same as bf16 bits where qb is uint16 (a float32 qb, which may be qf itself, is not written). Returns
+    whether qb holds them exactly (qb uint16 and every query bf16-exact): then `dot4` over qb gives qf's
+    scores up to summation order."""
+    for i in range(qf.shape[0]):
+        for j in range(qf.shape[1]):
+            qf[i, j] = q[i, j] if i < q.shape[0] else np.float32(0.0)
+    if qb.itemsize != 2:               # float32 qb (no bf16 path here, or qb is qf itself): left as it is
+        return False
+    exact = True
+    bits = qf.view(np.uint32)
+    for i in range(qf.shape[0]):
+        for j in range(qf.shape[1]):
+            b = bits[i, j]
+            if b & np.uint32(0xFFFF):
+                exact = False
+            qb[i, j] = b >> np.uint32(16)
+    return exact
+
+
+if compiled.numba is not None:
+    from numba.extending import overload as _overload
+
+    @_overload(dot4, jit_options={"nogil": True, "fastmath": compiled.FASTMATH})
+    def _dot4_typed(keys, t, q, i):
+        if q.dtype == types.uint16:
+            return lambda keys, t, q, i: _dot4_bf16(keys, t, q, i)
+        return lambda keys, t, q, i: dot4_f32(keys, t, q, i)
