@@ -1,5 +1,5 @@
 """flat's numba scan with its two ways of scoring, alternately in one process: the keys widened to fp32
-with FMAs (`dot="fp32"`) against the hardware bf16 dot product (`dot="bf16"`, index/bf16_dot.py), ms per
+with FMAs (`dot="fp32"`) against the hardware bf16 dot product (`dot="bf16"`, index/dots.py), ms per
 layer of `flat_kernel.search` over cold layers (synthetic keys, Llama-3-8B shape by default). Figures:
 docs/BENCHMARKS.md run 19.
 
@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's package, not an installed one
 from topk_decode.bench.synthetic import synthetic_kv  # noqa: E402
-from topk_decode.index import bf16_dot, flat_kernel  # noqa: E402
+from topk_decode.index import dots, flat_kernel  # noqa: E402
 
 
 def main() -> None:
@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
     D = 128
-    if not bf16_dot.available(D):
+    if not dots.bf16_available(D):
         sys.exit("no AVX512-BF16 here (or numba targets another CPU): nothing to compare")
     ckv = synthetic_kv(a.layers, a.kv_heads, D, a.n, torch.bfloat16, 0)
     gen = torch.Generator().manual_seed(1)

@@ -6,7 +6,7 @@ with 0, 16 and 48 rows prefetched ahead. What a scan that scores every key exact
 here. Figures: docs/BENCHMARKS.md run 18.
 
 Both ways of scoring (`--dot`): the keys widened to fp32 with FMAs, and the hardware bf16 dot product
-(index/bf16_dot.py) where the CPU has it.
+(index/dots.py) where the CPU has it.
 
 Usage: python scripts/flat_dot_floor.py [--threads 16] [--layers 8] [--n 131072] [--dot fp32 bf16]
 """
@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's package, not an installed one
 import numba  # noqa: E402
-from topk_decode.index import bf16_dot, flat_kernel  # noqa: E402
+from topk_decode.index import dots, flat_kernel  # noqa: E402
 from topk_decode.index.compiled import bits, jit, pjit, prange, prefetch_row  # noqa: E402
 
 
@@ -62,7 +62,7 @@ def main() -> None:
     a = ap.parse_args()
     numba.set_num_threads(a.threads)
     for dot in a.dot:
-        if dot == "bf16" and not bf16_dot.available(128):
+        if dot == "bf16" and not dots.bf16_available(128):
             print(json.dumps({"dot": dot, "skipped": "no AVX512-BF16 here"}))
             continue
         _floor(a, dot)
