@@ -14,6 +14,9 @@
 #   bash scripts/device_bench.sh team      # what an empty parallel round of numba's team costs (team_overhead.py)
 #   bash scripts/device_bench.sh route     # the device routing of one layer as a captured graph (route_gpu_speed.py),
                                          # Llama-3-8B at 128K and Qwen2.5-7B at 1M
+#   bash scripts/device_bench.sh dots_scan  # flat's numba scan with bf16 dot products (index/dots.py) against torch and
+#                                          # the DRAM floor, fp32 dots beside it, the randn/synthetic harness probe
+#   bash scripts/device_bench.sh dots_bench # routed tok/s at 128K and 1M with bf16 dots, then with fp32 dots
 #   bash scripts/device_bench.sh fused     # routed's compiled path (search + context part in one kernel) vs its torch
 #                                          # path: the CPU side alone over 32 layers (step_cpu.py), then tok/s at 32K/128K
 #                                          # (needs numba: pip install the carried numba + llvmlite wheels first)
@@ -68,6 +71,27 @@ fi
 if [ "$phase" = routed1m ]; then
   bench qwen2.5-7b 1048576 routed 8 "strategy_options={'probe_fraction': 0.02, 'store_values': False}" \
       2>&1 | tee "$OUT/log_routed_qwen7b.txt"; snap
+fi
+if [ "$phase" = dots_scan ]; then   # docs/BENCHMARKS.md run 19's open questions, on the GPU host
+  S="$PY scripts/scan_bandwidth.py --k 1024 --skip variants routed routed_layers --reps 5"
+  $S --n 131072 --kv-heads 8 --group 4 --flat-backends torch numba --layers 32 --out "$OUT/dots_scan.jsonl" \
+      2>&1 | tee "$OUT/log_dots_scan.txt"; snap
+  TOPK_NO_BF16_DOT=1 $S --n 131072 --kv-heads 8 --group 4 --flat-backends numba --layers 32 \
+      --out "$OUT/dots_scan_fp32.jsonl" 2>&1 | tee -a "$OUT/log_dots_scan.txt"; snap
+  $S --n 1048576 --kv-heads 4 --group 7 --flat-backends torch numba --out "$OUT/dots_scan.jsonl" \
+      2>&1 | tee -a "$OUT/log_dots_scan.txt"; snap
+  $PY scripts/flat_dot_floor.py --threads 16 2>&1 | tee "$OUT/dots_floor.jsonl"; snap
+  $PY scripts/flat_dot_ab.py --threads 16 --layers 32 2>&1 | tee "$OUT/dots_ab.jsonl"; snap
+  $PY scripts/flat_harness_probe.py --layers 16 2>&1 | tee "$OUT/dots_harness.jsonl"; snap
+fi
+if [ "$phase" = dots_bench ]; then
+  for dot in bf16 fp32; do
+    env $([ $dot = fp32 ] && echo TOPK_NO_BF16_DOT=1) $PY -m topk_decode bench --model llama-3-8b --context 128K \
+        --gpu-memory "$budget" --k 1024 --steps 16 --strategy routed --systems topk --no-offload-prefill \
+        --out "$OUT/dots_$dot" 2>&1 | tee "$OUT/log_dots_$dot.txt"; snap
+  done
+  bench qwen2.5-7b 1048576 routed 12 "strategy_options={'probe_fraction': 0.02, 'store_values': False}" \
+      2>&1 | tee "$OUT/log_dots_qwen7b_1m.txt"; snap
 fi
 if [ "$phase" = fused ]; then
   $PY scripts/step_cpu.py --n 131072 --layers 32 --configs flat routed:kernel=torch routed:kernel=numba \
