@@ -76,12 +76,10 @@ if [ "$phase" = dots_scan ]; then   # docs/BENCHMARKS.md run 19's open questions
   S="$PY scripts/scan_bandwidth.py --k 1024 --skip variants routed routed_layers --reps 5"
   $S --n 131072 --kv-heads 8 --group 4 --flat-backends torch numba --layers 32 --out "$OUT/dots_scan.jsonl" \
       2>&1 | tee "$OUT/log_dots_scan.txt"; snap
-  TOPK_NO_BF16_DOT=1 $S --n 131072 --kv-heads 8 --group 4 --flat-backends numba --layers 32 \
-      --out "$OUT/dots_scan_fp32.jsonl" 2>&1 | tee -a "$OUT/log_dots_scan.txt"; snap
   $S --n 1048576 --kv-heads 4 --group 7 --flat-backends torch numba --out "$OUT/dots_scan.jsonl" \
       2>&1 | tee -a "$OUT/log_dots_scan.txt"; snap
   $PY scripts/flat_dot_floor.py --threads 16 2>&1 | tee "$OUT/dots_floor.jsonl"; snap
-  $PY scripts/flat_dot_ab.py --threads 16 --layers 32 2>&1 | tee "$OUT/dots_ab.jsonl"; snap
+  $PY scripts/flat_dot_ab.py --threads 16 --layers 16 2>&1 | tee "$OUT/dots_ab.jsonl"; snap   # fp32 vs bf16 dots
   $PY scripts/flat_harness_probe.py --layers 16 2>&1 | tee "$OUT/dots_harness.jsonl"; snap
 fi
 if [ "$phase" = dots_bench ]; then
