@@ -168,7 +168,9 @@ def _block_topk(keys, q, s, e, k, bar, ids_out, sc_out, ahead):
     kb = ids_out.shape[1]
     publish = kb >= k                       # a cut of k candidates bounds the final k-th score
     qp_n = (Q + _QGROUP - 1) // _QGROUP * _QGROUP
-    qp = np.zeros((qp_n, d), dtype=q.dtype)           # (Qp, D) zero rows pad the last group (float32 or bf16 bits)
+    # (Qp, D) the task's own copy, zero rows padding the last group (float32 or bf16 bits): a padded array
+    # shared by all tasks, made once in `search`, scanned slower on the dev box (fp32 and bf16 alike)
+    qp = np.zeros((qp_n, d), dtype=q.dtype)
     for i in range(Q):
         for j in range(d):
             qp[i, j] = q[i, j]
@@ -264,11 +266,10 @@ def _merge_par(ids_in, sc_in, bar, k, ids_out, sc_out):
 def warm_up(head_dim: int = 2) -> None:
     """Compile the kernels now (seconds on a first run without numba's disk cache), not inside a step:
     the fp32 path, and the bf16 one where it is available for rows of `head_dim`."""
-    for d in {2, head_dim}:
-        keys = torch.zeros((1, 4, d), dtype=torch.bfloat16)
-        search(keys, torch.zeros((1, 1, d)), 1, 0, 4, 1, block=2, dot="fp32")
-        if dots.bf16_available(d):
-            search(keys, torch.zeros((1, 1, d)), 1, 0, 4, 1, block=2, dot="bf16")
+    search(torch.zeros((1, 4, 2), dtype=torch.bfloat16), torch.zeros((1, 1, 2)), 1, 0, 4, 1, block=2, dot="fp32")
+    if dots.bf16_available(head_dim):   # the fp32 path's types do not depend on D; the bf16 one needs D % 32 == 0
+        keys = torch.zeros((1, 4, head_dim), dtype=torch.bfloat16)
+        search(keys, torch.zeros((1, 1, head_dim)), 1, 0, 4, 1, block=2, dot="bf16")
 
 
 def bf16_dot_applies(keys: torch.Tensor, q: torch.Tensor) -> bool:
