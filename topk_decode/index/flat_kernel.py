@@ -169,7 +169,7 @@ def _block_topk(keys, q, s, e, k, bar, ids_out, sc_out, ahead):
     publish = kb >= k                       # a cut of k candidates bounds the final k-th score
     qp_n = (Q + _QGROUP - 1) // _QGROUP * _QGROUP
     # (Qp, D) the task's own copy, zero rows padding the last group (float32 or bf16 bits): a padded array
-    # shared by all tasks, made once in `search`, scanned slower on the dev box (fp32 and bf16 alike)
+    # shared by all tasks, made once in `search`, scanned slower (docs/BENCHMARKS.md run 19)
     qp = np.zeros((qp_n, d), dtype=q.dtype)
     for i in range(Q):
         for j in range(d):
