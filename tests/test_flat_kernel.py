@@ -7,7 +7,7 @@ import torch
 
 from topk_decode.bench.synthetic import kv_in_memory, synthetic_kv
 from topk_decode.errors import TopkError
-from topk_decode.index import compiled as compiled_paths, dots, flat_kernel
+from topk_decode.index import compiled as compiled_paths, dots, flat_kernel, flat_sample
 from topk_decode.index.base import exact_scores
 from topk_decode.index.flat import FlatStrategy
 
@@ -108,15 +108,9 @@ def test_ties_at_the_kth_score_go_to_the_lowest_positions_whatever_the_threads_a
 
 
 def _sampled_block_is_used(keys: torch.Tensor, q: torch.Tensor, k: int, s: int, e: int) -> bool:
-    """Whether `_block_topk` guesses a cut from a sample for this block (else it starts from −inf)."""
-    import numpy as np
-
-    Q = q.shape[1]
-    qp = np.zeros((-(-Q // 4) * 4, q.shape[2]), dtype=np.float32)   # queries padded to whole groups of four
-    qp[:Q] = q[0].numpy()
-    spec = np.empty(Q, dtype=np.float32)
-    flat_kernel._sample_cut(compiled_paths.bits(keys[0]), qp, Q, s, e, k, spec)
-    return bool((spec > -np.inf).all())
+    """Whether `search` guesses each head's cut from a sample here (else every block starts from −inf)."""
+    spec = flat_sample.head_cuts(compiled_paths.bits(keys), q.contiguous().numpy(), s, e, k, 1)
+    return bool((spec > float("-inf")).all())
 
 
 @pytest.mark.parametrize("Q,k,lo,hi,block", [
@@ -142,6 +136,20 @@ def test_a_sample_that_guesses_too_high_falls_back_to_the_exact_topk():
     keys = keys.bfloat16()
     assert _sampled_block_is_used(keys, q, k, 0, n)
     ids, sc = flat_kernel.search(keys, q, k, 0, n, 1)
+    _assert_exact_topk(ids, sc, keys, q, k, 0, n)
+
+
+@pytest.mark.parametrize("dot", DOTS)
+def test_only_the_head_whose_guess_was_too_high_is_scanned_again_and_all_stay_exact(threads, dot):
+    hkv, n, d, k = 3, 8192, 64, 256
+    gen = torch.Generator().manual_seed(6)
+    keys = torch.randn(hkv, n, d, generator=gen) * 0.1
+    keys[1, ::8] += 1.0            # head 1 only: its sampled rows score high, its guess lets ~64 rows through
+    keys[2, 6000:6300] += 1.0      # head 2: its best rows all in the last of its four blocks
+    q = _for(dot, torch.ones(hkv, 3, d) + 0.1 * torch.randn(hkv, 3, d, generator=gen))
+    keys = keys.bfloat16()
+    assert _sampled_block_is_used(keys, q, k, 0, n)
+    ids, sc = flat_kernel.search(keys, q, k, 0, n, threads, block=2048, dot=dot)
     _assert_exact_topk(ids, sc, keys, q, k, 0, n)
 
 
@@ -223,3 +231,4 @@ def test_bad_backend_values_raise_one_line_topk_errors(monkeypatch):
     with pytest.raises(TopkError, match="needs numba") as err:
         FlatStrategy(ckv, 0, 100, {"backend": "numba"}).prepare()
     assert "\n" not in str(err.value)
+

@@ -1,20 +1,25 @@
-"""flat's exact scan as compiled functions (numba): `flat --opt backend=numba`.
+"""flat's exact scan as compiled functions (numba): `flat --opt backend=numba`, and `auto`'s choice for long
+bf16 contexts (flat.py).
 
 The torch backend scores all keys in bf16 with one batched matmul, then selects candidates and
 rescores them in fp32 (flat.py `_half_scan`): several passes over (Hkv, Q, N) score buffers, and a
 matmul whose CPU kernel reads the keys well below the DRAM bandwidth when Q is 4-7 rows. Here each
 task (one KV head × one contiguous block of keys) reads its block once: each bf16 row is dotted with
 all of the head's queries, four at a time, with fp32 sums (`_dot4`: AVX512-BF16 dot products for
-bf16-exact queries where the CPU has them, else the row widened exactly to fp32; dots.py), and
-kept only when it reaches the query's cut, so almost every key costs one
-compare after its dot products. The cut is the highest of three: the task's own k-th best so far; a
-cut that another block of the same head has published (`bar`), both lower bounds of the final k-th
-score; and a guess from a strided sample of the block (`_sample_cut`), which is checked afterwards:
-a query whose guess let fewer than k rows through is scanned again without it. Rows are prefetched
-ahead of the dot products, so that reading the next rows overlaps the arithmetic. A second pass
-merges each (head, query)'s block candidates into the exact top-k. Both passes run as one numba
-parallel call each (`prange` over the workers, then over the heads): a Python thread pool's start
-alone cost ~2 ms per layer on the 16-core host (docs/BENCHMARKS.md run 18).
+bf16-exact queries where the CPU has them, else the row widened exactly to fp32; dots.py), and its
+scores are compared with the queries' cuts at once (`_score_hits`): almost every key costs its dot
+products, four compares and a branch that is rarely taken.
+
+The cuts. Before the scan, a strided sample of each head's whole range guesses the score that about 2·k
+of the head's rows reach (flat_sample.py, one per query); a block keeps only rows at or above it, about
+2·k/B of its rows for B blocks, instead of the kb·(1 + ln(m/kb)) that a running cut lets in from −inf.
+A guess is not a bound: `search` checks that at least k of the head's rows got through and scans that
+head again without it where not (exact either way). Each task also keeps its own k-th best so far and
+reads a cut that the head's other blocks publish (`bar`), both lower bounds of the final k-th score.
+Rows are prefetched ahead of the dot products, so that reading the next rows overlaps the arithmetic. A
+last pass merges each (head, query)'s block candidates into the exact top-k. Each pass is one numba
+parallel call (`prange`): a Python thread pool's start alone cost ~2 ms per layer on the 16-core host
+(docs/BENCHMARKS.md run 18); this layout is run 20's.
 
 Result: the top k by (exact fp32 score descending, position ascending): ties at the k-th score go to
 the lower positions, independent of thread timing. The k ids are returned in no particular order.
@@ -30,24 +35,17 @@ import torch
 from topk_decode.index import compiled, dots
 from topk_decode.index.compiled import bits, jit, pjit, prange, prefetch_row
 from topk_decode.index.dots import GROUP as _QGROUP, dot4 as _dot4
+from topk_decode.index.flat_sample import SURVIVORS_PER_K, head_cuts
 
 # Tasks per pool worker when the block size is left to `search`: few, long tasks keep each running
 # threshold close to the final k-th score (fewer insertions and compactions, fewer candidates to
 # merge); two rather than one so that a worker delayed by other work does not hold up the whole layer.
 TASKS_PER_WORKER = 2
 MIN_BLOCK = 1 << 12   # keys per task at least (1 MiB at D=128): smaller tasks only add setup and merging
-_CHUNK = 64    # rows scored before their scores are compared (a (Qp, 64) fp32 buffer: L1); and between two
-               # reads of the other blocks' published cuts
+_CHUNK = 64    # rows scored between two refreshes of the cuts (the other blocks' published ones)
 # Rows prefetched ahead of the dot products: the hardware prefetcher alone left a task's reads and its
 # arithmetic one after the other (docs/BENCHMARKS.md run 18).
 AHEAD = 16
-# The sample's cut is its _SAMPLE_RANK-th largest score, with the stride that aims it at _SURVIVORS_PER_K·kb
-# rows of the block. Two, not one: a guess that lets fewer than kb rows through costs a second pass (a
-# 4-sigma miss at rank 64 on a random order). No sample where it would be over 1/_MIN_STRIDE of the rows.
-_SAMPLE_RANK = 64
-_SURVIVORS_PER_K = 2
-_MIN_STRIDE = 8
-_SAMPLE_AHEAD = 8   # sample rows prefetched ahead
 
 
 @jit
@@ -77,40 +75,50 @@ def _keep_top(cs, cr, n, kb):
 
 
 @jit
-def _sample_cut(keys, qp, Q, s, e, kb, spec):
-    """spec[:Q] = a cut that about _SURVIVORS_PER_K·kb of rows [s, e) reach: the _SAMPLE_RANK-th largest score
-    of an evenly strided sample of the rows.
+def _score_hits(keys, qp, t0, t1, ahead, e, cutv, sc, rows):
+    """The rows of [t0, t1) that reach some query's cut: their positions into rows[:nh] and their scores
+    into sc[j·Qp : (j + 1)·Qp] for the j-th of them; returns nh. Row t + ahead (if below e) is prefetched
+    while row t is scored.
 
-    A guess, not a bound: `_block_topk` rescans a query whose guess let fewer than kb rows through. −inf
-    where the sample would be too large a share of the block to pay (small blocks, small k: few insertions
-    there anyway).
+    Each row's scores are compared with cutv (Qp,) as soon as they exist: almost every row costs its dot
+    products, the compares and one well-predicted branch. Scores are written to the next free slot whether
+    or not the row is kept (cheaper than a branch around the stores). One group of queries (G ≤ 4, e.g.
+    Llama-3-8B) has its own loop with the cuts in registers: the general one's index arithmetic and loop
+    over groups cost about half as much as the dot products on the dev box (docs/BENCHMARKS.md run 20).
     """
-    spec[:] = -np.inf
-    rank = min(_SAMPLE_RANK, kb)
-    stride = _SURVIVORS_PER_K * kb // rank
-    ns = (e - s) // stride
-    if stride < _MIN_STRIDE or ns < 4 * rank:
-        return
-    sc = np.empty((qp.shape[0], ns), dtype=np.float32)   # (Qp, ns) the sample's scores
-    for r in range(ns):
-        if r + _SAMPLE_AHEAD < ns:                    # rows far apart: no hardware prefetcher follows them
-            prefetch_row(keys, s + (r + _SAMPLE_AHEAD) * stride)
-        for i in range(0, qp.shape[0], _QGROUP):
-            sc[i, r], sc[i + 1, r], sc[i + 2, r], sc[i + 3, r] = _dot4(keys, s + r * stride, qp, i)
-    for i in range(Q):
-        spec[i] = np.partition(sc[i], ns - rank)[ns - rank]   # the rank-th largest of the sample
-
-
-@jit
-def _score_rows(keys, qp, t0, t1, ahead, e, sc):
-    """sc[:, r] = exact fp32 scores of row t0 + r against every (padded) query, rows [t0, t1); row t + ahead
-    (if below e) is prefetched while row t is scored."""
+    qn = qp.shape[0]
+    nh = 0
+    if qn == _QGROUP:
+        c0, c1, c2, c3 = cutv[0], cutv[1], cutv[2], cutv[3]
+        for t in range(t0, t1):
+            if t + ahead < e:
+                prefetch_row(keys, t + ahead)
+            a0, a1, a2, a3 = _dot4(keys, t, qp, 0)
+            o = nh * _QGROUP
+            sc[o] = a0
+            sc[o + 1] = a1
+            sc[o + 2] = a2
+            sc[o + 3] = a3
+            if (a0 >= c0) | (a1 >= c1) | (a2 >= c2) | (a3 >= c3):
+                rows[nh] = t
+                nh += 1
+        return nh
     for t in range(t0, t1):
         if t + ahead < e:
             prefetch_row(keys, t + ahead)
-        r = t - t0
-        for i in range(0, qp.shape[0], _QGROUP):
-            sc[i, r], sc[i + 1, r], sc[i + 2, r], sc[i + 3, r] = _dot4(keys, t, qp, i)
+        hit = False
+        o = nh * qn
+        for i in range(0, qn, _QGROUP):
+            a0, a1, a2, a3 = _dot4(keys, t, qp, i)
+            sc[o + i] = a0
+            sc[o + i + 1] = a1
+            sc[o + i + 2] = a2
+            sc[o + i + 3] = a3
+            hit |= (a0 >= cutv[i]) | (a1 >= cutv[i + 1]) | (a2 >= cutv[i + 2]) | (a3 >= cutv[i + 3])
+        if hit:
+            rows[nh] = t
+            nh += 1
+    return nh
 
 
 @jit
@@ -119,80 +127,89 @@ def _block_pass(keys, qp, Q, s, e, kb, publish, bar, spec, cs, cr, cnt, thr, ahe
     cut (thr), reaches the head's published cut (bar) and the sample's guess (spec). Lists compact to their
     top kb when full.
 
-    Chunks of _CHUNK rows: first every score of the chunk (a tight loop of dot products, `_score_rows`),
-    then one compare per score against the query's combined cut; the rare score that reaches it is looked at
-    again. Kept apart, both loops compile tight (one loop doing both ran ~1.5× the dot products alone).
+    Chunks of _CHUNK rows: `_score_hits` scores every row and keeps the few that reach some query's combined
+    cut; only those are looked at per query. The combined cuts are refreshed once a chunk (the other blocks'
+    published cuts); within a chunk they only rise, which the per-query test below applies exactly.
     """
-    sc = np.empty((qp.shape[0], _CHUNK), dtype=np.float32)   # (Qp, CHUNK) one chunk's scores
+    qn = qp.shape[0]
+    cap = cs.shape[1] - 1                           # the last column: where a row not kept is written
+    sc = np.empty(_CHUNK * qn, dtype=np.float32)    # (CHUNK·Qp,) the kept rows' scores, row-major
+    rows = np.empty(_CHUNK, dtype=np.int64)
+    cutv = np.full(qn, np.inf, dtype=np.float32)   # (Qp,) combined cuts; +inf for the padding queries
     for t0 in range(s, e, _CHUNK):
         t1 = min(t0 + _CHUNK, e)
-        _score_rows(keys, qp, t0, t1, ahead, e, sc)
         for u in range(Q):
-            cut = max(thr[u], bar[u], spec[u])        # the other blocks' published cuts, once a chunk
-            for r in range(t1 - t0):
-                v = sc[u, r]
-                # > own: ties at the own cut lose to the earlier rows kept; ≥ shared: a tie with another
-                # block's cut may still be needed (keeps the result independent of thread timing)
-                if v >= cut and v > thr[u] and v >= bar[u] and v >= spec[u]:
-                    n = cnt[u]
-                    cs[u, n] = v
-                    cr[u, n] = t0 + r
-                    cnt[u] = n + 1
-                    if n + 1 == cs.shape[1]:
-                        own = _keep_top(cs[u], cr[u], n + 1, kb)
-                        thr[u] = own
-                        cnt[u] = kb
-                        cut = max(cut, own)
-                        if publish and own > bar[u]:   # racy max: any published cut is a valid bound
-                            bar[u] = own
+            cutv[u] = max(thr[u], bar[u], spec[u])
+        nh = _score_hits(keys, qp, t0, t1, ahead, e, cutv, sc, rows)
+        for j in range(nh):
+            r = rows[j]
+            for u in range(Q):
+                # > own: ties at the own cut lose to the earlier rows kept; ≥ the shared and sampled cuts
+                # (in cutv): a tie with another block's cut may still be needed (keeps the result
+                # independent of thread timing). Written unconditionally, counted only when kept: a
+                # branch here would be mispredicted on most of these rows.
+                v = sc[j * qn + u]
+                n = cnt[u]
+                cs[u, n] = v
+                cr[u, n] = r
+                n += (v >= cutv[u]) & (v > thr[u])
+                cnt[u] = n
+                if n == cap:
+                    own = _keep_top(cs[u], cr[u], n, kb)
+                    thr[u] = own
+                    cnt[u] = kb
+                    cutv[u] = max(cutv[u], own)
+                    if publish and own > bar[u]:   # racy max: any published cut is a valid bound
+                        bar[u] = own
 
 
 @jit
-def _block_topk(keys, q, s, e, k, bar, ids_out, sc_out, ahead):
-    """One task: the exact top-kb of rows [s, e) of one head's keys for each of its queries.
+def _padded_copy(q):
+    """(Qp, D) a copy of the (Q, D) queries, zero rows padding the last group of _QGROUP, 64-byte aligned.
 
-    A strided sample first guesses each query's final cut (`_sample_cut`), so that about 2·kb rows are ever
-    inserted instead of the kb·(1 + ln(m/kb)) a running cut lets in from −inf; a query whose guess
-    let fewer than kb rows through is rescanned without it (exact either way).
+    Aligned: a 512-bit load that straddles two cache lines costs two (16 of them per key). The task's own
+    copy: one padded array shared by all tasks scanned slower (docs/BENCHMARKS.md run 19)."""
+    Q, d = q.shape
+    qn = (Q + _QGROUP - 1) // _QGROUP * _QGROUP
+    pad = 64 // q.itemsize
+    buf = np.zeros(qn * d + pad, dtype=q.dtype)
+    off = ((64 - buf.ctypes.data % 64) % 64) // q.itemsize
+    qp = buf[off:off + qn * d].reshape((qn, d))
+    for i in range(Q):
+        for j in range(d):
+            qp[i, j] = q[i, j]
+    return qp
+
+
+@jit
+def _block_topk(keys, q, s, e, k, bar, spec, ids_out, sc_out, ahead):
+    """One task: the top-kb of rows [s, e) of one head's keys for each of its queries, among the rows that
+    reach the head's sampled cut.
+
+    The cut (flat_sample.py, over the whole head, in `search`) lets about 2·k of the head's rows through,
+    about 2·k/B of each of its B blocks, instead of the kb·(1 + ln(m/kb)) that a running cut lets in from
+    −inf; `search` checks afterwards that at least k of the head's rows got through, and rescans the head
+    without the guess where not (exact either way).
 
     Args:
         keys: (N, D) the head's bf16 keys as their uint16 bits.
-        q: (Q, D) float32 queries; s, e: the block's rows; k: results wanted per query in the end.
+        q: (Q, D) float32 queries (or their bf16 bits); s, e: the block's rows; k: results per query in the end.
         bar: (Q,) float32 cuts published by this head's blocks (−inf: none yet); shared between threads.
+        spec: (Q,) float32 the head's sampled cuts (−inf: none).
         ids_out: (Q, kb) int64 positions out, kb = min(k, block size); sc_out: (Q, kb) float32 scores out.
             Unfilled slots get −1 / −inf.
         ahead: rows prefetched ahead of the one being scored.
     """
-    d = keys.shape[1]
     Q = q.shape[0]
     kb = ids_out.shape[1]
     publish = kb >= k                       # a cut of k candidates bounds the final k-th score
-    qp_n = (Q + _QGROUP - 1) // _QGROUP * _QGROUP
-    # (Qp, D) the task's own copy, zero rows padding the last group (float32 or bf16 bits): a padded array
-    # shared by all tasks, made once in `search`, scanned slower (docs/BENCHMARKS.md run 19)
-    qp = np.zeros((qp_n, d), dtype=q.dtype)
-    for i in range(Q):
-        for j in range(d):
-            qp[i, j] = q[i, j]
-    spec = np.empty(Q, dtype=np.float32)
-    _sample_cut(keys, qp, Q, s, e, kb, spec)
-    cap = (_SURVIVORS_PER_K + 1) * kb + 64            # room to insert before a compaction
-    cs = np.empty((Q, cap), dtype=np.float32)         # (Q, cap) candidate scores
-    cr = np.empty((Q, cap), dtype=np.int64)           # (Q, cap) candidate positions
+    qp = _padded_copy(q)
+    cap = (SURVIVORS_PER_K + 1) * kb + 64            # room to insert before a compaction
+    cs = np.empty((Q, cap + 1), dtype=np.float32)     # (Q, cap + 1) candidate scores, one spare slot
+    cr = np.empty((Q, cap + 1), dtype=np.int64)       # (Q, cap + 1) candidate positions
     cnt = np.zeros(Q, dtype=np.int64)
     thr = np.full(Q, -np.inf, dtype=np.float32)       # each query's own cut: keep only scores above it
     _block_pass(keys, qp, Q, s, e, kb, publish, bar, spec, cs, cr, cnt, thr, ahead)
-    again = False
-    for i in range(Q):
-        if cnt[i] < kb and spec[i] > -np.inf:          # the guess was too high: rows below it may count
-            again = True
-            spec[i] = -np.inf
-            cnt[i] = 0
-            thr[i] = -np.inf
-        else:
-            spec[i] = np.inf                          # settled: take nothing more
-    if again:
-        _block_pass(keys, qp, Q, s, e, kb, publish, bar, spec, cs, cr, cnt, thr, ahead)
     for i in range(Q):
         n = cnt[i]
         if n > kb:
@@ -209,19 +226,41 @@ def _block_topk(keys, q, s, e, k, bar, ids_out, sc_out, ahead):
 
 
 @pjit
-def _scan_par(keys, q, task_h, task_s, task_e, workers, k, bar, ids_out, sc_out, ahead):
+def _scan_par(keys, q, task_h, task_s, task_e, task_o, workers, k, bar, spec, ids_out, sc_out, ahead):
     """Every task, split over `workers` numba threads: worker w takes tasks w, w + workers, ...
 
     Args:
-        keys: (Hkv, N, D) uint16 bits; q: (Hkv, Q, D) float32.
-        task_h, task_s, task_e: (T,) int64 head and rows [s, e) of each task, head-major.
-        workers: threads; k: results per query; bar: (Hkv, Q) float32 shared cuts;
-        ids_out, sc_out: (T, Q, kb) per-task candidates; ahead: rows prefetched ahead.
+        keys: (Hkv, N, D) uint16 bits; q: (Hkv, Q, D) float32 (or bf16 bits).
+        task_h, task_s, task_e, task_o: (T,) int64 head, rows [s, e) and output slot of each task.
+        workers: threads; k: results per query; bar: (Hkv, Q) float32 shared cuts; spec: (Hkv, Q) sampled
+        cuts; ids_out, sc_out: (slots, Q, kb) per-task candidates; ahead: rows prefetched ahead.
     """
     for w in prange(workers):
         for t in range(w, task_h.shape[0], workers):
-            h = task_h[t]
-            _block_topk(keys[h], q[h], task_s[t], task_e[t], k, bar[h], ids_out[t], sc_out[t], ahead)
+            h, o = task_h[t], task_o[t]
+            _block_topk(keys[h], q[h], task_s[t], task_e[t], k, bar[h], spec[h], ids_out[o], sc_out[o], ahead)
+
+
+@jit
+def _short_heads(ids, spec, need):
+    """Which heads' sampled cuts let fewer than `need` rows through for some query: (Hkv,) bool.
+
+    Args:
+        ids: (Hkv, B, Q, kb) the blocks' candidates (−1: empty); spec: (Hkv, Q) the cuts (−inf: none).
+    """
+    hkv, nb, Q, kb = ids.shape
+    short = np.zeros(hkv, dtype=np.bool_)
+    for h in range(hkv):
+        for i in range(Q):
+            if spec[h, i] == -np.inf:
+                continue
+            n = 0
+            for b in range(nb):
+                for o in range(kb):
+                    n += ids[h, b, i, o] >= 0
+            if n < need:
+                short[h] = True
+    return short
 
 
 @jit
@@ -265,11 +304,12 @@ def _merge_par(ids_in, sc_in, bar, k, ids_out, sc_out):
 
 def warm_up(head_dim: int = 2) -> None:
     """Compile the kernels now (seconds on a first run without numba's disk cache), not inside a step:
-    the fp32 path, and the bf16 one where it is available for rows of `head_dim`."""
-    search(torch.zeros((1, 4, 2), dtype=torch.bfloat16), torch.zeros((1, 1, 2)), 1, 0, 4, 1, block=2, dot="fp32")
+    the fp32 path, and the bf16 one where it is available for rows of `head_dim`. 2,048 rows and k = 256:
+    the smallest search that samples its cut (`flat_sample.sample_plan`)."""
+    search(torch.zeros((1, 2048, 2), dtype=torch.bfloat16), torch.zeros((1, 1, 2)), 256, 0, 2048, 1, dot="fp32")
     if dots.bf16_available(head_dim):   # the fp32 path's types do not depend on D; the bf16 one needs D % 32 == 0
-        keys = torch.zeros((1, 4, head_dim), dtype=torch.bfloat16)
-        search(keys, torch.zeros((1, 1, head_dim)), 1, 0, 4, 1, block=2, dot="bf16")
+        keys = torch.zeros((1, 2048, head_dim), dtype=torch.bfloat16)
+        search(keys, torch.zeros((1, 1, head_dim)), 256, 0, 2048, 1, dot="bf16")
 
 
 def bf16_dot_applies(keys: torch.Tensor, q: torch.Tensor) -> bool:
@@ -324,12 +364,22 @@ def search(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, thread
     if dot == "auto":
         dot = "bf16" if bf16_dot_applies(keys, q) else "fp32"
     q_np = bits(q.to(torch.bfloat16).contiguous()) if dot == "bf16" else q.contiguous().numpy()
+    kbits = bits(keys)
+    workers = min(threads, len(task_h))
+    compiled.set_threads(workers)
+    spec = head_cuts(kbits, q_np, lo, hi, k, workers)               # (Hkv, Q) sampled cuts, −inf: none
     bar = np.full((hkv, Q), -np.inf, dtype=np.float32)               # (Hkv, Q) shared cuts
     cand_i = np.empty((hkv * nb, Q, kb), dtype=np.int64)             # (T, Q, kb)
     cand_s = np.empty((hkv * nb, Q, kb), dtype=np.float32)
-    workers = min(threads, len(task_h))
-    compiled.set_threads(workers)
-    _scan_par(bits(keys), q_np, task_h, task_s, task_e, workers, k, bar, cand_i, cand_s, ahead)
+    task_o = np.arange(len(task_h), dtype=np.int64)
+    _scan_par(kbits, q_np, task_h, task_s, task_e, task_o, workers, k, bar, spec, cand_i, cand_s, ahead)
+    short = _short_heads(cand_i.reshape(hkv, nb, Q, kb), spec, min(k, hi - lo))
+    if short.any():   # a guess let too few rows through (rare on real keys): those heads again, without one
+        spec[short] = -np.inf
+        again = np.flatnonzero(np.repeat(short, nb))
+        compiled.set_threads(min(threads, len(again)))
+        _scan_par(kbits, q_np, task_h[again], task_s[again], task_e[again], again, min(threads, len(again)), k,
+                  bar, spec, cand_i, cand_s, ahead)
     compiled.set_threads(min(threads, hkv))
     _merge_par(cand_i.reshape(hkv, nb, Q, kb), cand_s.reshape(hkv, nb, Q, kb), bar, k, ids.numpy(),
                scores.numpy())
