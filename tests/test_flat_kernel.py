@@ -221,7 +221,7 @@ def test_numba_backend_takes_fp32_queries_not_representable_in_bf16():
 def test_bad_backend_values_raise_one_line_topk_errors(monkeypatch):
     keys, _ = _keys_and_queries(1, 100, 64, 1, seed=0)
     ckv = kv_in_memory([keys], [keys], list(range(100)), "llama")
-    with pytest.raises(TopkError, match="use torch, numba or faiss"):
+    with pytest.raises(TopkError, match="use auto, torch, numba or faiss"):
         FlatStrategy(ckv, 0, 100, {"backend": "numbaa"}).prepare()
     fp32 = kv_in_memory([keys.float()], [keys.float()], list(range(100)), "llama")
     with pytest.raises(TopkError, match="reads bf16 keys, these are float32") as err:
@@ -232,3 +232,28 @@ def test_bad_backend_values_raise_one_line_topk_errors(monkeypatch):
         FlatStrategy(ckv, 0, 100, {"backend": "numba"}).prepare()
     assert "\n" not in str(err.value)
 
+
+def test_auto_backend_takes_numba_for_long_bf16_contexts_and_torch_otherwise(monkeypatch):
+    from topk_decode.index import flat as flat_mod
+
+    keys, q = _keys_and_queries(2, 3000, 64, 4, seed=11)
+    q = q.bfloat16().float()
+    ckv = kv_in_memory([keys], [keys], list(range(3000)), "llama")
+    fp32 = kv_in_memory([keys.float()], [keys.float()], list(range(3000)), "llama")
+
+    def backend(cache, lo=0, hi=3000):
+        strat = FlatStrategy(cache, lo, hi, {"threads": 2})
+        strat.prepare()
+        return strat
+
+    assert backend(ckv).backend == "torch"                             # 3,000 keys: below NUMBA_MIN_KEYS
+    monkeypatch.setattr(flat_mod, "NUMBA_MIN_KEYS", 2000)
+    auto, plain = backend(ckv), FlatStrategy(ckv, 0, 3000, {"backend": "torch"})
+    plain.prepare()
+    assert auto.backend == "numba"
+    a, b = auto.select(0, q, 100), plain.select(0, q, 100)
+    assert torch.equal(a.ids.sort(-1).values, b.ids.sort(-1).values)
+    assert backend(ckv, 0, 1000).backend == "torch"                    # counts the searchable keys only
+    assert backend(fp32).backend == "torch"                            # numba reads bf16 keys only
+    monkeypatch.setattr(compiled_paths, "numba", None)                 # as where numba is not installed
+    assert backend(ckv).backend == "torch"

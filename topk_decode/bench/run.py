@@ -50,7 +50,8 @@ class BenchConfig:
         strategy: the selection strategy of the top-k rows (flat: exact; routed: clustered, reads a share);
             comma-separated names ("flat,routed") decode over the same context KV one after the other.
         strategy_options: options of the non-flat strategies (e.g. {"probe_fraction": 0.02}).
-        backend: flat search backend ("torch" and "numba" scan the memory map; "faiss" builds indices).
+        backend: flat search backend ("auto": numba for long bf16 contexts, else torch; "torch" and "numba"
+            scan the memory map; "faiss" builds indices).
         steps, warmup: timed and untimed decode steps per row (HF offloaded: `hf_offload_steps`).
         hf_offload_steps: timed steps of the (slow) offloaded baseline.
         gpu_memory: budget in bytes for top-k decoding and the offloaded prefill (None: whole GPU).
@@ -72,7 +73,7 @@ class BenchConfig:
     k: int = 1024
     strategy: str = "flat"
     strategy_options: dict = field(default_factory=dict)
-    backend: str = "torch"
+    backend: str = "auto"
     steps: int = 16
     warmup: int = 3
     hf_offload_steps: int = 4

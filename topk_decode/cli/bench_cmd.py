@@ -16,8 +16,9 @@ def bench_command(
     k: Annotated[int, typer.Option("--k", help="Retrieved tokens per query head and layer.")] = 1024,
     strategy: Annotated[str, typer.Option("--strategy", help="Selection strategy of the top-k rows: flat (exact) or e.g. routed.")] = "flat",
     opt: Annotated[Optional[list[str]], typer.Option("--opt", help="Strategy option key=value, e.g. probe_fraction=0.02 (repeatable).")] = None,
-    backend: Annotated[str, typer.Option("--backend", help="Flat search backend: torch, numba or faiss "
-                                         "(--opt applies to the other strategies).")] = "torch",
+    backend: Annotated[str, typer.Option("--backend", help="Flat search backend: auto (numba for long bf16 "
+                                         "contexts, else torch), torch, numba or faiss (--opt applies to the other "
+                                         "strategies).")] = "auto",
     steps: Annotated[int, typer.Option("--steps", help="Timed decode steps per row.")] = 16,
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed decode steps before timing.")] = 3,
     gpu_memory: Annotated[Optional[str], typer.Option("--gpu-memory", help="GPU budget for top-k decoding and the offloaded prefill, e.g. 16GiB (enforced with torch.cuda.set_per_process_memory_fraction).")] = None,

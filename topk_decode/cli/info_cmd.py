@@ -62,8 +62,8 @@ def cache_facts(path: Path, verify: bool = False) -> dict:
         "ram": {
             # np.memmap: nothing is read at open; pages come in (OS page cache) as retrieval touches them.
             "kv_memory_mapped_bytes": kv_bytes,
-            # Estimate: flat's Faiss indices hold one more copy of the keys, at the stored precision
-            # (IndexFlatIP fp32 / ScalarQuantizer fp16, bf16); `--opt backend=torch` scans the map instead.
+            # Estimate: flat's Faiss indices (`--opt backend=faiss`) hold one more copy of the keys, at the
+            # stored precision (IndexFlatIP fp32 / ScalarQuantizer fp16, bf16); the default backends scan the map.
             "flat_faiss_index_bytes_estimate": key_bytes,
             "model_weights_bytes": sum(p.stat().st_size for p in weights) if weights else None,
         },
@@ -109,8 +109,8 @@ def _print(f: dict) -> None:
         f"head dim {s['head_dim']}, KV stored as {f['kv_dtype']}")
     say(f"on disk:    {human_bytes(f['disk']['total_bytes'])} total, {human_bytes(f['disk']['kv_bytes'])} KV")
     say(f"in RAM:     KV memory-mapped ({human_bytes(ram['kv_memory_mapped_bytes'])}, paged in as retrieval "
-        f"touches it); flat's Faiss indices ≈ {human_bytes(ram['flat_faiss_index_bytes_estimate'])} more "
-        f"(estimate: a copy of the keys; --opt backend=torch avoids it)")
+        f"touches it); flat with --opt backend=faiss would hold ≈ "
+        f"{human_bytes(ram['flat_faiss_index_bytes_estimate'])} more (estimate: a copy of the keys)")
     if ram["model_weights_bytes"] is not None:
         say(f"            model weights {human_bytes(ram['model_weights_bytes'])} (on the GPU at decode time)")
     p = f["prefill"]

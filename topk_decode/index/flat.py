@@ -3,13 +3,13 @@
 The keys are added in the precision they were stored in (fp32 → IndexFlatIP; fp16 / bf16 →
 IndexScalarQuantizer QT_fp16 / QT_bf16, which decodes them exactly), so the returned scores are the
 exact fp32 inner products of the stored keys: recall 1.0 by construction. Two backends scan the
-memory-mapped keys directly (no second copy of the keys in RAM, nothing built at open). `torch` (the
-default) scores all KV heads in one batched matmul, in the keys' own half precision, then rescores the
-candidates exactly in fp32 with a certificate that the result is the exact top-k (see `_half_scan`).
-`numba` (bf16 keys) runs compiled (head, block of keys) tasks that score every key exactly in fp32 once
-and keep it only if it reaches its query's cut (flat_kernel.py); it stays opt-in until its speed on the
-GPU host is settled (docs/STRATEGIES.md "flat's default backend"). `backend=faiss` stays available;
-Faiss is imported only when it is used.
+memory-mapped keys directly (no second copy of the keys in RAM, nothing built at open). `torch` scores
+all KV heads in one batched matmul, in the keys' own half precision, then rescores the candidates
+exactly in fp32 with a certificate that the result is the exact top-k (see `_half_scan`). `numba` (bf16
+keys) runs compiled (head, block of keys) tasks that score every key exactly once and keep it only if it
+reaches its query's cut (flat_kernel.py): about twice torch's speed on the GPU host. The default, `auto`,
+takes numba for long bf16 contexts where numba is installed, torch otherwise (docs/STRATEGIES.md "flat's
+default backend"). `backend=faiss` stays available; Faiss is imported only when it is used.
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ from topk_decode.index.base import Selection, SelectionStrategy
 from topk_decode.index.select_topk import topk_by_threshold
 from topk_decode.index.threads import HeadPool, default_threads
 
-# torch reads the memory map in place; numba is faster in some harnesses, slower in one (docs/STRATEGIES.md)
-DEFAULT_BACKEND = "torch"
-BACKENDS = ("torch", "numba", "faiss")
+# auto: numba where it can run and the context is long enough to repay its first-run compile (~30 s on 2
+# cores, cached on disk after), torch otherwise (docs/STRATEGIES.md "flat's default backend")
+DEFAULT_BACKEND = "auto"
+BACKENDS = ("auto", "torch", "numba", "faiss")
+NUMBA_MIN_KEYS = 1 << 15
 # Scoring kernel of the torch backend: on the 16-core GPU host one batched matmul reads the keys much
 # closer to the DRAM bandwidth than the threaded blocks (docs/BENCHMARKS.md, "Scan bandwidth").
 DEFAULT_SCAN = "bmm"
@@ -54,8 +56,9 @@ class FlatStrategy(SelectionStrategy):
     """Exact top-k per query head.
 
     Options:
-        backend: "torch" (default: zero-copy batched matmul of the memory map and an exact rescoring),
-            "numba" (flat_kernel.py: compiled exact fp32 scan of the memory map in (head, block of keys)
+        backend: "auto" (default: numba for bf16 keys when numba is installed and at least NUMBA_MIN_KEYS
+            keys are searchable, else torch), "torch" (zero-copy batched matmul of the memory map and an exact
+            rescoring), "numba" (flat_kernel.py: compiled exact scan of the memory map in (head, block of keys)
             tasks on the strategy's threads, a cut per query, then a merge of the blocks' candidates; bf16
             keys only, needs numba) or "faiss" (indices copied into RAM at open). All are exact.
         threads: parallel head searches, or the numba backend's worker threads (default: CPU cores).
@@ -73,7 +76,9 @@ class FlatStrategy(SelectionStrategy):
         if self.backend not in BACKENDS:
             from topk_decode.errors import TopkError
 
-            raise TopkError(f"unknown flat backend {self.backend!r} (use torch, numba or faiss)")
+            raise TopkError(f"unknown flat backend {self.backend!r} (use auto, torch, numba or faiss)")
+        if self.backend == "auto":
+            self.backend = auto_backend(self.ckv.dtype, self.n_searchable)
         if self.backend == "numba":
             _check_numba(self.ckv.dtype)
         self.threads = int(self.options.get("threads") or default_threads())
@@ -156,6 +161,16 @@ class FlatStrategy(SelectionStrategy):
         else:
             scores, ids = _fp32_scan(keys, q1, k, self.lo, self.hi)
         return scores[0].numpy(), (ids[0] - self.lo).numpy()
+
+
+def auto_backend(dtype: torch.dtype, n_searchable: int) -> str:
+    """The backend `auto` stands for: numba for bf16 keys when numba is importable and at least
+    NUMBA_MIN_KEYS keys are searchable, torch otherwise."""
+    from topk_decode.index import compiled
+
+    if compiled.available() and dtype in compiled.KEY_DTYPES and n_searchable >= NUMBA_MIN_KEYS:
+        return "numba"
+    return "torch"
 
 
 def _check_numba(dtype: torch.dtype) -> None:
