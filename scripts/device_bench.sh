@@ -16,7 +16,11 @@
                                          # Llama-3-8B at 128K and Qwen2.5-7B at 1M
 #   bash scripts/device_bench.sh dots_scan  # flat's numba scan with bf16 dot products (index/dots.py) against torch and
 #                                          # the DRAM floor, fp32 dots beside it, the randn/synthetic harness probe
-#   bash scripts/device_bench.sh dots_bench # routed tok/s at 128K and 1M with bf16 dots, then with fp32 dots
+#   bash scripts/device_bench.sh dots_bench # GPU tests; flat and routed tok/s at 128K with bf16 dots, routed with
+#                                          # fp32 dots, routed at 1M
+#   OLD=dir bash scripts/device_bench.sh flat_ab  # the flat kernel's tests here, then its search against the
+#                                          # checkout in dir (a folder holding its topk_decode)
+#                                          # alternately (flat_ab.py), beside torch, then dots_scan's scans
 #   bash scripts/device_bench.sh fused     # routed's compiled path (search + context part in one kernel) vs its torch
 #                                          # path: the CPU side alone over 32 layers (step_cpu.py), then tok/s at 32K/128K
 #                                          # (needs numba: pip install the carried numba + llvmlite wheels first)
@@ -72,6 +76,15 @@ if [ "$phase" = routed1m ]; then
   bench qwen2.5-7b 1048576 routed 8 "strategy_options={'probe_fraction': 0.02, 'store_values': False}" \
       2>&1 | tee "$OUT/log_routed_qwen7b.txt"; snap
 fi
+if [ "$phase" = flat_ab ]; then   # docs/BENCHMARKS.md run 20
+  $PY -m pytest -q -p no:cacheprovider tests/test_dots.py tests/test_flat_kernel.py 2>&1 | tail -2 \
+      | tee "$OUT/log_flat_tests.txt"
+  for rep in 1 2; do
+    for pkg in "$OLD" .; do $PY scripts/flat_ab.py "$pkg" 131072 numba 2>&1 | tee -a "$OUT/flat_ab.txt"; snap; done
+  done
+  $PY scripts/flat_ab.py . 131072 torch 2>&1 | tee -a "$OUT/flat_ab.txt"; snap
+  phase=dots_scan
+fi
 if [ "$phase" = dots_scan ]; then   # docs/BENCHMARKS.md run 19's open questions, on the GPU host
   S="$PY scripts/scan_bandwidth.py --k 1024 --skip variants routed routed_layers --reps 5"
   $S --n 131072 --kv-heads 8 --group 4 --flat-backends torch numba --layers 32 --out "$OUT/dots_scan.jsonl" \
@@ -82,11 +95,13 @@ if [ "$phase" = dots_scan ]; then   # docs/BENCHMARKS.md run 19's open questions
   $PY scripts/flat_dot_ab.py --threads 16 --layers 16 2>&1 | tee "$OUT/dots_ab.jsonl"; snap   # fp32 vs bf16 dots
   $PY scripts/flat_harness_probe.py --layers 16 2>&1 | tee "$OUT/dots_harness.jsonl"; snap
 fi
-if [ "$phase" = dots_bench ]; then
+if [ "$phase" = dots_bench ]; then   # GPU tests, then flat (default backend) and routed with bf16 dots, routed with fp32 dots
+  $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_routed_device.py tests/test_host_embedding.py \
+      2>&1 | tail -3 | tee "$OUT/log_gpu_tests.txt"
   for dot in bf16 fp32; do
     env $([ $dot = fp32 ] && echo TOPK_NO_BF16_DOT=1) $PY -m topk_decode bench --model llama-3-8b --context 128K \
-        --gpu-memory "$budget" --k 1024 --steps 16 --strategy routed --systems topk --no-offload-prefill \
-        --out "$OUT/dots_$dot" 2>&1 | tee "$OUT/log_dots_$dot.txt"; snap
+        --gpu-memory "$budget" --k 1024 --steps 16 --strategy $([ $dot = bf16 ] && echo flat,routed || echo routed) \
+        --systems topk --no-offload-prefill --out "$OUT/dots_$dot" 2>&1 | tee "$OUT/log_dots_$dot.txt"; snap
   done
   bench qwen2.5-7b 1048576 routed 12 "strategy_options={'probe_fraction': 0.02, 'store_values': False}" \
       2>&1 | tee "$OUT/log_dots_qwen7b_1m.txt"; snap
