@@ -83,6 +83,7 @@ if [ "$phase" = flat_ab ]; then   # docs/BENCHMARKS.md run 20
     for pkg in "$OLD" .; do $PY scripts/flat_ab.py "$pkg" 131072 numba 2>&1 | tee -a "$OUT/flat_ab.txt"; snap; done
   done
   $PY scripts/flat_ab.py . 131072 torch 2>&1 | tee -a "$OUT/flat_ab.txt"; snap
+  for pkg in "$OLD" .; do $PY scripts/flat_thread_cost.py "$pkg" 2>&1 | tee -a "$OUT/flat_thread_cost.jsonl"; done; snap
   phase=dots_scan
 fi
 if [ "$phase" = dots_scan ]; then   # docs/BENCHMARKS.md run 19's open questions, on the GPU host

@@ -130,6 +130,107 @@ if compiled.numba is not None:
         return sig, codegen
 
 
+    def _rows4_codegen(context, builder, signature, args):
+        """`score_rows4` for bf16 queries: the loop over rows in IR, so that the four queries' vectors are
+        loaded once for all rows (D = 64 or 128: 8 or 16 registers) rather than once per row."""
+        ka, qa, cuta, sca, rowsa = (context.make_array(signature.args[j])(context, builder, args[j])
+                                    for j in (0, 1, 6, 7, 8))
+        t0, t1, ahead, e = (context.cast(builder, args[j], signature.args[j], types.int64) for j in (2, 3, 4, 5))
+        i8p, f32 = ir.IntType(8).as_pointer(), ir.FloatType()
+        kdata = builder.bitcast(ka.data, i8p)
+        kstride = builder.extract_value(ka.strides, 0)
+        qdata = builder.bitcast(qa.data, i8p)
+        qstride = builder.extract_value(qa.strides, 0)
+        cdata = builder.bitcast(cuta.data, f32.as_pointer())
+        cuts = [builder.load(builder.gep(cdata, [ir.Constant(_I64, g)])) for g in range(GROUP)]
+        scd = builder.bitcast(sca.data, f32.as_pointer())
+        rowd = builder.bitcast(rowsa.data, _I64.as_pointer())
+        chunks = builder.udiv(builder.extract_value(ka.shape, 1), ir.Constant(_I64, _LANES))
+        nh = cgutils.alloca_once_value(builder, ir.Constant(_I64, 0))
+        dp = ir.InlineAsm(ir.FunctionType(_V16F, [_V32H, _V32H, _V16F]), "vdpbf16ps $2, $1, $0", "=v,v,v,0")
+        pf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p] + [ir.IntType(32)] * 3),
+                                            "llvm.prefetch.p0")
+        zero = ir.Constant(_V16F, None)
+
+        def vec(base, off):
+            return builder.load(builder.bitcast(builder.gep(base, [off]), _V32H.as_pointer()), align=2)
+
+        def emit(nchunks):   # the row loop for rows of nchunks × 32 elements
+            qv = [[vec(qdata, builder.add(builder.mul(ir.Constant(_I64, g), qstride), ir.Constant(_I64, 64 * c)))
+                   for c in range(nchunks)] for g in range(GROUP)]
+            with cgutils.for_range_slice(builder, t0, t1, ir.Constant(_I64, 1), inc=True) as (t, _):
+                ahead_row = builder.add(t, ahead)
+                with builder.if_then(builder.icmp_signed("<", ahead_row, e)):
+                    base = builder.gep(kdata, [builder.mul(ahead_row, kstride)])
+                    for c in range(nchunks):   # a chunk is one 64-byte line
+                        builder.call(pf, [builder.gep(base, [ir.Constant(_I64, 64 * c)])] +
+                                     [ir.Constant(ir.IntType(32), x) for x in (0, 3, 1)])
+                row = builder.gep(kdata, [builder.mul(t, kstride)])
+                acc = [[zero] * GROUP, [zero] * GROUP]   # even and odd chunks: two chains per query
+                for c in range(nchunks):
+                    kv = vec(row, ir.Constant(_I64, 64 * c))
+                    for g in range(GROUP):
+                        acc[c % 2][g] = builder.call(dp, [kv, qv[g][c], acc[c % 2][g]])
+                sums = _sum_lanes4(builder, [builder.fadd(a, b) for a, b in zip(*acc)])
+                n = builder.load(nh)
+                o = builder.mul(n, ir.Constant(_I64, GROUP))
+                hit = None
+                for g in range(GROUP):
+                    builder.store(sums[g], builder.gep(scd, [builder.add(o, ir.Constant(_I64, g))]))
+                    h = builder.fcmp_ordered(">=", sums[g], cuts[g])
+                    hit = h if hit is None else builder.or_(hit, h)
+                with builder.if_then(hit, likely=False):
+                    builder.store(t, builder.gep(rowd, [n]))
+                    builder.store(builder.add(n, ir.Constant(_I64, 1)), nh)
+
+        with builder.if_else(builder.icmp_unsigned("==", chunks, ir.Constant(_I64, 4))) as (d128, d64):
+            with d128:
+                emit(4)
+            with d64:
+                emit(2)
+        return builder.load(nh)
+
+    @intrinsic
+    def _score_rows4_bf16(typingctx, keys, q, t0, t1, ahead, e, cut, sc, rows):
+        """`score_rows4` with bf16 queries (uint16 bits), D = 64 or 128 only."""
+        if not (isinstance(q, types.Array) and q.dtype == types.uint16 and keys.dtype == types.uint16):
+            return None
+        return types.int64(keys, q, t0, t1, ahead, e, cut, sc, rows), _rows4_codegen
+
+
+@compiled.jit
+def score_rows4_f32(keys, q, t0, t1, ahead, e, cut, sc, rows):
+    """`score_rows4` with float32 queries (or bf16 ones of another D): `dot4` row by row."""
+    c0, c1, c2, c3 = cut[0], cut[1], cut[2], cut[3]
+    nh = 0
+    for t in range(t0, t1):
+        if t + ahead < e:
+            compiled.prefetch_row(keys, t + ahead)
+        a0, a1, a2, a3 = dot4(keys, t, q, 0)
+        o = nh * GROUP
+        sc[o] = a0
+        sc[o + 1] = a1
+        sc[o + 2] = a2
+        sc[o + 3] = a3
+        if (a0 >= c0) | (a1 >= c1) | (a2 >= c2) | (a3 >= c3):
+            rows[nh] = t
+            nh += 1
+    return nh
+
+
+def score_rows4(keys, q, t0, t1, ahead, e, cut, sc, rows):
+    """The rows t of [t0, t1) whose score reaches some query's cut against q's four queries (Qp = 4): their
+    positions into rows[:nh] and the four scores of the j-th into sc[4j : 4j + 4]; returns nh. Row t + ahead
+    (if below e) is prefetched while row t is scored. Scores are written to the next free slot whether or
+    not the row is kept (cheaper than a branch around the stores).
+
+    Args:
+        keys: (N, D) uint16 bf16 bits; q: (4, D) float32 queries or uint16 bf16 bits (`dot4`);
+        cut: (4,) float32; sc: (≥ 4·(t1 − t0),) float32 out; rows: (≥ t1 − t0,) int64 out.
+    """
+    return score_rows4_f32(keys, q, t0, t1, ahead, e, cut, sc, rows)   # without numba
+
+
 @compiled.jit
 def dot4_f32(keys, t, q, i):
     """Row t of keys (uint16 bf16 bits) · float32 queries i .. i+3 of q (Qp, D), the row widened exactly.
@@ -187,3 +288,13 @@ if compiled.numba is not None:
         if q.dtype == types.uint16:
             return lambda keys, t, q, i: _dot4_bf16(keys, t, q, i)
         return lambda keys, t, q, i: dot4_f32(keys, t, q, i)
+
+    @_overload(score_rows4, jit_options={"nogil": True, "fastmath": compiled.FASTMATH})
+    def _score_rows4_typed(keys, q, t0, t1, ahead, e, cut, sc, rows):
+        if q.dtype == types.uint16:
+            def bf16_rows(keys, q, t0, t1, ahead, e, cut, sc, rows):
+                if keys.shape[1] == 128 or keys.shape[1] == 64:
+                    return _score_rows4_bf16(keys, q, t0, t1, ahead, e, cut, sc, rows)
+                return score_rows4_f32(keys, q, t0, t1, ahead, e, cut, sc, rows)
+            return bf16_rows
+        return lambda keys, q, t0, t1, ahead, e, cut, sc, rows: score_rows4_f32(keys, q, t0, t1, ahead, e, cut, sc, rows)

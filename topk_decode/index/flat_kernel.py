@@ -34,7 +34,7 @@ import torch
 
 from topk_decode.index import compiled, dots
 from topk_decode.index.compiled import bits, jit, pjit, prange, prefetch_row
-from topk_decode.index.dots import GROUP as _QGROUP, dot4 as _dot4
+from topk_decode.index.dots import GROUP as _QGROUP, dot4 as _dot4, score_rows4
 from topk_decode.index.flat_sample import SURVIVORS_PER_K, head_cuts
 
 # Tasks per pool worker when the block size is left to `search`: few, long tasks keep each running
@@ -83,26 +83,14 @@ def _score_hits(keys, qp, t0, t1, ahead, e, cutv, sc, rows):
     Each row's scores are compared with cutv (Qp,) as soon as they exist: almost every row costs its dot
     products, the compares and one well-predicted branch. Scores are written to the next free slot whether
     or not the row is kept (cheaper than a branch around the stores). One group of queries (G ≤ 4, e.g.
-    Llama-3-8B) has its own loop with the cuts in registers: the general one's index arithmetic and loop
-    over groups cost about half as much as the dot products on the dev box (docs/BENCHMARKS.md run 20).
+    Llama-3-8B) has its own loop (`dots.score_rows4`: for bf16 queries written in IR, the queries held in
+    registers for all rows): the general one's index arithmetic and loop over groups cost about half as
+    much as the dot products on the dev box (docs/BENCHMARKS.md run 20).
     """
     qn = qp.shape[0]
     nh = 0
     if qn == _QGROUP:
-        c0, c1, c2, c3 = cutv[0], cutv[1], cutv[2], cutv[3]
-        for t in range(t0, t1):
-            if t + ahead < e:
-                prefetch_row(keys, t + ahead)
-            a0, a1, a2, a3 = _dot4(keys, t, qp, 0)
-            o = nh * _QGROUP
-            sc[o] = a0
-            sc[o + 1] = a1
-            sc[o + 2] = a2
-            sc[o + 3] = a3
-            if (a0 >= c0) | (a1 >= c1) | (a2 >= c2) | (a3 >= c3):
-                rows[nh] = t
-                nh += 1
-        return nh
+        return score_rows4(keys, qp, t0, t1, ahead, e, cutv, sc, rows)
     for t in range(t0, t1):
         if t + ahead < e:
             prefetch_row(keys, t + ahead)
