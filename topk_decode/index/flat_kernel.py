@@ -252,42 +252,43 @@ def _short_heads(ids, spec, need):
 
 
 @jit
-def _merge_head(ids_in, sc_in, bar, k, ids_out, sc_out):
-    """One head's exact top-k over its blocks' candidates, ties to the lower positions.
+def _merge_query(ids_in, sc_in, i, low, k, ids_out, sc_out):
+    """One (head, query)'s exact top-k over its blocks' candidates, ties to the lower positions.
 
     Args:
         ids_in, sc_in: (B, Q, kb) the head's blocks' candidates, blocks in position order (−1 / −inf: empty).
-        bar: (Q,) the head's published cuts (candidates below them cannot be in the top k).
-        k: results per query; ids_out, sc_out: (Q, k) out (−1 / 0 in unfilled slots).
+        i: the query; low: its published cut (candidates below it cannot be in the top k).
+        k: results per query; ids_out, sc_out: (k,) out (−1 / 0 in unfilled slots).
     """
-    nb, Q, kb = ids_in.shape
-    cs = np.empty(nb * kb, dtype=np.float32)   # (B·kb,) one query's candidates, position order
+    nb, _, kb = ids_in.shape
+    cs = np.empty(nb * kb, dtype=np.float32)   # (B·kb,) the candidates, position order
     cr = np.empty(nb * kb, dtype=np.int64)
-    for i in range(Q):
-        n = 0
-        low = bar[i]
-        for b in range(nb):
-            for o in range(kb):
-                if ids_in[b, i, o] >= 0 and sc_in[b, i, o] >= low:
-                    cs[n] = sc_in[b, i, o]
-                    cr[n] = ids_in[b, i, o]
-                    n += 1
-        if n > k:
-            _keep_top(cs, cr, n, k)
-            n = k
-        for o in range(n):
-            ids_out[i, o] = cr[o]
-            sc_out[i, o] = cs[o]
-        for o in range(n, k):
-            ids_out[i, o] = -1
-            sc_out[i, o] = 0.0
+    n = 0
+    for b in range(nb):
+        for o in range(kb):
+            if ids_in[b, i, o] >= 0 and sc_in[b, i, o] >= low:
+                cs[n] = sc_in[b, i, o]
+                cr[n] = ids_in[b, i, o]
+                n += 1
+    if n > k:
+        _keep_top(cs, cr, n, k)
+        n = k
+    for o in range(n):
+        ids_out[o] = cr[o]
+        sc_out[o] = cs[o]
+    for o in range(n, k):
+        ids_out[o] = -1
+        sc_out[o] = 0.0
 
 
 @pjit
 def _merge_par(ids_in, sc_in, bar, k, ids_out, sc_out):
-    """`_merge_head` of every head in parallel: ids_in, sc_in (Hkv, B, Q, kb); bar (Hkv, Q); outs (Hkv, Q, k)."""
-    for h in prange(ids_in.shape[0]):
-        _merge_head(ids_in[h], sc_in[h], bar[h], k, ids_out[h], sc_out[h])
+    """`_merge_query` of every (head, query) in parallel, on the scan's threads (a pass per head would leave
+    half of them idle at 8 KV heads): ids_in, sc_in (Hkv, B, Q, kb); bar (Hkv, Q); outs (Hkv, Q, k)."""
+    Q = bar.shape[1]
+    for w in prange(bar.shape[0] * Q):
+        h, i = w // Q, w % Q
+        _merge_query(ids_in[h], sc_in[h], i, bar[h, i], k, ids_out[h, i], sc_out[h, i])
 
 
 def warm_up(head_dim: int = 2) -> None:
@@ -368,7 +369,7 @@ def search(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, thread
         compiled.set_threads(min(threads, len(again)))
         _scan_par(kbits, q_np, task_h[again], task_s[again], task_e[again], again, min(threads, len(again)), k,
                   bar, spec, cand_i, cand_s, ahead)
-    compiled.set_threads(min(threads, hkv))
+        compiled.set_threads(workers)
     _merge_par(cand_i.reshape(hkv, nb, Q, kb), cand_s.reshape(hkv, nb, Q, kb), bar, k, ids.numpy(),
                scores.numpy())
     return ids, scores

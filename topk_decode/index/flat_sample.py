@@ -56,9 +56,9 @@ def _sample_par(keys, qp, s, stride, rank, parts, Q, sc, spec):
     for w in prange(hkv * parts):
         h, p = w // parts, w % parts
         _sample_rows(keys[h], qp[h], s, stride, p * per, min(ns, (p + 1) * per), sc[h])
-    for h in prange(hkv):
-        for i in range(Q):
-            spec[h, i] = np.partition(sc[h, i], ns - rank)[ns - rank]
+    for w in prange(hkv * Q):
+        h, i = w // Q, w % Q
+        spec[h, i] = np.partition(sc[h, i], ns - rank)[ns - rank]
 
 
 def head_cuts(keys: np.ndarray, q: np.ndarray, lo: int, hi: int, k: int, workers: int) -> np.ndarray:
