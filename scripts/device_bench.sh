@@ -21,6 +21,8 @@
 #   OLD=dir bash scripts/device_bench.sh flat_ab  # the flat kernel's tests here, then its search against the
 #                                          # checkout in dir (a folder holding its topk_decode)
 #                                          # alternately (flat_ab.py), beside torch, then dots_scan's scans
+#   bash scripts/device_bench.sh flat_parts # flat's numba search by pass (flat_search_parts.py), then scan_bandwidth's
+#                                          # flat rows at 128K
 #   bash scripts/device_bench.sh fused     # routed's compiled path (search + context part in one kernel) vs its torch
 #                                          # path: the CPU side alone over 32 layers (step_cpu.py), then tok/s at 32K/128K
 #                                          # (needs numba: pip install the carried numba + llvmlite wheels first)
@@ -85,6 +87,11 @@ if [ "$phase" = flat_ab ]; then   # docs/BENCHMARKS.md run 20
   $PY scripts/flat_ab.py . 131072 torch 2>&1 | tee -a "$OUT/flat_ab.txt"; snap
   for pkg in "$OLD" .; do $PY scripts/flat_thread_cost.py "$pkg" 2>&1 | tee -a "$OUT/flat_thread_cost.jsonl"; done; snap
   phase=dots_scan
+fi
+if [ "$phase" = flat_parts ]; then   # docs/BENCHMARKS.md run 20
+  $PY scripts/flat_search_parts.py --layers 16 2>&1 | tee "$OUT/flat_parts.jsonl"; snap
+  $PY scripts/scan_bandwidth.py --k 1024 --skip variants routed routed_layers --reps 5 --n 131072 --kv-heads 8 --group 4 \
+      --flat-backends torch numba --layers 32 --out "$OUT/flat_parts_scan.jsonl" 2>&1 | tee "$OUT/log_flat_parts_scan.txt"; snap
 fi
 if [ "$phase" = dots_scan ]; then   # docs/BENCHMARKS.md run 19's open questions, on the GPU host
   S="$PY scripts/scan_bandwidth.py --k 1024 --skip variants routed routed_layers --reps 5"

@@ -257,3 +257,13 @@ def test_auto_backend_takes_numba_for_long_bf16_contexts_and_torch_otherwise(mon
     assert backend(fp32).backend == "torch"                            # numba reads bf16 keys only
     monkeypatch.setattr(compiled_paths, "numba", None)                 # as where numba is not installed
     assert backend(ckv).backend == "torch"
+
+
+def test_search_reports_the_time_of_each_pass_when_asked():
+    keys, q = _keys_and_queries(2, 4096, 64, 4, seed=12)
+    parts: dict = {}
+    ids, sc = flat_kernel.search(keys, q, 256, 0, 4096, 2, parts=parts)
+    assert set(parts) == {"cuts", "scan", "rescan", "merge", "total"}
+    assert all(t >= 0 for t in parts.values())
+    assert parts["total"] >= parts["cuts"] + parts["scan"] + parts["merge"]
+    _assert_exact_topk(ids, sc, keys, q, 256, 0, 4096)

@@ -29,6 +29,8 @@ summation order differs from torch's matmul (~1e-6 relative).
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -320,7 +322,8 @@ def task_block(m: int, hkv: int, workers: int) -> int:
 
 
 def search(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, threads: int = 1,
-           block: int | None = None, ahead: int = AHEAD, dot: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+           block: int | None = None, ahead: int = AHEAD, dot: str = "auto",
+           parts: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-k of every query over keys[:, lo:hi], (head, block) tasks in parallel on numba's threads.
 
     Args:
@@ -331,10 +334,13 @@ def search(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, thread
         dot: "bf16" scores with the hardware bf16 dot product (dots.py; the queries are rounded to bf16),
             "fp32" widens the keys and runs FMAs; "auto": bf16 where `bf16_dot_applies` (the same scores as
             fp32 up to summation order), else fp32.
+        parts: if given, seconds spent in each pass are added to it ("cuts", "scan", "rescan", "merge",
+            "total"; scripts/flat_search_parts.py).
     Returns:
         ids (Hkv, Q, k) int64 positions in [lo, hi) (−1 in empty slots: only where k > hi − lo), scores
         (Hkv, Q, k) float32 exact q·k (0 in empty slots); in no particular order within a query.
     """
+    t0 = time.perf_counter()
     hkv, n, _ = keys.shape
     Q = q.shape[1]
     lo, hi = max(0, lo), min(n, hi)
@@ -356,12 +362,15 @@ def search(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, thread
     kbits = bits(keys)
     workers = min(threads, len(task_h))
     compiled.set_threads(workers)
+    t1 = time.perf_counter()
     spec = head_cuts(kbits, q_np, lo, hi, k, workers)               # (Hkv, Q) sampled cuts, −inf: none
+    t2 = time.perf_counter()
     bar = np.full((hkv, Q), -np.inf, dtype=np.float32)               # (Hkv, Q) shared cuts
     cand_i = np.empty((hkv * nb, Q, kb), dtype=np.int64)             # (T, Q, kb)
     cand_s = np.empty((hkv * nb, Q, kb), dtype=np.float32)
     task_o = np.arange(len(task_h), dtype=np.int64)
     _scan_par(kbits, q_np, task_h, task_s, task_e, task_o, workers, k, bar, spec, cand_i, cand_s, ahead)
+    t3 = time.perf_counter()
     short = _short_heads(cand_i.reshape(hkv, nb, Q, kb), spec, min(k, hi - lo))
     if short.any():   # a guess let too few rows through (rare on real keys): those heads again, without one
         spec[short] = -np.inf
@@ -370,6 +379,12 @@ def search(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, thread
         _scan_par(kbits, q_np, task_h[again], task_s[again], task_e[again], again, min(threads, len(again)), k,
                   bar, spec, cand_i, cand_s, ahead)
         compiled.set_threads(workers)
+    t4 = time.perf_counter()
     _merge_par(cand_i.reshape(hkv, nb, Q, kb), cand_s.reshape(hkv, nb, Q, kb), bar, k, ids.numpy(),
                scores.numpy())
+    if parts is not None:
+        t5 = time.perf_counter()
+        for name, dt in (("cuts", t2 - t1), ("scan", t3 - t2), ("rescan", t4 - t3), ("merge", t5 - t4),
+                         ("total", t5 - t0)):
+            parts[name] = parts.get(name, 0.0) + dt
     return ids, scores
