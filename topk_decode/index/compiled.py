@@ -79,14 +79,17 @@ if numba is not None:
             return None
 
         def codegen(context, builder, signature, args):
-            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                                "llvm.prefetch.p0")
-            # read, highest temporal locality, data cache
-            builder.call(fn, [builder.inttoptr(args[0], i8p), i32(0), i32(3), i32(1)])
+            emit_prefetch(builder, builder.inttoptr(args[0], ir.IntType(8).as_pointer()))
             return context.get_dummy_value()
 
         return numba.types.void(addr), codegen
+
+    def emit_prefetch(builder, ptr) -> None:
+        """IR for a prefetch of the line at `ptr` (an i8*): read, highest temporal locality, data cache."""
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            "llvm.prefetch.p0")
+        builder.call(fn, [ptr, i32(0), i32(3), i32(1)])
 else:  # pragma: no cover - exercised where numba is absent
     def prefetch(addr: int) -> None:
         """A no-op without numba."""

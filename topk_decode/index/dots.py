@@ -61,6 +61,15 @@ if compiled.numba is not None:
     _V32H = ir.VectorType(ir.IntType(16), _LANES)
     _I64 = ir.IntType(64)
 
+    def _vdpbf16ps():
+        """acc += pairs of a·b, as a callable (a, b, acc) -> acc: AT&T operand order (src2, src1, dst), dst
+        tied to the accumulator input."""
+        return ir.InlineAsm(ir.FunctionType(_V16F, [_V32H, _V32H, _V16F]), "vdpbf16ps $2, $1, $0", "=v,v,v,0")
+
+    def _load_v32h(builder, base, off):
+        """The 32 bf16 elements at byte offset `off` (an i64) of `base` (an i8*)."""
+        return builder.load(builder.bitcast(builder.gep(base, [off]), _V32H.as_pointer()), align=2)
+
     def _shuffle(builder, a, b, lanes):
         """The lanes of a (0-15) and b (16-31) picked by `lanes`."""
         return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), len(lanes)), lanes))
@@ -105,15 +114,13 @@ if compiled.numba is not None:
             # two accumulators per query, for even and odd chunks: one chain per query would wait on the
             # instruction's latency (~5 cycles) at every chunk, two keep the unit busy
             accs = [[cgutils.alloca_once_value(builder, ir.Constant(_V16F, None)) for _ in range(4)] for _ in range(2)]
-            # acc += pairs of a·b: AT&T operand order (src2, src1, dst), dst tied to the accumulator input
-            dp = ir.InlineAsm(ir.FunctionType(_V16F, [_V32H, _V32H, _V16F]), "vdpbf16ps $2, $1, $0", "=v,v,v,0")
+            dp = _vdpbf16ps()
 
             def chunk(c, acc):   # chunk c (32 elements) of the row into acc[0..3]
                 off = builder.mul(c, ir.Constant(_I64, 2 * _LANES))                   # bytes
-                kv = builder.load(builder.bitcast(builder.gep(kbase, [off]), _V32H.as_pointer()), align=2)
+                kv = _load_v32h(builder, kbase, off)
                 for g in range(4):
-                    qp = builder.gep(qbase, [builder.add(off, builder.mul(ir.Constant(_I64, g), qstride))])
-                    qv = builder.load(builder.bitcast(qp, _V32H.as_pointer()), align=2)
+                    qv = _load_v32h(builder, qbase, builder.add(off, builder.mul(ir.Constant(_I64, g), qstride)))
                     builder.store(builder.call(dp, [kv, qv, builder.load(acc[g])]), acc[g])
 
             chunks = builder.udiv(builder.extract_value(ka.shape, 1), ir.Constant(_I64, _LANES))
@@ -128,7 +135,6 @@ if compiled.numba is not None:
             return context.make_tuple(builder, signature.return_type, sums)
 
         return sig, codegen
-
 
     def _rows4_codegen(context, builder, signature, args):
         """`score_rows4` for bf16 queries: the loop over rows in IR, so that the four queries' vectors are
@@ -147,28 +153,23 @@ if compiled.numba is not None:
         rowd = builder.bitcast(rowsa.data, _I64.as_pointer())
         chunks = builder.udiv(builder.extract_value(ka.shape, 1), ir.Constant(_I64, _LANES))
         nh = cgutils.alloca_once_value(builder, ir.Constant(_I64, 0))
-        dp = ir.InlineAsm(ir.FunctionType(_V16F, [_V32H, _V32H, _V16F]), "vdpbf16ps $2, $1, $0", "=v,v,v,0")
-        pf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p] + [ir.IntType(32)] * 3),
-                                            "llvm.prefetch.p0")
+        dp = _vdpbf16ps()
         zero = ir.Constant(_V16F, None)
 
-        def vec(base, off):
-            return builder.load(builder.bitcast(builder.gep(base, [off]), _V32H.as_pointer()), align=2)
-
         def emit(nchunks):   # the row loop for rows of nchunks × 32 elements
-            qv = [[vec(qdata, builder.add(builder.mul(ir.Constant(_I64, g), qstride), ir.Constant(_I64, 64 * c)))
+            qv = [[_load_v32h(builder, qdata, builder.add(builder.mul(ir.Constant(_I64, g), qstride),
+                                                          ir.Constant(_I64, 64 * c)))
                    for c in range(nchunks)] for g in range(GROUP)]
             with cgutils.for_range_slice(builder, t0, t1, ir.Constant(_I64, 1), inc=True) as (t, _):
                 ahead_row = builder.add(t, ahead)
                 with builder.if_then(builder.icmp_signed("<", ahead_row, e)):
                     base = builder.gep(kdata, [builder.mul(ahead_row, kstride)])
                     for c in range(nchunks):   # a chunk is one 64-byte line
-                        builder.call(pf, [builder.gep(base, [ir.Constant(_I64, 64 * c)])] +
-                                     [ir.Constant(ir.IntType(32), x) for x in (0, 3, 1)])
+                        compiled.emit_prefetch(builder, builder.gep(base, [ir.Constant(_I64, 64 * c)]))
                 row = builder.gep(kdata, [builder.mul(t, kstride)])
                 acc = [[zero] * GROUP, [zero] * GROUP]   # even and odd chunks: two chains per query
                 for c in range(nchunks):
-                    kv = vec(row, ir.Constant(_I64, 64 * c))
+                    kv = _load_v32h(builder, row, ir.Constant(_I64, 64 * c))
                     for g in range(GROUP):
                         acc[c % 2][g] = builder.call(dp, [kv, qv[g][c], acc[c % 2][g]])
                 sums = _sum_lanes4(builder, [builder.fadd(a, b) for a, b in zip(*acc)])
@@ -297,4 +298,5 @@ if compiled.numba is not None:
                     return _score_rows4_bf16(keys, q, t0, t1, ahead, e, cut, sc, rows)
                 return score_rows4_f32(keys, q, t0, t1, ahead, e, cut, sc, rows)
             return bf16_rows
-        return lambda keys, q, t0, t1, ahead, e, cut, sc, rows: score_rows4_f32(keys, q, t0, t1, ahead, e, cut, sc, rows)
+        return (lambda keys, q, t0, t1, ahead, e, cut, sc, rows:
+                score_rows4_f32(keys, q, t0, t1, ahead, e, cut, sc, rows))

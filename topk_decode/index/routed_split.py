@@ -115,7 +115,8 @@ def split_layer_par(keys, pos, offsets, order, take, q, qf, qb, k, scale, vals, 
                     rpos, sc, w, part, ids, scores, o, o16, mz, tally):
     """One device-routed layer (arguments as `scan_layer_par`, plus the `SplitScratch` buffers) in `pieces`
     equal pieces per round. qf, qb: (Hkv, Qp, D) buffers for the queries padded to groups of four, as float32
-    and as bf16 bits (uint16 where the CPU has the bf16 dot product, else float32 and unused; dots.py). The buffers must hold every head's rows: when some head needs more than they hold
+    and as bf16 bits (uint16 where the CPU has the bf16 dot product, else float32 and unused; dots.py). The
+    buffers must hold every head's rows: when some head needs more than they hold
     (tally[1] says how many), nothing else is written and the caller retries with larger ones. tally (TALLY,)
     int64 receives the call's counts and times, reduced here so that the Python side does no array work.
     o16: (Hkv, Q, D) uint16 receives o rounded to bf16 as well (the decoder's part buffer: no conversion on
