@@ -70,7 +70,7 @@ class KVStore:
         return cls.open(out, device=device, dtype=dtype, **open_kwargs)
 
     @classmethod
-    def open(cls, path: str | os.PathLike, k: int = 256, strategy: str = "flat", *,
+    def open(cls, path: str | os.PathLike, k: int = 256, strategy: str = DecodeConfig.strategy, *,
              model: str | os.PathLike | None = None, device: str | None = None, dtype: str | None = None,
              k_per_layer: list[int] | None = None, k_schedule: str = "uniform", n_sink: int = 4, n_tail: int = 64,
              strategy_options: dict | None = None, verify: bool | None = None,
@@ -81,7 +81,8 @@ class KVStore:
         Args:
             path: the cache directory.
             k: context tokens retrieved per query head and layer.
-            strategy: selection strategy name ("flat", ...).
+            strategy: selection strategy name: "auto" (default: exact "flat" on short contexts, "routed"
+                on long ones; `store.strategy_reason` says which and why), "flat", "routed", ...
             model: checkpoint directory or GGUF file (default: the one recorded in the cache); its
                 fingerprint must match.
             device: "cuda" / "cpu" (default: CUDA when available).
@@ -196,7 +197,12 @@ class KVStore:
         m = self.ckv.manifest
         return {"path": str(self.ckv.path), "model": m["model"], "n_tokens": self.ckv.n_tokens,
                 "documents": len(m["documents"]), "bytes_on_disk": self.ckv.nbytes(),
-                "strategy": self.config.strategy, "k": self.config.k}
+                "strategy": self.config.strategy, "strategy_reason": self.strategy_reason, "k": self.config.k}
+
+    @property
+    def strategy_reason(self) -> str:
+        """Why the running strategy runs: chosen by the user, or `auto`'s choice for this context."""
+        return self.decoder.strategy_reason
 
 
 def _question_text(question) -> str:

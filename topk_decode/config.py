@@ -15,7 +15,9 @@ class DecodeConfig:
         k: context tokens retrieved per query head and layer (on top of sinks and tail).
         k_per_layer: per-layer budgets; overrides `k` when given (length = number of layers).
         k_schedule: "uniform" (k at every layer) or "linear" (increasing with depth, same total k·L).
-        strategy: selection strategy name (see `topk_decode.index.STRATEGIES`).
+        strategy: selection strategy name (see `topk_decode.index.STRATEGIES`), or "auto" (the default:
+            exact `flat` on short contexts, `routed` on long ones; index/auto.py). The decoder replaces
+            "auto" by the name it resolved to.
         strategy_options: options of that strategy (e.g. {"backend": "torch"} for flat).
         n_sink: first context tokens kept on the GPU with exact attention (attention sinks).
         n_tail: last context tokens kept on the GPU with exact attention (e.g. the chat-template
@@ -41,7 +43,7 @@ class DecodeConfig:
     k: int = 256
     k_per_layer: list[int] | None = None
     k_schedule: str = "uniform"
-    strategy: str = "flat"
+    strategy: str = "auto"
     strategy_options: dict = field(default_factory=dict)
     n_sink: int = 4
     n_tail: int = 64

@@ -17,7 +17,8 @@ from topk_decode.errors import TopkError
 def chat_command(
     cache: Annotated[Path, typer.Argument(help="The cache directory written by `topk prefill`.")],
     k: Annotated[int, typer.Option("--k", "-k", help="Context tokens retrieved per query head and layer.")] = 256,
-    strategy: Annotated[str, typer.Option(help="Selection strategy (flat = exact top-k).")] = "flat",
+    strategy: Annotated[str, typer.Option(help="Selection strategy: auto (exact flat on short contexts, routed on "
+                                                "long ones), flat (exact top-k), routed, ...")] = "auto",
     k_schedule: Annotated[str, typer.Option(help="uniform, or linear: k growing over layers at the same total.")] = "uniform",
     opt: Annotated[Optional[list[str]], typer.Option(help="Strategy option key=value, e.g. nprobe=32 (repeatable).")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Answer length limit in tokens.")] = 256,
@@ -45,8 +46,10 @@ def chat_command(
         raise TopkError("--prompt is empty")
 
     from topk_decode.index import get_strategy
+    from topk_decode.index.auto import AUTO
 
-    get_strategy(strategy)  # an unknown name fails before the model loads
+    if strategy != AUTO:
+        get_strategy(strategy)  # an unknown name fails before the model loads
     from topk_decode.decode.sampling import Sampling
 
     Sampling(temperature, top_p, seed)  # bad sampling options fail before the model loads too

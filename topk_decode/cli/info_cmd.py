@@ -11,13 +11,6 @@ import typer
 from topk_decode.cli.common import console, dir_size, human_bytes
 
 
-def _needs_artifacts(cls) -> bool:
-    """True when a strategy class overrides `build_artifacts` (it keeps files in the cache)."""
-    from topk_decode.index import SelectionStrategy
-
-    return getattr(cls.build_artifacts, "__func__", None) is not SelectionStrategy.build_artifacts.__func__
-
-
 def cache_facts(path: Path, verify: bool = False) -> dict:
     """Collect the facts `topk info` shows, after checking the files (sizes; checksums with `verify`).
 
@@ -25,7 +18,8 @@ def cache_facts(path: Path, verify: bool = False) -> dict:
         path: the cache directory.
         verify: hash every file against the manifest's checksums (reads the whole cache).
     """
-    from topk_decode.index import STRATEGIES
+    from topk_decode.index import STRATEGIES, keeps_artifacts
+    from topk_decode.index.auto import choose
     from topk_decode.index.artifacts import artifact_dir, artifacts_match, read_done, verify_done
     from topk_decode.store.cache_dir import check_cache
 
@@ -34,7 +28,7 @@ def cache_facts(path: Path, verify: bool = False) -> dict:
     # were built from this cache; their files are checked (sizes; checksums with `verify`) like the cache's.
     ready = []
     for n, cls in sorted(STRATEGIES.items()):
-        if not _needs_artifacts(cls):
+        if not keeps_artifacts(n):
             ready.append(n)
         elif artifacts_match(path, n, {}, cache_id):
             d = artifact_dir(path, n)
@@ -69,6 +63,7 @@ def cache_facts(path: Path, verify: bool = False) -> dict:
         },
         "prefill": m.get("prefill", {}),
         "strategies": ready,
+        "auto": {"strategy": choose(m["n_tokens"]).strategy, "reason": choose(m["n_tokens"]).reason},
         "strategies_not_built": sorted(n for n in STRATEGIES if n not in ready),
         # what was really checked: the manifest's schema + checksum always, then sizes or every checksum
         "checked": "checksums" if verify else "sizes",
@@ -118,6 +113,7 @@ def _print(f: dict) -> None:
         peak = "n/a on CPU" if p.get("peak_device_bytes") is None else human_bytes(p["peak_device_bytes"])
         say(f"prefill:    {p.get('seconds')} s, {p.get('tokens_per_s')} tok/s on {p.get('device')}, "
             f"chunk {p.get('chunk_size')}, peak GPU memory {peak}")
+    say(f"default:    auto runs {f['auto']['strategy']} ({f['auto']['reason']})")
     say(f"strategies: {', '.join(f['strategies'])} ready"
         + (f"; {', '.join(f['strategies_not_built'])} build their artifacts on first use "
            "(or at prefill with --strategy)" if f["strategies_not_built"] else ""))

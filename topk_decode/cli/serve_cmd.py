@@ -17,7 +17,8 @@ def serve_command(
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port (0: any free port, printed at start).")] = 8000,
     k: Annotated[int, typer.Option("--k", "-k", help="Context tokens retrieved per query head and layer.")] = 256,
-    strategy: Annotated[str, typer.Option(help="Selection strategy (flat = exact top-k).")] = "flat",
+    strategy: Annotated[str, typer.Option(help="Selection strategy: auto (exact flat on short contexts, routed on "
+                                                "long ones), flat (exact top-k), routed, ...")] = "auto",
     k_schedule: Annotated[str, typer.Option(help="uniform, or linear: k growing over layers at the same total.")] = "uniform",
     opt: Annotated[Optional[list[str]], typer.Option(help="Strategy option key=value, e.g. nprobe=32 (repeatable).")] = None,
     model_name: Annotated[Optional[str], typer.Option(help="The model id clients pass (default: the cache's folder name).")] = None,
@@ -45,8 +46,10 @@ def serve_command(
     options = parse_options(opt)
 
     from topk_decode.index import get_strategy
+    from topk_decode.index.auto import AUTO
 
-    get_strategy(strategy)  # an unknown name fails before the model loads
+    if strategy != AUTO:
+        get_strategy(strategy)  # an unknown name fails before the model loads
     import uvicorn
 
     from topk_decode.serve.app import BATCHING, Server, create_app
@@ -70,7 +73,7 @@ def serve_command(
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     console().print(f"serving {cache} as model '{name}' on http://{shown}:{bound}/v1 ({BATCHING}; "
-                    f"{store.ckv.n_tokens:,} tokens, strategy {strategy}, k={k}). Ctrl-C stops.", markup=False,
+                    f"{store.ckv.n_tokens:,} tokens, strategy {store.config.strategy}, k={k}). Ctrl-C stops.", markup=False,
                     soft_wrap=True)
     if host not in ("127.0.0.1", "localhost", "::1"):
         say_note("the server has no authentication: anyone who can reach this address can use it")

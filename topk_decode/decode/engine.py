@@ -28,7 +28,7 @@ from topk_decode.decode.merge import window_attention
 from topk_decode.decode.sampling import Sampling
 from topk_decode.decode.window import Window
 from topk_decode.errors import TopkError, TopkWarning
-from topk_decode.index import Selection, get_strategy
+from topk_decode.index import Selection, auto, get_strategy
 from topk_decode.model.blocks import ModelShape, attention_inputs, final_logits, rope
 from topk_decode.store.cache_dir import ContextKV
 
@@ -132,6 +132,9 @@ class TopKDecoder:
         n = ckv.n_tokens
         self.n_sink = min(config.n_sink, n)
         self.n_tail = min(config.n_tail, n - self.n_sink)
+        choice = auto.resolve(config.strategy, n)
+        config.strategy = choice.strategy
+        self.strategy_reason = choice.reason        # why this strategy runs (`topk info`, /show)
         self.strategy = get_strategy(config.strategy)(ckv, self.n_sink, n - self.n_tail, config.strategy_options)
         self.strategy.prepare(progress)
         self.last_logits = last_logits

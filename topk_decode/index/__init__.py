@@ -27,7 +27,13 @@ def get_strategy(name: str) -> type[SelectionStrategy]:
     try:
         return STRATEGIES[name]
     except KeyError:
-        raise TopkError(f"unknown strategy {name!r} (available: {', '.join(sorted(STRATEGIES))})") from None
+        raise TopkError(f"unknown strategy {name!r} (available: auto, {', '.join(sorted(STRATEGIES))})") from None
+
+
+def keeps_artifacts(name: str) -> bool:
+    """True when a strategy keeps files in the cache (its class overrides `build_artifacts`)."""
+    cls = get_strategy(name)
+    return getattr(cls.build_artifacts, "__func__", None) is not SelectionStrategy.build_artifacts.__func__
 
 
 def split_options(names: list[str], options: dict | None) -> dict[str, dict]:
@@ -66,4 +72,4 @@ def prepare_artifacts(ckv, names: list[str], options: dict | None = None, progre
         get_strategy(name).build_artifacts(ckv, opts, progress)
 
 
-__all__ = ["prepare_artifacts", "split_options", "artifact_dir", "artifacts_complete", "Selection", "SelectionStrategy", "STRATEGIES", "get_strategy", "exact_scores", "FlatStrategy"]
+__all__ = ["keeps_artifacts", "prepare_artifacts", "split_options", "artifact_dir", "artifacts_complete", "Selection", "SelectionStrategy", "STRATEGIES", "get_strategy", "exact_scores", "FlatStrategy"]
