@@ -278,6 +278,20 @@ class ChatSession:
         if self.tracker is not None:
             self.tracker.reset()
 
+    def mark(self) -> tuple:
+        """The conversation's position now, for `rewind`: turns, pending token, window length, sampler state."""
+        rng = self.sampling.generator.get_state() if self.sampling is not None else None
+        return self.turns, list(self.conv.pending), self.conv.window.length, rng
+
+    def rewind(self, mark: tuple) -> None:
+        """Back to a `mark()` of this conversation, which has only grown since (no `reset`): every token
+        added after the mark is dropped, so a question interrupted midway leaves no trace."""
+        self.turns, pending, length, rng = mark
+        self.conv.pending = list(pending)
+        self.conv.window.length = length
+        if rng is not None:
+            self.sampling.generator.set_state(rng)
+
     def _question_ids(self, question: str) -> list[int]:
         if self.turns == 0 and self.system is not None:
             text = conversation_text([{"role": "system", "content": self.system}, {"role": "user", "content": question}],

@@ -25,8 +25,9 @@ class DecodeConfig:
         compile: on CUDA, fuse the small ops of each layer's one-token step (norms, RoPE, merge,
             residuals) with torch.compile; the first step pays the compilation (decode/graphs.py).
         prompt_chunk: a longer prompt goes through the model in chunks of this many tokens, each
-            attending exactly to everything before it: the step's working memory grows with
-            prompt_chunk × window instead of the prompt's length squared.
+            attending exactly to everything before it: the step's working memory is bounded by the
+            chunk (its window part runs on fused attention kernels, linear in the window) instead of
+            growing with the prompt's length squared.
         prompt_scratch_mib: bound on a prompt chunk's search scratch, whose largest part is one score
             per (query head, chunk token, context token), 4 bytes each: over a long context the chunk
             shrinks below prompt_chunk to stay within it (e.g. 1M tokens, 32 query heads: 8 tokens).

@@ -92,37 +92,52 @@ def _answer(session, question: str, max_new_tokens: int) -> None:
 
 
 def _stream_answer(state: ChatState, question: str) -> None:
-    """Stream one answer in the chat; the first Ctrl-C stops it and keeps what was said.
+    """Stream one answer in the chat. Ctrl-C before the answer shows abandons the question at once and
+    rewinds the conversation to before it; during the answer the first Ctrl-C stops it and keeps what was said.
 
     The answer stops at a token boundary (StopRequest), so the decoder never sees a half-done step:
     every token shown so far is in the conversation's window, and the token generated when the stop
-    came is shown only if the decoder kept it as the pending token of the next turn.
+    came is shown only if the decoder kept it as the pending token of the next turn. An interrupted
+    step (the question's, or a second Ctrl-C's) leaves the window as it was before that step (engine.py).
     """
     session, clock = state.session, time.perf_counter
     conv = session.conv
     steps0, t0, first = conv.stats.steps, clock(), None
-    pieces = session.ask(question, max_new_tokens=state.max_tokens, stream=True)
-    typer.echo("topk> ", nl=False)
-    started = stopped = False
+    started = stopped = interrupted = False
     with StopRequest() as stop:
+        mark = session.mark()
         try:
-            for piece in pieces:
-                first = clock() if first is None else first
-                if stop.requested:
-                    stopped = True
-                    if not conv.pending:
-                        break       # generated but never fed back: not part of the conversation
-                if not started:
-                    piece = piece.lstrip()
-                    started = bool(piece)
-                if piece:
-                    typer.echo(piece, nl=False)
-                if stopped:
-                    break
-        finally:
-            pieces.close()
+            pieces = session.ask(question, max_new_tokens=state.max_tokens, stream=True)
+            typer.echo("topk> ", nl=False)
+            try:
+                for piece in pieces:
+                    stop.answering = True      # from here the first Ctrl-C stops at a token boundary
+                    first = clock() if first is None else first
+                    if stop.requested:
+                        stopped = True
+                        if not conv.pending:
+                            break       # generated but never fed back: not part of the conversation
+                    if not started:
+                        piece = piece.lstrip()
+                        started = bool(piece)
+                    if piece:
+                        typer.echo(piece, nl=False)
+                    if stopped:
+                        break
+            finally:
+                pieces.close()
+        except KeyboardInterrupt:
+            typer.echo()
+            if not stop.answering:
+                session.rewind(mark)
+                say("(question abandoned; the conversation is as it was before it)")
+                return
+            interrupted = True
     now = clock()
     state.record_answer(conv.stats.steps - steps0, now - t0, (first or now) - t0)
+    if interrupted:
+        say("(answer interrupted; the conversation keeps it up to the last token fed back)")
+        return
     typer.echo()
     if stopped:
         say("(answer stopped; the conversation keeps it)")
@@ -160,6 +175,6 @@ def _interactive(state: ChatState) -> None:
         except TopkError as e:
             say_error(e)  # a bad in-chat command or input line must not end the chat
         except KeyboardInterrupt:
-            # A second Ctrl-C: the step may have reached only some layers, so the window is no longer consistent.
+            # Ctrl-C during a /command (answers handle their own): start over rather than guess its state.
             state.reset()
-            typer.echo("\n(answer interrupted; conversation reset)")
+            typer.echo("\n(interrupted; conversation reset)")

@@ -24,7 +24,7 @@ from topk_decode.decode import embedding
 from topk_decode.decode.context import ContextAttention
 from topk_decode.decode.graphs import StepSegments
 from topk_decode.decode.layer import finish_layer
-from topk_decode.decode.merge import window_attention
+from topk_decode.decode.merge import chunk_window_attention
 from topk_decode.decode.sampling import Sampling
 from topk_decode.decode.window import Window
 from topk_decode.errors import TopkError, TopkWarning
@@ -348,15 +348,12 @@ class TopKDecoder:
         cos, sin = rope(self.model, x, positions)
         W0 = win.length
         win.reserve(W0 + T)          # (a window resident in the step's buffers moves out if they are too small)
-        # query t sees window slots j <= W0 + t (all earlier slots, and itself); one token sees them all
-        visible = None if T == 1 else \
-            torch.arange(W0 + T, device=self.device)[None, :] <= (W0 + torch.arange(T, device=self.device))[:, None]
         part_o = torch.empty((H * T, D), dtype=self.context.dtype)
         part_mz = torch.empty((H * T, 2), dtype=torch.float32)
         for layer_idx, layer in enumerate(self.model.model.layers):
             q, k, v = attention_inputs(layer, x, cos, sin, self.shape)           # (1,H,T,D), (1,Hkv,T,D)
             wk, wv = win.update(layer_idx, W0, k[0], v[0])                       # (Hkv, W0+T, D)
-            out_w, lse_w = window_attention(q[0], wk, wv, visible, self.scale)   # (H, T, D), (H, T)
+            out_w, lse_w = chunk_window_attention(q[0], wk, wv, self.scale)      # (H, T, D), (H, T)
             t0 = time.perf_counter()
             q_host = q[0].float().reshape(hkv, G * T, D).cpu()                   # (Hkv, G·T, D)
             t1 = time.perf_counter()
