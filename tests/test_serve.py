@@ -440,6 +440,17 @@ def test_topk_serve_on_a_taken_port_is_one_error_line(demo_cache):
     assert result.stderr.strip().startswith("error: cannot listen on 127.0.0.1:") and "\n" not in result.stderr.strip()
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_topk_serve_with_a_bad_body_limit_is_one_error_line(demo_cache, value):
+    from typer.testing import CliRunner
+
+    from topk_decode.cli.app import app
+
+    result = CliRunner().invoke(app, ["serve", str(demo_cache), "--max-body-mb", value, "--device", "cpu"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"error: --max-body-mb must be a positive number, got {float(value)}"
+
+
 def test_topk_serve_command_stops_on_interrupt_ending_an_open_stream_with_an_error_and_done(demo_cache):
     proc = subprocess.Popen([sys.executable, "-m", "topk_decode", "serve", str(demo_cache), "--port", "0",
                              "--device", "cpu"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
