@@ -335,16 +335,16 @@ class ChatSession:
         self.turns = sum(m.get("role") == "user" for m in messages)
         return self._stream(self.store.tokenizer(text, add_special_tokens=False).input_ids, max_new_tokens, before)
 
-    def complete(self, text: str, max_new_tokens: int = 256) -> Iterator[str]:
+    def complete(self, text: str | list[int], max_new_tokens: int = 256) -> Iterator[str]:
         """Stream the continuation of `text` appended verbatim after the cached documents (a fresh session).
 
         Args:
-            text: raw text, no template applied.
+            text: raw text, no template applied, or its token ids (already tokenized by the caller).
             max_new_tokens: continuation length limit in tokens.
         """
         if self.turns:
             raise TopkError("complete() needs a fresh session (or reset())")
-        ids = self.store.tokenizer(text, add_special_tokens=False).input_ids
+        ids = list(text) if isinstance(text, list) else self.store.tokenizer(text, add_special_tokens=False).input_ids
         if not ids:
             raise TopkError("empty prompt")
         before = (self.turns, list(self.conv.pending))

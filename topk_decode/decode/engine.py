@@ -27,7 +27,7 @@ from topk_decode.decode.layer import finish_layer
 from topk_decode.decode.merge import chunk_window_attention
 from topk_decode.decode.sampling import Sampling
 from topk_decode.decode.window import Window
-from topk_decode.errors import TopkError, TopkWarning
+from topk_decode.errors import StepCancelled, TopkError, TopkWarning
 from topk_decode.index import Selection, auto, get_strategy
 from topk_decode.model.blocks import ModelShape, attention_inputs, final_logits, rope
 from topk_decode.store.cache_dir import ContextKV
@@ -97,6 +97,9 @@ class Conversation:
     # Called as observer(layer, q, selection, conversation) after every search: q is (Hkv, G·T, D)
     # fp32 CPU, the window already holds this step's tokens. Used by the evaluation harness.
     observer: Callable[[int, torch.Tensor, Selection, "Conversation"], None] | None = None
+    # Polled before every layer of a multi-token step and before a one-token graph step; True raises StepCancelled
+    # (the server's cancel flag: a long prompt of a client that left stops within a layer).
+    should_stop: Callable[[], bool] | None = None
 
 
 class TopKDecoder:
@@ -286,6 +289,7 @@ class TopKDecoder:
         length0 = win.length
         try:
             if T == 1 and self._use_segments:
+                check_stop(conv)
                 logits = self._forward_one(ids[0], pos0, conv)
             else:
                 # Chunks (prompt_chunk_tokens): each one appends to the window and attends to everything
@@ -351,6 +355,7 @@ class TopKDecoder:
         part_o = torch.empty((H * T, D), dtype=self.context.dtype)
         part_mz = torch.empty((H * T, 2), dtype=torch.float32)
         for layer_idx, layer in enumerate(self.model.model.layers):
+            check_stop(conv)
             q, k, v = attention_inputs(layer, x, cos, sin, self.shape)           # (1,H,T,D), (1,Hkv,T,D)
             wk, wv = win.update(layer_idx, W0, k[0], v[0])                       # (Hkv, W0+T, D)
             out_w, lse_w = chunk_window_attention(q[0], wk, wv, self.scale)      # (H, T, D), (H, T)
@@ -395,3 +400,9 @@ class TopKDecoder:
                  eos_ids: set[int] | None = None, sampling: Sampling | None = None) -> list[int]:
         """All of `stream` as a list."""
         return list(self.stream(conv, prompt_ids, max_new_tokens, eos_ids, sampling))
+
+
+def check_stop(conv: Conversation) -> None:
+    """Raise StepCancelled when the conversation's `should_stop` says so."""
+    if conv.should_stop is not None and conv.should_stop():
+        raise StepCancelled("the step was cancelled")
