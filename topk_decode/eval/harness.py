@@ -104,9 +104,7 @@ class EvalConfig:
         for s in self.strategies:
             if s not in STRATEGIES and s != AUTO:
                 raise TopkError(f"unknown strategy {s!r} (available: auto, {', '.join(sorted(STRATEGIES))})")
-        named = [s for s in self.strategies if s != AUTO]
-        if named:
-            split_options(named, {k: v for k, v in self.strategy_options.items() if "." not in k})  # unknown options fail early
+        check_plain_options(self)  # unknown options fail early
         if self.docs is not None and not self.question.strip():
             raise TopkError("--question must not be empty")
         if not self.tasks or not self.lengths or not self.depths or not self.strategies or not self.ks:
@@ -128,6 +126,14 @@ class EvalConfig:
             raise TopkError(f"--seeds must be at least 1, got {self.seeds}")
         if self.fidelity_steps < 0:
             raise TopkError(f"--fidelity-steps must be ≥ 0, got {self.fidelity_steps}")
+
+
+def check_plain_options(cfg: EvalConfig) -> None:
+    """Raise TopkError for a plain option (no "strategy." prefix) that none of the named strategies has;
+    `auto` resolves per context, so it takes only "auto."-prefixed options."""
+    named = [s for s in cfg.strategies if s != AUTO]
+    if named:
+        split_options(named, {k: v for k, v in cfg.strategy_options.items() if "." not in k})
 
 
 def resolve_k(k: int | str, n_context: int) -> int:
@@ -378,7 +384,7 @@ def _measure(cache: Path, ctx_ids: list[int], prompt_ids: list[int], answer: str
         f"dense {dense_text.strip()!r} {verdict}")
     ks = sorted({(resolve_k(k, len(ctx_ids)), None if isinstance(k, int) else str(k)) for k in cfg.ks},
                 key=lambda kl: (kl[0], kl[1] or ""))
-    split_options(cfg.strategies, {k: v for k, v in cfg.strategy_options.items() if "." not in k})  # unknown names
+    check_plain_options(cfg)
     for strategy in cfg.strategies:
         # one store per strategy (its indices are built once); k only changes what a search returns
         dc = DecodeConfig(k=ks[-1][0], strategy=strategy,
