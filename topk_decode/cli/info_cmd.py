@@ -11,13 +11,6 @@ import typer
 from topk_decode.cli.common import console, dir_size, human_bytes
 
 
-def _needs_artifacts(cls) -> bool:
-    """True when a strategy class overrides `build_artifacts` (it keeps files in the cache)."""
-    from topk_decode.index import SelectionStrategy
-
-    return getattr(cls.build_artifacts, "__func__", None) is not SelectionStrategy.build_artifacts.__func__
-
-
 def cache_facts(path: Path, verify: bool = False) -> dict:
     """Collect the facts `topk info` shows, after checking the files (sizes; checksums with `verify`).
 
@@ -25,7 +18,8 @@ def cache_facts(path: Path, verify: bool = False) -> dict:
         path: the cache directory.
         verify: hash every file against the manifest's checksums (reads the whole cache).
     """
-    from topk_decode.index import STRATEGIES
+    # Nothing here imports torch or a strategy's module: `topk info` answers in well under a second.
+    from topk_decode.index import STRATEGIES, keeps_artifacts
     from topk_decode.index.artifacts import artifact_dir, artifacts_match, read_done, verify_done
     from topk_decode.store.cache_dir import check_cache
 
@@ -33,8 +27,8 @@ def cache_facts(path: Path, verify: bool = False) -> dict:
     # Ready: strategies that need no files (flat, tokenselect) and those whose artifacts are complete and
     # were built from this cache; their files are checked (sizes; checksums with `verify`) like the cache's.
     ready = []
-    for n, cls in sorted(STRATEGIES.items()):
-        if not _needs_artifacts(cls):
+    for n in sorted(STRATEGIES):
+        if not keeps_artifacts(n):
             ready.append(n)
         elif artifacts_match(path, n, {}, cache_id):
             d = artifact_dir(path, n)

@@ -17,9 +17,6 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from topk_decode.store.format import as_torch, blake2_file, dtype_name, keys_file, numpy_storage, values_file
 
 STATE = "resume/state.json"
@@ -49,6 +46,9 @@ def save_checkpoint(partial: Path, key: dict, next_layer: int, files: dict[str, 
         files: the writer's size/checksum table (layers below next_layer must be in it).
         hidden: (N, C) CPU residual stream entering `next_layer`.
     """
+    import numpy as np  # here, not at the top: the store opens caches without numpy and torch (`topk info`)
+    import torch
+
     (partial / "resume").mkdir(exist_ok=True)
     t = hidden.detach().contiguous()
     raw = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
@@ -107,6 +107,8 @@ def _load_checkpoint(partial: Path, key: dict) -> tuple[int, dict[str, dict], to
     p = partial / str(meta.get("file", ""))
     if not p.is_file() or blake2_file(p) != meta["blake2b"]:
         return 0, {}, None, "its residual stream does not match its recorded checksum"
+    import numpy as np
+
     shape = tuple(meta["shape"])
     arr = np.fromfile(p, dtype=numpy_storage(meta["dtype"]))
     if arr.size != int(np.prod(shape)):
