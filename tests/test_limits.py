@@ -265,6 +265,8 @@ def test_prefill_reports_skipped_entries_once_per_reason(model_factory, tmp_path
         "warning: skipped 5 files (not .txt/.md): img0.png, img1.png, img2.png and 2 more",
         "warning: skipped 1 file (a FIFO: not read): pipe.txt",
         f"warning: skipped 1 file ({LINK_OUTSIDE}): out.txt"])
+    info = topk("info", tmp_path / "c")
+    assert "skipped at prefill: 5 files (not .txt/.md): img0.png, img1.png, img2.png and 2 more" in info.stdout
 
 
 # ---- a failed artifact build gives its space back --------------------------------------------------

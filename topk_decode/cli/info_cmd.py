@@ -121,5 +121,7 @@ def _print(f: dict) -> None:
     for d in f["documents"]:
         table.add_row(escape(d["name"]), f"{d['start']:,}", f"{d['end']:,}", f"{d['end'] - d['start']:,}")
     out.print(table)
-    for s_ in f["skipped"]:
-        say(f"skipped at prefill: {s_}")
+    from topk_decode.prefill.documents import summarize_skipped
+
+    for line in summarize_skipped(f["skipped"]):
+        say(f"skipped at prefill: {line}")
