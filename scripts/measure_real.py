@@ -15,6 +15,11 @@ strategy × k, and writes per length `real_<model>_<length>.json` plus one markd
   first (`--duo-steps`, 0 = skip duo).
 - `--budget-minutes`: lengths run shortest first; a length whose estimated time (the previous
   length's, scaled by the length ratio) exceeds what is left is skipped with a message.
+- `--suite`: the fidelity suite's settings (docs/EVAL.md, "The fidelity suite"): every real task,
+  6 questions per task in each of 4 contexts per length (120 paired questions), k = 1 %, 2 % and 4 %
+  (4 % is the keys routed reads to select 1 %: every strategy at the same read), the seed strategies.
+  Explicit options still override it. Besides the per-length JSON it writes `real_<model>_paired.md`:
+  the paired comparison with dense (`topk_decode.eval.paired`).
 """
 
 from __future__ import annotations
@@ -78,7 +83,7 @@ def usable_strategies(names: list[str]) -> list[str]:
 
     out = []
     for n in names:
-        if n in STRATEGIES:
+        if n in STRATEGIES or n == "auto":
             out.append(n)
         else:
             print(f"note: strategy {n!r} is not registered in this checkout (have: {', '.join(sorted(STRATEGIES))}); "
@@ -141,15 +146,24 @@ def markdown(per_length: list[dict], model: str) -> str:
     return "\n".join(lines)
 
 
+SUITE = {"strategies": "flat,routed,quest,ivf,hnsw,tokenselect,duo", "k": "1%,2%,4%", "questions": 6, "seeds": 4}
+DEFAULTS = {"strategies": "flat,ivf,hnsw,quest,duo,tokenselect,routed", "k": "0.5%,1%,2%,5%", "questions": 1,
+            "seeds": 1}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="HF checkpoint directory or .gguf file")
+    p.add_argument("--suite", action="store_true",
+                   help=f"the fidelity suite's settings ({', '.join(f'{k}={v}' for k, v in SUITE.items())})")
     p.add_argument("--lengths", default="4096", help="comma-separated context lengths (tokens)")
-    p.add_argument("--strategies", default="flat,ivf,hnsw,quest,duo,tokenselect,routed")
-    p.add_argument("--k", default="0.5%,1%,2%,5%", help="budgets: ints or percentages of the context")
+    p.add_argument("--strategies", default=None, help=f"default: {DEFAULTS['strategies']}")
+    p.add_argument("--k", default=None, help=f"budgets: ints or percentages of the context (default: {DEFAULTS['k']})")
     p.add_argument("--tasks", default="real_needle,real_multi_key,real_multi_value,real_vt,real_qa")
-    p.add_argument("--questions", type=int, default=1, help="questions per task per context")
-    p.add_argument("--seeds", type=int, default=1, help="contexts per length")
+    p.add_argument("--questions", type=int, default=None, help="questions per task per context (default: 1)")
+    p.add_argument("--seeds", type=int, default=None, help="contexts per length (default: 1)")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="seed of the first context (tune on some seeds, report on others)")
     p.add_argument("--fidelity-steps", type=int, default=4, help="steps with attention metrics per question")
     p.add_argument("--duo-pattern", help="duo head pattern (TSV); default: calibrate on the model")
     p.add_argument("--duo-steps", type=int, default=60, help="calibration steps when no pattern (0: skip duo)")
@@ -166,6 +180,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="keep each context's prefill and dense answers here and reuse them in later runs")
     p.add_argument("--convert-dir", default=None, help="where a .gguf is converted (default: OUT_DIR/converted)")
     args = p.parse_args(argv)
+    for key, value in (SUITE if args.suite else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
 
     check_faiss()
     if args.threads:
@@ -175,6 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     from topk_decode.cli.common import parse_options
     from topk_decode.cli.eval_cmd import parse_k_list
     from topk_decode.errors import TopkError
+    from topk_decode.eval import paired
     from topk_decode.eval.harness import EvalConfig, run_eval
     from topk_decode.eval.report import save_json
 
@@ -209,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
                           file=sys.stderr)
                     continue
             cfg = EvalConfig(model=str(model), tasks=args.tasks.split(","), lengths=[length], seeds=args.seeds,
-                             questions=args.questions, strategies=strategies, ks=ks,
+                             questions=args.questions, first_seed=args.first_seed, strategies=strategies, ks=ks,
                              fidelity_steps=args.fidelity_steps, device=args.device, dtype=args.dtype,
                              n_sink=args.n_sink, n_tail=args.n_tail, strategy_options=options,
                              keep_dir=args.keep_dir)
@@ -224,6 +242,8 @@ def main(argv: list[str] | None = None) -> None:
                 data["complete"] = done
                 path.write_text(json.dumps(data, indent=1))
                 (out_dir / f"real_{name}.md").write_text(markdown(per_length + [data], name))
+                (out_dir / f"real_{name}_paired.md").write_text(
+                    paired.markdown([i for d in per_length + [data] for i in d["instances"]]))
                 return data
 
             result = run_eval(cfg, log=lambda m: print(m, file=sys.stderr, flush=True),
@@ -234,6 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     except TopkError as e:
         sys.exit(f"error: {e}")
     print(markdown(per_length, name))
+    print(paired.markdown([i for d in per_length for i in d["instances"]]))
     print(f"total {time.perf_counter() - t_start:.0f} s; tables in {out_dir / f'real_{name}.md'}", file=sys.stderr)
 
 

@@ -159,10 +159,21 @@ def test_plain_reader_skips_an_invalid_utf8_line_with_one_error_and_goes_on(caps
 def test_stop_request_turns_the_first_ctrl_c_into_a_flag_and_the_second_into_keyboardinterrupt():
     before = signal.getsignal(signal.SIGINT)
     with StopRequest() as stop:
+        stop.answering = True
         os.kill(os.getpid(), signal.SIGINT)
         assert stop.requested
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_stop_request_before_the_answer_raises_at_the_first_ctrl_c_and_then_ignores_more():
+    before = signal.getsignal(signal.SIGINT)
+    with StopRequest() as stop:
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)      # the question is still going through the model
+        assert stop.requested and stop.raised
+        os.kill(os.getpid(), signal.SIGINT)          # pressed again while unwinding: no second interrupt
     assert signal.getsignal(signal.SIGINT) is before
 
 
@@ -251,6 +262,52 @@ def test_ctrl_c_during_an_answer_keeps_exactly_what_was_said(cache, capsys):
     assert ref.ask("And then?", max_new_tokens=6) == after
 
 
+def test_ctrl_c_before_the_answer_shows_abandons_the_question_and_rewinds_the_conversation(cache, capsys, monkeypatch):
+    """Ctrl-C while the question goes through the model (no piece shown yet): the first press raises at
+    once, and the conversation is exactly as before the question (the next answer is a fresh one's)."""
+    from topk_decode.api import KVStore
+    from topk_decode.cli.chat_cmd import _stream_answer
+
+    store = KVStore.open(cache, k=8, device="cpu", prompt_chunk=4)
+    state = ChatState(store, store.session(), max_tokens=5)
+    _stream_answer(state, "What does the fox do?")
+    conv = state.session.conv
+    before = (state.session.turns, list(conv.pending), conv.window.length)
+    from topk_decode.decode import engine
+
+    window_part, calls = engine.chunk_window_attention, []
+
+    def window_part_then_ctrl_c(*args):
+        calls.append(1)
+        if len(calls) == 5:                           # inside the question's third chunk
+            os.kill(os.getpid(), signal.SIGINT)
+        return window_part(*args)
+
+    monkeypatch.setattr(engine, "chunk_window_attention", window_part_then_ctrl_c)
+    _stream_answer(state, "the lazy dog " * 30)
+    monkeypatch.undo()
+    assert len(calls) == 5                            # the question went no further
+    assert "(question abandoned; the conversation is as it was before it)" in capsys.readouterr().out
+    assert (state.session.turns, conv.pending, conv.window.length) == before
+    after = state.session.ask("And then?", max_new_tokens=6)
+
+    ref = store.session()
+    ref.ask("What does the fox do?", max_new_tokens=5)
+    assert ref.ask("And then?", max_new_tokens=6) == after
+
+
+def test_rewind_drops_a_whole_turn_and_restores_the_sampler(cache):
+    from topk_decode.api import KVStore
+
+    store = KVStore.open(cache, k=8, device="cpu")
+    chat = store.session(temperature=0.8, seed=3)
+    chat.ask("What does the fox do?", max_new_tokens=4)
+    mark = chat.mark()
+    first = chat.ask("And then?", max_new_tokens=6)
+    chat.rewind(mark)
+    assert chat.ask("And then?", max_new_tokens=6) == first
+
+
 # ---- the terminal reader, driven through a pipe instead of a tty ---------------------------------
 @pytest.fixture
 def terminal(tmp_path, monkeypatch):
@@ -282,3 +339,80 @@ def test_terminal_history_is_kept_in_a_file_across_chats(terminal, tmp_path):
     assert terminal("What is prefill?\r", 1) == ["What is prefill?"]
     assert "What is prefill?" in (tmp_path / "history").read_text()
     assert terminal("\x1b[A\r", 1) == ["What is prefill?"]     # arrow up in a new chat recalls it
+
+
+class _Chat:
+    """`topk chat` in a subprocess with piped stdin/stdout; its output gathered by a reader thread."""
+
+    def __init__(self, cache: Path) -> None:
+        import threading
+
+        env = dict(os.environ, PYTHONPATH=str(REPO), TOPK_CHAT_HISTORY="")
+        env.pop("TOPK_DEBUG", None)
+        self.proc = subprocess.Popen([sys.executable, "-m", "topk_decode", "chat", str(cache), "--device", "cpu",
+                                      "--max-new-tokens", "6"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, env=env)
+        self.out = bytearray()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        while chunk := self.proc.stdout.read1(4096):
+            self.out += chunk
+
+    def send(self, text: str) -> None:
+        self.proc.stdin.write(text.encode())
+        self.proc.stdin.flush()
+
+    def wait_for(self, text: str, count: int = 1, timeout: float = 300.0) -> float:
+        """Seconds until `text` has appeared `count` times in the output (fails after `timeout`)."""
+        import time
+
+        t0 = time.monotonic()
+        while self.out.decode(errors="replace").count(text) < count:
+            assert self.proc.poll() is None or self.reader.is_alive(), self.text()
+            assert time.monotonic() - t0 < timeout, f"no {text!r} after {timeout} s:\n{self.text()[-2000:]}"
+            time.sleep(0.05)
+        return time.monotonic() - t0
+
+    def finish(self) -> str:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=300)
+        self.reader.join(timeout=10)
+        return self.text()
+
+    def text(self) -> str:
+        return self.out.decode(errors="replace")
+
+
+def _answers(transcript: str) -> list[str]:
+    return [part.split("\n", 1)[0].strip() for part in transcript.split("topk> ")[1:]]
+
+
+@pytest.mark.slow
+def test_first_ctrl_c_during_a_long_question_abandons_it_at_once_and_keeps_the_conversation(cache):
+    """A question of ~60K tokens takes far longer than the bound below; the first Ctrl-C ends it within
+    seconds, and the next question is answered as in a fresh chat (the window is exactly as before)."""
+    chat = _Chat(cache)
+    chat.wait_for("Type /help")
+    chat.send("What does the fox do?\n")           # one turn first: the abandoned question follows it
+    chat.wait_for("topk> ")
+    chat.wait_for("you> ", count=2)
+    chat.send("the lazy dog " * 20000 + "\n")      # BPE of the tiny tokenizer: ~60K tokens
+    chat.wait_for("topk> ", count=2)                # the question is going through the model
+    import time
+
+    time.sleep(1.0)
+    chat.proc.send_signal(signal.SIGINT)
+    assert chat.wait_for("(question abandoned; the conversation is as it was before it)", timeout=30) < 30
+    chat.send("And then?\n/bye\n")
+    out = chat.finish()
+    assert chat.proc.returncode == 0, chat.proc.stderr.read().decode()
+    assert "conversation reset" not in out
+
+    ref = _Chat(cache)
+    ref.send("What does the fox do?\nAnd then?\n/bye\n")
+    ref_out = ref.finish()
+    ours, theirs = _answers(out), _answers(ref_out)
+    assert len(ours) == 3 and len(theirs) == 2, (out, ref_out)
+    assert ours[0] == theirs[0] and ours[2] == theirs[1] and ours[2], (out, ref_out)

@@ -78,6 +78,25 @@ def test_flash_window_part_equals_the_fp32_window_part():
     torch.testing.assert_close(out.float(), ref_out, rtol=2e-2, atol=2e-2)
 
 
+def test_chunk_window_part_on_fused_cuda_kernels_equals_the_dense_fp32_one():
+    """A prompt chunk's window part (flash in bf16, memory-efficient attention in fp32): the dense formula."""
+    from topk_decode.decode import merge
+
+    torch.manual_seed(2)
+    H, hkv, D, T, W = 32, 8, 128, 300, 1000
+    visible = torch.arange(W, device="cuda")[None, :] <= (W - T + torch.arange(T, device="cuda"))[:, None]
+    for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float32, 1e-4)):
+        q = torch.randn(H, T, D, device="cuda").to(dtype)
+        buf_k = torch.randn(hkv, 1024, D, device="cuda").to(dtype)
+        buf_v = torch.randn(hkv, 1024, D, device="cuda").to(dtype)
+        out, lse = merge.chunk_window_attention(q, buf_k[:, :W], buf_v[:, :W], D ** -0.5)
+        assert merge.FUSED_KERNELS["cuda"], "the fused kernels were not taken"
+        ref_out, ref_lse = merge.window_attention(q.float(), buf_k[:, :W].float(), buf_v[:, :W].float(), visible,
+                                                  D ** -0.5)
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol)
+
+
 def test_masked_fixed_capacity_window_part_equals_the_fp32_window_part():
     """Inside the graphs the window part runs over the whole buffer with a mask (efficient kernel)."""
     from topk_decode.decode import merge

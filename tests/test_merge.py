@@ -278,3 +278,42 @@ def test_context_part_of_prompts_of_different_lengths_warns_nothing(capfd):
         assert torch.isfinite(o.float()).all() and (mz[:, 1] >= 1).all()
     err = capfd.readouterr().err
     assert "resized" not in err, err
+
+
+def _chunk_case(seed: int, H: int, hkv: int, T: int, W: int, D: int, capacity: int):
+    """Queries of a T-token chunk and a window buffer of `capacity` slots holding W (the chunk's last)."""
+    torch.manual_seed(seed)
+    q = torch.randn(H, T, D) * 2
+    buf_k, buf_v = torch.randn(hkv, capacity, D), torch.randn(hkv, capacity, D)
+    visible = torch.arange(W)[None, :] <= (W - T + torch.arange(T))[:, None]     # bottom-right causal
+    return q, buf_k[:, :W], buf_v[:, :W], visible
+
+
+def test_chunk_window_part_equals_the_dense_masked_window_part():
+    # the fused split path (earlier slots ⊕ the chunk's own causal block) against the one-matrix fp32 formula
+    from topk_decode.decode import merge
+    from topk_decode.decode.merge import chunk_window_attention, window_attention
+
+    for H, hkv, T, W in ((8, 2, 37, 100), (4, 4, 5, 5), (6, 1, 64, 64 + 3), (8, 2, 1, 9)):
+        q, k, v, visible = _chunk_case(H + T, H, hkv, T, W, 16, capacity=128)   # strided views of a buffer
+        out, lse = chunk_window_attention(q, k, v, 16 ** -0.5)
+        ref_out, ref_lse = window_attention(q, k, v, visible, 16 ** -0.5)
+        assert out.dtype == lse.dtype == torch.float32 and out.shape == (H, T, 16) and lse.shape == (H, T)
+        torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    assert merge.FUSED_KERNELS["cpu"], "the fused CPU kernel was not taken"
+
+
+def test_blocked_fallback_equals_the_fused_kernel(monkeypatch):
+    # where no fused kernel runs: fp32 key blocks merged by lse (blocks smaller than the chunk here)
+    from topk_decode.decode import merge
+
+    q, k, v, visible = _chunk_case(7, 8, 2, 50, 130, 16, capacity=256)
+    fused = merge.chunk_window_attention(q, k, v, 0.25)
+    monkeypatch.setattr(merge, "KEY_BLOCK", 16)
+    monkeypatch.setitem(merge.FUSED_KERNELS, "cpu", False)
+    blocked = merge.chunk_window_attention(q, k, v, 0.25)
+    ref = merge.window_attention(q, k, v, visible, 0.25)
+    for ours in (fused, blocked):
+        torch.testing.assert_close(ours[0], ref[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours[1], ref[1], rtol=1e-5, atol=1e-5)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -29,6 +30,9 @@ from topk_decode.serve.app import Server, create_app  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "demo-cache"
 TIMEOUT = 120          # seconds any one request may take on a slow shared CPU
+BODY_MB = 1            # the test server's body limit
+FREED_S = 15           # a cancelled request frees the worker within this (a layer takes ~1 s on a 2-core CPU)
+LONG_PROMPT = " the" * 20_000   # 20,000 demo tokens: minutes of prompt on a 2-core CPU
 # `cuda` on the GPU host runs every test below over the CUDA decode path (fp32, so the answers are the CPU's)
 DEVICE = os.environ.get("TOPK_TEST_SERVE_DEVICE", "cpu")
 QUESTIONS = {          # examples/QUESTIONS.md
@@ -62,7 +66,7 @@ def store(demo_cache):
 @pytest.fixture(scope="module")
 def live(store):
     """(base_url, Server): the app served by uvicorn in a thread on a free port of 127.0.0.1."""
-    server = Server(store, MODEL, max_tokens_limit=1024, default_max_tokens=64)
+    server = Server(store, MODEL, max_tokens_limit=1024, default_max_tokens=64, max_body_mb=BODY_MB)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -270,6 +274,24 @@ def test_load_every_request_of_every_client_is_answered(client):
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": [""]}, 400, "stop"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": 1.5}, 400, "seed"),
+    # malformed input that once reached the tokenizer or the JSON decoder's recursion: 400, never a 500
+    (b'{"model": "demo-cache", "messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, "messages[0].content"),
+    (b'{"model": "demo-cache", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}',
+     400, "messages[0].content"),
+    (b'{"model": "demo-cache", "messages": [{"role": "user", "content": "hi"}], "stop": ["\\ud800"]}', 400, "stop"),
+    pytest.param(b'{"model": "demo-cache", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None,
+                 id="nested-100000-deep"),
+    (b'{"model": "demo-cache", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1e400}', 400, "max_tokens"),
+    (b'{"model": "demo-cache", "messages": [{"role": "user", "content": "hi"}], "temperature": -1e400}', 400,
+     "temperature"),
+    (b'{"model": "demo-cache", "messages": [{"role": "user", "content": "hi"}], "top_p": NaN}', 400, "top_p"),
+    pytest.param(b'{"model": "demo-cache", "messages": [{"role": "user", "content": "hi"}], "seed": ' + b"9" * 5000
+                 + b"}", 400, None, id="seed-of-5000-digits"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10 ** 100}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": 5, "content": "hi"}]}, 400, "messages[0]"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": [1]}, 400, "stop"),
+    ({"model": MODEL, "prompt": "hi", "messages": {"role": "user"}}, 400, "messages"),
+    (b'{"model": "demo-cache", "messages": [{"role": "user", "content": "\xff"}]}', 400, None),
 ])
 def test_bad_chat_requests_get_openai_shaped_4xx_json(live, body, status, param):
     base = live[0]
@@ -280,6 +302,107 @@ def test_bad_chat_requests_get_openai_shaped_4xx_json(live, body, status, param)
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["type"] == "invalid_request_error" and err["param"] == param
     assert get(base, "/health")["status"] == "ok"
+
+
+def raw_request(base: str, head: str, body_parts=()) -> tuple[int, dict]:
+    """Send `head` (request line and headers) then `body_parts`, stopping once the server answers: (status, JSON)."""
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as sock:
+        sock.sendall(head.encode())
+        for part in body_parts:
+            if select.select([sock], [], [], 0)[0]:
+                break                      # answered early: the rest is never read
+            sock.sendall(part)
+        resp = http.client.HTTPResponse(sock)   # reads the answer by its length: the connection stays open
+        resp.begin()
+        return resp.status, json.loads(resp.read())
+
+
+def test_a_body_past_the_limit_is_a_413_without_reading_it(live):
+    base = live[0]
+    head = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    # declared too large: answered from the headers alone (no body is ever sent)
+    status, answer = raw_request(base, head + f"Content-Length: {100 << 20}\r\n\r\n")
+    assert status == 413 and answer["error"]["code"] == "request_too_large", answer
+    assert set(answer["error"]) == {"message", "type", "param", "code"}
+    # no length declared (chunked): cut off once the received bytes pass the limit
+    part = b"a" * (1 << 16)
+    chunks = (b"%x\r\n%s\r\n" % (len(part), part) for _ in range(int(BODY_MB * 16) + 8))
+    status, answer = raw_request(base, head + "Transfer-Encoding: chunked\r\n\r\n", chunks)
+    assert status == 413 and answer["error"]["code"] == "request_too_large", answer
+    assert get(base, "/health")["status"] == "ok"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_during_a_long_prompt_frees_the_worker_within_seconds(live, client, stream):
+    base, server = live
+    before = server.worker.cancelled
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT)
+    # minutes of prompt on a 2-core CPU; a fast device may be in the answer (filler text, no end of turn) by then
+    conn.request("POST", "/v1/completions", json.dumps(
+        {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 1000, "stream": stream}),
+        {"Content-Type": "application/json"})
+    deadline = time.monotonic() + TIMEOUT
+    while not server.worker.running:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.05)
+    time.sleep(0.5)                           # inside the prompt's first chunk (CPU)
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    left = time.monotonic()
+    while server.worker.running:
+        assert time.monotonic() - left < FREED_S, "the worker went on with the prompt of a client that left"
+        time.sleep(0.05)
+    assert server.worker.cancelled == before + 1
+    assert "482" in ask(client, QUESTIONS["amber-fox"][0]).choices[0].message.content
+
+
+def test_a_cancelled_prompt_step_leaves_the_conversation_as_it_was(store):
+    from topk_decode.errors import StepCancelled
+
+    question = QUESTIONS["amber-fox"][0]
+    chat = store.session()
+    polls = []
+    chat.conv.should_stop = lambda: polls.append(1) or len(polls) >= 3    # stops at the third layer of the prompt
+    with pytest.raises(StepCancelled):
+        chat.ask(question, max_new_tokens=16)
+    assert len(polls) == 3 and chat.conv.window.n_new == 0 and chat.turns == 0 and chat.conv.pending == []
+    chat.conv.should_stop = None
+    assert chat.ask(question, max_new_tokens=16) == store.ask(question, max_new_tokens=16)
+
+
+def test_the_prompt_is_checked_against_the_room_before_it_is_queued(store):
+    from topk_decode.serve.schemas import APIError, GenerationRequest
+    from topk_decode.serve.worker import DecodeWorker
+
+    worker = DecodeWorker(store)
+    try:
+        assert worker.room == store.decoder.shape.max_positions - store.ckv.n_tokens   # the demo's binding limit
+        worker.room = 100
+        req = GenerationRequest(kind="completion", model=MODEL, prompt=" the" * 95, max_tokens=64)
+        assert len(worker.prompt_ids(req)) == 95 and req.max_tokens == 5    # an unset max_tokens fits the room
+        for n, given, param in [(95, True, "max_tokens"), (100, False, "prompt"), (100_000, False, "prompt")]:
+            req = GenerationRequest(kind="completion", model=MODEL, prompt=" the" * n, max_tokens=10,
+                                    max_tokens_given=given)
+            with pytest.raises(APIError) as e:
+                worker.prompt_ids(req)
+            assert e.value.status == 400 and e.value.code == "context_length_exceeded" and e.value.param == param
+        assert "more than 100" in e.value.message      # the huge one was refused without tokenizing it all
+        assert worker.waiting == worker.running == 0
+    finally:
+        worker.close()
+
+
+def test_tokenize_within_counts_slices_and_stops_early(store):
+    from topk_decode.serve.worker import SLICE_CHARS, tokenize_within
+
+    tok = store.tokenizer
+    text = (ROOT / "examples" / "docs" / "01_kelorn_harbour.txt").read_text()
+    text = text * (3 * SLICE_CHARS // len(text) + 1)
+    full = tok(text, add_special_tokens=False).input_ids
+    assert tokenize_within(tok, text, len(full)) == full
+    assert tokenize_within(tok, text, len(full) // 2) is None
 
 
 def test_openai_client_raises_its_own_errors_for_unknown_model_and_bad_values(client):
@@ -318,7 +441,18 @@ def test_topk_serve_on_a_taken_port_is_one_error_line(demo_cache):
     assert result.stderr.strip().startswith("error: cannot listen on 127.0.0.1:") and "\n" not in result.stderr.strip()
 
 
-def test_topk_serve_command_serves_and_stops_on_interrupt(demo_cache):
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_topk_serve_with_a_bad_body_limit_is_one_error_line(demo_cache, value):
+    from typer.testing import CliRunner
+
+    from topk_decode.cli.app import app
+
+    result = CliRunner().invoke(app, ["serve", str(demo_cache), "--max-body-mb", value, "--device", "cpu"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"error: --max-body-mb must be a positive number, got {float(value)}"
+
+
+def test_topk_serve_command_stops_on_interrupt_ending_an_open_stream_with_an_error_and_done(demo_cache):
     proc = subprocess.Popen([sys.executable, "-m", "topk_decode", "serve", str(demo_cache), "--port", "0",
                              "--device", "cpu"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -334,8 +468,19 @@ def test_topk_serve_command_serves_and_stops_on_interrupt(demo_cache):
                 assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
                 time.sleep(0.2)
         assert health["model"] == MODEL
+        # a streamed answer stuck in a long prompt when Ctrl-C comes
+        body = json.dumps({"model": MODEL, "stream": True, "max_tokens": 1,
+                           "messages": [{"role": "user", "content": LONG_PROMPT}]})
+        stream = urllib.request.urlopen(urllib.request.Request(base + "/v1/chat/completions", data=body.encode()),
+                                        timeout=TIMEOUT)
+        assert stream.readline().startswith(b"data: ")      # the role chunk: the prompt is running
         proc.send_signal(subprocess.signal.SIGINT)
-        proc.wait(timeout=30)
+        sent = time.monotonic()
+        events = [e for e in stream.read().decode().split("\n\n") if e]
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][6:])["error"]["code"] == "server_shutdown"
+        proc.wait(timeout=FREED_S)
+        assert time.monotonic() - sent < FREED_S
         assert "Traceback" not in proc.stderr.read()
     finally:
         if proc.poll() is None:

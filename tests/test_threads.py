@@ -142,3 +142,30 @@ def test_the_small_op_thread_limit_applies_to_the_calling_thread_only():
         other.start()
         other.join()
     assert seen == {"here": 1, "other": full} and torch.get_num_threads() == full
+
+
+def test_head_pool_map_that_fails_returns_only_after_its_running_tasks_end():
+    # An interrupted or failed search must not leave a task writing into buffers the next step reuses.
+    import time
+
+    from topk_decode.index.threads import HeadPool
+
+    pool = HeadPool(2)
+    started, done = threading.Event(), []
+
+    def task(i: int) -> int:
+        if i == 1:
+            started.set()
+            time.sleep(0.5)
+            done.append(i)
+            return i
+        started.wait()
+        raise KeyboardInterrupt          # as a Ctrl-C landing in the caller while head 1 still runs
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pool.map(task, [0, 1])
+        assert done == [1]
+        assert pool.map(lambda i: i * 2, range(4)) == [0, 2, 4, 6]
+    finally:
+        pool.close()

@@ -75,7 +75,7 @@ class KVStore:
         return cls.open(out, device=device, dtype=dtype, **open_kwargs)
 
     @classmethod
-    def open(cls, path: str | os.PathLike, k: int = 256, strategy: str = "flat", *,
+    def open(cls, path: str | os.PathLike, k: int = 256, strategy: str = DecodeConfig.strategy, *,
              model: str | os.PathLike | None = None, device: str | None = None, dtype: str | None = None,
              k_per_layer: list[int] | None = None, k_schedule: str = "uniform", n_sink: int = 4, n_tail: int = 64,
              strategy_options: dict | None = None, verify: bool | None = None,
@@ -86,7 +86,8 @@ class KVStore:
         Args:
             path: the cache directory.
             k: context tokens retrieved per query head and layer.
-            strategy: selection strategy name ("flat", ...).
+            strategy: selection strategy name: "auto" (default: exact "flat" on short contexts, "routed"
+                on long ones; `store.strategy_reason` says which and why), "flat", "routed", ...
             model: checkpoint directory or GGUF file (default: the one recorded in the cache); its
                 fingerprint must match.
             device: "cuda" / "cpu" (default: CUDA when available).
@@ -201,7 +202,12 @@ class KVStore:
         m = self.ckv.manifest
         return {"path": str(self.ckv.path), "model": m["model"], "n_tokens": self.ckv.n_tokens,
                 "documents": len(m["documents"]), "bytes_on_disk": self.ckv.nbytes(),
-                "strategy": self.config.strategy, "k": self.config.k}
+                "strategy": self.config.strategy, "strategy_reason": self.strategy_reason, "k": self.config.k}
+
+    @property
+    def strategy_reason(self) -> str:
+        """Why the running strategy runs: chosen by the user, or `auto`'s choice for this context."""
+        return self.decoder.strategy_reason
 
 
 def _question_text(question) -> str:
@@ -277,6 +283,20 @@ class ChatSession:
         if self.tracker is not None:
             self.tracker.reset()
 
+    def mark(self) -> tuple:
+        """The conversation's position now, for `rewind`: turns, pending token, window length, sampler state."""
+        rng = self.sampling.generator.get_state() if self.sampling is not None else None
+        return self.turns, list(self.conv.pending), self.conv.window.length, rng
+
+    def rewind(self, mark: tuple) -> None:
+        """Back to a `mark()` of this conversation, which has only grown since (no `reset`): every token
+        added after the mark is dropped, so a question interrupted midway leaves no trace."""
+        self.turns, pending, length, rng = mark
+        self.conv.pending = list(pending)
+        self.conv.window.length = length
+        if rng is not None:
+            self.sampling.generator.set_state(rng)
+
     def _question_ids(self, question: str) -> list[int]:
         if self.turns == 0 and self.system is not None:
             text = conversation_text([{"role": "system", "content": self.system}, {"role": "user", "content": question}],
@@ -320,16 +340,16 @@ class ChatSession:
         self.turns = sum(m.get("role") == "user" for m in messages)
         return self._stream(self.store.tokenizer(text, add_special_tokens=False).input_ids, max_new_tokens, before)
 
-    def complete(self, text: str, max_new_tokens: int = 256) -> Iterator[str]:
+    def complete(self, text: str | list[int], max_new_tokens: int = 256) -> Iterator[str]:
         """Stream the continuation of `text` appended verbatim after the cached documents (a fresh session).
 
         Args:
-            text: raw text, no template applied.
+            text: raw text, no template applied, or its token ids (already tokenized by the caller).
             max_new_tokens: continuation length limit in tokens.
         """
         if self.turns:
             raise TopkError("complete() needs a fresh session (or reset())")
-        ids = self.store.tokenizer(text, add_special_tokens=False).input_ids
+        ids = list(text) if isinstance(text, list) else self.store.tokenizer(text, add_special_tokens=False).input_ids
         if not ids:
             raise TopkError("empty prompt")
         before = (self.turns, list(self.conv.pending))

@@ -15,7 +15,9 @@ class DecodeConfig:
         k: context tokens retrieved per query head and layer (on top of sinks and tail).
         k_per_layer: per-layer budgets; overrides `k` when given (length = number of layers).
         k_schedule: "uniform" (k at every layer) or "linear" (increasing with depth, same total k·L).
-        strategy: selection strategy name (see `topk_decode.index.STRATEGIES`).
+        strategy: selection strategy name (see `topk_decode.index.STRATEGIES`), or "auto" (the default:
+            exact `flat` on short contexts, `routed` on long ones; index/auto.py). The decoder replaces
+            "auto" by the name it resolved to.
         strategy_options: options of that strategy (e.g. {"backend": "torch"} for flat).
         n_sink: first context tokens kept on the GPU with exact attention (attention sinks).
         n_tail: last context tokens kept on the GPU with exact attention (e.g. the chat-template
@@ -23,8 +25,9 @@ class DecodeConfig:
         compile: on CUDA, fuse the small ops of each layer's one-token step (norms, RoPE, merge,
             residuals) with torch.compile; the first step pays the compilation (decode/graphs.py).
         prompt_chunk: a longer prompt goes through the model in chunks of this many tokens, each
-            attending exactly to everything before it: the step's working memory grows with
-            prompt_chunk × window instead of the prompt's length squared.
+            attending exactly to everything before it: the step's working memory is bounded by the
+            chunk (its window part runs on fused attention kernels, linear in the window) instead of
+            growing with the prompt's length squared.
         prompt_scratch_mib: bound on a prompt chunk's search scratch, whose largest part is one score
             per (query head, chunk token, context token), 4 bytes each: over a long context the chunk
             shrinks below prompt_chunk to stay within it (e.g. 1M tokens, 32 query heads: 8 tokens).
@@ -41,7 +44,7 @@ class DecodeConfig:
     k: int = 256
     k_per_layer: list[int] | None = None
     k_schedule: str = "uniform"
-    strategy: str = "flat"
+    strategy: str = "auto"
     strategy_options: dict = field(default_factory=dict)
     n_sink: int = 4
     n_tail: int = 64

@@ -7,3 +7,8 @@ class TopkError(Exception):
 
 class TopkWarning(UserWarning):
     """A condition the user should know about but that does not stop the work (printed as one line)."""
+
+
+class StepCancelled(Exception):
+    """A decoding step stopped early because its conversation's `should_stop` said so; the conversation
+    is left as it was before the step (not a user error: a caller that set `should_stop` expects it)."""

@@ -17,7 +17,8 @@ from topk_decode.errors import TopkError
 def chat_command(
     cache: Annotated[Path, typer.Argument(help="The cache directory written by `topk prefill`.")],
     k: Annotated[int, typer.Option("--k", "-k", help="Context tokens retrieved per query head and layer.")] = 256,
-    strategy: Annotated[str, typer.Option(help="Selection strategy (flat = exact top-k).")] = "flat",
+    strategy: Annotated[str, typer.Option(help="Selection strategy: auto (exact flat on short contexts, routed on "
+                                                "long ones), flat (exact top-k), routed, ...")] = "auto",
     k_schedule: Annotated[str, typer.Option(help="uniform, or linear: k growing over layers at the same total.")] = "uniform",
     opt: Annotated[Optional[list[str]], typer.Option(help="Strategy option key=value, e.g. nprobe=32 (repeatable).")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Answer length limit in tokens.")] = 256,
@@ -45,9 +46,11 @@ def chat_command(
         raise TopkError("--prompt is empty")
 
     from topk_decode.index import check_strategy_name
+    from topk_decode.index.auto import AUTO
     from topk_decode.store.cache_dir import check_cache
 
-    check_strategy_name(strategy)  # an unknown name fails before the model loads
+    if strategy != AUTO:
+        check_strategy_name(strategy)  # an unknown name fails before the model loads
     check_cache(cache)  # so does a missing or truncated cache; neither check imports torch
     from topk_decode.decode.sampling import Sampling
 
@@ -91,37 +94,52 @@ def _answer(session, question: str, max_new_tokens: int) -> None:
 
 
 def _stream_answer(state: ChatState, question: str) -> None:
-    """Stream one answer in the chat; the first Ctrl-C stops it and keeps what was said.
+    """Stream one answer in the chat. Ctrl-C before the answer shows abandons the question at once and
+    rewinds the conversation to before it; during the answer the first Ctrl-C stops it and keeps what was said.
 
     The answer stops at a token boundary (StopRequest), so the decoder never sees a half-done step:
     every token shown so far is in the conversation's window, and the token generated when the stop
-    came is shown only if the decoder kept it as the pending token of the next turn.
+    came is shown only if the decoder kept it as the pending token of the next turn. An interrupted
+    step (the question's, or a second Ctrl-C's) leaves the window as it was before that step (engine.py).
     """
     session, clock = state.session, time.perf_counter
     conv = session.conv
     steps0, t0, first = conv.stats.steps, clock(), None
-    pieces = session.ask(question, max_new_tokens=state.max_tokens, stream=True)
-    typer.echo("topk> ", nl=False)
-    started = stopped = False
+    started = stopped = interrupted = False
     with StopRequest() as stop:
+        mark = session.mark()
         try:
-            for piece in pieces:
-                first = clock() if first is None else first
-                if stop.requested:
-                    stopped = True
-                    if not conv.pending:
-                        break       # generated but never fed back: not part of the conversation
-                if not started:
-                    piece = piece.lstrip()
-                    started = bool(piece)
-                if piece:
-                    typer.echo(piece, nl=False)
-                if stopped:
-                    break
-        finally:
-            pieces.close()
+            pieces = session.ask(question, max_new_tokens=state.max_tokens, stream=True)
+            typer.echo("topk> ", nl=False)
+            try:
+                for piece in pieces:
+                    stop.answering = True      # from here the first Ctrl-C stops at a token boundary
+                    first = clock() if first is None else first
+                    if stop.requested:
+                        stopped = True
+                        if not conv.pending:
+                            break       # generated but never fed back: not part of the conversation
+                    if not started:
+                        piece = piece.lstrip()
+                        started = bool(piece)
+                    if piece:
+                        typer.echo(piece, nl=False)
+                    if stopped:
+                        break
+            finally:
+                pieces.close()
+        except KeyboardInterrupt:
+            typer.echo()
+            if not stop.answering:
+                session.rewind(mark)
+                say("(question abandoned; the conversation is as it was before it)")
+                return
+            interrupted = True
     now = clock()
     state.record_answer(conv.stats.steps - steps0, now - t0, (first or now) - t0)
+    if interrupted:
+        say("(answer interrupted; the conversation keeps it up to the last token fed back)")
+        return
     typer.echo()
     if stopped:
         say("(answer stopped; the conversation keeps it)")
@@ -159,6 +177,6 @@ def _interactive(state: ChatState) -> None:
         except TopkError as e:
             say_error(e)  # a bad in-chat command or input line must not end the chat
         except KeyboardInterrupt:
-            # A second Ctrl-C: the step may have reached only some layers, so the window is no longer consistent.
+            # Ctrl-C during a /command (answers handle their own): start over rather than guess its state.
             state.reset()
-            typer.echo("\n(answer interrupted; conversation reset)")
+            typer.echo("\n(interrupted; conversation reset)")

@@ -163,7 +163,7 @@ def _cmd_show(state: ChatState, arg: str) -> None:
     rows = [
         ("model", f"{model['path']} (fingerprint {model['fingerprint']})"),
         ("cache", f"{store.ckv.path}: {store.ckv.n_tokens:,} tokens in {n_docs} document{'s' * (n_docs != 1)}"),
-        ("strategy", f"{cfg.strategy}{' ' + opts if opts else ''}"),
+        ("strategy", f"{cfg.strategy}{' ' + opts if opts else ''} ({store.strategy_reason})"),
         ("k", f"{cfg.k} per query head and layer ({cfg.k_schedule} schedule)" if cfg.k_per_layer is None
          else f"per layer {cfg.k_per_layer}"),
         ("window", f"{cfg.n_sink} sink + {cfg.n_tail} tail context tokens, {conv.window.n_new:,} conversation tokens"),

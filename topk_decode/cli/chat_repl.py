@@ -27,7 +27,8 @@ INPUT_HELP = f"""input:
   Enter submits; Esc-Enter (or Alt-Enter) starts a new line; a pasted text stays one question.
   {FENCE} starts a multi-line question that ends at a line ending with {FENCE} (also in piped input).
   Up/Down recall earlier questions (history kept across chats); Ctrl-R searches it.
-  Ctrl-C stops an answer and keeps the conversation (press it twice to abandon the step and reset);
+  Ctrl-C while a question is read in abandons it (the conversation stays as before it); during
+  the answer it stops the answer and keeps what was said (a second Ctrl-C abandons the step);
   at the prompt Ctrl-C clears the line. Ctrl-D on an empty line or /bye leaves."""
 
 
@@ -161,8 +162,12 @@ def make_reader() -> Callable[[str], Optional[str]]:
 
 # ---- Ctrl-C during an answer ----------------------------------------------------------------------
 class StopRequest:
-    """While active, the first Ctrl-C only asks the answer to stop (at the next token, so the decoder
-    never sees a half-done step); a second one raises KeyboardInterrupt as usual.
+    """Ctrl-C while a question is answered. Until the first piece of the answer is shown (`answering`
+    False: the question's tokens are still going through the model), the first Ctrl-C raises
+    KeyboardInterrupt at once: the decoder leaves the window as it was before the interrupted step
+    and the chat rewinds the question. Once the answer shows (`answering` True), the first Ctrl-C only
+    asks it to stop at the next token, so the decoder never sees a half-done step; a second one raises
+    KeyboardInterrupt as usual.
 
     Use as `with StopRequest() as stop: ... if stop.requested: break`. Outside the main thread
     (signals cannot be handled there) it does nothing and Ctrl-C behaves as usual.
@@ -170,10 +175,15 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.requested = False
+        self.answering = False
+        self.raised = False
         self._previous = None
 
     def _handler(self, signum, frame) -> None:
-        if self.requested:
+        if self.raised:
+            return          # already unwinding: one more press must not interrupt the rewind
+        if self.requested or not self.answering:
+            self.requested = self.raised = True
             raise KeyboardInterrupt
         self.requested = True
 

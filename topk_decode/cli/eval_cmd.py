@@ -60,7 +60,8 @@ def eval_command(
     seeds: Annotated[int, typer.Option("--seeds", help="Instances per (task, length, depth); real tasks: contexts per length.")] = 1,
     questions: Annotated[int, typer.Option("--questions", help="Real tasks: questions per task in each context.")] = 2,
     first_seed: Annotated[int, typer.Option("--first-seed", help="Seed of the first instance.")] = 0,
-    strategies: Annotated[str, typer.Option("--strategies", help="Comma-separated selection strategies.")] = "flat",
+    strategies: Annotated[str, typer.Option("--strategies", help="Comma-separated selection strategies (auto: "
+                                                                 "the default's choice per context).")] = "auto",
     k: Annotated[str, typer.Option("--k", help="Comma-separated retrieval budgets per query head and layer; x% = share of the context's tokens.")] = "1,4,16,64,256,1024",
     k_schedules: Annotated[str, typer.Option("--k-schedules", help="Comma-separated per-layer schedules: uniform, linear (same total budget).")] = "uniform",
     docs: Annotated[Path | None, typer.Option("--docs", help="Fidelity only, on these documents (folder or file) instead of the tasks.")] = None,

@@ -20,6 +20,7 @@ def cache_facts(path: Path, verify: bool = False) -> dict:
     """
     # Nothing here imports torch or a strategy's module: `topk info` answers in well under a second.
     from topk_decode.index import STRATEGIES, keeps_artifacts
+    from topk_decode.index.auto import choose
     from topk_decode.index.artifacts import artifact_dir, artifacts_match, read_done, verify_done
     from topk_decode.store.cache_dir import check_cache
 
@@ -63,6 +64,7 @@ def cache_facts(path: Path, verify: bool = False) -> dict:
         },
         "prefill": m.get("prefill", {}),
         "strategies": ready,
+        "auto": {"strategy": choose(m["n_tokens"]).strategy, "reason": choose(m["n_tokens"]).reason},
         "strategies_not_built": sorted(n for n in STRATEGIES if n not in ready),
         # what was really checked: the manifest's schema + checksum always, then sizes or every checksum
         "checked": "checksums" if verify else "sizes",
@@ -112,6 +114,7 @@ def _print(f: dict) -> None:
         peak = "n/a on CPU" if p.get("peak_device_bytes") is None else human_bytes(p["peak_device_bytes"])
         say(f"prefill:    {p.get('seconds')} s, {p.get('tokens_per_s')} tok/s on {p.get('device')}, "
             f"chunk {p.get('chunk_size')}, peak GPU memory {peak}")
+    say(f"default:    auto runs {f['auto']['strategy']} ({f['auto']['reason']})")
     say(f"strategies: {', '.join(f['strategies'])} ready"
         + (f"; {', '.join(f['strategies_not_built'])} build their artifacts on first use "
            "(or at prefill with --strategy)" if f["strategies_not_built"] else ""))

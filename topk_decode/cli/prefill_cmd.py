@@ -179,6 +179,12 @@ def prefill_command(
         except Terminated:
             typer.echo("terminated", err=True)
             raise typer.Exit(143) from None
+        from topk_decode.index import keeps_artifacts
+        from topk_decode.index.auto import choose
+
+        if not names:   # what `auto` will run on this cache, so the first question does not wait for a build
+            names = [n for n in [choose(stats.n_tokens).strategy] if keeps_artifacts(n)]
+            per_strategy = {n: {} for n in names}
         if names:
             _build_strategies(bar, path, names, per_strategy)
 

@@ -10,6 +10,7 @@ import typer
 
 from topk_decode.cli.common import check_device, check_positive, console, parse_options, say_note
 from topk_decode.errors import TopkError
+from topk_decode.serve.schemas import MAX_BODY_MB
 
 
 def serve_command(
@@ -17,13 +18,15 @@ def serve_command(
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port (0: any free port, printed at start).")] = 8000,
     k: Annotated[int, typer.Option("--k", "-k", help="Context tokens retrieved per query head and layer.")] = 256,
-    strategy: Annotated[str, typer.Option(help="Selection strategy (flat = exact top-k).")] = "flat",
+    strategy: Annotated[str, typer.Option(help="Selection strategy: auto (exact flat on short contexts, routed on "
+                                                "long ones), flat (exact top-k), routed, ...")] = "auto",
     k_schedule: Annotated[str, typer.Option(help="uniform, or linear: k growing over layers at the same total.")] = "uniform",
     opt: Annotated[Optional[list[str]], typer.Option(help="Strategy option key=value, e.g. nprobe=32 (repeatable).")] = None,
     model_name: Annotated[Optional[str], typer.Option(help="The model id clients pass (default: the cache's folder name).")] = None,
     max_tokens: Annotated[int, typer.Option(help="Answer length when a request sets no max_tokens.")] = 256,
     max_tokens_limit: Annotated[int, typer.Option(help="The largest max_tokens a request may ask for.")] = 4096,
     max_queue: Annotated[int, typer.Option(help="Requests waiting or running beyond which new ones get a 429.")] = 64,
+    max_body_mb: Annotated[float, typer.Option(help="Request bodies past this many MB get a 413.")] = MAX_BODY_MB,
     model: Annotated[Optional[Path], typer.Option(help="Checkpoint dir (default: the one the cache records).")] = None,
     device: Annotated[Optional[str], typer.Option(help="cuda or cpu (default: cuda when available).")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU).")] = None,
@@ -37,6 +40,8 @@ def serve_command(
     check_positive("--max-tokens", max_tokens)
     check_positive("--max-tokens-limit", max_tokens_limit)
     check_positive("--max-queue", max_queue)
+    if not 0 < max_body_mb < float("inf"):
+        raise TopkError(f"--max-body-mb must be a positive number, got {max_body_mb}")
     check_device(device)
     if not 0 <= port <= 65535:
         raise TopkError(f"--port must be in 0..65535, got {port}")
@@ -45,8 +50,10 @@ def serve_command(
     options = parse_options(opt)
 
     from topk_decode.index import get_strategy
+    from topk_decode.index.auto import AUTO
 
-    get_strategy(strategy)  # an unknown name fails before the model loads
+    if strategy != AUTO:
+        get_strategy(strategy)  # an unknown name fails before the model loads
     import uvicorn
 
     from topk_decode.serve.app import BATCHING, Server, create_app
@@ -65,12 +72,12 @@ def serve_command(
                          dtype=dtype, n_sink=n_sink, n_tail=n_tail, strategy_options=options, compile=compile)
     name = model_name or Path(cache).resolve().name
     server = Server(store, name, max_tokens_limit=max_tokens_limit, default_max_tokens=max_tokens,
-                    max_queue=max_queue)
+                    max_queue=max_queue, max_body_mb=max_body_mb)
     server.worker.warm_up()
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     console().print(f"serving {cache} as model '{name}' on http://{shown}:{bound}/v1 ({BATCHING}; "
-                    f"{store.ckv.n_tokens:,} tokens, strategy {strategy}, k={k}). Ctrl-C stops.", markup=False,
+                    f"{store.ckv.n_tokens:,} tokens, strategy {store.config.strategy}, k={k}). Ctrl-C stops.", markup=False,
                     soft_wrap=True)
     if host not in ("127.0.0.1", "localhost", "::1"):
         say_note("the server has no authentication: anyone who can reach this address can use it")

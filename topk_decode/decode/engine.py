@@ -24,11 +24,11 @@ from topk_decode.decode import embedding
 from topk_decode.decode.context import ContextAttention
 from topk_decode.decode.graphs import StepSegments
 from topk_decode.decode.layer import finish_layer
-from topk_decode.decode.merge import window_attention
+from topk_decode.decode.merge import chunk_window_attention
 from topk_decode.decode.sampling import Sampling
 from topk_decode.decode.window import Window
-from topk_decode.errors import TopkError, TopkWarning
-from topk_decode.index import Selection, get_strategy
+from topk_decode.errors import StepCancelled, TopkError, TopkWarning
+from topk_decode.index import Selection, auto, get_strategy
 from topk_decode.model.blocks import ModelShape, attention_inputs, final_logits, rope
 from topk_decode.store.cache_dir import ContextKV
 
@@ -97,6 +97,9 @@ class Conversation:
     # Called as observer(layer, q, selection, conversation) after every search: q is (Hkv, G·T, D)
     # fp32 CPU, the window already holds this step's tokens. Used by the evaluation harness.
     observer: Callable[[int, torch.Tensor, Selection, "Conversation"], None] | None = None
+    # Polled before every layer of a multi-token step and before a one-token graph step; True raises StepCancelled
+    # (the server's cancel flag: a long prompt of a client that left stops within a layer).
+    should_stop: Callable[[], bool] | None = None
 
 
 class TopKDecoder:
@@ -132,6 +135,9 @@ class TopKDecoder:
         n = ckv.n_tokens
         self.n_sink = min(config.n_sink, n)
         self.n_tail = min(config.n_tail, n - self.n_sink)
+        choice = auto.resolve(config.strategy, n)
+        config.strategy = choice.strategy
+        self.strategy_reason = choice.reason        # why this strategy runs (`topk info`, /show)
         self.strategy = get_strategy(config.strategy)(ckv, self.n_sink, n - self.n_tail, config.strategy_options)
         self.strategy.prepare(progress)
         self.last_logits = last_logits
@@ -283,6 +289,7 @@ class TopKDecoder:
         length0 = win.length
         try:
             if T == 1 and self._use_segments:
+                check_stop(conv)
                 logits = self._forward_one(ids[0], pos0, conv)
             else:
                 # Chunks (prompt_chunk_tokens): each one appends to the window and attends to everything
@@ -345,15 +352,13 @@ class TopKDecoder:
         cos, sin = rope(self.model, x, positions)
         W0 = win.length
         win.reserve(W0 + T)          # (a window resident in the step's buffers moves out if they are too small)
-        # query t sees window slots j <= W0 + t (all earlier slots, and itself); one token sees them all
-        visible = None if T == 1 else \
-            torch.arange(W0 + T, device=self.device)[None, :] <= (W0 + torch.arange(T, device=self.device))[:, None]
         part_o = torch.empty((H * T, D), dtype=self.context.dtype)
         part_mz = torch.empty((H * T, 2), dtype=torch.float32)
         for layer_idx, layer in enumerate(self.model.model.layers):
+            check_stop(conv)
             q, k, v = attention_inputs(layer, x, cos, sin, self.shape)           # (1,H,T,D), (1,Hkv,T,D)
             wk, wv = win.update(layer_idx, W0, k[0], v[0])                       # (Hkv, W0+T, D)
-            out_w, lse_w = window_attention(q[0], wk, wv, visible, self.scale)   # (H, T, D), (H, T)
+            out_w, lse_w = chunk_window_attention(q[0], wk, wv, self.scale)      # (H, T, D), (H, T)
             t0 = time.perf_counter()
             q_host = q[0].float().reshape(hkv, G * T, D).cpu()                   # (Hkv, G·T, D)
             t1 = time.perf_counter()
@@ -395,3 +400,9 @@ class TopKDecoder:
                  eos_ids: set[int] | None = None, sampling: Sampling | None = None) -> list[int]:
         """All of `stream` as a list."""
         return list(self.stream(conv, prompt_ids, max_new_tokens, eos_ids, sampling))
+
+
+def check_stop(conv: Conversation) -> None:
+    """Raise StepCancelled when the conversation's `should_stop` says so."""
+    if conv.should_stop is not None and conv.should_stop():
+        raise StepCancelled("the step was cancelled")

@@ -66,6 +66,103 @@ def window_attention(q: torch.Tensor, win_k: torch.Tensor, win_v: torch.Tensor, 
     return out, lse
 
 
+# Devices whose fused kernels work here (one that raises once is not tried again).
+FUSED_KERNELS = {"cpu": True, "cuda": True}
+# Keys per block of `blocked_attention`, the fallback where no fused kernel runs: bounds its fp32
+# scores to (heads, queries, block).
+KEY_BLOCK = 1024
+
+
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of (B, H, T, D) queries over (B, H, S, D) keys/values (same heads) with its log-sum-exp,
+    through torch's fused kernels: memory linear in T and S, never a (T, S) score matrix.
+
+    CPU: the flash kernel for CPU (fp32 accumulation; fp32 inputs stay fp32 throughout). CUDA: flash
+    for fp16/bf16, memory-efficient attention otherwise. A build without them: `blocked_attention`.
+    `causal` masks top-left aligned (query t sees keys ≤ t), so it is meant for square blocks. S ≥ 1.
+
+    Returns:
+        out (B, H, T, D) float32 and lse (B, H, T) float32 of the scaled scores.
+    """
+    dev = q.device.type
+    if FUSED_KERNELS.get(dev, False):
+        try:
+            if dev == "cpu":
+                out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
+                                                                                    scale=scale)
+            elif q.dtype in (torch.float16, torch.bfloat16):
+                out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
+                                                                              scale=scale)[:2]
+            else:
+                out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+                                                                                  scale=scale)[:2]
+            return out.float(), lse[..., :q.shape[2]].float()      # (efficient pads lse's T to 32)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError:   # a build or head size without the kernel: the blocked fp32 path from now on
+            FUSED_KERNELS[dev] = False
+    return blocked_attention(q, k, v, causal, scale)
+
+
+def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fused_attention` in fp32 over blocks of `KEY_BLOCK` keys, the blocks merged by their log-sum-exps."""
+    B, H, T, D = q.shape
+    S = k.shape[2]
+    q3, k3, v3 = q.reshape(B * H, T, D), k.reshape(B * H, S, D), v.reshape(B * H, S, D)
+    out = lse = None
+    for s in range(0, S, KEY_BLOCK):
+        e = min(s + KEY_BLOCK, S)
+        t0 = min(s, T) if causal else 0      # causal: queries before s see nothing in this block
+        if t0 >= T:
+            break
+        visible = None
+        if causal:                          # key j visible to query t iff j <= t
+            visible = torch.arange(s, e, device=q.device)[None, :] <= torch.arange(t0, T, device=q.device)[:, None]
+        o_b, l_b = window_attention(q3[:, t0:], k3[:, s:e], v3[:, s:e], visible, scale)
+        if out is None:                     # s = 0: every query sees key 0
+            out, lse = o_b, l_b
+        else:
+            out[:, t0:], lse[:, t0:] = lse_merge(out[:, t0:], lse[:, t0:], o_b, l_b)
+    return out.reshape(B, H, T, D), lse.reshape(B, H, T)
+
+
+def chunk_window_attention(q: torch.Tensor, win_k: torch.Tensor, win_v: torch.Tensor,
+                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The window part of a chunk of T tokens that are the window's last T slots, causal, with its lse.
+
+    Query t sees every earlier slot and the chunk's slots up to its own (a bottom-right causal mask).
+    Split as prefill splits a chunk (prefill/layerwise.py): the W − T earlier slots, seen by every
+    query, with the G query heads of a KV head folded into one batch entry of G·T queries; and the
+    chunk's own square causal block, K/V repeated per query head (T slots only). Each runs through
+    `fused_attention`; the two parts merge exactly by their log-sum-exps. Time and memory grow with
+    T·W, never a (H, T, W) score matrix. One token: `window_attention`.
+
+    Args:
+        q: (H, T, D) the chunk's queries (post-RoPE).
+        win_k, win_v: (Hkv, W, D) the window through the chunk (its T keys last, W ≥ T).
+        scale: softmax scale.
+    Returns:
+        out (H, T, D) float32 and lse (H, T) float32 of the scaled scores.
+    """
+    H, T, D = q.shape
+    hkv, W, _ = win_k.shape
+    if T == 1:
+        return window_attention(q, win_k, win_v, None, scale)
+    G = H // hkv
+    W0 = W - T
+    own_k = win_k[:, W0:].repeat_interleave(G, dim=0)[None]                  # (1, H, T, D)
+    own_v = win_v[:, W0:].repeat_interleave(G, dim=0)[None]
+    out, lse = fused_attention(q[None].contiguous(), own_k, own_v, True, scale)
+    out, lse = out[0], lse[0]                                                # (H, T, D), (H, T)
+    if W0 == 0:
+        return out, lse
+    qg = q.reshape(hkv, G * T, D)[None]                                      # (1, Hkv, G·T, D)
+    out_p, lse_p = fused_attention(qg, win_k[None, :, :W0], win_v[None, :, :W0], False, scale)
+    return lse_merge(out_p.reshape(H, T, D), lse_p.reshape(H, T), out, lse)
+
+
 _EFFICIENT_OK = True
 
 

@@ -27,6 +27,7 @@ from topk_decode.config import DecodeConfig
 from topk_decode.errors import TopkError
 from topk_decode.eval.metrics import FidelityObserver, dense_reference, is_correct, teacher_forced
 from topk_decode.index import STRATEGIES, get_strategy, split_options
+from topk_decode.index.auto import AUTO
 from topk_decode.model.loading import eos_token_ids, load_model, load_tokenizer, model_fingerprint
 from topk_decode.prefill.build import build_cache, parse_dtype, pick_device
 from topk_decode.store.cache_dir import open_cache
@@ -76,7 +77,7 @@ class EvalConfig:
     depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])
     seeds: int = 1
     first_seed: int = 0
-    strategies: list[str] = field(default_factory=lambda: ["flat"])
+    strategies: list[str] = field(default_factory=lambda: [AUTO])
     ks: list[int | str] = field(default_factory=lambda: [1, 4, 16, 64, 256, 1024])
     k_schedules: list[str] = field(default_factory=lambda: ["uniform"])
     fidelity_steps: int = 8
@@ -101,9 +102,11 @@ class EvalConfig:
             if t not in TASKS and t not in REAL_TASKS:
                 raise TopkError(f"unknown task {t!r} (available: {', '.join(TASKS + REAL_TASKS)})")
         for s in self.strategies:
-            if s not in STRATEGIES:
-                raise TopkError(f"unknown strategy {s!r} (available: {', '.join(sorted(STRATEGIES))})")
-        split_options(self.strategies, {k: v for k, v in self.strategy_options.items() if "." not in k})  # unknown options fail early
+            if s not in STRATEGIES and s != AUTO:
+                raise TopkError(f"unknown strategy {s!r} (available: auto, {', '.join(sorted(STRATEGIES))})")
+        named = [s for s in self.strategies if s != AUTO]
+        if named:
+            split_options(named, {k: v for k, v in self.strategy_options.items() if "." not in k})  # unknown options fail early
         if self.docs is not None and not self.question.strip():
             raise TopkError("--question must not be empty")
         if not self.tasks or not self.lengths or not self.depths or not self.strategies or not self.ks:
@@ -154,6 +157,8 @@ def strategy_options(options: dict, strategy: str) -> dict:
         options: all strategy options of the run.
         strategy: the strategy's name.
     """
+    if strategy == AUTO:       # the decoder resolves it per context; its options go to what it resolves to
+        return {k.split(".", 1)[1]: v for k, v in options.items() if k.startswith(AUTO + ".")}
     cls = get_strategy(strategy)
     # plain keys go to the strategies that declare them (index.split_options checks that each belongs to one)
     out = {k: v for k, v in options.items() if "." not in k and (cls.OPTIONS is None or k in cls.OPTIONS)}

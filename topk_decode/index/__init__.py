@@ -48,7 +48,7 @@ STRATEGIES = StrategyRegistry()
 def check_strategy_name(name: str) -> str:
     """`name` when a strategy is registered under it, else TopkError naming the available ones (no import)."""
     if name not in _REGISTRY:
-        raise TopkError(f"unknown strategy {name!r} (available: {', '.join(sorted(_REGISTRY))})")
+        raise TopkError(f"unknown strategy {name!r} (available: auto, {', '.join(sorted(_REGISTRY))})")
     return name
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, TypeVar
@@ -115,7 +115,18 @@ class HeadPool:
             fn: the per-item work (one KV head's search).
             items: the items (head indices).
         """
-        return list(self._pool.map(fn, items)) if self._pool else [fn(i) for i in items]
+        if not self._pool:
+            return [fn(i) for i in items]
+        futures = [self._pool.submit(fn, i) for i in items]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            # An interrupted step (Ctrl-C) or a failed task: no task may still be writing into the
+            # strategy's buffers when the next step reuses them.
+            for f in futures:
+                f.cancel()
+            wait(futures)
+            raise
 
     def close(self) -> None:
         """Stop the worker threads (idempotent)."""

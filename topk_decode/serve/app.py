@@ -2,7 +2,8 @@
 
 Each request is a fresh conversation over the cached documents (the client sends the whole
 history, as with OpenAI); see decode/messages.py for how it is laid out after them. Requests are
-decoded one at a time by `DecodeWorker`; the event loop only parses, queues and streams.
+decoded one at a time by `DecodeWorker`; the event loop only reads (up to the body limit), parses,
+queues and streams.
 """
 
 from __future__ import annotations
@@ -16,17 +17,17 @@ import uuid
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from topk_decode.serve.schemas import APIError, GenerationRequest, parse_json, parse_request
+from topk_decode.serve.schemas import MAX_BODY_MB, APIError, GenerationRequest, parse_json, parse_request, too_large
 from topk_decode.serve.worker import DecodeWorker, Job
 
 BATCHING = "serial queue, batch 1"
 
 
-def _error(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+def _error(e: APIError) -> Response:
+    return Response(e.json(), status_code=e.status, media_type="application/json")
 
 
 class _Stream(StreamingResponse):
@@ -56,12 +57,14 @@ class Server:
         max_tokens_limit: the largest max_tokens a request may ask for.
         default_max_tokens: max_tokens when a request gives none.
         max_queue: requests waiting or running beyond which new ones get a 429.
+        max_body_mb: request bodies past this many MB get a 413, before they are read in full.
     """
 
     def __init__(self, store, model_id: str, max_tokens_limit: int = 4096, default_max_tokens: int = 256,
-                 max_queue: int = 64) -> None:
+                 max_queue: int = 64, max_body_mb: float = MAX_BODY_MB) -> None:
         self.store = store
         self.model_id = model_id
+        self.max_body_bytes = int(max_body_mb * 2 ** 20)
         self.max_tokens_limit = max_tokens_limit
         self.default_max_tokens = min(default_max_tokens, max_tokens_limit)
         self.worker = DecodeWorker(store, max_queue=max_queue)
@@ -91,8 +94,8 @@ class Server:
 
     async def _generate(self, request: Request, kind: str):
         try:
-            req = parse_request(parse_json(await request.body()), kind, self.model_id, self.max_tokens_limit,
-                                self.default_max_tokens)
+            raw = await read_body(request, self.max_body_bytes)
+            req = parse_request(parse_json(raw), kind, self.model_id, self.max_tokens_limit, self.default_max_tokens)
             job = Job(req, asyncio.get_running_loop())
             self.worker.submit(job)
         except APIError as e:
@@ -154,7 +157,7 @@ class Server:
             if kind_ == "text":
                 yield chunk({"content": value} if chat else value)
             elif kind_ == "error":      # the answer has started: report in-band, as OpenAI does
-                yield _sse(value.body())
+                yield f"data: {value.json()}\n\n"
                 break
             else:
                 yield chunk({} if chat else "", value["finish_reason"], sources=value["sources"])
@@ -168,6 +171,20 @@ def _usage(info: dict) -> dict:
     return {"prompt_tokens": info["prompt_tokens"], "completion_tokens": info["completion_tokens"],
             "total_tokens": info["prompt_tokens"] + info["completion_tokens"],
             "prompt_tokens_details": {"cached_tokens": info["cached_tokens"]}}
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, or a 413 as soon as it is known to pass `limit` bytes (declared or received)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
+        raise too_large(limit)
+    chunks, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _watch_disconnect(request: Request, job: Job) -> None:

@@ -12,6 +12,9 @@ from typing import Any
 
 MAX_STOP = 4            # OpenAI's limit on stop sequences
 TEMPERATURE_MAX = 2.0   # OpenAI's range for temperature
+# default request body limit (`topk serve --max-body-mb`): room for a prompt of the default max_window_tokens
+# (65,536 tokens) even written as \uXXXX escapes; bounds the memory and parse time a request can cost
+MAX_BODY_MB = 4.0
 
 
 class APIError(Exception):
@@ -34,6 +37,10 @@ class APIError(Exception):
         """The JSON body OpenAI clients parse."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def json(self) -> str:
+        """`body()` as ASCII JSON: whatever a message quotes, rendering it cannot fail."""
+        return json.dumps(self.body())
+
 
 @dataclass
 class GenerationRequest:
@@ -46,18 +53,27 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     max_tokens: int = 256
+    max_tokens_given: bool = False       # False: max_tokens is the server's default, cut to the room left
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
 
 
+def too_large(limit_bytes: int) -> APIError:
+    """The 413 for a body past the server's limit."""
+    return APIError(413, f"the request body is larger than this server's limit of {limit_bytes / 2 ** 20:g} MB "
+                         f"(topk serve --max-body-mb)", code="request_too_large")
+
+
 def parse_json(raw: bytes) -> dict:
     """The request body as a JSON object, or a 400."""
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError) as e:   # ValueError covers integers of over 4300 digits
         raise APIError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
     return body
@@ -82,14 +98,24 @@ def _integer(body: dict, name: str) -> int | None:
     return v
 
 
+def _unicode(s: str, param: str) -> str:
+    """`s` if it is valid Unicode text, else a 400."""
+    try:    # a JSON escape like "\\ud800" gives a lone surrogate, which the tokenizer cannot encode
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param} is not valid Unicode text: a lone surrogate ({s[e.start]!r}) at character "
+                            f"{e.start}", param=param, code="invalid_value") from None
+    return s
+
+
 def _text(content: Any, param: str) -> str:
     """A message's content: a string, or a list of {"type": "text", "text": ...} parts."""
     if isinstance(content, str):
-        return content
+        return _unicode(content, param)
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
         if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in content):
             raise APIError(400, "only text content parts are supported", param=param, code="invalid_value")
-        return "".join(p["text"] for p in content)
+        return _unicode("".join(p["text"] for p in content), param)
     raise APIError(400, "message content must be a string or a list of text parts", param=param,
                    code="invalid_type")
 
@@ -117,7 +143,7 @@ def parse_request(body: dict, kind: str, model_id: str, max_tokens_limit: int, d
             raise APIError(400, "messages must be a non-empty list", param="messages",
                            code="missing_required_parameter" if messages is None else "invalid_value")
         for i, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise APIError(400, f"messages[{i}] must be an object with a role", param=f"messages[{i}]",
                                code="invalid_value")
             req.messages.append({"role": m["role"], "content": _text(m.get("content"), f"messages[{i}].content")})
@@ -130,7 +156,7 @@ def parse_request(body: dict, kind: str, model_id: str, max_tokens_limit: int, d
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
             raise APIError(400, "prompt must be a non-empty string", param="prompt", code="invalid_value")
-        req.prompt = prompt
+        req.prompt = _unicode(prompt, "prompt")
     stream = body.get("stream", False)
     if not isinstance(stream, bool) and stream is not None:
         raise APIError(400, "stream must be a boolean", param="stream", code="invalid_type")
@@ -151,6 +177,7 @@ def parse_request(body: dict, kind: str, model_id: str, max_tokens_limit: int, d
         raise APIError(400, f"{name} must be between 1 and {max_tokens_limit} on this server, got {max_tokens}",
                        param=name, code="invalid_value")
     req.max_tokens = max_tokens if max_tokens is not None else default_max_tokens
+    req.max_tokens_given = max_tokens is not None
     # greedy unless asked: the served caches answer questions, and greedy is the exact path
     req.temperature = _number(body, "temperature", 0.0, 0.0, TEMPERATURE_MAX)
     req.top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
@@ -162,5 +189,5 @@ def parse_request(body: dict, kind: str, model_id: str, max_tokens_limit: int, d
                              or not all(isinstance(s, str) and s for s in stop)):
         raise APIError(400, f"stop must be a non-empty string or a list of at most {MAX_STOP} of them", param="stop",
                        code="invalid_value")
-    req.stop = stop or []
+    req.stop = [_unicode(s, "stop") for s in stop or []]
     return req

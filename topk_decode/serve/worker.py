@@ -1,21 +1,27 @@
 """One decoding thread that serves requests one at a time (batch 1), off the event loop.
 
-Each request becomes a `Job`: the worker thread renders and tokenizes its prompt, decodes, and
-hands events to the request's asyncio queue (`start`, then `text` pieces, then `done`, or one
-`error`). Tokenizers and the store are only ever touched by this thread, and under the store lock,
-so concurrent clients can never mix their conversations. A job whose client went away is
-cancelled: it is skipped if still queued and stops at its next token if running.
+Each request becomes a `Job`. A preparing thread renders and tokenizes its prompt and checks it
+against the context limits, so an oversized request is refused without ever reaching the decoder;
+then the decoding thread decodes it and hands events to the request's asyncio queue (`start`, then
+`text` pieces, then `done`, or one `error`). The store is only ever touched by the decoding thread,
+under the store lock, so concurrent clients can never mix their conversations; the preparing thread
+has its own copy of the tokenizer. A job whose client went away is cancelled: it is skipped if still
+queued, and if running it stops within a layer of its prompt or at its next token (the decoder
+polls `Job.cancelled` through the conversation's `should_stop`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from topk_decode.errors import TopkError
+from topk_decode.errors import StepCancelled, TopkError
 from topk_decode.serve.schemas import APIError, GenerationRequest
+
+SLICE_CHARS = 1 << 16   # a long prompt is first counted slice by slice, so a huge one is refused early
 
 
 class StopText:
@@ -59,6 +65,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    ids: list[int] = field(default_factory=list)   # the prompt's tokens, set by the preparing thread
 
     def emit(self, kind: str, value) -> None:
         """Hand an event to the request's coroutine (callable from any thread)."""
@@ -68,22 +75,47 @@ class Job:
             pass
 
     def cancel(self) -> None:
-        """The client is gone: skip the job if queued, stop it at its next token if running."""
+        """The client is gone: skip the job if queued, stop it within a layer if running."""
         self.cancelled.set()
 
 
+def tokenize_within(tokenizer, text: str, limit: int) -> list[int] | None:
+    """The token ids of `text`, or None once slices of it clearly hold more than `limit` tokens."""
+    if len(text) > SLICE_CHARS:
+        # Slices end at a space or newline, where most tokenizers split anyway: their counts add up to
+        # the whole text's count give or take a token per cut (the margin), without tokenizing past the limit.
+        n, start, cuts = 0, 0, 0
+        while start < len(text):
+            end = start + SLICE_CHARS
+            if end < len(text):
+                space = max(text.rfind(" ", start + 1, end), text.rfind("\n", start + 1, end))
+                end = space if space > start else end
+            n += len(tokenizer(text[start:end], add_special_tokens=False).input_ids)
+            cuts += 1
+            if n > limit + 2 * cuts:
+                return None
+            start = end
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
 class DecodeWorker:
-    """The serial queue in front of the store.
+    """The serial queue in front of the store, behind a preparing thread.
 
     Args:
         store: the opened KVStore.
-        max_queue: jobs waiting or running beyond which new requests get a 429.
+        max_queue: jobs preparing, waiting or running beyond which new requests get a 429.
     """
 
     def __init__(self, store, max_queue: int = 64) -> None:
         self.store = store
         self.max_queue = max_queue
         self.lock = threading.Lock()          # the store and its tokenizer: one request at a time
+        # the preparing thread's own tokenizer: the store's is the decoding thread's alone
+        self.tokenizer = copy.deepcopy(store.tokenizer)
+        decoder = store.decoder
+        # tokens a prompt and its answer may take after the documents: the window's limit, the model's positions
+        self.room = min(decoder.config.max_window_tokens, decoder.shape.max_positions - store.ckv.n_tokens)
+        self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="topk-prepare")
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="topk-decode")
         self._count = threading.Lock()
         self.waiting = 0
@@ -108,7 +140,7 @@ class DecodeWorker:
                 raise _shutting_down()
             self.waiting += 1
             self.pending.add(job)
-        self._pool.submit(self._run, job)
+        self._prep.submit(self._prepare, job)
 
     def warm_up(self) -> None:
         """Decode two tokens on the decoding thread, so that the one-time work of the first step
@@ -122,23 +154,83 @@ class DecodeWorker:
         self._pool.submit(run).result()
 
     def close(self) -> None:
-        """Server shutdown: queued jobs get a 503, the running one stops at its next token."""
+        """Server shutdown: queued jobs get a 503, the running one stops within a layer."""
         with self._count:
             self.closing = True
             pending, self.pending = list(self.pending), set()
         for job in pending:
             job.cancel()
             job.emit("error", _shutting_down())
+        self._prep.shutdown(wait=False, cancel_futures=True)
         self._pool.shutdown(wait=False, cancel_futures=True)
         if (job := self.current) is not None:
             job.cancel()
 
-    def _run(self, job: Job) -> None:
+    def prompt_ids(self, req: GenerationRequest) -> list[int]:
+        """The request's prompt tokens, checked against the room after the documents (else a 400); an unset
+        max_tokens is cut to the room left. Runs on the preparing thread (its own tokenizer).
+
+        Args:
+            req: the validated request (its max_tokens may be lowered).
+        """
+        store = self.store
+        if req.kind == "chat":
+            from topk_decode.decode.messages import conversation_text
+
+            text = conversation_text(req.messages, store.prompt_format, self.tokenizer)
+        else:
+            text = req.prompt
+        ids = tokenize_within(self.tokenizer, text, self.room - 1)
+        n_prompt = len(ids) if ids is not None else None
+        if ids is not None and not ids:
+            raise APIError(400, "the prompt is empty once tokenized", param="prompt", code="invalid_value")
+        if ids is not None and not req.max_tokens_given:
+            req.max_tokens = max(1, min(req.max_tokens, self.room - n_prompt))
+        if ids is None or n_prompt + req.max_tokens > self.room:
+            n_context, window = store.ckv.n_tokens, store.decoder.config.max_window_tokens
+            prompt = f"{n_prompt}" if ids is not None else f"more than {self.room}"
+            if self.room == window:
+                limit = (f"this server takes at most {window} tokens of prompt and answer after the cached "
+                         f"documents (max_window_tokens)")
+            else:
+                limit = (f"this model's maximum context length is {store.decoder.shape.max_positions} tokens, "
+                         f"{n_context} of them the cached documents")
+            raise APIError(400, f"{limit}; the prompt ({prompt}) + max_tokens ({req.max_tokens}) exceed it",
+                           param="max_tokens" if ids is not None and n_prompt < self.room else
+                           ("messages" if req.kind == "chat" else "prompt"), code="context_length_exceeded")
+        return ids
+
+    def _leave_queue(self, job: Job) -> bool:
+        """Take a job out of the waiting ones; False if close() has answered it already."""
         with self._count:
-            if job not in self.pending:   # close() has answered it already
-                return
+            if job not in self.pending:
+                return False
             self.pending.discard(job)
             self.waiting -= 1
+            return True
+
+    def _prepare(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            if self._leave_queue(job):
+                with self._count:
+                    self.cancelled += 1
+                job.emit("done", None)
+            return
+        try:
+            job.ids = self.prompt_ids(job.request)
+        except Exception as e:  # noqa: BLE001 - a failing request must not take the thread down
+            if self._leave_queue(job):
+                job.emit("error", _api_error(e))
+            return
+        try:
+            self._pool.submit(self._run, job)
+        except RuntimeError:     # shut down meanwhile: close() has answered the job
+            pass
+
+    def _run(self, job: Job) -> None:
+        if not self._leave_queue(job):   # close() has answered it
+            return
+        with self._count:
             self.running += 1
         try:
             if job.cancelled.is_set():
@@ -149,12 +241,8 @@ class DecodeWorker:
             with self.lock:
                 self.current = job
                 self._generate(job)
-        except APIError as e:
-            job.emit("error", e)
-        except TopkError as e:
-            job.emit("error", APIError(400, str(e), code="invalid_value"))
         except Exception as e:  # noqa: BLE001 - a failing request must not take the worker down
-            job.emit("error", APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
+            job.emit("error", _api_error(e))
         finally:
             self.current = None
             with self._count:
@@ -164,21 +252,8 @@ class DecodeWorker:
     def _generate(self, job: Job) -> None:
         req, store = job.request, self.store
         session = store.session(temperature=req.temperature, top_p=req.top_p, seed=req.seed, sources=True)
-        if req.kind == "chat":
-            from topk_decode.decode.messages import conversation_text
-
-            text = conversation_text(req.messages, store.prompt_format, store.tokenizer)
-        else:
-            text = req.prompt
-        n_prompt = session.count_tokens(text)
-        n_context = store.ckv.n_tokens
-        limit = store.decoder.shape.max_positions
-        if n_context + n_prompt + req.max_tokens > limit:
-            raise APIError(400, f"this model's maximum context length is {limit} tokens; the cached documents "
-                                f"({n_context}) + the prompt ({n_prompt}) + max_tokens ({req.max_tokens}) exceed it",
-                           param="max_tokens" if n_context + n_prompt < limit else "messages",
-                           code="context_length_exceeded")
-        pieces = session.complete(text, req.max_tokens)
+        session.conv.should_stop = job.cancelled.is_set    # a client that leaves stops the prompt within a layer
+        pieces = session.complete(job.ids, req.max_tokens)
         job.emit("start", None)
         stopper, finish = StopText(req.stop), None
         started = req.kind != "chat"   # a chat answer starts at its first non-space character
@@ -199,6 +274,8 @@ class DecodeWorker:
             else:
                 if tail := stopper.flush():
                     job.emit("text", tail)
+        except StepCancelled:
+            finish = "cancelled"
         finally:
             pieces.close()   # stops decoding: the conversation is thrown away with the session
         if finish == "cancelled":
@@ -207,9 +284,19 @@ class DecodeWorker:
             if self.closing:      # the client is still there: tell it why the answer ends here
                 job.emit("error", _shutting_down())
                 return
+        n_context = store.ckv.n_tokens
         job.emit("done", {"finish_reason": finish or session.finish_reason or "length",
-                          "prompt_tokens": n_context + n_prompt, "cached_tokens": n_context,
+                          "prompt_tokens": n_context + len(job.ids), "cached_tokens": n_context,
                           "completion_tokens": session.n_generated, "sources": session.sources})
+
+
+def _api_error(e: Exception) -> APIError:
+    """What a request's failure is answered with: TopkError is the client's (400), anything else a 500."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, TopkError):
+        return APIError(400, str(e), code="invalid_value")
+    return APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
 
 
 def _shutting_down() -> APIError:
