@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # for annotations: imported where used, so start-up does without it
+    import torch
 
 from topk_decode.errors import TopkError
 

@@ -7,6 +7,10 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # for annotations: imported where used, so start-up does without it
+    import torch
 
 from topk_decode.errors import TopkError
 

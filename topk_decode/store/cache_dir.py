@@ -16,6 +16,11 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # for annotations: imported where used, so start-up needs neither
+    import numpy as np
+    import torch
 
 from topk_decode.errors import TopkError
 from topk_decode.store.format import (

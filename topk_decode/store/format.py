@@ -6,6 +6,11 @@ import hashlib
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # for annotations: imported where used, so start-up needs neither
+    import numpy as np
+    import torch
 
 # v2 (this version): manifest carries FORMAT_MARKER and its own checksum (`manifest_blake2b`); strategy
 # done.json files record their artifacts' sizes and checksums. v1 caches still open (no manifest checksum).

@@ -16,6 +16,10 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # for annotations: imported where used, so start-up does without it
+    import torch
 
 from topk_decode.store.format import as_torch, blake2_file, dtype_name, keys_file, numpy_storage, values_file
 
