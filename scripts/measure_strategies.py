@@ -174,7 +174,8 @@ def cmd_recall(args) -> None:
     cache = work / "cache"
     if not (cache / "manifest.json").is_file():
         t0 = time.perf_counter()
-        build_cache(work / "docs", cache, model_dir, chunk_size=1024, device="cpu", dtype=args.kv_dtype)
+        build_cache(work / "docs", cache, model_dir, chunk_size=1024, device="cpu", dtype=args.kv_dtype,
+                    allow_long_context=True)   # recall is measured on the keys, also past the model's positions
         print(f"prefill {time.perf_counter() - t0:.1f}s")
     question = tok(inst.question, add_special_tokens=False).input_ids
     steps_q, (_, generated) = record_queries(cache, question, args.steps)

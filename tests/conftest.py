@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,23 @@ def hf_greedy(model_dir: Path, ids: list[int], max_new_tokens: int, device: str 
     x = torch.tensor([ids], device=device)
     out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, x.shape[1]:].tolist()
+
+
+# The user's cache, read at import: the session fixture below points XDG_CACHE_HOME elsewhere.
+USER_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+# The one place the tests keep files between runs (README "Tests"): the real-model tests' GGUF file and
+# its bf16 conversion (tests/test_real_model.py), ~360 MB, content-addressed: reruns reuse them, nothing piles up.
+TEST_MODELS = USER_CACHE / "topk-decode" / "test-models"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_user_cache():
+    """Everything the code under test keeps in the user's cache (GGUF conversions, the chat history) goes
+    to a temporary folder that is removed when the session ends, not into ~/.cache/topk-decode."""
+    with tempfile.TemporaryDirectory(prefix="topk-test-cache-") as d, pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", d)
+        mp.delenv("TOPK_CACHE_HOME", raising=False)
+        yield Path(d)
 
 
 def pytest_addoption(parser):

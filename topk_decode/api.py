@@ -50,7 +50,8 @@ class KVStore:
     @classmethod
     def build(cls, docs: str | os.PathLike, out: str | os.PathLike, model: str | os.PathLike | None = None, *,
               chunk_size: int = 4096, overwrite: bool = False, device: str | None = None,
-              dtype: str | None = None, **open_kwargs) -> "KVStore":
+              dtype: str | None = None, allow_long_context: bool = False, follow_symlinks: bool = False,
+              **open_kwargs) -> "KVStore":
         """Prefill `docs` with `model` into the cache directory `out`, then open it.
 
         Args:
@@ -60,13 +61,17 @@ class KVStore:
             chunk_size: prefill chunk length.
             overwrite: replace an existing cache.
             device, dtype: compute device and dtype for the prefill (and the open).
+            allow_long_context: prefill a context longer than the model's positions (with a warning);
+                by default it is refused (TopkError) before any model compute.
+            follow_symlinks: also read links that leave the documents folder (skipped by default).
             open_kwargs: passed to `KVStore.open` (k, strategy, ...).
         """
         if model is None:
             from topk_decode.demo import default_model_dir
 
             model = default_model_dir()[0]
-        build_cache(docs, out, model, chunk_size=chunk_size, overwrite=overwrite, device=device, dtype=dtype)
+        build_cache(docs, out, model, chunk_size=chunk_size, overwrite=overwrite, device=device, dtype=dtype,
+                    allow_long_context=allow_long_context, follow_symlinks=follow_symlinks)
         return cls.open(out, device=device, dtype=dtype, **open_kwargs)
 
     @classmethod

@@ -6,6 +6,8 @@ Exit codes: 0 success; 1 internal error (a bug: one line, traceback only with TO
 
 from __future__ import annotations
 
+import errno
+import io
 import os
 import sys
 import warnings
@@ -19,6 +21,68 @@ from topk_decode.cli.common import one_line, say_error, say_warning
 from topk_decode.errors import TopkError, TopkWarning
 
 EXIT_INTERNAL, EXIT_USER, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 1, 2, 130, 141
+
+
+class OutputError(OSError):
+    """Writing to stdout failed (closed, a full disk): the output is lost, so the command must not exit 0."""
+
+
+class CheckedStdout(io.TextIOWrapper):
+    """sys.stdout whose failed writes and flushes raise OutputError (a BrokenPipeError stays one)."""
+
+    def write(self, s: str) -> int:
+        try:
+            return super().write(s)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise OutputError(e.errno, e.strerror) from None
+
+    def flush(self) -> None:
+        try:
+            super().flush()
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise OutputError(e.errno, e.strerror) from None
+
+
+class ClosedStdout(io.TextIOBase):
+    """sys.stdout when file descriptor 1 is closed (`topk ... >&-`): Python sets it to None and every
+    print is then dropped in silence; here the first write fails instead."""
+
+    encoding = "utf-8"
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, s: str) -> int:
+        raise OutputError(errno.EBADF, "stdout is closed")
+
+
+def checked_stdout():
+    """A sys.stdout whose failures are OutputError, for `main()` to install."""
+    out = sys.stdout
+    if out is None:
+        return ClosedStdout()
+    if type(out) is not io.TextIOWrapper:
+        return out          # already replaced (a test runner's capture): leave it alone
+    return CheckedStdout(out.buffer, encoding=out.encoding, errors=out.errors, line_buffering=out.line_buffering,
+                         write_through=out.write_through)
+
+
+def quiet_stdout() -> None:
+    """Point fd 1 at /dev/null, so the interpreter's final flush of what is still buffered cannot fail
+    again (a second message after ours, or a traceback)."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.close(null)
+
+
+def output_lost(e: OSError) -> None:
+    """One line for a stdout that cannot be written."""
+    say_error(f"cannot write the output to stdout ({e.strerror or e}); nothing more is printed")
+    quiet_stdout()
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
@@ -54,9 +118,11 @@ class TopkGroup(TyperGroup):
                 raise typer.Exit(EXIT_INTERRUPTED) from None
             except BrokenPipeError:
                 # The reader went away (`topk ... | head`): stop quietly, as Unix tools do on SIGPIPE.
-                # Point stdout at /dev/null so the interpreter's final flush cannot fail again.
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                quiet_stdout()
                 raise typer.Exit(EXIT_BROKEN_PIPE) from None
+            except OutputError as e:
+                output_lost(e)
+                raise typer.Exit(EXIT_USER) from None
             except Exception as e:  # noqa: BLE001 - the last line of defence against tracebacks
                 if os.environ.get("TOPK_DEBUG") == "1":
                     raise
@@ -77,6 +143,15 @@ class TopkGroup(TyperGroup):
             typer.echo("interrupted", err=True)
             code = EXIT_INTERRUPTED
         code = code if isinstance(code, int) else 0
+        try:
+            if sys.stdout is not None:
+                sys.stdout.flush()  # output still buffered must reach its reader before we say 0
+        except BrokenPipeError:
+            quiet_stdout()
+            code = code or EXIT_BROKEN_PIPE
+        except OutputError as e:
+            output_lost(e)
+            code = code or EXIT_USER
         if standalone_mode:
             sys.exit(code)
         return code
@@ -124,6 +199,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     Args:
         argv: arguments (default: sys.argv[1:]).
     """
+    sys.stdout = checked_stdout()   # a closed or failing stdout is an error, not an answer lost in silence
     typer.main.get_command(app).main(args=argv, prog_name="topk")
 
 

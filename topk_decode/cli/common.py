@@ -86,13 +86,13 @@ def parse_strategy_names(text: str | None) -> list[str]:
     """
     if not text:
         return []
-    from topk_decode.index import get_strategy
+    from topk_decode.index import check_strategy_name
 
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise TopkError(f"--strategy expects NAME[,NAME...], got {text!r}")
     for n in names:
-        get_strategy(n)  # raises TopkError naming the available strategies
+        check_strategy_name(n)  # raises TopkError naming the available strategies (imports none of them)
     return names
 
 

@@ -18,6 +18,7 @@ def cache_facts(path: Path, verify: bool = False) -> dict:
         path: the cache directory.
         verify: hash every file against the manifest's checksums (reads the whole cache).
     """
+    # Nothing here imports torch or a strategy's module: `topk info` answers in well under a second.
     from topk_decode.index import STRATEGIES, keeps_artifacts
     from topk_decode.index.auto import choose
     from topk_decode.index.artifacts import artifact_dir, artifacts_match, read_done, verify_done
@@ -27,7 +28,7 @@ def cache_facts(path: Path, verify: bool = False) -> dict:
     # Ready: strategies that need no files (flat, tokenselect) and those whose artifacts are complete and
     # were built from this cache; their files are checked (sizes; checksums with `verify`) like the cache's.
     ready = []
-    for n, cls in sorted(STRATEGIES.items()):
+    for n in sorted(STRATEGIES):
         if not keeps_artifacts(n):
             ready.append(n)
         elif artifacts_match(path, n, {}, cache_id):
@@ -123,5 +124,7 @@ def _print(f: dict) -> None:
     for d in f["documents"]:
         table.add_row(escape(d["name"]), f"{d['start']:,}", f"{d['end']:,}", f"{d['end'] - d['start']:,}")
     out.print(table)
-    for s_ in f["skipped"]:
-        say(f"skipped at prefill: {s_}")
+    from topk_decode.prefill.documents import summarize_skipped
+
+    for line in summarize_skipped(f["skipped"]):
+        say(f"skipped at prefill: {line}")

@@ -114,6 +114,10 @@ def prefill_command(
     checkpoint_every: Annotated[float, typer.Option(help="Seconds between resume checkpoints.", min=0)] = 300.0,
     log_every: Annotated[float, typer.Option(help="Seconds between plain progress lines when stderr is not a "
                                              "terminal.", min=0)] = 30.0,
+    allow_long_context: Annotated[bool, typer.Option("--allow-long-context", help="Prefill a context longer than "
+                                  "the model's positions (refused otherwise; answers degrade past them).")] = False,
+    follow_symlinks: Annotated[bool, typer.Option("--follow-symlinks", help="Also read symbolic links that leave "
+                               "the documents folder (skipped and reported otherwise).")] = False,
 ) -> None:
     """Prefill documents once and write each layer's keys/values to a cache directory."""
     # Everything cheap is checked before the model loads: a typo must not cost a prefill.
@@ -123,13 +127,22 @@ def prefill_command(
     options = parse_options(opt)
     if options and not names:
         raise TopkError("--opt sets strategy build options: name the strategies with --strategy NAME[,NAME...]")
+    # Paths and names are checked without torch (a typo answers in a second, not after seconds of imports).
+    from topk_decode.model.loading import check_model_path, parse_dtype
+    from topk_decode.prefill.documents import check_documents_path
+    from topk_decode.store.cache_dir import check_output
+
+    parse_dtype(dtype)
+    check_documents_path(docs)
+    check_output(out, overwrite)
+    if model is not None:
+        check_model_path(model)
     from topk_decode.index import split_options
 
     per_strategy = split_options(names, options)   # unknown or mistyped options fail before the prefill
 
-    from topk_decode.prefill.build import build_cache, parse_dtype
+    from topk_decode.prefill.build import build_cache
 
-    parse_dtype(dtype)
     if model is None:
         from topk_decode.demo import default_model_dir
 
@@ -144,8 +157,10 @@ def prefill_command(
         lines = _LogLines(log_every) if bar.disable else None
 
         def on_start(n_tokens: int, n_layers: int, skipped: list[str]) -> None:
-            for s in skipped:
-                say_warning(f"skipped {s}")
+            from topk_decode.prefill.documents import summarize_skipped
+
+            for line in summarize_skipped(skipped):     # one line per reason, not one per file
+                say_warning(f"skipped {line}")
             state["task"] = bar.add_task(f"prefill {n_tokens:,} tokens × {n_layers} layers",
                                          total=n_tokens * n_layers, layers=n_layers)
             if lines is not None:
@@ -159,7 +174,8 @@ def prefill_command(
         try:
             path, stats = build_cache(docs, out, model, chunk_size=chunk_size, overwrite=overwrite, device=device,
                                       dtype=dtype, on_start=on_start, progress=progress, resume=resume,
-                                      checkpoint_every=checkpoint_every, on_note=say_note)
+                                      checkpoint_every=checkpoint_every, on_note=say_note,
+                                      allow_long_context=allow_long_context, follow_symlinks=follow_symlinks)
         except Terminated:
             typer.echo("terminated", err=True)
             raise typer.Exit(143) from None

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # for annotations: imported where used, so start-up does without it
+    import torch
 
 from topk_decode.errors import TopkError
 
@@ -33,6 +35,8 @@ class Sampling:
             raise TopkError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise TopkError(f"seed must be an integer, got {self.seed!r}")
+        import torch  # after the checks: a bad option is reported without importing torch
+
         self.generator = torch.Generator(device="cpu")
         seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.generator.manual_seed(seed % (2 ** 63))
@@ -47,6 +51,8 @@ class Sampling:
         Args:
             logits: (V,) logits of the next token, on any device.
         """
+        import torch
+
         if self.greedy:
             return int(torch.argmax(logits))
         probs = torch.softmax(logits.detach().float().cpu() / self.temperature, dim=-1)   # (V,)

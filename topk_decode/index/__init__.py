@@ -1,39 +1,76 @@
-"""Selection strategies: one module per strategy behind the `SelectionStrategy` interface."""
+"""Selection strategies: one module per strategy behind the `SelectionStrategy` interface.
+
+The registry names each strategy's module and class; a class (and with it torch, faiss, numba) is
+imported on first use, so `topk --help`, `topk info` and error messages start without them.
+"""
 
 from __future__ import annotations
 
-from topk_decode.errors import TopkError
-from topk_decode.index.base import Selection, SelectionStrategy, artifact_dir, artifacts_complete, exact_scores
-from topk_decode.index.flat import FlatStrategy
-from topk_decode.index.ann import HnswStrategy, IvfStrategy
-from topk_decode.index.quest import QuestStrategy
-from topk_decode.index.tokenselect import TokenSelectStrategy
-from topk_decode.index.duo import DuoStrategy
-from topk_decode.index.routed import RoutedStrategy
+import importlib
+from collections.abc import Iterator, Mapping
 
-STRATEGIES: dict[str, type[SelectionStrategy]] = {
-    FlatStrategy.name: FlatStrategy,
-    IvfStrategy.name: IvfStrategy,
-    HnswStrategy.name: HnswStrategy,
-    QuestStrategy.name: QuestStrategy,
-    TokenSelectStrategy.name: TokenSelectStrategy,
-    DuoStrategy.name: DuoStrategy,
-    RoutedStrategy.name: RoutedStrategy,
+from topk_decode.errors import TopkError
+from topk_decode.index.artifacts import artifact_dir, artifacts_complete
+
+# name → (module, class, keeps files in the cache: overrides `build_artifacts`; a test checks this flag
+# against the class, so `topk info` can tell ready strategies without importing them)
+_REGISTRY = {
+    "flat": ("topk_decode.index.flat", "FlatStrategy", False),
+    "ivf": ("topk_decode.index.ann", "IvfStrategy", True),
+    "hnsw": ("topk_decode.index.ann", "HnswStrategy", True),
+    "quest": ("topk_decode.index.quest", "QuestStrategy", True),
+    "tokenselect": ("topk_decode.index.tokenselect", "TokenSelectStrategy", False),
+    "duo": ("topk_decode.index.duo", "DuoStrategy", True),
+    "routed": ("topk_decode.index.routed", "RoutedStrategy", True),
 }
 
 
-def get_strategy(name: str) -> type[SelectionStrategy]:
-    """The strategy class registered under `name`."""
-    try:
-        return STRATEGIES[name]
-    except KeyError:
-        raise TopkError(f"unknown strategy {name!r} (available: auto, {', '.join(sorted(STRATEGIES))})") from None
+class StrategyRegistry(Mapping):
+    """Strategy name → class, importing a class's module only when the class is looked up."""
+
+    def __getitem__(self, name: str):
+        module, cls, _ = _REGISTRY[name]
+        return getattr(importlib.import_module(module), cls)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_REGISTRY)
+
+    def __len__(self) -> int:
+        return len(_REGISTRY)
+
+    def __contains__(self, name: object) -> bool:
+        return name in _REGISTRY
+
+
+STRATEGIES = StrategyRegistry()
+
+
+def check_strategy_name(name: str) -> str:
+    """`name` when a strategy is registered under it, else TopkError naming the available ones (no import)."""
+    if name not in _REGISTRY:
+        raise TopkError(f"unknown strategy {name!r} (available: auto, {', '.join(sorted(_REGISTRY))})")
+    return name
 
 
 def keeps_artifacts(name: str) -> bool:
-    """True when a strategy keeps files in the cache (its class overrides `build_artifacts`)."""
-    cls = get_strategy(name)
-    return getattr(cls.build_artifacts, "__func__", None) is not SelectionStrategy.build_artifacts.__func__
+    """True when strategy `name` keeps files in the cache (`index/NAME/`), without importing it."""
+    return _REGISTRY[check_strategy_name(name)][2]
+
+
+def get_strategy(name: str):
+    """The strategy class registered under `name`."""
+    return STRATEGIES[check_strategy_name(name)]
+
+
+def __getattr__(name: str):
+    # The interface and flat's class, imported on first use like the strategies (they need torch).
+    if name in ("Selection", "SelectionStrategy", "exact_scores"):
+        from topk_decode.index import base
+
+        return getattr(base, name)
+    if name == "FlatStrategy":
+        return get_strategy("flat")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def split_options(names: list[str], options: dict | None) -> dict[str, dict]:
@@ -72,4 +109,6 @@ def prepare_artifacts(ckv, names: list[str], options: dict | None = None, progre
         get_strategy(name).build_artifacts(ckv, opts, progress)
 
 
-__all__ = ["keeps_artifacts", "prepare_artifacts", "split_options", "artifact_dir", "artifacts_complete", "Selection", "SelectionStrategy", "STRATEGIES", "get_strategy", "exact_scores", "FlatStrategy"]
+__all__ = ["prepare_artifacts", "split_options", "artifact_dir", "artifacts_complete", "Selection", "SelectionStrategy",
+           "STRATEGIES", "StrategyRegistry", "check_strategy_name", "keeps_artifacts", "get_strategy", "exact_scores",
+           "FlatStrategy"]

@@ -67,13 +67,36 @@ def build_lock(cache: str | os.PathLike, name: str) -> Iterator[None]:
 
 @contextmanager
 def writing(d: Path, name: str) -> Iterator[None]:
-    """Turn an OS error while writing strategy `name`'s artifacts (a full disk, a read-only cache) into
-    one TopkError line; the directory stays without done.json, so it counts as not built."""
+    """Around a build of strategy `name`'s artifacts in `d`: when it fails (a full disk, Ctrl-C, a crash)
+    the files written so far are removed, so a failed build gives its space back (the directory stays,
+    empty, without done.json: not built). An OS error becomes one TopkError line."""
     try:
         yield
-    except OSError as e:
-        raise TopkError(f"cannot write the {name} artifacts into {d} ({e.strerror or e}); free some space "
-                        f"or build them where the cache is writable: topk prefill ... --strategy {name}") from None
+    except BaseException as e:
+        remove_contents(d)
+        if isinstance(e, OSError):
+            raise TopkError(f"cannot write the {name} artifacts into {d} ({e.strerror or e}); the partial files "
+                            f"were removed; free some space or build them where the cache is writable: "
+                            f"topk prefill ... --strategy {name}") from None
+        raise
+
+
+def remove_contents(d: Path) -> None:
+    """Delete everything inside `d`, keeping `d` itself (build_lock's flock is held on it)."""
+    import shutil
+
+    try:
+        entries = list(os.scandir(d))
+    except OSError:
+        return
+    for e in entries:
+        try:
+            if e.is_dir(follow_symlinks=False):
+                shutil.rmtree(e.path, ignore_errors=True)
+            else:
+                os.unlink(e.path)
+        except OSError:
+            pass            # best effort: what stays has no done.json, so it never counts as built
 
 
 def write_file(path: Path, data) -> None:
@@ -219,5 +242,5 @@ def ensure_artifacts(ckv, name: str, wanted: dict, build: Callable[[], None]) ->
         return recorded_options(ckv.path, name)
 
 
-__all__ = ["DONE", "ensure_artifacts", "artifact_dir", "build_lock", "writing", "write_file", "start_artifacts", "write_done", "read_done", "verify_done",
+__all__ = ["DONE", "ensure_artifacts", "artifact_dir", "build_lock", "writing", "remove_contents", "write_file", "start_artifacts", "write_done", "read_done", "verify_done",
            "artifacts_complete", "recorded_options", "artifacts_match"]

@@ -2,7 +2,8 @@
 
 A GGUF file is checked cheaply first (magic, version, architecture, that its tensors fit in the file),
 then transformers dequantizes it and we save an ordinary bf16 checkpoint directory in
-`$XDG_CACHE_HOME/topk-decode/models/<sha256 of the file>` (default `~/.cache/...`). The directory is
+`$XDG_CACHE_HOME/topk-decode/models/<sha256 of the file>` (default `~/.cache/...`; `$TOPK_CACHE_HOME/models`
+when that is set). The directory is
 written under a temporary name and renamed when complete, under a file lock, so two processes never
 clash and an interrupted conversion never looks finished. The model fingerprint of a GGUF file (and of
 its converted directory) is derived from the file's sha256.
@@ -48,7 +49,10 @@ class GGUFInfo:
 
 
 def cache_root() -> Path:
-    """Where converted checkpoints live: `$XDG_CACHE_HOME/topk-decode/models` (default `~/.cache/...`)."""
+    """Where converted checkpoints live: `$TOPK_CACHE_HOME/models` when set (topk-decode's cache folder,
+    as for the random demo model), else `$XDG_CACHE_HOME/topk-decode/models` (default `~/.cache/...`)."""
+    if os.environ.get("TOPK_CACHE_HOME"):
+        return Path(os.environ["TOPK_CACHE_HOME"]) / "models"
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "topk-decode" / "models"
 

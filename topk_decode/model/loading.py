@@ -7,8 +7,10 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # for annotations: imported where used, so start-up does without it
+    import torch
 
 from topk_decode.errors import TopkError
 
@@ -54,6 +56,34 @@ def _check_model_dir(path: Path) -> dict:
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         raise TopkError(f"no weights (*.safetensors or *.bin) in model directory {path}")
     return cfg
+
+
+def check_model_path(path: str | os.PathLike) -> None:
+    """Raise TopkError unless `path` is a GGUF file with a readable header or a supported checkpoint
+    directory: the cheap checks `--model` gets before torch and the model load (nothing is converted)."""
+    from topk_decode.model.gguf import inspect_gguf, is_gguf_file
+
+    path = Path(path)
+    if is_gguf_file(path):
+        inspect_gguf(path)
+    else:
+        _check_model_dir(path)
+
+
+# --dtype names → torch dtype attribute names (torch is imported only once a name checks out)
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+          "fp32": "float32", "float32": "float32"}
+
+
+def parse_dtype(name: str | None) -> torch.dtype | None:
+    """'bf16' / 'fp16' / 'fp32' (or None for the device default) → torch dtype."""
+    if name is None:
+        return None
+    if name not in DTYPES:
+        raise TopkError(f"unknown dtype {name!r} (use bf16, fp16 or fp32)")
+    import torch
+
+    return getattr(torch, DTYPES[name])
 
 
 def model_fingerprint(path: str | os.PathLike) -> str:
@@ -107,6 +137,7 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu", dtyp
         device: where the weights go.
         dtype: weight dtype; default bf16 on CUDA and fp32 on CPU (CPU bf16 matmuls are slow).
     """
+    import torch
     from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
@@ -122,6 +153,23 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu", dtyp
     return model.to(device).eval()
 
 
+def load_config(path: str | os.PathLike):
+    """The transformers config of a checkpoint directory or GGUF file, offline (no weights are read).
+
+    Args:
+        path: the checkpoint directory, or a GGUF file.
+    """
+    from transformers import AutoConfig
+
+    _quiet_transformers()
+    path = resolve_model_path(path)
+    _check_model_dir(path)
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # transformers raises many types for broken configs
+        raise TopkError(f"could not read the model config in {path}: {str(e).splitlines()[0]}") from None
+
+
 def load_tokenizer(path: str | os.PathLike):
     """Load the tokenizer saved beside a checkpoint, offline.
 
@@ -130,6 +178,7 @@ def load_tokenizer(path: str | os.PathLike):
     """
     from transformers import AutoTokenizer
 
+    _quiet_transformers()   # e.g. its "sequence length is longer than the maximum" line: we say that ourselves
     path = resolve_model_path(path)
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)

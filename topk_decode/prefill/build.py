@@ -15,7 +15,8 @@ import torch
 
 from topk_decode.errors import TopkError, TopkWarning
 from topk_decode.model.blocks import ModelShape
-from topk_decode.model.loading import load_model, load_tokenizer, model_fingerprint
+from topk_decode.model.loading import (load_config, load_model, load_tokenizer, model_fingerprint,  # noqa: F401
+                                       parse_dtype)  # parse_dtype re-exported (api, eval, bench import it from here)
 from topk_decode.prefill.documents import collect_documents, layout_context
 from topk_decode.prefill.layerwise import PrefillStats, prefill_layers
 from topk_decode.store.cache_dir import CacheWriter, check_output
@@ -34,17 +35,6 @@ def pick_device(device: str | None = None) -> torch.device:
             raise TopkError(f"device {device!r} requested but CUDA is not available")
         return torch.device(device)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def parse_dtype(name: str | None) -> torch.dtype | None:
-    """'bf16' / 'fp16' / 'fp32' (or None for the device default) → torch dtype."""
-    table = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-             "fp32": torch.float32, "float32": torch.float32}
-    if name is None:
-        return None
-    if name not in table:
-        raise TopkError(f"unknown dtype {name!r} (use bf16, fp16 or fp32)")
-    return table[name]
 
 
 def warn_leftovers(out: Path) -> None:
@@ -76,6 +66,21 @@ def _check_space(out: Path, need: int, on_note: Callable[[str], None] | None) ->
                       f"in {out.parent}; the prefill will fail when the disk is full")
 
 
+def check_context_length(n_tokens: int, max_positions: int, allow_long_context: bool = False) -> None:
+    """Refuse a context longer than the model's positions (TopkError with both numbers), or with
+    `allow_long_context` only warn: positions past the maximum are outside what the model was trained
+    for, and a RoPE scaling the model's config does not declare is not ours to invent."""
+    if n_tokens <= max_positions:
+        return
+    if not allow_long_context:
+        raise TopkError(f"the context has {n_tokens:,} tokens but the model has {max_positions:,} positions "
+                        f"(max_position_embeddings): prefill fewer documents or a model with more positions, or "
+                        f"pass --allow-long-context (Python: allow_long_context=True) to prefill it anyway, "
+                        f"with answers that degrade past the model's positions")
+    warnings.warn(f"the context has {n_tokens:,} tokens, more than the model's maximum positions "
+                  f"({max_positions:,}); answers may degrade", TopkWarning, stacklevel=3)
+
+
 def build_cache(
     docs: str | os.PathLike,
     out: str | os.PathLike,
@@ -90,6 +95,8 @@ def build_cache(
     resume: bool = False,
     checkpoint_every: float = CHECKPOINT_EVERY_S,
     on_note: Callable[[str], None] | None = None,
+    allow_long_context: bool = False,
+    follow_symlinks: bool = False,
 ) -> tuple[Path, PrefillStats]:
     """Prefill documents with a model and write the cache directory atomically.
 
@@ -111,6 +118,9 @@ def build_cache(
             checkpointed layers are verified against their checksums and kept); without one, start over.
         checkpoint_every: seconds between resume checkpoints (each writes the N × hidden residual stream).
         on_note: called with one-line notes (resume, kept partial directory); default: TopkWarning.
+        allow_long_context: prefill a context longer than the model's positions (with a warning) instead
+            of refusing it before any model compute (`check_context_length`).
+        follow_symlinks: also read links that leave the documents folder (`collect_documents`).
     Returns:
         the cache path and the prefill statistics.
     """
@@ -118,21 +128,19 @@ def build_cache(
         raise TopkError(f"--chunk-size must be positive, got {chunk_size}")
     out, model_dir = Path(out), Path(model_dir)
     check_output(out, overwrite)
-    documents, skipped = collect_documents(docs)
+    documents, skipped = collect_documents(docs, follow_symlinks=follow_symlinks)
     fingerprint = model_fingerprint(model_dir)
     tokenizer = load_tokenizer(model_dir)
     layout = layout_context(documents, tokenizer)
+    shape = ModelShape.from_config(load_config(model_dir))
+    n = len(layout.ids)
+    check_context_length(n, shape.max_positions, allow_long_context)   # before the weights load
     dev = pick_device(device)
     weights_dtype = parse_dtype(dtype) or (torch.bfloat16 if dev.type == "cuda" else None)
     writer = CacheWriter(out, overwrite=overwrite, resume=resume)   # the writer lock: one prefill per --out
     warn_leftovers(out)
     try:
         model = load_model(model_dir, "cpu" if offload_weights else dev, weights_dtype)
-        shape = ModelShape.from_config(model.config)
-        n = len(layout.ids)
-        if n > shape.max_positions:
-            warnings.warn(f"the context has {n} tokens, more than the model's maximum positions "
-                          f"({shape.max_positions}); answers may degrade", TopkWarning, stacklevel=2)
         model_dtype = next(model.parameters()).dtype
         key = {"model": fingerprint, "n_tokens": n, "n_layers": shape.n_layers, "chunk_size": chunk_size,
                "tokens": hashlib.blake2b(np.asarray(layout.ids, dtype=np.int32).tobytes(), digest_size=16).hexdigest(),

@@ -16,9 +16,11 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
+if TYPE_CHECKING:  # for annotations: imported where used, so start-up needs neither
+    import numpy as np
+    import torch
 
 from topk_decode.errors import TopkError
 from topk_decode.store.format import (
@@ -124,6 +126,10 @@ class CacheWriter:
 
     def write_array(self, rel: str, tensor: torch.Tensor) -> None:
         """Write a tensor's raw bytes (C order) to `rel` inside the cache and record size and checksum."""
+        # numpy and torch are imported here, not at the top: `topk info` and error paths start without them.
+        import numpy as np
+        import torch
+
         t = tensor.detach().contiguous().cpu()
         if t.dtype == torch.bfloat16:
             t = t.view(torch.int16)
@@ -142,6 +148,8 @@ class CacheWriter:
 
     def write_tokens(self, ids: list[int]) -> None:
         """Write the context token ids as int32."""
+        import torch
+
         self.write_array(TOKENS, torch.tensor(ids, dtype=torch.int32))
 
     def commit(self, manifest: dict) -> Path:
@@ -195,6 +203,8 @@ def _write_hook(rel: str, f, arr: np.ndarray) -> None:
     """Write `arr` to `f`. Two test hooks stand in for a pre-empted machine: TOPK_TEST_WRITE_DELAY_S
     slows every write (time to send a signal), TOPK_TEST_DIE_WRITING=REL kills the process (SIGKILL)
     half-way through writing REL (a kill -9 mid-layer)."""
+    import numpy as np
+
     if os.environ.get("TOPK_TEST_WRITE_DELAY_S"):
         time.sleep(float(os.environ["TOPK_TEST_WRITE_DELAY_S"]))
     if os.environ.get("TOPK_TEST_DIE_WRITING") == rel:
@@ -336,6 +346,8 @@ def open_cache(path: str | os.PathLike, verify: bool | None = None) -> ContextKV
         path: the cache directory.
         verify: hash every file (True), check sizes only (False), or hash only caches ≤ 2 GiB (None).
     """
+    import numpy as np
+
     path = Path(path)
     with _pinned(path) as d:
         manifest, cache_id = _load_manifest(d)

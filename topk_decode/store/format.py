@@ -6,9 +6,11 @@ import hashlib
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
+if TYPE_CHECKING:  # for annotations: imported where used, so start-up needs neither
+    import numpy as np
+    import torch
 
 # v2 (this version): manifest carries FORMAT_MARKER and its own checksum (`manifest_blake2b`); strategy
 # done.json files record their artifacts' sizes and checksums. v1 caches still open (no manifest checksum).
@@ -43,35 +45,49 @@ def values_file(layer: int) -> str:
     return f"kv/values.{layer:03d}.bin"
 
 
-# bf16 has no numpy dtype: it is stored as raw 16-bit words and reinterpreted by torch.
-_STORAGE = {
-    "float32": (np.float32, torch.float32),
-    "float16": (np.float16, torch.float16),
-    "bfloat16": (np.uint16, torch.bfloat16),
-}
+# Manifest dtype name → (numpy storage dtype, bytes per element). bf16 has no numpy dtype: it is stored
+# as raw 16-bit words and reinterpreted by torch. The torch dtype is torch's attribute of the same name.
+# numpy and torch are imported only when an array is made: `topk info` and error paths start without them.
+_STORAGE = {"float32": ("float32", 4), "float16": ("float16", 2), "bfloat16": ("uint16", 2)}
+KV_DTYPES = tuple(_STORAGE)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """Manifest name of a torch dtype."""
-    for name, (_, t) in _STORAGE.items():
-        if t == dtype:
+    import torch
+
+    for name in _STORAGE:
+        if getattr(torch, name) == dtype:
             return name
     raise ValueError(f"unsupported KV dtype {dtype}")
 
 
 def numpy_storage(name: str) -> np.dtype:
     """The numpy dtype used to memory-map a stored array of this manifest dtype."""
+    import numpy as np
+
     return np.dtype(_STORAGE[name][0])
+
+
+def itemsize(name: str) -> int:
+    """Bytes per stored element of this manifest dtype."""
+    return _STORAGE[name][1]
 
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a manifest dtype name."""
-    return _STORAGE[name][1]
+    import torch
+
+    if name not in _STORAGE:
+        raise KeyError(name)
+    return getattr(torch, name)
 
 
 def as_torch(arr: np.ndarray, name: str) -> torch.Tensor:
     """Zero-copy torch view of a memory-mapped array (read-only maps are viewed, not copied)."""
     import warnings
+
+    import torch
 
     with warnings.catch_warnings():
         # torch warns that read-only memory maps are not writable; we never write through them.

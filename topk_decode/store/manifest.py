@@ -21,9 +21,9 @@ from topk_decode.store.format import (
     READABLE_VERSIONS,
     TOKENS,
     TOP_LEVEL,
-    _STORAGE,
+    KV_DTYPES,
+    itemsize,
     keys_file,
-    numpy_storage,
     values_file,
 )
 
@@ -44,7 +44,7 @@ def _is_int(x, lo: int = 0) -> bool:
 def expected_sizes(manifest: dict) -> dict[str, int]:
     """Byte size of every file the manifest's shapes imply (keys/values Hkv·N·D·itemsize, tokens 4·N)."""
     shape, n = manifest["shape"], manifest["n_tokens"]
-    item = numpy_storage(manifest["kv_dtype"]).itemsize
+    item = itemsize(manifest["kv_dtype"])
     layer_bytes = shape["n_kv_heads"] * n * shape["head_dim"] * item
     sizes = {TOKENS: 4 * n}
     for layer in range(shape["n_layers"]):
@@ -91,7 +91,7 @@ def validate_manifest(manifest, where: Path) -> dict:
             raise bad(f"shape.{key} must be an integer ≥ {lo}, got {shape[key]!r}")
     if not _is_int(manifest["n_tokens"], 1):
         raise bad(f"n_tokens must be a positive integer, got {manifest['n_tokens']!r}")
-    if manifest["kv_dtype"] not in _STORAGE:
+    if manifest["kv_dtype"] not in KV_DTYPES:
         raise bad(f"unknown kv_dtype {manifest['kv_dtype']!r}")
     if not isinstance(files, dict):
         raise bad("'files' must be an object")

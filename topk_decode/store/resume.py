@@ -16,9 +16,10 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
+if TYPE_CHECKING:  # for annotations: imported where used, so start-up does without it
+    import torch
 
 from topk_decode.store.format import as_torch, blake2_file, dtype_name, keys_file, numpy_storage, values_file
 
@@ -49,6 +50,9 @@ def save_checkpoint(partial: Path, key: dict, next_layer: int, files: dict[str, 
         files: the writer's size/checksum table (layers below next_layer must be in it).
         hidden: (N, C) CPU residual stream entering `next_layer`.
     """
+    import numpy as np  # here, not at the top: the store opens caches without numpy and torch (`topk info`)
+    import torch
+
     (partial / "resume").mkdir(exist_ok=True)
     t = hidden.detach().contiguous()
     raw = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
@@ -107,6 +111,8 @@ def _load_checkpoint(partial: Path, key: dict) -> tuple[int, dict[str, dict], to
     p = partial / str(meta.get("file", ""))
     if not p.is_file() or blake2_file(p) != meta["blake2b"]:
         return 0, {}, None, "its residual stream does not match its recorded checksum"
+    import numpy as np
+
     shape = tuple(meta["shape"])
     arr = np.fromfile(p, dtype=numpy_storage(meta["dtype"]))
     if arr.size != int(np.prod(shape)):
