@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from topk_decode.cli.common import say_note
+from topk_decode.cli.common import ThreadsOption, say_note, use_threads
 
 
 def bench_command(
@@ -32,10 +32,12 @@ def bench_command(
     device: Annotated[str, typer.Option("--device", help="cuda or cpu.")] = "cuda",
     dtype: Annotated[str, typer.Option("--dtype", help="bf16, fp16 or fp32.")] = "bf16",
     out: Annotated[str, typer.Option("--out", "-o", help="Directory for bench_<model>.json and .png.")] = "bench-results",
-    smoke: Annotated[bool, typer.Option("--smoke", help="CI smoke run: tiny shape on the CPU, seconds (other options ignored except --out).")] = False,
+    smoke: Annotated[bool, typer.Option("--smoke", help="CI smoke run: tiny shape on the CPU, seconds (other options ignored except --out and --threads).")] = False,
+    threads: ThreadsOption = None,
 ) -> None:
     """Measure decode tokens/s (with a per-step breakdown), peak GPU memory and CPU RSS of top-k decoding
     beside HF transformers dense and offloaded decoding, at several context lengths."""
+    use_threads(threads)
     from topk_decode.bench.measure import parse_bytes, parse_tokens
     from topk_decode.cli.common import parse_options
     from topk_decode.bench.run import BenchConfig, run_bench, smoke_config

@@ -10,7 +10,8 @@ import typer
 
 from topk_decode.cli.chat_commands import ChatState, run_command, say
 from topk_decode.cli.chat_repl import StopRequest, make_reader, read_turn, stdin_closed
-from topk_decode.cli.common import check_device, check_positive, console, parse_options, say_error, say_note
+from topk_decode.cli.common import (ThreadsOption, check_device, check_positive, console, parse_options, say_error,
+                                     say_note, use_threads)
 from topk_decode.errors import TopkError
 
 
@@ -34,11 +35,13 @@ def chat_command(
     temperature: Annotated[float, typer.Option(help="0 = greedy (exact); > 0 samples.")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling: keep the tokens covering this probability.")] = 1.0,
     seed: Annotated[Optional[int], typer.Option(help="Seed of the sampler (reproducible sampled answers).")] = None,
+    threads: ThreadsOption = None,
 ) -> None:
     """Chat with your documents (or answer one --prompt and exit)."""
     check_positive("k", k)
     check_positive("--max-new-tokens", max_new_tokens)
     check_device(device)
+    use_threads(threads)
     if n_sink < 0 or n_tail < 0:
         raise TopkError("--n-sink and --n-tail must be ≥ 0")
     options = parse_options(opt)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-
+from typing import Annotated, Optional
 
 import typer
 
@@ -108,6 +108,32 @@ def check_positive(name: str, value: int | None) -> None:
     """Raise TopkError unless `value` is a positive integer (None = not given)."""
     if value is not None and value <= 0:
         raise TopkError(f"{name} must be a positive integer, got {value}")
+
+
+# `--threads`, declared once for every command that decodes (chat, serve, bench, eval): see `use_threads`.
+ThreadsOption = Annotated[Optional[int], typer.Option(
+    "--threads", help="CPU threads for searches and torch's CPU ops (default: TOPK_THREADS, else the CPUs this "
+                      "process may use: its affinity mask, capped by a cgroup CPU quota).")]
+
+
+def use_threads(threads: int | None) -> int:
+    """Apply `--threads` to this process (as TOPK_THREADS, which every pool reads); returns the count in force.
+
+    A bad `--threads` or TOPK_THREADS fails here, before anything loads.
+    """
+    from topk_decode.cpus import THREADS_ENV, usable_cpus
+
+    if threads is not None:
+        check_positive("--threads", threads)
+        os.environ[THREADS_ENV] = str(threads)
+    n = usable_cpus()
+    # numba sizes its thread pool once, at import, and torch's OpenMP runtime its default when it loads: both
+    # count the affinity mask, neither a cgroup quota or the knob. The CLI owns its process, so it starts them
+    # at n; only before they load, and a NUMBA_NUM_THREADS or OMP_NUM_THREADS the user set is kept.
+    for module, var in (("numba", "NUMBA_NUM_THREADS"), ("torch", "OMP_NUM_THREADS")):
+        if module not in sys.modules:
+            os.environ.setdefault(var, str(n))
+    return n
 
 
 def human_bytes(n: float | None) -> str:

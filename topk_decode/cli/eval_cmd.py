@@ -7,7 +7,7 @@ from typing import Annotated, Callable
 
 import typer
 
-from topk_decode.cli.common import check_device, console, parse_options, say_note
+from topk_decode.cli.common import ThreadsOption, check_device, console, parse_options, say_note, use_threads
 from topk_decode.errors import TopkError
 
 
@@ -76,9 +76,11 @@ def eval_command(
     opt: Annotated[list[str] | None, typer.Option("--opt", help="Strategy option key=value (repeatable); strategy.key=value for one strategy only (duo.pattern=gates.tsv).")] = None,
     markdown: Annotated[bool, typer.Option("--markdown", help="Also print the tables as markdown.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No per-instance progress lines.")] = False,
+    threads: ThreadsOption = None,
 ) -> None:
     """Run dense and each strategy × k on the same seeded task instances: accuracy and fidelity tables."""
     check_device(device)
+    use_threads(threads)
     from topk_decode.eval.harness import EvalConfig, run_eval
     from topk_decode.eval.report import markdown_tables, print_tables, save_json, write_plots
 

@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from topk_decode.cli.common import check_device, check_positive, console, parse_options, say_note
+from topk_decode.cli.common import (ThreadsOption, check_device, check_positive, console, parse_options, say_note,
+                                     use_threads)
 from topk_decode.errors import TopkError
 from topk_decode.serve.schemas import MAX_BODY_MB
 
@@ -34,6 +35,7 @@ def serve_command(
     n_tail: Annotated[int, typer.Option(help="Last context tokens kept in the exact GPU window.")] = 64,
     compile: Annotated[bool, typer.Option("--compile/--no-compile",
                                           help="On CUDA, compile the one-token step.")] = True,
+    threads: ThreadsOption = None,
 ) -> None:
     """Serve a cache over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
     check_positive("k", k)
@@ -43,6 +45,7 @@ def serve_command(
     if not 0 < max_body_mb < float("inf"):
         raise TopkError(f"--max-body-mb must be a positive number, got {max_body_mb}")
     check_device(device)
+    use_threads(threads)
     if not 0 <= port <= 65535:
         raise TopkError(f"--port must be in 0..65535, got {port}")
     if n_sink < 0 or n_tail < 0:

@@ -29,6 +29,7 @@ from topk_decode.decode.sampling import Sampling
 from topk_decode.decode.window import Window
 from topk_decode.errors import StepCancelled, TopkError, TopkWarning
 from topk_decode.index import Selection, auto, get_strategy
+from topk_decode.index.threads import default_threads, omp_threads
 from topk_decode.model.blocks import ModelShape, attention_inputs, final_logits, rope
 from topk_decode.store.cache_dir import ContextKV
 
@@ -152,6 +153,9 @@ class TopKDecoder:
         # observer or a progress callback may call back into the decoder.
         self.lock = threading.RLock()
         self.closed = False
+        # torch's CPU ops in a step run on at most this many OpenMP threads (TOPK_THREADS, else the CPUs this
+        # process may use): torch's own default ignores a cgroup CPU quota. Set on the stepping thread only.
+        self.cpu_threads = default_threads()
         if self.shape.sliding_window and n > self.shape.sliding_window:
             warnings.warn(f"the model's sliding window ({self.shape.sliding_window}) is shorter than the context "
                           f"({n} tokens); top-k decoding attends over the whole context", TopkWarning, stacklevel=2)
@@ -219,7 +223,8 @@ class TopKDecoder:
         with self.lock:
             if self.closed:
                 raise TopkError("the store is closed")
-            return self._forward_locked(ids, conv)
+            with omp_threads(self.cpu_threads):
+                return self._forward_locked(ids, conv)
 
     def prompt_chunk_tokens(self) -> int:
         """Tokens per prompt chunk: `prompt_chunk`, or fewer where one score per (query head, chunk token,

@@ -18,7 +18,6 @@ neutral on random-model keys, so it is on by default; spherical k-means gave mix
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -82,9 +81,9 @@ class FaissAnnStrategy(SelectionStrategy):
         opts = cls.build_options(ckv, cls.checked_options(options))
         d = start_artifacts(ckv.path, cls.name)
         # Building (k-means, graph insertion) is parallel inside Faiss: undo the single-thread setting
-        # an opened strategy may have left for its per-head searches.
+        # an opened strategy may have left for its per-head searches; one thread per usable CPU, no more.
         saved_threads = faiss.omp_get_max_threads()
-        faiss.omp_set_num_threads(max(1, os.cpu_count() or 1))
+        faiss.omp_set_num_threads(default_threads())
         try:
             with writing(d, cls.name):
                 files = cls._build_heads(ckv, opts, d, progress)

@@ -6,12 +6,15 @@ Faiss call made on the caller's thread are not scoped that way (torch's also set
 every thread that starts later), so a host application's own torch or Faiss work would change speed.
 Here the setting is made only on threads we own (the pool's workers) or for the duration of one call
 on the current thread (`omp_threads`).
+
+Every count starts from `topk_decode.cpus.usable_cpus()` (TOPK_THREADS, else the CPUs this process may
+run on): the pools never hold more threads than that, and their workers run single-threaded inside, so
+the per-head searches, torch's OpenMP threads and Faiss's never multiply.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,13 +22,15 @@ from typing import Callable, Iterable, Iterator, TypeVar
 
 import torch
 
+from topk_decode.cpus import usable_cpus
+
 T = TypeVar("T")
 R = TypeVar("R")
 
 
 def default_threads() -> int:
-    """Threads for per-head searches: one per core, each search single-threaded inside."""
-    return max(1, os.cpu_count() or 1)
+    """Threads for per-head searches: one per usable CPU (`usable_cpus`), each search single-threaded inside."""
+    return usable_cpus()
 
 
 def _torch_openmp():
