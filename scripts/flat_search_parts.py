@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -18,13 +17,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's package, not an installed one
 from topk_decode.bench.synthetic import synthetic_kv  # noqa: E402
+from topk_decode.cpus import usable_cpus  # noqa: E402
 from topk_decode.index import flat_kernel  # noqa: E402
 from scan_bandwidth import dram_bandwidth  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--threads", type=int, default=usable_cpus())
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--n", type=int, default=131072)
     ap.add_argument("--kv-heads", type=int, default=8)

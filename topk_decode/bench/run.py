@@ -28,6 +28,7 @@ from topk_decode.bench.measure import GIB, anon_huge_pages, cpu_rss, is_oom, pea
 from topk_decode.bench.shapes import build_model
 from topk_decode.bench.synthetic import kv_bytes, kv_in_memory, synthetic_kv
 from topk_decode.config import DecodeConfig
+from topk_decode.cpus import usable_cpus
 from topk_decode.decode.engine import TopKDecoder
 from topk_decode.errors import TopkError
 from topk_decode.index.routed_compiled import SPLIT_ROUNDS
@@ -120,7 +121,7 @@ def environment(device: torch.device) -> dict:
     import transformers
 
     env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-           "cpu_threads": torch.get_num_threads(), "host": platform.node(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+           "cpu_threads": torch.get_num_threads(), "usable_cpus": usable_cpus(), "host": platform.node(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
         env.update(gpu=p.name, gpu_total_gib=round(p.total_memory / GIB, 1))
