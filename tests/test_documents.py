@@ -6,6 +6,7 @@ override (exclude always wins); binary files are skipped without being read whol
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from typer.testing import CliRunner
 from topk_decode.cli.app import app
 from topk_decode.errors import TopkError
 from topk_decode.prefill import documents
+from topk_decode.prefill.formats import EXTRA, NO_TEXT_LAYER
 from topk_decode.prefill.documents import (BINARY, EXCLUDED, GITIGNORED, NODE_MODULES, PYCACHE, SNIFF_BYTES, TOPK_CACHE, VCS, VENV,
                                            collect_documents, read_text_file, summarize_skipped)
 
@@ -240,3 +242,71 @@ def test_kvstore_build_applies_the_same_rules(model_factory, tmp_path):
                           exclude=["sub/", ".gitignore"], strategy="flat", compile=False)
     assert [d["name"] for d in store.documents] == ["README.md", "app.py", "keep.txt", "other/secret.txt",
                                                     "pkg/mod.py", "run.log", "web/app.js", "wt/code.py"]
+
+
+# ---- rich formats (item 2): PDF and DOCX with the [docs] extra, HTML always --------------------------------
+def minimal_pdf(pages: list[str]) -> bytes:
+    """A small valid PDF: one Helvetica text line per page; an empty string makes a page with no text layer."""
+    n = len(pages)
+    objs = [b"<< /Type /Catalog /Pages 2 0 R >>",
+            b"<< /Type /Pages /Kids [" + b" ".join(b"%d 0 R" % (4 + 2 * i) for i in range(n)) + b"] /Count %d >>" % n,
+            b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"]
+    for i, text in enumerate(pages):
+        stream = b"BT /F1 12 Tf 72 720 Td (%s) Tj ET" % text.encode("latin-1") if text else b""
+        objs.append(b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /Font << /F1 3 0 R >> >> "
+                    b"/Contents %d 0 R >>" % (5 + 2 * i))
+        objs.append(b"<< /Length %d >>\nstream\n%s\nendstream" % (len(stream), stream))
+    out, offsets = bytearray(b"%PDF-1.4\n"), []
+    for i, obj in enumerate(objs, 1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n%s\nendobj\n" % (i, obj)
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objs) + 1)
+    out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
+    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objs) + 1, xref)
+    return bytes(out)
+
+
+def test_html_is_read_as_its_visible_text(tmp_path):
+    docs = write_tree(tmp_path / "docs", {"page.html": (
+        "<html><head><title>Harbour</title><style>p {color: red}</style><script>var x = 1;</script></head>"
+        "<body><h1>Kelorn &amp; harbour</h1><p>The tide   turns at noon.</p><ul><li>one</li><li>two</li></ul>"
+        "</body></html>")})
+    found, skipped = collect_documents(docs)
+    assert found[0].text == "Harbour\n\nKelorn & harbour\n\nThe tide turns at noon.\n\none\n\ntwo\n"
+    assert skipped == []
+
+
+def test_pdf_text_layer_is_read_page_by_page(tmp_path):
+    pytest.importorskip("pypdf")
+    docs = write_tree(tmp_path / "docs", {"report.pdf": minimal_pdf(["First page text", "Second page text"]),
+                                          "scan.pdf": minimal_pdf(["", ""]), "broken.pdf": b"%PDF-1.4\nnot a pdf\n"})
+    found, skipped = collect_documents(docs)
+    assert names(found) == ["report.pdf"]
+    assert found[0].text == "[page 1]\nFirst page text\n\n[page 2]\nSecond page text\n"
+    assert f"scan.pdf ({NO_TEXT_LAYER})" in skipped
+    assert any(s.startswith("broken.pdf (unreadable PDF: ") for s in skipped)
+
+
+def test_without_the_docs_extra_the_skip_reason_names_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pypdf", None)          # `import pypdf` now raises ImportError
+    monkeypatch.setitem(sys.modules, "docx", None)
+    docs = write_tree(tmp_path / "docs", {"a.pdf": minimal_pdf(["x"]), "b.docx": b"PK\x03\x04", "c.txt": "c\n"})
+    found, skipped = collect_documents(docs)
+    assert names(found) == ["c.txt"]
+    assert skipped == [f"a.pdf (PDF: needs the docs extra, {EXTRA})", f"b.docx (DOCX: needs the docs extra, {EXTRA})"]
+    assert summarize_skipped(skipped) == [f"1 file (PDF: needs the docs extra, {EXTRA}): a.pdf",
+                                          f"1 file (DOCX: needs the docs extra, {EXTRA}): b.docx"]
+
+
+def test_docx_paragraphs_and_tables_are_read(tmp_path):
+    docx = pytest.importorskip("docx")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    d = docx.Document()
+    d.add_paragraph("The ledger opens in spring.")
+    table = d.add_table(rows=1, cols=2)
+    table.rows[0].cells[0].text, table.rows[0].cells[1].text = "cod", "12"
+    d.save(docs / "ledger.docx")
+    found, _ = collect_documents(docs)
+    assert found[0].text == "The ledger opens in spring.\ncod\t12\n"

@@ -100,7 +100,8 @@ class _LogLines:
 
 def prefill_command(
     docs: Annotated[Path, typer.Argument(help="A documents directory (every UTF-8 text file in it, recursively: "
-                                         "code, config, CSV, Markdown ...; binary files, VCS folders, virtual "
+                                         "code, config, CSV, Markdown, HTML ...; PDF and DOCX with the docs extra; "
+                                         "binary files, VCS folders, virtual "
                                          "environments, node_modules, __pycache__ and .gitignore'd paths are "
                                          "skipped) or one text file.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="The cache directory to create.")],

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from topk_decode.errors import TopkError
+from topk_decode.prefill.formats import BINARY_FORMATS, HTML_SUFFIXES, NotReadable, html_text
 
 _SENTINEL_Q = "\x00TOPKQ\x00"
 _SENTINEL_A = "\x00TOPKA\x00"
@@ -289,11 +290,23 @@ def read_text_file(path: Path) -> str | None:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
+def read_document(path: Path) -> str | None:
+    """A document's text: PDF and DOCX converted (formats.py, NotReadable when they yield none), HTML
+    stripped of its markup, anything else as a text file (None when binary)."""
+    suffix = path.suffix.lower()
+    if suffix in BINARY_FORMATS:
+        with open_regular(path) as f:
+            return BINARY_FORMATS[suffix](f)
+    text = read_text_file(path)
+    return html_text(text) if text is not None and suffix in HTML_SUFFIXES else text
+
+
 def collect_documents(path: str | os.PathLike, follow_symlinks: bool = False, include: list[str] | tuple[str, ...] = (),
                       exclude: list[str] | tuple[str, ...] = ()) -> tuple[list[Document], list[str]]:
     """Read every text file under a directory (recursively, sorted; see `list_files` for what is skipped) or one file.
 
-    A text file is one that decodes as UTF-8 and holds no NUL byte, whatever its suffix.
+    A text file is one that decodes as UTF-8 and holds no NUL byte, whatever its suffix; PDF, DOCX and
+    HTML files are converted to their text (`read_document`).
 
     Args:
         path: a directory or a single text file.
@@ -315,7 +328,10 @@ def collect_documents(path: str | os.PathLike, follow_symlinks: bool = False, in
         raw = str(f.relative_to(root))
         rel = safe_name(raw)   # for messages; the Document keeps the raw name
         try:
-            text = read_text_file(f)
+            text = read_document(f)
+        except NotReadable as e:
+            skipped.append(f"{rel} ({e})")
+            continue
         except OSError as e:
             skipped.append(f"{rel} ({e.strerror})")
             continue
