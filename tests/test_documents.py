@@ -16,7 +16,7 @@ from topk_decode.cli.app import app
 from topk_decode.errors import TopkError
 from topk_decode.prefill import documents
 from topk_decode.prefill.formats import EXTRA, NO_TEXT_LAYER
-from topk_decode.prefill.documents import (BINARY, EXCLUDED, GITIGNORED, NODE_MODULES, PYCACHE, SNIFF_BYTES, TOPK_CACHE, VCS, VENV,
+from topk_decode.prefill.documents import (BINARY, EXCLUDED, GITIGNORED, HIDDEN, NODE_MODULES, PYCACHE, SNIFF_BYTES, TOPK_CACHE, VCS, VENV,
                                            collect_documents, read_text_file, summarize_skipped)
 
 
@@ -160,10 +160,11 @@ def ignored_tree(root: Path) -> Path:
 def test_gitignore_files_are_honoured_nested_ones_from_their_own_folder(tmp_path):
     docs = ignored_tree(tmp_path / "docs")
     found, skipped = collect_documents(docs)
-    assert names(found) == [".gitignore", "keep.txt", "other/secret.txt", "sub/.gitignore", "sub/deeper/local.txt",
-                            "sub/important.log", "sub/only_top.txt"]
-    assert sorted(skipped) == sorted(f"{n} ({GITIGNORED})" for n in [
-        "build/", "only_top.txt", "run.log", "sub/debug.log", "sub/local.txt", "sub/secret.txt"])
+    assert names(found) == ["keep.txt", "other/secret.txt", "sub/deeper/local.txt", "sub/important.log",
+                            "sub/only_top.txt"]
+    assert sorted(skipped) == sorted([f"{n} ({GITIGNORED})" for n in [
+        "build/", "only_top.txt", "run.log", "sub/debug.log", "sub/local.txt", "sub/secret.txt"]]
+        + [f"{n} ({HIDDEN})" for n in [".gitignore", "sub/.gitignore"]])
 
 
 # ---- --include / --exclude ------------------------------------------------------------------------------
@@ -204,7 +205,7 @@ def test_a_bad_pattern_is_one_clear_error(tmp_path):
 def test_an_unparseable_gitignore_line_is_dropped_as_git_drops_it(tmp_path):
     docs = write_tree(tmp_path / "docs", {".gitignore": "[z-a]\n*.log\n", "a.txt": "a\n", "b.log": "b\n"})
     found, skipped = collect_documents(docs)
-    assert names(found) == [".gitignore", "a.txt"] and skipped == [f"b.log ({GITIGNORED})"]
+    assert names(found) == ["a.txt"] and sorted(skipped) == [f".gitignore ({HIDDEN})", f"b.log ({GITIGNORED})"]
 
 
 # ---- the CLI and the Python API -------------------------------------------------------------------------
@@ -217,11 +218,11 @@ def test_prefill_cli_reads_a_project_and_reports_skips_once_per_reason(model_fac
     assert result.exit_code == 0, result.output
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: skipped")]
     reasons = [w.split("(", 1)[1].split(")", 1)[0] for w in warnings]
-    assert sorted(reasons) == sorted([VCS, VENV, NODE_MODULES, PYCACHE, GITIGNORED, EXCLUDED, BINARY])
+    assert sorted(reasons) == sorted([VCS, VENV, NODE_MODULES, PYCACHE, GITIGNORED, EXCLUDED, BINARY, HIDDEN])
     assert "warning: skipped 2 entries (matched by --exclude): sub/, web/app.js" in warnings
     manifest = json.loads((out / "manifest.json").read_text())
     got = [d["name"] for d in manifest["documents"]]
-    assert got == [".gitignore", "README.md", "app.py", "build/out.txt", "keep.txt", "other/secret.txt",
+    assert got == ["README.md", "app.py", "build/out.txt", "keep.txt", "other/secret.txt",
                    "pkg/mod.py", "wt/code.py"]
 
 
@@ -310,3 +311,13 @@ def test_docx_paragraphs_and_tables_are_read(tmp_path):
     d.save(docs / "ledger.docx")
     found, _ = collect_documents(docs)
     assert found[0].text == "The ledger opens in spring.\ncod\t12\n"
+
+
+def test_hidden_files_and_folders_are_skipped_unless_included(tmp_path):
+    docs = write_tree(tmp_path / "docs", {"app.py": "x = 1\n", ".env": "API_KEY=secret\n",
+                                          ".github/workflows/ci.yml": "on: push\n", ".gitignore": "build/\n"})
+    found, skipped = collect_documents(docs)
+    assert names(found) == ["app.py"]
+    assert sorted(skipped) == sorted([f".env ({HIDDEN})", f".github/ ({HIDDEN})", f".gitignore ({HIDDEN})"])
+    found, _ = collect_documents(docs, include=[".env"])
+    assert names(found) == [".env", "app.py"]

@@ -102,7 +102,7 @@ def prefill_command(
     docs: Annotated[Path, typer.Argument(help="A documents directory (every UTF-8 text file in it, recursively: "
                                          "code, config, CSV, Markdown, HTML ...; PDF and DOCX with the docs extra; "
                                          "binary files, VCS folders, virtual "
-                                         "environments, node_modules, __pycache__ and .gitignore'd paths are "
+                                         "environments, node_modules, __pycache__, hidden (.name) and .gitignore'd paths are "
                                          "skipped) or one text file.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="The cache directory to create.")],
     model: Annotated[Optional[Path], typer.Option(help="Local HF checkpoint dir or GGUF file (default: the embedded demo model).")] = None,

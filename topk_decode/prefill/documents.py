@@ -83,6 +83,7 @@ VENV = "virtual environment"
 NODE_MODULES = "npm packages"
 PYCACHE = "Python bytecode cache"
 TOPK_CACHE = "topk cache"
+HIDDEN = "hidden: settings or secrets such as .env, not documents; --include reads it"
 GITIGNORED = "matched by .gitignore"
 EXCLUDED = "matched by --exclude"
 BINARY = "binary"
@@ -124,7 +125,7 @@ def gitignore_spec(text: str):
 
 
 def default_skip(path: Path, name: str, is_dir: bool) -> str | None:
-    """Why a folder (or a VCS `.git` file) is skipped by default: VCS, virtual environment, packages, caches."""
+    """Why a folder or file is skipped by default: VCS, virtual environment, packages, caches, hidden names."""
     from topk_decode.store.format import keys_file
 
     why = DEFAULT_SKIPS.get(name)
@@ -134,6 +135,8 @@ def default_skip(path: Path, name: str, is_dir: bool) -> str | None:
         return VENV
     if is_dir and (path / keys_file(0)).is_file():   # a cache, or a prefill's partial one, e.g. `--out` in the folder
         return TOPK_CACHE
+    if name.startswith("."):   # dotfiles and dot-folders (.env, .github, .vscode): skipped as ripgrep skips them
+        return HIDDEN
     return None
 
 
@@ -160,7 +163,8 @@ def list_files(root: Path, follow_symlinks: bool = False, include: list[str] | t
     """The files to read under a folder (recursively, sorted), and the entries not listed, with why.
 
     Skipped by default: VCS folders (.git, .hg, .svn), virtual environments (`.venv`, `venv`, any folder
-    holding pyvenv.cfg), node_modules, __pycache__, topk caches (finished or partial), and what a .gitignore
+    holding pyvenv.cfg), node_modules, __pycache__, topk caches (finished or partial), hidden files and
+    folders (a name starting with "."; `.env` files hold secrets), and what a .gitignore
     in the tree matches (a nested one relative to its own folder, taking precedence over those above it).
     A skipped folder is one entry, never walked. Precedence: `exclude` always wins; then `include` beats the default skips and
     .gitignore (a folder is entered when an include matches it or, anchored, names a path under it).
