@@ -245,9 +245,12 @@ def test_fifos_and_sockets_are_reported_and_never_opened(tmp_path):
 
 
 def test_skipped_files_are_summarised_one_line_per_reason():
-    skipped = [f"img{i}.png (not .txt/.md)" for i in range(5)] + ["p (a FIFO: not read)", "x (1) (empty)"]
-    assert summarize_skipped(skipped) == ["5 files (not .txt/.md): img0.png, img1.png, img2.png and 2 more",
-                                          "1 file (a FIFO: not read): p", "1 file (empty): x (1)"]
+    skipped = [f"img{i}.png (binary)" for i in range(5)] + ["p (a FIFO: not read)", "x (1) (empty)",
+               ".git/ (version-control folder)", "build/ (matched by .gitignore)", "a.log (matched by .gitignore)"]
+    assert summarize_skipped(skipped) == ["5 files (binary): img0.png, img1.png, img2.png and 2 more",
+                                          "1 file (a FIFO: not read): p", "1 file (empty): x (1)",
+                                          "1 folder (version-control folder): .git/",
+                                          "2 entries (matched by .gitignore): build/, a.log"]
 
 
 def test_prefill_reports_skipped_entries_once_per_reason(model_factory, tmp_path):
@@ -255,18 +258,18 @@ def test_prefill_reports_skipped_entries_once_per_reason(model_factory, tmp_path
     docs.mkdir()
     (docs / "a.txt").write_text("The fox sleeps in the sun. " * 4)
     for i in range(5):
-        (docs / f"img{i}.png").write_bytes(b"\x89PNG")
+        (docs / f"img{i}.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
     os.mkfifo(docs / "pipe.txt")
     (docs / "out.txt").symlink_to(tmp_path)
     result = topk("prefill", docs, "--out", tmp_path / "c", "--model", model_factory("llama_gqa"), "--device", "cpu")
     assert result.exit_code == 0, result.output
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: skipped")]
     assert sorted(warnings) == sorted([
-        "warning: skipped 5 files (not .txt/.md): img0.png, img1.png, img2.png and 2 more",
+        "warning: skipped 5 files (binary): img0.png, img1.png, img2.png and 2 more",
         "warning: skipped 1 file (a FIFO: not read): pipe.txt",
         f"warning: skipped 1 file ({LINK_OUTSIDE}): out.txt"])
     info = topk("info", tmp_path / "c")
-    assert "skipped at prefill: 5 files (not .txt/.md): img0.png, img1.png, img2.png and 2 more" in info.stdout
+    assert "skipped at prefill: 5 files (binary): img0.png, img1.png, img2.png and 2 more" in info.stdout
 
 
 # ---- a failed artifact build gives its space back --------------------------------------------------

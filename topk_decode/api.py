@@ -51,11 +51,13 @@ class KVStore:
     def build(cls, docs: str | os.PathLike, out: str | os.PathLike, model: str | os.PathLike | None = None, *,
               chunk_size: int = 4096, overwrite: bool = False, device: str | None = None,
               dtype: str | None = None, allow_long_context: bool = False, follow_symlinks: bool = False,
+              include: list[str] | tuple[str, ...] = (), exclude: list[str] | tuple[str, ...] = (),
               **open_kwargs) -> "KVStore":
         """Prefill `docs` with `model` into the cache directory `out`, then open it.
 
         Args:
-            docs: a documents directory (.txt/.md, recursive) or one file.
+            docs: a documents directory (every UTF-8 text file, recursive; VCS folders, virtual
+                environments, node_modules, __pycache__ and .gitignore'd paths skipped) or one file.
             out: the cache directory to create.
             model: local HF checkpoint directory or GGUF file (default: the embedded demo model).
             chunk_size: prefill chunk length.
@@ -64,6 +66,8 @@ class KVStore:
             allow_long_context: prefill a context longer than the model's positions (with a warning);
                 by default it is refused (TopkError) before any model compute.
             follow_symlinks: also read links that leave the documents folder (skipped by default).
+            include: gitignore-style patterns read even where skipped by default or by a .gitignore.
+            exclude: gitignore-style patterns never read (they win over `include`).
             open_kwargs: passed to `KVStore.open` (k, strategy, ...).
         """
         if model is None:
@@ -71,7 +75,8 @@ class KVStore:
 
             model = default_model_dir()[0]
         build_cache(docs, out, model, chunk_size=chunk_size, overwrite=overwrite, device=device, dtype=dtype,
-                    allow_long_context=allow_long_context, follow_symlinks=follow_symlinks)
+                    allow_long_context=allow_long_context, follow_symlinks=follow_symlinks,
+                    include=include, exclude=exclude)
         return cls.open(out, device=device, dtype=dtype, **open_kwargs)
 
     @classmethod

@@ -99,7 +99,11 @@ class _LogLines:
 
 
 def prefill_command(
-    docs: Annotated[Path, typer.Argument(help="A documents directory (.txt/.md, recursive) or one text file.")],
+    docs: Annotated[Path, typer.Argument(help="A documents directory (every UTF-8 text file in it, recursively: "
+                                         "code, config, CSV, Markdown, HTML ...; PDF and DOCX with the docs extra; "
+                                         "binary files, VCS folders, virtual "
+                                         "environments, node_modules, __pycache__, hidden (.name) and .gitignore'd paths are "
+                                         "skipped) or one text file.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="The cache directory to create.")],
     model: Annotated[Optional[Path], typer.Option(help="Local HF checkpoint dir or GGUF file (default: the embedded demo model).")] = None,
     chunk_size: Annotated[int, typer.Option(help="Tokens per prefill chunk (bounds peak GPU memory).")] = 4096,
@@ -118,6 +122,10 @@ def prefill_command(
                                   "the model's positions (refused otherwise; answers degrade past them).")] = False,
     follow_symlinks: Annotated[bool, typer.Option("--follow-symlinks", help="Also read symbolic links that leave "
                                "the documents folder (skipped and reported otherwise).")] = False,
+    include: Annotated[Optional[list[str]], typer.Option("--include", metavar="GLOB", help="Read paths matching "
+                       "this gitignore-style pattern even where skipped by default or by a .gitignore (repeatable).")] = None,
+    exclude: Annotated[Optional[list[str]], typer.Option("--exclude", metavar="GLOB", help="Never read paths "
+                       "matching this gitignore-style pattern; wins over --include (repeatable).")] = None,
 ) -> None:
     """Prefill documents once and write each layer's keys/values to a cache directory."""
     # Everything cheap is checked before the model loads: a typo must not cost a prefill.
@@ -129,11 +137,13 @@ def prefill_command(
         raise TopkError("--opt sets strategy build options: name the strategies with --strategy NAME[,NAME...]")
     # Paths and names are checked without torch (a typo answers in a second, not after seconds of imports).
     from topk_decode.model.loading import check_model_path, parse_dtype
-    from topk_decode.prefill.documents import check_documents_path
+    from topk_decode.prefill.documents import check_documents_path, compile_globs
     from topk_decode.store.cache_dir import check_output
 
     parse_dtype(dtype)
     check_documents_path(docs)
+    compile_globs(include or [], "--include")
+    compile_globs(exclude or [], "--exclude")
     check_output(out, overwrite)
     if model is not None:
         check_model_path(model)
@@ -175,7 +185,8 @@ def prefill_command(
             path, stats = build_cache(docs, out, model, chunk_size=chunk_size, overwrite=overwrite, device=device,
                                       dtype=dtype, on_start=on_start, progress=progress, resume=resume,
                                       checkpoint_every=checkpoint_every, on_note=say_note,
-                                      allow_long_context=allow_long_context, follow_symlinks=follow_symlinks)
+                                      allow_long_context=allow_long_context, follow_symlinks=follow_symlinks,
+                                      include=include or [], exclude=exclude or [])
         except Terminated:
             typer.echo("terminated", err=True)
             raise typer.Exit(143) from None

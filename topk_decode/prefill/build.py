@@ -97,11 +97,13 @@ def build_cache(
     on_note: Callable[[str], None] | None = None,
     allow_long_context: bool = False,
     follow_symlinks: bool = False,
+    include: list[str] | tuple[str, ...] = (),
+    exclude: list[str] | tuple[str, ...] = (),
 ) -> tuple[Path, PrefillStats]:
     """Prefill documents with a model and write the cache directory atomically.
 
     Args:
-        docs: a documents directory or one text file.
+        docs: a documents directory (every text file, recursively) or one text file.
         out: the cache directory to create.
         model_dir: local HF checkpoint directory.
         chunk_size: prefill chunk length in tokens.
@@ -121,6 +123,8 @@ def build_cache(
         allow_long_context: prefill a context longer than the model's positions (with a warning) instead
             of refusing it before any model compute (`check_context_length`).
         follow_symlinks: also read links that leave the documents folder (`collect_documents`).
+        include, exclude: gitignore-style patterns read despite the default skips and .gitignore, and
+            never read (exclude wins); see `list_files`.
     Returns:
         the cache path and the prefill statistics.
     """
@@ -128,7 +132,7 @@ def build_cache(
         raise TopkError(f"--chunk-size must be positive, got {chunk_size}")
     out, model_dir = Path(out), Path(model_dir)
     check_output(out, overwrite)
-    documents, skipped = collect_documents(docs, follow_symlinks=follow_symlinks)
+    documents, skipped = collect_documents(docs, follow_symlinks=follow_symlinks, include=include, exclude=exclude)
     fingerprint = model_fingerprint(model_dir)
     tokenizer = load_tokenizer(model_dir)
     layout = layout_context(documents, tokenizer)

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import codecs
 import errno
+import fnmatch
 import os
 import stat
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from topk_decode.errors import TopkError
+from topk_decode.prefill.formats import BINARY_FORMATS, HTML_SUFFIXES, NotReadable, html_text
 
-TEXT_SUFFIXES = (".txt", ".md")
 _SENTINEL_Q = "\x00TOPKQ\x00"
 _SENTINEL_A = "\x00TOPKA\x00"
 _SENTINEL_Q2 = "\x00TOPKQ2\x00"
@@ -75,10 +78,96 @@ def special_kind(mode: int) -> str:
 # Reasons a file under the documents folder is not read (grouped in the one warning `summarize_skipped` makes).
 LINK_OUTSIDE = "link leaving the documents folder; --follow-symlinks reads it"
 LINK_TO_FOLDER = "link to a folder inside the documents folder, read there"
+VCS = "version-control folder"
+VENV = "virtual environment"
+NODE_MODULES = "npm packages"
+PYCACHE = "Python bytecode cache"
+TOPK_CACHE = "topk cache"
+HIDDEN = "hidden: settings or secrets such as .env, not documents; --include reads it"
+GITIGNORED = "matched by .gitignore"
+EXCLUDED = "matched by --exclude"
+BINARY = "binary"
+EMPTY = "empty"
+
+# Names skipped by default (an --include matching them reads them): as files too, since a git worktree's
+# or submodule's `.git` is a file.
+DEFAULT_SKIPS = {".git": VCS, ".hg": VCS, ".svn": VCS, ".venv": VENV, "venv": VENV,
+                 "node_modules": NODE_MODULES, "__pycache__": PYCACHE}
+SNIFF_BYTES = 8192   # the prefix read to tell binary from text before a file is read whole
 
 
-def list_files(root: Path, follow_symlinks: bool = False) -> tuple[list[Path], list[str]]:
-    """The regular files under a folder (recursively, sorted), and the entries not listed, with why.
+def compile_globs(patterns: list[str] | tuple[str, ...], option: str):
+    """Patterns (gitignore syntax, relative to the documents folder) as one pathspec, None when there are none."""
+    import pathspec   # light, pure Python; imported here so `topk --help` does not pay for it
+
+    if not patterns:
+        return None
+    for pattern in patterns:
+        try:
+            pathspec.GitIgnoreSpec.from_lines([pattern])
+        except Exception as e:   # pathspec's pattern errors have no common public base class across versions
+            raise TopkError(f"{option} {pattern!r} is not a valid pattern ({e})") from None
+    return pathspec.GitIgnoreSpec.from_lines(list(patterns))
+
+
+def gitignore_spec(text: str):
+    """A .gitignore's patterns as a pathspec; lines git would not understand are dropped, as git drops them."""
+    import pathspec
+
+    good = []
+    for line in text.splitlines():
+        try:
+            pathspec.GitIgnoreSpec.from_lines([line])
+        except Exception:   # an invalid line: git ignores it, so do we
+            continue
+        good.append(line)
+    return pathspec.GitIgnoreSpec.from_lines(good)
+
+
+def default_skip(path: Path, name: str, is_dir: bool) -> str | None:
+    """Why a folder or file is skipped by default: VCS, virtual environment, packages, caches, hidden names."""
+    from topk_decode.store.format import keys_file
+
+    why = DEFAULT_SKIPS.get(name)
+    if why == VCS or (is_dir and why):
+        return why
+    if is_dir and (path / "pyvenv.cfg").is_file():   # a virtual environment under any name
+        return VENV
+    if is_dir and (path / keys_file(0)).is_file():   # a cache, or a prefill's partial one, e.g. `--out` in the folder
+        return TOPK_CACHE
+    if name.startswith("."):   # dotfiles and dot-folders (.env, .github, .vscode): skipped as ripgrep skips them
+        return HIDDEN
+    return None
+
+
+def reaches_under(pattern: str, rel_dir: str) -> bool:
+    """Whether an --include pattern that is anchored (holds a slash) names a path under the folder `rel_dir`.
+
+    An unanchored pattern (`*.py`) matches names at any depth, so it enters a skipped folder only by
+    matching the folder itself: `--include '*.py'` does not read a virtual environment's modules.
+    """
+    p = pattern.strip()
+    if not p or p.startswith(("!", "#")) or "/" not in p.rstrip("/"):
+        return False
+    segs = p.strip("/").split("/")
+    for i, part in enumerate(rel_dir.split("/")):
+        if i >= len(segs) or segs[i] == "**":
+            return True
+        if not fnmatch.fnmatchcase(part, segs[i]):
+            return False
+    return True
+
+
+def list_files(root: Path, follow_symlinks: bool = False, include: list[str] | tuple[str, ...] = (),
+               exclude: list[str] | tuple[str, ...] = ()) -> tuple[list[Path], list[str]]:
+    """The files to read under a folder (recursively, sorted), and the entries not listed, with why.
+
+    Skipped by default: VCS folders (.git, .hg, .svn), virtual environments (`.venv`, `venv`, any folder
+    holding pyvenv.cfg), node_modules, __pycache__, topk caches (finished or partial), hidden files and
+    folders (a name starting with "."; `.env` files hold secrets), and what a .gitignore
+    in the tree matches (a nested one relative to its own folder, taking precedence over those above it).
+    A skipped folder is one entry, never walked. Precedence: `exclude` always wins; then `include` beats the default skips and
+    .gitignore (a folder is entered when an include matches it or, anchored, names a path under it).
 
     Symbolic links are followed when their target stays inside `root` (a linked folder is read under
     its own name); links leaving `root` are skipped unless `follow_symlinks`, which also descends into
@@ -88,106 +177,185 @@ def list_files(root: Path, follow_symlinks: bool = False) -> tuple[list[Path], l
     Args:
         root: the documents folder.
         follow_symlinks: follow every link, also out of `root`.
+        include: gitignore-style patterns (relative to `root`) read even where skipped by default.
+        exclude: gitignore-style patterns never read.
     """
+    include_spec = compile_globs(include, "--include")
+    exclude_spec = compile_globs(exclude, "--exclude")
     real_root = Path(os.path.realpath(root))
     files: list[Path] = []
     skipped: list[str] = []
 
-    def visit(d: Path, ancestors: frozenset[str]) -> None:
+    def ignored(rel: str, is_dir: bool, specs: tuple) -> bool:
+        for base, spec in reversed(specs):   # the deepest .gitignore that has a say decides
+            verdict = spec.check_file(rel[len(base):] + "/" * is_dir).include
+            if verdict is not None:
+                return verdict
+        return False
+
+    def visit(d: Path, real_d: str, ancestors: frozenset[str], specs: tuple, held: str | None) -> None:
+        # held: why the folder `d` itself was skipped, when an --include entered it anyway: its entries
+        # the includes do not match are skipped for the same reason
         try:
             entries = sorted(os.scandir(d), key=lambda e: e.name)
         except OSError as e:
             skipped.append(f"{safe_name(str(d.relative_to(root)))}/ ({e.strerror})")
             return
+        base = "" if d == root else d.relative_to(root).as_posix() + "/"
         for e in entries:
-            p = Path(e.path)
-            rel = safe_name(str(p.relative_to(root)))
+            if e.name == ".gitignore" and e.is_file(follow_symlinks=False):
+                try:
+                    with open_regular(Path(e.path)) as f:
+                        specs = specs + ((base, gitignore_spec(f.read().decode("utf-8", "replace"))),)
+                except OSError as err:
+                    skipped.append(f"{safe_name(base + e.name)} ({err.strerror}: its patterns not applied)")
+        for e in entries:
+            posix = base + e.name
             link = e.is_symlink()
-            try:
-                mode = p.stat().st_mode              # the link's target for a link
-            except OSError as err:
-                skipped.append(f"{rel} ({'broken link' if link else err.strerror})")
-                continue
-            real = os.path.realpath(p)
-            if link and not follow_symlinks and os.path.commonpath([real, real_root]) != str(real_root):
-                skipped.append(f"{rel} ({LINK_OUTSIDE})")
-            elif stat.S_ISDIR(mode):
-                if link and not follow_symlinks:
-                    skipped.append(f"{rel} ({LINK_TO_FOLDER})")
-                elif real in ancestors:
-                    skipped.append(f"{rel} (link loop)")
-                else:
-                    visit(p, ancestors | {real})
-            elif stat.S_ISREG(mode):
-                files.append(p)
-            else:
-                skipped.append(f"{rel} ({special_kind(mode)}: not read)")
 
-    visit(root, frozenset({str(real_root)}))
+            def skip(why: str, slash: bool = False) -> None:
+                skipped.append(f"{safe_name(posix)}{'/' * slash} ({why})")
+
+            try:
+                mode = os.stat(e.path).st_mode       # the link's target for a link
+            except OSError as err:
+                skip("broken link" if link else err.strerror)
+                continue
+            # only a link needs resolving (realpath costs a syscall per path component): under the
+            # resolved `real_d`, anything else is itself
+            real = os.path.realpath(e.path) if link else os.path.join(real_d, e.name)
+            is_dir, is_reg = stat.S_ISDIR(mode), stat.S_ISREG(mode)
+            key = posix + "/" * is_dir
+            if link and not follow_symlinks and os.path.commonpath([real, real_root]) != str(real_root):
+                skip(LINK_OUTSIDE)
+                continue
+            if not (is_dir or is_reg):
+                skip(f"{special_kind(mode)}: not read")
+                continue
+            if exclude_spec is not None and exclude_spec.match_file(key):
+                skip(EXCLUDED, is_dir)
+                continue
+            p = Path(e.path)
+            why = held or default_skip(p, e.name, is_dir) or (GITIGNORED if ignored(posix, is_dir, specs) else None)
+            entered_for = None
+            if why and not (include_spec is not None and include_spec.match_file(key)):
+                if not (is_dir and any(reaches_under(pat, posix) for pat in include)):
+                    skip(why, is_dir)
+                    continue
+                entered_for = why   # only the paths an include names under it are read
+            if is_dir:
+                if link and not follow_symlinks:
+                    skip(LINK_TO_FOLDER)
+                elif real in ancestors:
+                    skip("link loop")
+                else:
+                    visit(p, real, ancestors | {real}, specs, entered_for)
+            else:
+                files.append(p)
+
+    visit(root, str(real_root), frozenset({str(real_root)}), (), None)
     return sorted(files), skipped
 
 
-def read_text_file(path: Path) -> str:
-    """A file's text (UTF-8, universal newlines), refusing anything but a regular file at open time.
+def open_regular(path: Path) -> BinaryIO:
+    """A file opened for reading in binary, refusing anything but a regular file at open time.
 
     O_NONBLOCK: a FIFO put where a file was listed is not waited on; fstat then refuses it.
     """
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    with open(fd, encoding="utf-8") as f:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise OSError(errno.EINVAL, f"{special_kind(mode)}: not read")
-        return f.read()
+    f = open(fd, "rb")
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        f.close()
+        raise OSError(errno.EINVAL, f"{special_kind(mode)}: not read")
+    return f
 
 
-def collect_documents(path: str | os.PathLike, follow_symlinks: bool = False) -> tuple[list[Document], list[str]]:
-    """Read `.txt` / `.md` files under a directory (recursively, sorted) or one file.
+def read_text_file(path: Path) -> str | None:
+    """A file's text (UTF-8, universal newlines), or None when it is binary (NUL bytes, or not UTF-8).
+
+    Only the first SNIFF_BYTES are read to turn a binary file away, so a big one is never read whole.
+    """
+    with open_regular(path) as f:
+        head = f.read(SNIFF_BYTES)
+        try:   # text files hold no NUL bytes (git decides so too); a multi-byte character may be cut at the end
+            if b"\x00" in head:
+                return None
+            codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+        except UnicodeDecodeError:
+            return None
+        data = head + f.read()
+    if b"\x00" in data:
+        return None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def read_document(path: Path) -> str | None:
+    """A document's text: PDF and DOCX converted (formats.py, NotReadable when they yield none), HTML
+    stripped of its markup, anything else as a text file (None when binary)."""
+    suffix = path.suffix.lower()
+    if suffix in BINARY_FORMATS:
+        with open_regular(path) as f:
+            return BINARY_FORMATS[suffix](f)
+    text = read_text_file(path)
+    return html_text(text) if text is not None and suffix in HTML_SUFFIXES else text
+
+
+def collect_documents(path: str | os.PathLike, follow_symlinks: bool = False, include: list[str] | tuple[str, ...] = (),
+                      exclude: list[str] | tuple[str, ...] = ()) -> tuple[list[Document], list[str]]:
+    """Read every text file under a directory (recursively, sorted; see `list_files` for what is skipped) or one file.
+
+    A text file is one that decodes as UTF-8 and holds no NUL byte, whatever its suffix; PDF, DOCX and
+    HTML files are converted to their text (`read_document`).
 
     Args:
         path: a directory or a single text file.
         follow_symlinks: also follow links that leave the directory (see `list_files`).
+        include: patterns read even where skipped by default or by a .gitignore (`list_files`).
+        exclude: patterns never read; they win over `include`.
     Returns:
         the documents with readable non-empty text, and the names of the files skipped (with why).
     """
     path = check_documents_path(path)
-    single = not path.is_dir()
-    if single:
+    if not path.is_dir():
         files, root, skipped = [path], path.parent, []
     else:
-        (files, skipped), root = list_files(path, follow_symlinks), path
+        (files, skipped), root = list_files(path, follow_symlinks, include, exclude), path
         if not files and not skipped:
             raise TopkError(f"no files in {path}")
     docs = []
     for f in files:
         raw = str(f.relative_to(root))
         rel = safe_name(raw)   # for messages; the Document keeps the raw name
-        if f.suffix.lower() not in TEXT_SUFFIXES and not single:
-            skipped.append(f"{rel} (not .txt/.md)")
-            continue
         try:
-            text = read_text_file(f)
-        except UnicodeDecodeError:
-            skipped.append(f"{rel} (not UTF-8 text)")
+            text = read_document(f)
+        except NotReadable as e:
+            skipped.append(f"{rel} ({e})")
             continue
         except OSError as e:
             skipped.append(f"{rel} ({e.strerror})")
             continue
-        if not text.strip():
-            skipped.append(f"{rel} (empty)")
+        if text is None:
+            skipped.append(f"{rel} ({BINARY})")
             continue
-        if "\x00" in text:   # valid UTF-8, but text files hold no NUL bytes: binary, as git decides
-            skipped.append(f"{rel} (binary: contains NUL bytes)")
+        if not text.strip():
+            skipped.append(f"{rel} ({EMPTY})")
             continue
         docs.append(Document(raw, text))
     if not docs:
         why = f"; skipped: {'; '.join(summarize_skipped(skipped))}" if skipped else ""
-        raise TopkError(f"no readable text in {path} (looked for non-empty UTF-8 {'/'.join(TEXT_SUFFIXES)} "
-                        f"files){why}")
+        raise TopkError(f"no readable text in {path} (looked for non-empty UTF-8 text files){why}")
     return docs, skipped
 
 
 def summarize_skipped(skipped: list[str], names: int = 3) -> list[str]:
     """Skipped entries ("NAME (why)") grouped by why, one line each: count, then the first few names.
+
+    A group of folders ("NAME/") counts folders, of files files, of both entries.
 
     Args:
         skipped: as `collect_documents` returns them.
@@ -201,7 +369,10 @@ def summarize_skipped(skipped: list[str], names: int = 3) -> list[str]:
     lines = []
     for why, group in groups.items():
         shown = ", ".join(group[:names]) + (f" and {len(group) - names} more" if len(group) > names else "")
-        lines.append(f"{len(group)} file{'s' * (len(group) != 1)} ({why}): {shown}")
+        n_folders = sum(name.endswith("/") for name in group)   # a skipped folder is listed as "NAME/"
+        noun = ("folder" if n_folders == len(group) else "file" if not n_folders else "entr")
+        plural = ("ies" if len(group) != 1 else "y") if noun == "entr" else "s" * (len(group) != 1)
+        lines.append(f"{len(group)} {noun}{plural} ({why}): {shown}")
     return lines
 
 
