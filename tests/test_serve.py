@@ -453,8 +453,10 @@ def test_topk_serve_with_a_bad_body_limit_is_one_error_line(demo_cache, value):
 
 
 def test_topk_serve_command_stops_on_interrupt_ending_an_open_stream_with_an_error_and_done(demo_cache):
+    # the key from the environment (TOPK_API_KEY), as a deployment would pass it
     proc = subprocess.Popen([sys.executable, "-m", "topk_decode", "serve", str(demo_cache), "--port", "0",
-                             "--device", "cpu"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--device", "cpu"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TOPK_API_KEY": KEY})
     try:
         line = proc.stdout.readline()          # printed once the model is loaded and the port bound
         assert line.startswith(f"serving {demo_cache} as model '{MODEL}' on http://127.0.0.1:"), line
@@ -468,10 +470,12 @@ def test_topk_serve_command_stops_on_interrupt_ending_an_open_stream_with_an_err
                 assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
                 time.sleep(0.2)
         assert health["model"] == MODEL
+        assert call(base, "/v1/models")[0] == 401
         # a streamed answer stuck in a long prompt when Ctrl-C comes
         body = json.dumps({"model": MODEL, "stream": True, "max_tokens": 1,
                            "messages": [{"role": "user", "content": LONG_PROMPT}]})
-        stream = urllib.request.urlopen(urllib.request.Request(base + "/v1/chat/completions", data=body.encode()),
+        stream = urllib.request.urlopen(urllib.request.Request(base + "/v1/chat/completions", data=body.encode(),
+                                                               headers={"Authorization": f"Bearer {KEY}"}),
                                         timeout=TIMEOUT)
         assert stream.readline().startswith(b"data: ")      # the role chunk: the prompt is running
         proc.send_signal(subprocess.signal.SIGINT)
@@ -481,7 +485,10 @@ def test_topk_serve_command_stops_on_interrupt_ending_an_open_stream_with_an_err
         assert json.loads(events[-2][6:])["error"]["code"] == "server_shutdown"
         proc.wait(timeout=FREED_S)
         assert time.monotonic() - sent < FREED_S
-        assert "Traceback" not in proc.stderr.read()
+        log = proc.stderr.read()
+        assert "Traceback" not in log
+        assert " - GET /v1/models 401 seconds=" in log          # one line per request, on stderr
+        assert " POST /v1/chat/completions 200 model=demo-cache " in log
     finally:
         if proc.poll() is None:
             proc.kill()
