@@ -102,6 +102,11 @@ def test_startup_commands_import_no_torch(built_cache, docs_dir, tmp_path):
     (["prefill", "{docs}", "--out", "{tmp}/c", "--dtype", "fp8"], "unknown dtype 'fp8'"),
     (["prefill", "{docs}", "--out", "{tmp}/c", "--model", "{tmp}/nope"], "model directory not found"),
     (["prefill", "{docs}", "--out", "{tmp}/c", "--strategy", "nope"], "unknown strategy 'nope'"),
+    (["serve", "{tmp}/missing"], "cache not found"),
+    (["serve", "{cache}", "--strategy", "nope"], "unknown strategy 'nope'"),
+    (["serve", "{cache}", "--host", "0.0.0.0"], "pass --api-key KEY"),
+    (["serve", "{cache}", "--cors-origin", "https://app.example.com/"], "--cors-origin must be"),
+    (["serve", "{cache}", "--api-key", "two words"], "--api-key (or TOPK_API_KEY) must be printable"),
 ])
 def test_error_paths_import_no_torch(built_cache, docs_dir, tmp_path, args, fragment):
     cache, _ = built_cache

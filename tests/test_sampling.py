@@ -57,6 +57,38 @@ def test_bad_sampling_values_are_user_errors(kw):
         Sampling(**kw)
 
 
+def test_penalties_and_logit_bias_follow_openais_formula_within_one_answer():
+    logits = torch.tensor([3.0, 2.5, 0.0, -1.0])
+    s = Sampling(presence_penalty=1.0, frequency_penalty=0.5, logit_bias={3: 5.0})
+    assert not s.plain and Sampling(logprobs=None).plain
+    assert s.pick(logits) == 3                       # -1 + 5 beats 3
+    assert s.pick(logits) == 0                       # 4 - 0.5 - 1 = 2.5 < 3: token 0 now
+    assert s.adjusted(logits).tolist() == pytest.approx([3 - 1.5, 2.5, 0.0, 4 - 1.5])
+    s.start_answer()                                 # a new answer counts from zero
+    assert s.adjusted(logits).tolist() == pytest.approx([3.0, 2.5, 0.0, 4.0])
+    with pytest.raises(TopkError, match="vocabulary"):
+        Sampling(logit_bias={4: 1.0}).pick(logits)
+
+
+def test_logprobs_record_the_models_own_distribution_and_the_most_likely_alternatives():
+    logits = torch.tensor([1.0, 3.0, 2.0, 0.5])
+    s = Sampling(logprobs=2, logit_bias={1: -100.0})
+    assert s.pick(logits) == 2                       # the bias moved the pick, not the recorded distribution
+    tok, logprob, top = s.picked[0]
+    expected = torch.log_softmax(logits, -1)
+    assert tok == 2 and logprob == pytest.approx(float(expected[2]))
+    assert [t for t, _ in top] == [1, 2] and top[0][1] == pytest.approx(float(expected[1]))
+    assert Sampling(logprobs=0).pick(logits) == 1
+
+
+@pytest.mark.parametrize("kw", [dict(presence_penalty=2.5), dict(frequency_penalty="x"), dict(logit_bias={-1: 1}),
+                                dict(logit_bias={"5": 1}), dict(logit_bias={5: 101}), dict(logprobs=21),
+                                dict(logprobs=True)])
+def test_bad_penalty_bias_and_logprobs_values_are_user_errors(kw):
+    with pytest.raises(TopkError):
+        Sampling(**kw)
+
+
 def test_seeded_sampling_over_a_covering_budget_draws_what_dense_hf_logits_draw(built_cache):
     from transformers import AutoModelForCausalLM
 

@@ -453,8 +453,10 @@ def test_topk_serve_with_a_bad_body_limit_is_one_error_line(demo_cache, value):
 
 
 def test_topk_serve_command_stops_on_interrupt_ending_an_open_stream_with_an_error_and_done(demo_cache):
+    # the key from the environment (TOPK_API_KEY), as a deployment would pass it
     proc = subprocess.Popen([sys.executable, "-m", "topk_decode", "serve", str(demo_cache), "--port", "0",
-                             "--device", "cpu"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--device", "cpu"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TOPK_API_KEY": KEY})
     try:
         line = proc.stdout.readline()          # printed once the model is loaded and the port bound
         assert line.startswith(f"serving {demo_cache} as model '{MODEL}' on http://127.0.0.1:"), line
@@ -468,10 +470,12 @@ def test_topk_serve_command_stops_on_interrupt_ending_an_open_stream_with_an_err
                 assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
                 time.sleep(0.2)
         assert health["model"] == MODEL
+        assert call(base, "/v1/models")[0] == 401
         # a streamed answer stuck in a long prompt when Ctrl-C comes
         body = json.dumps({"model": MODEL, "stream": True, "max_tokens": 1,
                            "messages": [{"role": "user", "content": LONG_PROMPT}]})
-        stream = urllib.request.urlopen(urllib.request.Request(base + "/v1/chat/completions", data=body.encode()),
+        stream = urllib.request.urlopen(urllib.request.Request(base + "/v1/chat/completions", data=body.encode(),
+                                                               headers={"Authorization": f"Bearer {KEY}"}),
                                         timeout=TIMEOUT)
         assert stream.readline().startswith(b"data: ")      # the role chunk: the prompt is running
         proc.send_signal(subprocess.signal.SIGINT)
@@ -481,7 +485,10 @@ def test_topk_serve_command_stops_on_interrupt_ending_an_open_stream_with_an_err
         assert json.loads(events[-2][6:])["error"]["code"] == "server_shutdown"
         proc.wait(timeout=FREED_S)
         assert time.monotonic() - sent < FREED_S
-        assert "Traceback" not in proc.stderr.read()
+        log = proc.stderr.read()
+        assert "Traceback" not in log
+        assert " - GET /v1/models 401 seconds=" in log          # one line per request, on stderr
+        assert " POST /v1/chat/completions 200 model=demo-cache " in log
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -524,3 +531,252 @@ def test_a_full_queue_answers_429_and_shutdown_answers_queued_requests_503(store
     finally:
         worker.close()
         loop.close()
+
+
+# ---- access: API key, CORS ---------------------------------------------------------------------------
+KEY = "test-key-0123456789"
+ORIGIN = "https://app.example.com"
+
+
+@pytest.fixture(scope="module")
+def keyed(store):
+    """(base_url, Server) of a second server over the same store, with an API key and one CORS origin."""
+    server = Server(store, MODEL, max_tokens_limit=1024, default_max_tokens=64, api_key=KEY, cors_origins=(ORIGIN,))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", server
+    uv.should_exit = True
+    thread.join(15)
+
+
+def call(base: str, path: str, method: str = "GET", body: dict | None = None,
+         headers: dict | None = None) -> tuple[int, dict, bytes]:
+    """Any request: (status, response headers, body bytes)."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(base + path, data=data, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def test_a_key_is_required_everywhere_but_health(keyed):
+    base = keyed[0]
+    chat = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        for method, path, body in [("POST", "/v1/chat/completions", chat), ("GET", "/v1/models", None),
+                                   ("GET", "/metrics", None)]:
+            status, got_headers, raw = call(base, path, method, body, headers)
+            assert status == 401, (path, headers)
+            assert json.loads(raw) == {"error": {"message": json.loads(raw)["error"]["message"], "param": None,
+                                                 "type": "invalid_request_error", "code": "invalid_api_key"}}
+            assert got_headers["www-authenticate"] == "Bearer"
+    assert call(base, "/health")[0] == 200
+    good = {"Authorization": f"Bearer {KEY}"}
+    assert call(base, "/v1/models", headers=good)[0] == 200 and call(base, "/metrics", headers=good)[0] == 200
+    assert call(base, "/v1/chat/completions", "POST", chat, headers=good)[0] == 200
+
+
+def test_the_openai_client_needs_the_key(keyed):
+    base = keyed[0]
+    wrong = openai.OpenAI(base_url=base + "/v1", api_key="nope", timeout=TIMEOUT, max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        ask(wrong, QUESTIONS["amber-fox"][0])
+    assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+    right = openai.OpenAI(base_url=base + "/v1", api_key=KEY, timeout=TIMEOUT, max_retries=0)
+    assert ask(right, QUESTIONS["amber-fox"][0]).choices[0].message.content.endswith("482.")
+
+
+def test_cors_preflight_is_answered_without_the_key_for_the_allowed_origin_only(keyed):
+    base = keyed[0]
+    ask_ = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"}
+    status, headers, _ = call(base, "/v1/chat/completions", "OPTIONS", headers=ask_)
+    assert status == 200 and headers["access-control-allow-origin"] == ORIGIN
+    assert "POST" in headers["access-control-allow-methods"]
+    assert "authorization" in headers["access-control-allow-headers"].lower()
+    status, headers, _ = call(base, "/v1/chat/completions", "OPTIONS", headers={**ask_, "Origin": "https://evil.test"})
+    assert status == 400 and "access-control-allow-origin" not in headers
+    # the real request: the browser may read the answer (and a 401, so that it can say why)
+    for auth, expected in (({"Authorization": f"Bearer {KEY}"}, 200), ({}, 401)):
+        status, headers, _ = call(base, "/v1/models", headers={"Origin": ORIGIN, **auth})
+        assert status == expected and headers["access-control-allow-origin"] == ORIGIN
+
+
+def test_without_cors_origins_there_are_no_cors_headers(live):
+    status, headers, _ = call(live[0], "/v1/models", headers={"Origin": ORIGIN})
+    assert status == 200 and "access-control-allow-origin" not in headers
+
+
+# ---- metrics and logs ----------------------------------------------------------------------------------
+def scrape(base: str, headers: dict | None = None) -> dict:
+    """GET /metrics parsed by prometheus_client's own parser: {(sample name, labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, got, raw = call(base, "/metrics", headers=headers)
+    assert status == 200 and got["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(raw.decode()) for s in family.samples}
+
+
+def test_metrics_count_requests_tokens_time_to_first_token_search_and_keys(live, client):
+    base = live[0]
+    before = scrape(base)
+    r = ask(client, QUESTIONS["amber-fox"][0])
+    post(base, "/v1/chat/completions", json.dumps({"model": MODEL, "messages": []}))   # a 400
+    after = scrape(base)
+
+    def delta(name: str, **labels) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("topk_requests_total", route="/v1/chat/completions", status="200") == 1
+    assert delta("topk_requests_total", route="/v1/chat/completions", status="400") == 1
+    assert delta("topk_completion_tokens_total") == r.usage.completion_tokens
+    assert delta("topk_prompt_tokens_total") == r.usage.prompt_tokens - r.usage.prompt_tokens_details.cached_tokens
+    assert delta("topk_time_to_first_token_seconds_count") == 1 and delta("topk_time_to_first_token_seconds_sum") > 0
+    assert delta("topk_decode_tokens_per_second_count") == 1 and delta("topk_decode_seconds_total") > 0
+    assert delta("topk_steps_total") >= r.usage.completion_tokens
+    assert delta("topk_search_ms_per_step_count") == 1 and delta("topk_search_seconds_total") > 0
+    assert delta("topk_keys_read_total") > 0
+    assert after[("topk_queue_depth", ())] == 0 and after[("topk_running", ())] == 0
+
+
+def test_one_log_line_per_request_with_id_model_tokens_seconds_and_status(live, client, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="topk_decode.serve")
+    r = ask(client, QUESTIONS["silver-owl"][0])
+    post(live[0], "/v1/chat/completions", json.dumps({"model": MODEL, "messages": []}))
+    get(live[0], "/health")                              # probes are not logged
+    deadline = time.monotonic() + 10                     # the line is written once the response has gone
+    while len([m for m in caplog.messages if "/v1/chat/completions" in m]) < 2:
+        assert time.monotonic() < deadline, caplog.messages
+        time.sleep(0.05)
+    lines = [m for m in caplog.messages if "/v1/chat/completions" in m]
+    ok = next(m for m in lines if m.startswith(r.id))
+    n_prompt = r.usage.prompt_tokens - r.usage.prompt_tokens_details.cached_tokens
+    assert (f"{r.id} POST /v1/chat/completions 200 model={MODEL} prompt_tokens={n_prompt} "
+            f"completion_tokens={r.usage.completion_tokens} finish=stop seconds=") in ok
+    assert float(ok.rpartition("seconds=")[2]) > 0
+    assert any(m.startswith("- POST /v1/chat/completions 400 seconds=") for m in lines)
+    assert not any("/health" in m for m in caplog.messages)
+
+
+# ---- parameters: implemented, or refused by name -----------------------------------------------------
+@pytest.mark.parametrize("kind,extra,param", [
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+     "response_format"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ("chat", {"tool_choice": "auto"}, "tool_choice"),
+    ("chat", {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    ("chat", {"function_call": "auto"}, "function_call"),
+    ("chat", {"n": 2}, "n"),
+    ("chat", {"modalities": ["text", "audio"]}, "modalities"),
+    ("chat", {"top_logprobs": 3}, "top_logprobs"),             # without logprobs: true
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat", {"logprobs": 1}, "logprobs"),
+    ("chat", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("chat", {"frequency_penalty": "high"}, "frequency_penalty"),
+    ("chat", {"logit_bias": {"abc": 1}}, "logit_bias"),
+    ("chat", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("chat", {"logit_bias": {"9999999": -100}}, "logit_bias"),  # past the vocabulary: found before decoding
+    ("chat", {"logit_bias": [1, 2]}, "logit_bias"),
+    ("completion", {"echo": True}, "echo"),
+    ("completion", {"suffix": "end"}, "suffix"),
+    ("completion", {"best_of": 3}, "best_of"),
+    ("completion", {"n": 2}, "n"),
+    ("completion", {"logprobs": 6}, "logprobs"),
+])
+def test_what_is_not_implemented_is_a_400_naming_the_parameter(live, kind, extra, param):
+    body = ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]} if kind == "chat" else
+            {"model": MODEL, "prompt": "hi"})
+    status, answer = post(live[0], "/v1/chat/completions" if kind == "chat" else "/v1/completions",
+                          json.dumps({**body, "max_tokens": 2, **extra}))
+    assert status == 400 and answer["error"]["param"] == param, answer
+    assert param in answer["error"]["message"]
+
+
+def test_what_asks_for_nothing_is_accepted(client):
+    r = ask(client, QUESTIONS["amber-fox"][0], response_format={"type": "text"}, tools=[], tool_choice="none",
+            n=1, presence_penalty=0, frequency_penalty=0, logit_bias={}, logprobs=False)
+    assert r.choices[0].message.content == "The special magic number for amber-fox is 482."   # greedy, unchanged
+    assert r.choices[0].logprobs is None
+
+
+def test_chat_logprobs_are_the_answers_tokens_with_sorted_alternatives(client):
+    question = QUESTIONS["amber-fox"][0]
+    r = ask(client, question, logprobs=True, top_logprobs=5)
+    answer = r.choices[0].message.content
+    assert answer == "The special magic number for amber-fox is 482."     # asking for logprobs changes nothing
+    content = r.choices[0].logprobs.content
+    assert "".join(t.token for t in content).strip() == answer
+    assert len(content) == r.usage.completion_tokens - 1                   # all but the end-of-turn token
+    for t in content:
+        assert t.logprob <= 0 and bytes(t.bytes).decode() == t.token
+        top = [a.logprob for a in t.top_logprobs]
+        assert len(top) == 5 and top == sorted(top, reverse=True)
+        assert sum(2.718281828459045 ** lp for lp in top) <= 1 + 1e-6
+        assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == pytest.approx(t.logprob)  # greedy
+    streamed = [c for c in ask(client, question, logprobs=True, top_logprobs=5, stream=True) if c.choices]
+    tokens = [t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in tokens] == [(t.token, t.logprob) for t in content]
+    assert ask(client, question, logprobs=True).choices[0].logprobs.content[0].top_logprobs == []
+
+
+def test_completion_logprobs_are_parallel_lists_with_offsets(client):
+    prompt = "\nQuestion: What is the special magic number for silver-owl?\nAnswer:"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert len(lp.tokens) == r.usage.completion_tokens - (r.choices[0].finish_reason == "stop")   # no end of text
+    assert all(x <= 0 for x in lp.token_logprobs)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) <= 3 and max(top.values()) == pytest.approx(logprob) and top[token] == pytest.approx(logprob)
+    streamed = [c.choices[0] for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, logprobs=3,
+                                                                stream=True)]
+    offsets = [o for c in streamed if c.logprobs for o in c.logprobs.text_offset]
+    assert offsets == lp.text_offset
+
+
+def first_token_id(store, client, question: str) -> tuple[int, str]:
+    """The greedy answer's first token (id, text)."""
+    token = ask(client, question, logprobs=True, max_tokens=1).choices[0].logprobs.content[0].token
+    ids = store.tokenizer(token, add_special_tokens=False).input_ids
+    assert len(ids) == 1 and store.tokenizer.decode(ids) == token
+    return ids[0], token
+
+
+def test_a_banned_first_token_changes_the_greedy_answer_and_a_forced_one_starts_it(client, store):
+    question = QUESTIONS["amber-fox"][0]
+    tid, token = first_token_id(store, client, question)
+    banned = ask(client, question, logit_bias={str(tid): -100}, logprobs=True, top_logprobs=1, max_tokens=8)
+    first = banned.choices[0].logprobs.content[0]
+    assert first.token != token
+    assert first.top_logprobs[0].token == token     # logprobs are the model's own: the banned token is still its top
+    forced_id = store.tokenizer(" 482", add_special_tokens=False).input_ids[0]
+    forced = ask(client, question, logit_bias={str(forced_id): 100}, max_tokens=3)
+    assert forced.choices[0].message.content.startswith(store.tokenizer.decode([forced_id]).strip())
+
+
+def test_penalties_cut_repetition_of_the_greedy_answer(client):
+    prompt = "\nThe special magic numbers are 482, 482, 482,"     # greedy repeats " 482," to the end
+
+    def count_482(**kw) -> int:
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, **kw)
+        return r.choices[0].text.count("482")
+
+    plain = count_482()
+    assert count_482(presence_penalty=0, frequency_penalty=0) == plain           # zero penalties change nothing
+    assert plain > count_482(frequency_penalty=1.0) > count_482(frequency_penalty=2.0, presence_penalty=2.0)

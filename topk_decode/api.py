@@ -198,9 +198,13 @@ class KVStore:
         return (answer, chat.sources) if return_sources else answer
 
     def session(self, system: str | None = None, *, temperature: float = 0.0, top_p: float = 1.0,
-                seed: int | None = None, sources: bool = False) -> "ChatSession":
+                seed: int | None = None, sources: bool = False, presence_penalty: float = 0.0,
+                frequency_penalty: float = 0.0, logit_bias: dict[int, float] | None = None,
+                logprobs: int | None = None) -> "ChatSession":
         """A multi-turn conversation with its own GPU window over this shared store (see ChatSession)."""
-        return ChatSession(self, system=system, temperature=temperature, top_p=top_p, seed=seed, sources=sources)
+        return ChatSession(self, system=system, temperature=temperature, top_p=top_p, seed=seed, sources=sources,
+                           presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                           logit_bias=logit_bias, logprobs=logprobs)
 
     def info(self) -> dict:
         """Facts about the store (model, sizes, strategy)."""
@@ -244,14 +248,21 @@ class ChatSession:
         temperature, top_p, seed: sampling for every answer (temperature 0, the default, is greedy);
             the seed seeds one generator for the whole conversation.
         sources: track which documents each answer drew on (`.sources` after an answer).
+        presence_penalty, frequency_penalty, logit_bias: OpenAI's adjustments of the logits before each pick,
+            the penalties counting the tokens of the answer so far (decode/sampling.py).
+        logprobs: None, or record each answer token's log-probability and this many most likely
+            alternatives in `self.sampling.picked` (0 to 20).
     """
 
     def __init__(self, store: KVStore, system: str | None = None, *, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int | None = None, sources: bool = False) -> None:
+                 seed: int | None = None, sources: bool = False, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0, logit_bias: dict[int, float] | None = None,
+                 logprobs: int | None = None) -> None:
         self.store = store
         self.system = system if system and system.strip() else None
-        sampling = Sampling(temperature, top_p, seed)
-        self.sampling = None if sampling.greedy else sampling   # None keeps greedy on the exact argmax path
+        sampling = Sampling(temperature, top_p, seed, presence_penalty=presence_penalty,
+                            frequency_penalty=frequency_penalty, logit_bias=logit_bias, logprobs=logprobs)
+        self.sampling = None if sampling.plain else sampling   # None keeps greedy on the exact argmax path
         self.conv: Conversation = store.decoder.new_conversation()
         self.turns = 0
         self.tracker = None
@@ -380,6 +391,8 @@ class ChatSession:
         self.finish_reason, self.n_generated = "length", 0
         if self.tracker is not None:
             self.tracker.reset()
+        if self.sampling is not None:
+            self.sampling.start_answer()
         steps = self.store.decoder.stream(self.conv, prompt_ids, max_new_tokens, eos, self.sampling)
         try:
             first = next(steps, None)

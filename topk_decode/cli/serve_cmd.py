@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import ipaddress
+import logging
+import re
 import socket
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -12,6 +16,8 @@ from topk_decode.cli.common import (ThreadsOption, check_device, check_positive,
                                      use_threads)
 from topk_decode.errors import TopkError
 from topk_decode.serve.schemas import MAX_BODY_MB
+
+API_KEY_ENV = "TOPK_API_KEY"
 
 
 def serve_command(
@@ -36,8 +42,15 @@ def serve_command(
     compile: Annotated[bool, typer.Option("--compile/--no-compile",
                                           help="On CUDA, compile the one-token step.")] = True,
     threads: ThreadsOption = None,
+    api_key: Annotated[Optional[str], typer.Option(envvar=API_KEY_ENV, show_default=False,
+                                                   help="Requests must send Authorization: Bearer KEY (all but "
+                                                        "/health get a 401 without it).")] = None,
+    allow_no_key: Annotated[bool, typer.Option("--allow-no-key", help="Listen beyond loopback without --api-key: anyone who can reach "
+                                                     "the address can use the server.")] = False,
+    cors_origin: Annotated[Optional[list[str]], typer.Option(help="A browser origin allowed to call the API, e.g. "
+                                                                  "https://app.example.com, or * (repeatable).")] = None,
 ) -> None:
-    """Serve a cache over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
+    """Serve a cache over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models; /health, /metrics)."""
     check_positive("k", k)
     check_positive("--max-tokens", max_tokens)
     check_positive("--max-tokens-limit", max_tokens_limit)
@@ -51,12 +64,16 @@ def serve_command(
     if n_sink < 0 or n_tail < 0:
         raise TopkError("--n-sink and --n-tail must be ≥ 0")
     options = parse_options(opt)
+    check_access(host, api_key, allow_no_key)
+    origins = check_origins(cors_origin or [])
 
-    from topk_decode.index import get_strategy
+    from topk_decode.index import check_strategy_name
     from topk_decode.index.auto import AUTO
+    from topk_decode.store.cache_dir import check_cache
 
     if strategy != AUTO:
-        get_strategy(strategy)  # an unknown name fails before the model loads
+        check_strategy_name(strategy)  # an unknown name fails before the model loads
+    check_cache(cache)  # so does a missing or truncated cache; neither check imports torch
     import uvicorn
 
     from topk_decode.serve.app import BATCHING, Server, create_app
@@ -75,15 +92,16 @@ def serve_command(
                          dtype=dtype, n_sink=n_sink, n_tail=n_tail, strategy_options=options, compile=compile)
     name = model_name or Path(cache).resolve().name
     server = Server(store, name, max_tokens_limit=max_tokens_limit, default_max_tokens=max_tokens,
-                    max_queue=max_queue, max_body_mb=max_body_mb)
+                    max_queue=max_queue, max_body_mb=max_body_mb, api_key=api_key, cors_origins=origins)
     server.worker.warm_up()
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     console().print(f"serving {cache} as model '{name}' on http://{shown}:{bound}/v1 ({BATCHING}; "
                     f"{store.ckv.n_tokens:,} tokens, strategy {store.config.strategy}, k={k}). Ctrl-C stops.", markup=False,
                     soft_wrap=True)
-    if host not in ("127.0.0.1", "localhost", "::1"):
-        say_note("the server has no authentication: anyone who can reach this address can use it")
+    if api_key is None and not loopback(host):
+        say_note("the server has no API key (--allow-no-key): anyone who can reach this address can use it")
+    log_requests()
     class _Uvicorn(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
             # end the answers in progress first, or the graceful shutdown waits for them to finish
@@ -92,3 +110,42 @@ def serve_command(
 
     config = uvicorn.Config(create_app(server), log_level="warning", timeout_graceful_shutdown=5)
     _Uvicorn(config).run(sockets=[sock])
+
+
+def loopback(host: str) -> bool:
+    """Whether `host` is this machine only (localhost or a loopback address)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:   # a host name: it may resolve to anything
+        return False
+
+
+def check_access(host: str, api_key: str | None, allow_no_key: bool) -> None:
+    """A usable API key, and none needed only on loopback unless --allow-no-key says so (else TopkError)."""
+    if api_key is not None and not (api_key and api_key.isascii() and api_key.isprintable() and " " not in api_key):
+        raise TopkError(f"--api-key (or {API_KEY_ENV}) must be printable ASCII without spaces, not empty")
+    if api_key is None and not allow_no_key and not loopback(host):
+        raise TopkError(f"--host {host} reaches beyond this machine: pass --api-key KEY (or set {API_KEY_ENV}), "
+                        f"or --allow-no-key to serve without one")
+
+
+def check_origins(origins: list[str]) -> tuple[str, ...]:
+    """The --cors-origin values, each `*` or scheme://host[:port] (a browser's Origin never has a path)."""
+    for o in origins:
+        if o != "*" and not re.fullmatch(r"https?://[^/\s]+", o):
+            raise TopkError(f"--cors-origin must be * or an origin like https://app.example.com (no path, no "
+                            f"trailing slash), got {o!r}")
+    return tuple(origins)
+
+
+def log_requests() -> None:
+    """The one line per request (serve/metrics.py's logger) to stderr, with the time."""
+    from topk_decode.serve.metrics import LOG
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    LOG.addHandler(handler)
+    LOG.setLevel(logging.INFO)
+    LOG.propagate = False

@@ -1,29 +1,37 @@
-"""The ASGI app: OpenAI's /v1/chat/completions, /v1/completions and /v1/models, plus /health.
+"""The ASGI app: OpenAI's /v1/chat/completions, /v1/completions and /v1/models, plus /health and /metrics.
 
 Each request is a fresh conversation over the cached documents (the client sends the whole
 history, as with OpenAI); see decode/messages.py for how it is laid out after them. Requests are
 decoded one at a time by `DecodeWorker`; the event loop only reads (up to the body limit), parses,
-queues and streams.
+queues and streams. `Access` (outside the routes) checks the API key, counts each answer by status
+and logs one line per request; CORS, when enabled, sits outside it (a preflight carries no key).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import time
 import uuid
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from topk_decode.serve.metrics import CONTENT_TYPE, LOG, Metrics
 from topk_decode.serve.schemas import MAX_BODY_MB, APIError, GenerationRequest, parse_json, parse_request, too_large
 from topk_decode.serve.worker import DecodeWorker, Job
 
 BATCHING = "serial queue, batch 1"
+OPEN_PATHS = ("/health",)    # answered without the API key: liveness probes carry no credentials
+QUIET_PATHS = ("/health", "/metrics")   # polled every few seconds: logged only when they fail
+ROUTES = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
 
 
 def _error(e: APIError) -> Response:
@@ -58,16 +66,23 @@ class Server:
         default_max_tokens: max_tokens when a request gives none.
         max_queue: requests waiting or running beyond which new ones get a 429.
         max_body_mb: request bodies past this many MB get a 413, before they are read in full.
+        api_key: requests must carry `Authorization: Bearer API_KEY` (all but /health); None: no key.
+        cors_origins: browser origins allowed to call the API (CORS); empty: none.
     """
 
     def __init__(self, store, model_id: str, max_tokens_limit: int = 4096, default_max_tokens: int = 256,
-                 max_queue: int = 64, max_body_mb: float = MAX_BODY_MB) -> None:
+                 max_queue: int = 64, max_body_mb: float = MAX_BODY_MB, api_key: str | None = None,
+                 cors_origins: tuple[str, ...] = ()) -> None:
         self.store = store
         self.model_id = model_id
         self.max_body_bytes = int(max_body_mb * 2 ** 20)
         self.max_tokens_limit = max_tokens_limit
         self.default_max_tokens = min(default_max_tokens, max_tokens_limit)
-        self.worker = DecodeWorker(store, max_queue=max_queue)
+        self.api_key = api_key
+        self.cors_origins = tuple(cors_origins)
+        self.metrics = Metrics()
+        self.worker = DecodeWorker(store, max_queue=max_queue, metrics=self.metrics)
+        self.metrics.watch(self.worker)
         self.created = int(time.time())
 
     # ---- plain endpoints --------------------------------------------------------------------------
@@ -77,6 +92,10 @@ class Server:
         return JSONResponse({"status": "ok", "model": self.model_id, "batching": BATCHING,
                              "queue": w.waiting, "running": w.running, "served": w.served, "cancelled": w.cancelled,
                              "context_tokens": self.store.ckv.n_tokens, "documents": len(self.store.documents)})
+
+    async def prometheus(self, request: Request) -> Response:
+        """GET /metrics: the Prometheus text format (metrics.py)."""
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     async def models(self, request: Request) -> JSONResponse:
         """GET /v1/models: the one model this server serves."""
@@ -96,7 +115,9 @@ class Server:
         try:
             raw = await read_body(request, self.max_body_bytes)
             req = parse_request(parse_json(raw), kind, self.model_id, self.max_tokens_limit, self.default_max_tokens)
-            job = Job(req, asyncio.get_running_loop())
+            job = Job(req, asyncio.get_running_loop(), id=f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-"
+                                                         f"{uuid.uuid4().hex[:24]}")
+            request.state.job = job    # for the log line (Access)
             self.worker.submit(job)
         except APIError as e:
             return _error(e)
@@ -110,19 +131,19 @@ class Server:
             return _error(value)
         if kind_ == "done":     # cancelled before it started: the client is gone, nobody reads this
             return JSONResponse({}, status_code=499)
-        ident = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if req.stream:
-            return _Stream(self._events(job, req, ident), job)
-        return await self._collect(request, job, req, ident)
+            return _Stream(self._events(job, req, job.id), job)
+        return await self._collect(request, job, req, job.id)
 
     async def _collect(self, request: Request, job: Job, req: GenerationRequest, ident: str) -> JSONResponse:
         watcher = asyncio.ensure_future(_watch_disconnect(request, job))
-        parts = []
+        parts, entries = [], []
         try:
             while True:
                 kind_, value = await job.queue.get()
                 if kind_ == "text":
-                    parts.append(value)
+                    parts.append(value[0])
+                    entries += value[1]
                 elif kind_ == "error":
                     return _error(value)
                 else:
@@ -130,11 +151,12 @@ class Server:
         finally:
             watcher.cancel()
         text, info = "".join(parts), value
+        logprobs = _logprobs(req, entries, 0)
         if req.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": info["finish_reason"], "logprobs": None}
+                      "finish_reason": info["finish_reason"], "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": info["finish_reason"], "logprobs": None}
+            choice = {"index": 0, "text": text, "finish_reason": info["finish_reason"], "logprobs": logprobs}
         return JSONResponse({"id": ident, "object": "chat.completion" if req.kind == "chat" else "text_completion",
                              "created": int(time.time()), "model": self.model_id, "choices": [choice],
                              "usage": _usage(info), "sources": info["sources"]})
@@ -145,17 +167,20 @@ class Server:
         base = {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model_id}
 
-        def chunk(delta: dict | str, finish: str | None = None, **extra) -> str:
+        def chunk(delta: dict | str, finish: str | None = None, logprobs: dict | None = None, **extra) -> str:
             choice = {"index": 0, "delta": delta} if chat else {"index": 0, "text": delta}
-            choice.update(finish_reason=finish, logprobs=None)
+            choice.update(finish_reason=finish, logprobs=logprobs)
             return _sse({**base, "choices": [choice], **extra})
 
         if chat:
             yield chunk({"role": "assistant", "content": ""})
+        offset = 0      # characters of the completion so far: completions' text_offset
         while True:
             kind_, value = await job.queue.get()
             if kind_ == "text":
-                yield chunk({"content": value} if chat else value)
+                text, entries = value
+                yield chunk({"content": text} if chat else text, logprobs=_logprobs(req, entries, offset))
+                offset += sum(len(e["token"]) for e in entries)
             elif kind_ == "error":      # the answer has started: report in-band, as OpenAI does
                 yield f"data: {value.json()}\n\n"
                 break
@@ -165,6 +190,22 @@ class Server:
                     yield _sse({**base, "choices": [], "usage": _usage(value)})
                 break
         yield "data: [DONE]\n\n"
+
+
+def _logprobs(req: GenerationRequest, entries: list[dict], offset: int) -> dict | None:
+    """A choice's logprobs in the request's shape: chat's {"content": [...]}, or completions' parallel lists
+    (tokens, token_logprobs, top_logprobs, text_offset from `offset`); None when not asked for."""
+    if req.logprobs is None:
+        return None
+    if req.kind == "chat":
+        return {"content": entries, "refusal": None}
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
 
 
 def _usage(info: dict) -> dict:
@@ -205,14 +246,72 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     return _error(APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
 
 
+class Access:
+    """ASGI middleware: the API key check (401 in OpenAI's shape), the request counter by status, and one
+    log line per request (id, method, path, status, model, prompt and completion tokens, seconds, finish).
+
+    Args:
+        app: the app inside.
+        server: the Server (its api_key, model id and metrics).
+    """
+
+    def __init__(self, app, server: Server) -> None:
+        self.app, self.server = app, server
+        self.key = server.api_key.encode() if server.api_key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0, path, status = time.perf_counter(), scope["path"], 500
+        state = scope.setdefault("state", {})
+
+        async def send_(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if self.key is not None and path not in OPEN_PATHS and not self.authorized(scope):
+                denied = _error(unauthorized(scope))
+                denied.headers["WWW-Authenticate"] = "Bearer"
+                await denied(scope, receive, send_)
+            else:
+                await self.app(scope, receive, send_)
+        finally:
+            self.server.metrics.requests.labels(path if path in ROUTES else "other", str(status)).inc()
+            if not (path in QUIET_PATHS and status < 400):
+                job: Job | None = state.get("job")
+                line = f"{job.id if job is not None else '-'} {scope['method']} {path} {status}"
+                if job is not None:
+                    line += (f" model={self.server.model_id} prompt_tokens={len(job.ids)} "
+                             f"completion_tokens={job.completion_tokens} finish={job.finish or '-'}")
+                LOG.info("%s seconds=%.3f", line, time.perf_counter() - t0)
+
+    def authorized(self, scope) -> bool:
+        """Whether the request carries `Authorization: Bearer <the key>` (compared in constant time)."""
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+
+
+def unauthorized(scope) -> APIError:
+    """The 401 OpenAI answers a missing or wrong key with."""
+    given = b"authorization" in dict(scope["headers"])
+    message = ("Incorrect API key provided" if given else
+               "You didn't provide an API key; send it as the header Authorization: Bearer KEY")
+    return APIError(401, message, code="invalid_api_key")
+
+
 def create_app(server: Server) -> Starlette:
     """The Starlette app over a `Server`.
 
     Args:
-        server: the state (store, worker, model id, limits).
+        server: the state (store, worker, model id, limits, key, CORS origins).
     """
     routes = [
         Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.prometheus, methods=["GET"]),
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/chat/completions", server.chat, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
@@ -222,5 +321,9 @@ def create_app(server: Server) -> Starlette:
         yield
         server.worker.close()
 
-    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _internal_error},
-                     lifespan=lifespan)
+    middleware = [Middleware(Access, server=server)]
+    if server.cors_origins:   # outermost: a browser's preflight (OPTIONS, no key) is answered here
+        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(server.cors_origins),
+                                        allow_methods=["GET", "POST"], allow_headers=["*"]))
+    return Starlette(routes=routes, middleware=middleware,
+                     exception_handlers={HTTPException: _http_error, Exception: _internal_error}, lifespan=lifespan)

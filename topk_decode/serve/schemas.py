@@ -10,11 +10,15 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from topk_decode.decode.sampling import LOGIT_BIAS_MAX, PENALTY_MAX, TOP_LOGPROBS_MAX
+
 MAX_STOP = 4            # OpenAI's limit on stop sequences
 TEMPERATURE_MAX = 2.0   # OpenAI's range for temperature
 # default request body limit (`topk serve --max-body-mb`): room for a prompt of the default max_window_tokens
 # (65,536 tokens) even written as \uXXXX escapes; bounds the memory and parse time a request can cost
 MAX_BODY_MB = 4.0
+MAX_LOGIT_BIAS = 1024   # entries of logit_bias a request may give: bounds what each decoding step adds
+COMPLETION_LOGPROBS_MAX = 5   # OpenAI's limit on /v1/completions' logprobs (chat's top_logprobs goes to 20)
 
 
 class APIError(Exception):
@@ -58,6 +62,10 @@ class GenerationRequest:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None          # None: no logprobs; n: each token's and its n most likely alternatives
 
 
 def too_large(limit_bytes: int) -> APIError:
@@ -147,10 +155,9 @@ def parse_request(body: dict, kind: str, model_id: str, max_tokens_limit: int, d
                 raise APIError(400, f"messages[{i}] must be an object with a role", param=f"messages[{i}]",
                                code="invalid_value")
             req.messages.append({"role": m["role"], "content": _text(m.get("content"), f"messages[{i}].content")})
-        for name in ("tools", "functions"):
-            if body.get(name):
-                raise APIError(400, f"{name} are not supported", param=name, code="unsupported_parameter")
+        _refuse_unsupported(body, CHAT_UNSUPPORTED)
     else:
+        _refuse_unsupported(body, COMPLETION_UNSUPPORTED)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -168,9 +175,7 @@ def parse_request(body: dict, kind: str, model_id: str, max_tokens_limit: int, d
     n = _integer(body, "n")
     if n not in (None, 1):
         raise APIError(400, "only n=1 is supported", param="n", code="unsupported_value")
-    if body.get("logprobs") or body.get("echo"):
-        name = "logprobs" if body.get("logprobs") else "echo"
-        raise APIError(400, f"{name} is not supported", param=name, code="unsupported_parameter")
+    req.logprobs = _logprobs(body, kind)
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _integer(body, name)
     if max_tokens is not None and not 1 <= max_tokens <= max_tokens_limit:
@@ -182,6 +187,10 @@ def parse_request(body: dict, kind: str, model_id: str, max_tokens_limit: int, d
     req.temperature = _number(body, "temperature", 0.0, 0.0, TEMPERATURE_MAX)
     req.top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
     req.seed = _integer(body, "seed")
+    # PENALTY_MAX, LOGIT_BIAS_MAX: OpenAI's ranges, the sampler's own checks (decode/sampling.py)
+    req.presence_penalty = _number(body, "presence_penalty", 0.0, -PENALTY_MAX, PENALTY_MAX)
+    req.frequency_penalty = _number(body, "frequency_penalty", 0.0, -PENALTY_MAX, PENALTY_MAX)
+    req.logit_bias = _logit_bias(body)
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -191,3 +200,63 @@ def parse_request(body: dict, kind: str, model_id: str, max_tokens_limit: int, d
                        code="invalid_value")
     req.stop = [_unicode(s, "stop") for s in stop or []]
     return req
+
+
+# what a request may not ask for, as (parameter, the values that ask for nothing): refused with a 400 naming it
+# rather than accepted and ignored
+CHAT_UNSUPPORTED = (("tools", (None, [])), ("tool_choice", (None, "none")), ("functions", (None, [])),
+                    ("function_call", (None, "none")), ("audio", (None,)), ("modalities", (None, ["text"])))
+COMPLETION_UNSUPPORTED = (("echo", (None, False)), ("suffix", (None, "")), ("best_of", (None, 1)))
+
+
+def _refuse_unsupported(body: dict, unsupported: tuple) -> None:
+    """A 400 naming the first parameter that asks for what this server does not do."""
+    for name, harmless in unsupported:
+        v = body.get(name)
+        if not any(v == h and type(v) is type(h) for h in harmless):
+            raise APIError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise APIError(400, 'response_format is not supported by this server (only {"type": "text"})',
+                       param="response_format", code="unsupported_parameter")
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """How many alternatives to report per token (None: no logprobs): chat's logprobs + top_logprobs, or
+    completions' logprobs count."""
+    if kind == "completion":
+        n = _integer(body, "logprobs")
+        if n is not None and not 0 <= n <= COMPLETION_LOGPROBS_MAX:
+            raise APIError(400, f"logprobs must be between 0 and {COMPLETION_LOGPROBS_MAX}, got {n}", param="logprobs",
+                           code="invalid_value")
+        return n
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise APIError(400, "logprobs must be a boolean", param="logprobs", code="invalid_type")
+    top = _integer(body, "top_logprobs")
+    if top is not None and not 0 <= top <= TOP_LOGPROBS_MAX:
+        raise APIError(400, f"top_logprobs must be between 0 and {TOP_LOGPROBS_MAX}, got {top}", param="top_logprobs",
+                       code="invalid_value")
+    if top is not None and not wanted:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+    return (top or 0) if wanted else None
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    """{token id: bias}: OpenAI's {"id": value} with ids as strings (JSON keys) and values in [-100, 100]."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+        raise APIError(400, f"logit_bias must be an object of at most {MAX_LOGIT_BIAS} token ids", param="logit_bias",
+                       code="invalid_value")
+    out = {}
+    for key, v in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 9):
+            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias",
+                           code="invalid_value")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -LOGIT_BIAS_MAX <= v <= LOGIT_BIAS_MAX:
+            raise APIError(400, f"logit_bias values must be numbers in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}], "
+                                f"got {v!r}", param="logit_bias", code="invalid_value")
+        out[int(key)] = float(v)
+    return out

@@ -7,7 +7,8 @@ then the decoding thread decodes it and hands events to the request's asyncio qu
 under the store lock, so concurrent clients can never mix their conversations; the preparing thread
 has its own copy of the tokenizer. A job whose client went away is cancelled: it is skipped if still
 queued, and if running it stops within a layer of its prompt or at its next token (the decoder
-polls `Job.cancelled` through the conversation's `should_stop`).
+polls `Job.cancelled` through the conversation's `should_stop`). Each `text` event carries the text and,
+when the request asked for logprobs, its tokens' OpenAI logprob entries.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ from __future__ import annotations
 import asyncio
 import copy
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from topk_decode.errors import StepCancelled, TopkError
 from topk_decode.serve.schemas import APIError, GenerationRequest
 
+LOGPROB_FLOOR = -9999.0   # what OpenAI reports for a token the model gives (almost) no chance; JSON has no -inf
 SLICE_CHARS = 1 << 16   # a long prompt is first counted slice by slice, so a huge one is refused early
 
 
@@ -66,6 +69,10 @@ class Job:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     ids: list[int] = field(default_factory=list)   # the prompt's tokens, set by the preparing thread
+    id: str = "-"                                  # the response id, for the log line
+    t0: float = field(default_factory=time.perf_counter)   # arrival, for the time to first token
+    completion_tokens: int = 0                     # generated so far (the log line of a request cut short)
+    finish: str | None = None                      # the finish reason once decoded
 
     def emit(self, kind: str, value) -> None:
         """Hand an event to the request's coroutine (callable from any thread)."""
@@ -104,11 +111,13 @@ class DecodeWorker:
     Args:
         store: the opened KVStore.
         max_queue: jobs preparing, waiting or running beyond which new requests get a 429.
+        metrics: the server's Metrics, told about each decoded request (None: nobody counts).
     """
 
-    def __init__(self, store, max_queue: int = 64) -> None:
+    def __init__(self, store, max_queue: int = 64, metrics=None) -> None:
         self.store = store
         self.max_queue = max_queue
+        self.metrics = metrics
         self.lock = threading.Lock()          # the store and its tokenizer: one request at a time
         # the preparing thread's own tokenizer: the store's is the decoding thread's alone
         self.tokenizer = copy.deepcopy(store.tokenizer)
@@ -174,6 +183,10 @@ class DecodeWorker:
             req: the validated request (its max_tokens may be lowered).
         """
         store = self.store
+        vocab = store.decoder.shape.vocab_size
+        if req.logit_bias and max(req.logit_bias) >= vocab:
+            raise APIError(400, f"logit_bias names token {max(req.logit_bias)}; this model's vocabulary has {vocab} "
+                                f"tokens", param="logit_bias", code="invalid_value")
         if req.kind == "chat":
             from topk_decode.decode.messages import conversation_text
 
@@ -251,14 +264,19 @@ class DecodeWorker:
 
     def _generate(self, job: Job) -> None:
         req, store = job.request, self.store
-        session = store.session(temperature=req.temperature, top_p=req.top_p, seed=req.seed, sources=True)
+        session = store.session(temperature=req.temperature, top_p=req.top_p, seed=req.seed, sources=True,
+                                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                                logit_bias=req.logit_bias or None, logprobs=req.logprobs)
         session.conv.should_stop = job.cancelled.is_set    # a client that leaves stops the prompt within a layer
         pieces = session.complete(job.ids, req.max_tokens)
         job.emit("start", None)
         stopper, finish = StopText(req.stop), None
         started = req.kind != "chat"   # a chat answer starts at its first non-space character
+        first_at, logged = None, 0
         try:
             for piece in pieces:
+                first_at = first_at or time.perf_counter()
+                job.completion_tokens = session.n_generated
                 if job.cancelled.is_set():
                     finish = "cancelled"
                     break
@@ -266,18 +284,27 @@ class DecodeWorker:
                     piece = piece.lstrip()
                     started = bool(piece)
                 out, hit = stopper.feed(piece)
-                if out:
-                    job.emit("text", out)
+                entries, logged = self._logprobs(session, logged)
+                if out or entries:
+                    job.emit("text", (out, entries))
                 if hit:
                     finish = "stop"
                     break
             else:
-                if tail := stopper.flush():
-                    job.emit("text", tail)
+                tail = stopper.flush()
+                entries, logged = self._logprobs(session, logged)
+                if tail or entries:
+                    job.emit("text", (tail, entries))
         except StepCancelled:
             finish = "cancelled"
         finally:
             pieces.close()   # stops decoding: the conversation is thrown away with the session
+            end = time.perf_counter()
+            job.completion_tokens = session.n_generated
+            if self.metrics is not None:
+                self.metrics.decoded(len(job.ids), session.n_generated, first_at and first_at - job.t0,
+                                     end - first_at if first_at else 0.0, session.conv.stats)
+        job.finish = finish or session.finish_reason or "length"
         if finish == "cancelled":
             with self._count:
                 self.cancelled += 1
@@ -285,9 +312,29 @@ class DecodeWorker:
                 job.emit("error", _shutting_down())
                 return
         n_context = store.ckv.n_tokens
-        job.emit("done", {"finish_reason": finish or session.finish_reason or "length",
+        job.emit("done", {"finish_reason": job.finish,
                           "prompt_tokens": n_context + len(job.ids), "cached_tokens": n_context,
                           "completion_tokens": session.n_generated, "sources": session.sources})
+
+    def _logprobs(self, session, done: int) -> tuple[list[dict], int]:
+        """OpenAI's logprob entries of the tokens picked since the first `done` (none unless asked; the end of
+        turn token left out, as its text is), and how many are done now."""
+        sampling = session.sampling
+        if sampling is None or sampling.logprobs is None:
+            return [], done
+        tok, eos = self.store.tokenizer, self.store.eos_ids
+        entries = [token_logprob(tok, t, lp, alternatives) for t, lp, alternatives in sampling.picked[done:]
+                   if t not in eos]
+        return entries, len(sampling.picked)
+
+
+def token_logprob(tokenizer, token: int, logprob: float, alternatives: list[tuple[int, float]]) -> dict:
+    """One token's entry in OpenAI's chat logprobs: token text, logprob, UTF-8 bytes, top_logprobs."""
+    def entry(t: int, lp: float) -> dict:
+        text = tokenizer.decode([t])   # a token holding part of a character decodes to U+FFFD
+        return {"token": text, "logprob": max(lp, LOGPROB_FLOOR), "bytes": list(text.encode("utf-8"))}
+
+    return {**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in alternatives]}
 
 
 def _api_error(e: Exception) -> APIError:

@@ -1,0 +1,79 @@
+"""What `topk serve` reports: Prometheus metrics (GET /metrics) and one log line per request.
+
+The metrics live in the server's own registry (not prometheus_client's global one), so several
+servers in one process (the tests) never share or clash. Counters end in `_total` on the wire.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LOG = logging.getLogger("topk_decode.serve")
+# seconds: from a few ms (short prompt on a GPU) to minutes (a long prompt on a CPU, or a long queue)
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+SEARCH_MS_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 1000.0)
+TOKENS_PER_S_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    """The server's Prometheus metrics; `watch(worker)` adds the queue gauges."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("topk_requests", "HTTP requests answered, by route and status code",
+                                ["route", "status"], registry=r)
+        self.queue = Gauge("topk_queue_depth", "Requests preparing or waiting for the decoder", registry=r)
+        self.running = Gauge("topk_running", "Requests being decoded (0 or 1: batch 1)", registry=r)
+        self.ttft = Histogram("topk_time_to_first_token_seconds",
+                              "From a generation request's arrival to its first generated text", buckets=TTFT_BUCKETS,
+                              registry=r)
+        self.prompt_tokens = Counter("topk_prompt_tokens", "Prompt tokens run through the model after the cached "
+                                     "documents", registry=r)
+        self.completion_tokens = Counter("topk_completion_tokens", "Tokens generated", registry=r)
+        self.decode_seconds = Counter("topk_decode_seconds", "Seconds from each answer's first generated text to its "
+                                      "end (tokens after the first / this = decode tokens/s)", registry=r)
+        self.tokens_per_second = Histogram("topk_decode_tokens_per_second", "Each answer's decode speed after its "
+                                           "first token", buckets=TOKENS_PER_S_BUCKETS, registry=r)
+        self.steps = Counter("topk_steps", "Decoder steps (one generated token, or one prompt chunk)", registry=r)
+        self.search_seconds = Counter("topk_search_seconds", "Seconds of top-k search on the CPU, over all steps",
+                                      registry=r)
+        self.search_ms = Histogram("topk_search_ms_per_step", "Each request's mean top-k search time per decoder step, "
+                                   "in ms", buckets=SEARCH_MS_BUCKETS, registry=r)
+        self.keys_read = Counter("topk_keys_read", "Context keys read from the CPU store (retrieved keys summed over "
+                                 "steps, layers and heads)", registry=r)
+
+    def watch(self, worker) -> None:
+        """Read the queue gauges from `worker` at each scrape."""
+        self.queue.set_function(lambda: worker.waiting)
+        self.running.set_function(lambda: worker.running)
+
+    def decoded(self, prompt_tokens: int, completion_tokens: int, ttft_s: float | None, decode_s: float,
+                stats) -> None:
+        """Count one request's decoding.
+
+        Args:
+            prompt_tokens: its prompt's tokens (after the cached documents).
+            completion_tokens: tokens it generated.
+            ttft_s: seconds from its arrival to its first text (None: it produced none).
+            decode_s: seconds from its first text to its end.
+            stats: its conversation's StepStats (steps, search seconds, keys retrieved).
+        """
+        self.prompt_tokens.inc(prompt_tokens)
+        self.completion_tokens.inc(completion_tokens)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        self.decode_seconds.inc(decode_s)
+        if completion_tokens > 1 and decode_s > 0:
+            self.tokens_per_second.observe((completion_tokens - 1) / decode_s)
+        self.steps.inc(stats.steps)
+        self.search_seconds.inc(stats.search_s)
+        if stats.steps:
+            self.search_ms.observe(1e3 * stats.search_s / stats.steps)
+        self.keys_read.inc(stats.retrieved)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
