@@ -33,6 +33,17 @@ from pathlib import Path
 QUESTION = "What is the special magic number for amber-fox?"
 
 
+
+def read_all(sock) -> bytes:
+    """Everything the server sends until it closes the connection (or the socket fails)."""
+    data = b""
+    try:
+        while chunk := sock.recv(1 << 16):
+            data += chunk
+    except OSError:
+        pass
+    return data
+
 def start_server(src: Path, cache: Path) -> tuple[subprocess.Popen, str, int]:
     """`topk serve CACHE --port 0` from `src`: (process, host, port) once /health answers."""
     env = dict(os.environ, PYTHONPATH=str(src), PYTHONDONTWRITEBYTECODE="1")
@@ -88,12 +99,7 @@ def post(host: str, port: int, path: str, body: bytes, timeout: float = 900) -> 
             sock.sendall(view[i:i + (1 << 16)])
     except OSError:
         pass
-    data = b""
-    try:
-        while chunk := sock.recv(1 << 16):
-            data += chunk
-    except OSError:
-        pass
+    data = read_all(sock)
     sock.close()
     head, _, rest = data.partition(b"\r\n\r\n")
     status = int(head.split()[1]) if head.startswith(b"HTTP/") else 0
@@ -158,12 +164,7 @@ def row_sigint(src: Path, cache: Path, prompt_tokens: int) -> dict:
     time.sleep(3)
     t = time.monotonic()
     proc.send_signal(signal.SIGINT)
-    data = b""
-    try:
-        while chunk := sock.recv(1 << 16):
-            data += chunk
-    except OSError:
-        pass
+    data = read_all(sock)
     stream_s = time.monotonic() - t
     try:
         proc.wait(900)

@@ -124,3 +124,14 @@ def built_cache(tmp_path_factory, model_factory, docs_dir) -> tuple[Path, Path]:
     out = tmp_path_factory.mktemp("caches") / "cache"
     build_cache(docs_dir, out, model_dir, chunk_size=97, device="cpu")
     return out, model_dir
+
+
+@pytest.fixture(scope="session")
+def short_model(tmp_path_factory) -> Path:
+    """A tiny Llama that knows only 64 positions (context-length refusals, past-maximum-positions warnings)."""
+    from transformers import AutoTokenizer
+
+    d = tmp_path_factory.mktemp("short-model")
+    make_tokenizer(d)
+    make_random_model(d, "llama", seed=0, tokenizer=AutoTokenizer.from_pretrained(d), max_position_embeddings=64)
+    return d

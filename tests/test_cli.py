@@ -73,19 +73,6 @@ def cache_copy(prefilled, tmp_path) -> Path:
     return dst
 
 
-@pytest.fixture(scope="module")
-def short_model(tmp_path_factory) -> Path:
-    """A tiny Llama that knows only 64 positions (for the past-maximum-positions warnings)."""
-    from transformers import AutoTokenizer
-
-    from topk_decode.model.tiny import make_random_model, make_tokenizer
-
-    d = tmp_path_factory.mktemp("short-model")
-    make_tokenizer(d)
-    make_random_model(d, "llama", seed=0, tokenizer=AutoTokenizer.from_pretrained(d), max_position_embeddings=64)
-    return d
-
-
 # ---- the happy path ------------------------------------------------------------------------------
 def test_prefill_writes_a_cache_and_warns_about_the_skipped_png(prefilled):
     cache, _, result = prefilled

@@ -52,19 +52,6 @@ def python_m(*args: object, **kwargs) -> subprocess.CompletedProcess:
                           text=True, env=env, timeout=300, **kwargs)
 
 
-@pytest.fixture(scope="module")
-def short_model(tmp_path_factory) -> Path:
-    """A tiny Llama that knows only 64 positions."""
-    from transformers import AutoTokenizer
-
-    from topk_decode.model.tiny import make_random_model, make_tokenizer
-
-    d = tmp_path_factory.mktemp("short-model")
-    make_tokenizer(d)
-    make_random_model(d, "llama", seed=0, tokenizer=AutoTokenizer.from_pretrained(d), max_position_embeddings=64)
-    return d
-
-
 # ---- start-up: no torch for --help, info and the error paths ---------------------------------------
 PROBE = ("import sys, atexit\n"
          "atexit.register(lambda: sys.stderr.write('HEAVY=' + ','.join(m for m in {heavy!r} if m in sys.modules)))\n"

@@ -67,6 +67,12 @@ def store(demo_cache):
 def live(store):
     """(base_url, Server): the app served by uvicorn in a thread on a free port of 127.0.0.1."""
     server = Server(store, MODEL, max_tokens_limit=1024, default_max_tokens=64, max_body_mb=BODY_MB)
+    yield from serve_in_thread(server)
+
+
+def serve_in_thread(server):
+    """Serve `server`'s app with uvicorn in a thread on a free port of 127.0.0.1: yields (base_url, server)
+    once it accepts requests, and stops it afterwards (the body of a module fixture)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -542,19 +548,7 @@ ORIGIN = "https://app.example.com"
 def keyed(store):
     """(base_url, Server) of a second server over the same store, with an API key and one CORS origin."""
     server = Server(store, MODEL, max_tokens_limit=1024, default_max_tokens=64, api_key=KEY, cors_origins=(ORIGIN,))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", server
-    uv.should_exit = True
-    thread.join(15)
+    yield from serve_in_thread(server)
 
 
 def call(base: str, path: str, method: str = "GET", body: dict | None = None,
