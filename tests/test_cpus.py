@@ -96,7 +96,10 @@ def test_threads_option_sets_the_knob_and_numba_and_openmp_pools_before_they_loa
 
     monkeypatch.setenv("TOPK_THREADS", "7")                 # restored after the test, as use_threads sets it
     for var in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS"):
-        monkeypatch.delenv(var, raising=False)
+        # set, then delete: monkeypatch records an absent variable only this way, so the value use_threads
+        # writes is removed afterwards (a leaked NUMBA_NUM_THREADS breaks numba's next compile in this process)
+        monkeypatch.setenv(var, "1")
+        monkeypatch.delenv(var)
     monkeypatch.delitem(sys.modules, "numba", raising=False)           # as in a fresh `topk` process
     assert use_threads(3) == 3
     assert os.environ["TOPK_THREADS"] == "3" and os.environ["NUMBA_NUM_THREADS"] == "3"
