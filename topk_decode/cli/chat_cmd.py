@@ -48,12 +48,10 @@ def chat_command(
     if prompt is not None and not prompt.strip():
         raise TopkError("--prompt is empty")
 
-    from topk_decode.index import check_strategy_name
-    from topk_decode.index.auto import AUTO
+    from topk_decode.index import check_requested_strategy
     from topk_decode.store.cache_dir import check_cache
 
-    if strategy != AUTO:
-        check_strategy_name(strategy)  # an unknown name fails before the model loads
+    check_requested_strategy(strategy)  # an unknown name fails before the model loads
     check_cache(cache)  # so does a missing or truncated cache; neither check imports torch
     from topk_decode.decode.sampling import Sampling
 

@@ -64,7 +64,7 @@ def cache_facts(path: Path, verify: bool = False) -> dict:
         },
         "prefill": m.get("prefill", {}),
         "strategies": ready,
-        "auto": {"strategy": choose(m["n_tokens"]).strategy, "reason": choose(m["n_tokens"]).reason},
+        "auto": vars(choose(m["n_tokens"])),     # {"strategy", "reason"}
         "strategies_not_built": sorted(n for n in STRATEGIES if n not in ready),
         # what was really checked: the manifest's schema + checksum always, then sizes or every checksum
         "checked": "checksums" if verify else "sizes",

@@ -67,12 +67,10 @@ def serve_command(
     check_access(host, api_key, allow_no_key)
     origins = check_origins(cors_origin or [])
 
-    from topk_decode.index import check_strategy_name
-    from topk_decode.index.auto import AUTO
+    from topk_decode.index import check_requested_strategy
     from topk_decode.store.cache_dir import check_cache
 
-    if strategy != AUTO:
-        check_strategy_name(strategy)  # an unknown name fails before the model loads
+    check_requested_strategy(strategy)  # an unknown name fails before the model loads
     check_cache(cache)  # so does a missing or truncated cache; neither check imports torch
     import uvicorn
 

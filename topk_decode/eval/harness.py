@@ -26,7 +26,7 @@ from topk_decode.api import KVStore
 from topk_decode.config import DecodeConfig
 from topk_decode.errors import TopkError
 from topk_decode.eval.metrics import FidelityObserver, dense_reference, is_correct, teacher_forced
-from topk_decode.index import STRATEGIES, get_strategy, split_options
+from topk_decode.index import check_requested_strategy, get_strategy, split_options
 from topk_decode.index.auto import AUTO
 from topk_decode.model.loading import eos_token_ids, load_model, load_tokenizer, model_fingerprint
 from topk_decode.prefill.build import build_cache, parse_dtype, pick_device
@@ -102,8 +102,7 @@ class EvalConfig:
             if t not in TASKS and t not in REAL_TASKS:
                 raise TopkError(f"unknown task {t!r} (available: {', '.join(TASKS + REAL_TASKS)})")
         for s in self.strategies:
-            if s not in STRATEGIES and s != AUTO:
-                raise TopkError(f"unknown strategy {s!r} (available: auto, {', '.join(sorted(STRATEGIES))})")
+            check_requested_strategy(s)
         check_plain_options(self)  # unknown options fail early
         if self.docs is not None and not self.question.strip():
             raise TopkError("--question must not be empty")

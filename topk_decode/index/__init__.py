@@ -52,6 +52,14 @@ def check_strategy_name(name: str) -> str:
     return name
 
 
+def check_requested_strategy(name: str) -> str:
+    """`name` when a user may ask for it: "auto" (resolved per cache by the decoder) or a registered
+    strategy, else TopkError naming the choices (no import)."""
+    from topk_decode.index.auto import AUTO
+
+    return name if name == AUTO else check_strategy_name(name)
+
+
 def keeps_artifacts(name: str) -> bool:
     """True when strategy `name` keeps files in the cache (`index/NAME/`), without importing it."""
     return _REGISTRY[check_strategy_name(name)][2]
@@ -110,5 +118,5 @@ def prepare_artifacts(ckv, names: list[str], options: dict | None = None, progre
 
 
 __all__ = ["prepare_artifacts", "split_options", "artifact_dir", "artifacts_complete", "Selection", "SelectionStrategy",
-           "STRATEGIES", "StrategyRegistry", "check_strategy_name", "keeps_artifacts", "get_strategy", "exact_scores",
+           "STRATEGIES", "StrategyRegistry", "check_requested_strategy", "check_strategy_name", "keeps_artifacts", "get_strategy", "exact_scores",
            "FlatStrategy"]
