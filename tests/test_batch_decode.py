@@ -55,16 +55,18 @@ def test_share_model_refuses_a_cache_of_another_model(stores, tmp_path_factory, 
         KVStore.open(out, device="cpu", dtype="fp32", share_model=stores[0])
 
 
-def test_flat_select_many_equals_one_select_per_conversation(stores):
+def test_flat_rows_are_independent_one_select_over_several_conversations_rows_equals_one_each(stores):
     strategy = stores[0].decoder.strategy
     shape = stores[0].decoder.shape
+    assert strategy.rows_independent
     gen = torch.Generator().manual_seed(0)
     qs = [torch.randn(shape.n_kv_heads, shape.group_size, shape.head_dim, generator=gen) for _ in range(3)]
-    many = strategy.select_many(1, qs, K, [None] * 3)
-    for q, sel in zip(qs, many):
+    together = strategy.select(1, torch.cat(qs, dim=1), K)
+    G = shape.group_size
+    for j, q in enumerate(qs):
         alone = strategy.select(1, q, K)
-        assert torch.equal(sel.ids, alone.ids)
-        torch.testing.assert_close(sel.scores, alone.scores)
+        assert torch.equal(together.ids[:, j * G:(j + 1) * G], alone.ids)
+        torch.testing.assert_close(together.scores[:, j * G:(j + 1) * G], alone.scores)
 
 
 def test_a_batched_step_gives_each_conversation_its_own_logits_over_its_own_cache(stores):
@@ -74,6 +76,9 @@ def test_a_batched_step_gives_each_conversation_its_own_logits_over_its_own_cach
     pairs = [(a, PROMPTS[0]), (a, PROMPTS[1]), (b, PROMPTS[2]), (b, PROMPTS[3])]   # two caches, four lengths
     alone = [s.decoder.new_conversation() for s, _ in pairs]
     batched = [s.decoder.new_conversation() for s, _ in pairs]
+    seen: dict[str, list] = {"alone": [], "batched": []}      # what an observer (sources) is shown, both ways
+    alone[1].observer = lambda layer, q, sel, conv: seen["alone"].append((layer, q.clone(), sel.ids.clone()))
+    batched[1].observer = lambda layer, q, sel, conv: seen["batched"].append((layer, q.clone(), sel.ids.clone()))
     toks = []
     for (s, p), c1, c2 in zip(pairs, alone, batched):
         l1, l2 = s.decoder.forward(p, c1), s.decoder.forward(p, c2)
@@ -92,6 +97,10 @@ def test_a_batched_step_gives_each_conversation_its_own_logits_over_its_own_cach
             assert c2.stats.retrieved == c1.stats.retrieved
             nxt.append(int(torch.argmax(want)))
         toks = nxt
+    assert len(seen["alone"]) == len(seen["batched"]) > 0
+    for (l1, q1, ids1), (l2, q2, ids2) in zip(seen["alone"], seen["batched"]):
+        assert l1 == l2 and q1.shape == q2.shape and torch.equal(ids1, ids2)
+        torch.testing.assert_close(q1, q2, rtol=1e-4, atol=1e-4)
 
 
 def test_a_cancelled_conversation_leaves_its_batch_and_stays_as_it_was(stores):

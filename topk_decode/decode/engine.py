@@ -220,8 +220,9 @@ class TopKDecoder:
                        o_all: torch.Tensor, mz_all: torch.Tensor) -> None:
         """The context part of several conversations' one-token steps over this decoder's cache (forward_batch).
 
-        Where the strategy's rows are independent (flat), one `select_many` searches every conversation's
-        queries in one pass over the keys; otherwise each conversation gets its own `_context_part`.
+        Where the strategy's rows are independent (flat) and the conversations hold no strategy state, one
+        `select` searches every conversation's queries in one pass over the keys and one `attend` sums
+        their values; otherwise each conversation gets its own `_context_part`.
 
         Args:
             layer: the layer.
@@ -230,28 +231,41 @@ class TopKDecoder:
             o_all, mz_all: (Hkv, G, B, D) and (Hkv, G, B, 2) host tensors receiving the parts at `idx`.
         """
         hkv, G, _, D = q_all.shape
-        o = torch.empty((hkv * G, D), dtype=self.context.dtype)
-        mz = torch.empty((hkv * G, 2), dtype=torch.float32)
-        qs = [q_all[:, :, b].contiguous() for b in idx]                     # each (Hkv, G, D)
-        batched = (len(idx) > 1 and self.strategy.n_searchable > 0 and self.strategy.rows_independent
-                   and all(c.strategy_state is None for c in convs))
-        if batched:
-            k = self.config.k_for_layer(layer)
-            t1 = time.perf_counter()
-            sels = self.strategy.select_many(layer, qs, k, [None] * len(idx))
-            share = (time.perf_counter() - t1) / len(idx)    # one search for all: each conversation its share
-        for j, (b, conv, q) in enumerate(zip(idx, convs, qs)):
-            if not batched:
-                self._context_part(layer, q, conv, o, mz)
-            else:
-                if conv.observer is not None:
-                    conv.observer(layer, q, sels[j], conv)
-                t2 = time.perf_counter()
-                conv.stats.retrieved += self.context.attend(layer, sels[j], o, mz)
-                conv.stats.search_s += share
-                conv.stats.context_s += time.perf_counter() - t2
-            o_all[:, :, b] = o.view(hkv, G, D)
-            mz_all[:, :, b] = mz.view(hkv, G, 2)
+        n = len(idx)
+        if not (n > 1 and self.strategy.n_searchable > 0 and self.strategy.rows_independent
+                and all(c.strategy_state is None for c in convs)):
+            o = torch.empty((hkv * G, D), dtype=self.context.dtype)
+            mz = torch.empty((hkv * G, 2), dtype=torch.float32)
+            for b, conv in zip(idx, convs):
+                self._context_part(layer, q_all[:, :, b].contiguous(), conv, o, mz)
+                o_all[:, :, b] = o.view(hkv, G, D)
+                mz_all[:, :, b] = mz.view(hkv, G, 2)
+            return
+        # rows conversation-major, (Hkv, n·G, D): conversation j's queries are rows [j·G, (j+1)·G)
+        q = q_all[:, :, idx].transpose(1, 2).reshape(hkv, n * G, D)
+        k = self.config.k_for_layer(layer)
+        t1 = time.perf_counter()
+        sel = self.strategy.select(layer, q, k, None)
+        t2 = time.perf_counter()
+        K = sel.ids.shape[-1]
+        for j, conv in enumerate(convs):
+            if conv.observer is not None:      # its own queries and selection, as alone
+                rows = slice(j * G, (j + 1) * G)
+                conv.observer(layer, q[:, rows].clone(), Selection(ids=sel.ids[:, rows].contiguous(),
+                                                                   scores=sel.scores[:, rows].contiguous()), conv)
+        t3 = time.perf_counter()
+        o = torch.empty((hkv * n * G, D), dtype=self.context.dtype)
+        mz = torch.empty((hkv * n * G, 2), dtype=torch.float32)
+        self.context.attend(layer, sel, o, mz)
+        o_all[:, :, idx] = o.view(hkv, n, G, D).transpose(1, 2)
+        mz_all[:, :, idx] = mz.view(hkv, n, G, 2).transpose(1, 2)
+        filled = ([hkv * G * K] * n if sel.no_empty_slots else
+                  sel.ids.view(hkv, n, G, K).ge(0).sum(dim=(0, 2, 3)).tolist())
+        t4 = time.perf_counter()
+        for conv, count in zip(convs, filled):   # one search and one sum for all: each conversation its share
+            conv.stats.retrieved += count
+            conv.stats.search_s += (t2 - t1) / n
+            conv.stats.context_s += (t4 - t3) / n
 
     def forward(self, ids: list[int], conv: Conversation) -> torch.Tensor:
         """Feed new tokens (after any pending ones) through the model; return the last token's logits (V,).

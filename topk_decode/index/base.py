@@ -167,8 +167,9 @@ class SelectionStrategy(ABC):
     # whether `select` may keep a reference to its query tensor after returning (a selection cache);
     # if not, the decoder hands it the reused buffer the query was copied into instead of a copy
     keeps_query: ClassVar[bool] = True
-    # whether each query row's selection depends on that row alone (no per-conversation state, no
-    # selection shared across rows), so that several conversations' rows can be searched together
+    # whether each query row's selection depends on that row alone (no selection shared across rows), so
+    # that a stateless `select` over several conversations' rows at once answers each as alone: the
+    # decoder then searches concurrent conversations' queries in one call (decode/engine.py forward_batch)
     rows_independent: ClassVar[bool] = False
 
     def __init__(self, ckv: ContextKV, lo: int, hi: int, options: dict | None = None) -> None:
@@ -222,31 +223,6 @@ class SelectionStrategy(ABC):
             k: token budget per query head for this layer.
             state: what `new_state()` returned for this conversation.
         """
-
-    def select_many(self, layer: int, queries: list[torch.Tensor], k: int, states: list[Any]) -> list[Selection]:
-        """`select` for several conversations' queries of one layer (concurrent requests decoded together).
-
-        Where `rows_independent` and no conversation has state, one `select` over all the rows reads
-        the keys once for every query; otherwise one `select` per conversation.
-
-        Args:
-            layer, k: as `select`.
-            queries: per conversation (Hkv, Q_i, D) float32 queries.
-            states: per conversation, what `new_state()` returned.
-        """
-        if not self.rows_independent or len(queries) == 1 or any(s is not None for s in states):
-            return [self.select(layer, q, k, s) for q, s in zip(queries, states)]
-        sizes = [q.shape[1] for q in queries]
-        sel = self.select(layer, torch.cat(queries, dim=1), k, None)
-        parts = [sel.ids.split(sizes, 1), sel.scores.split(sizes, 1)]
-        if sel.rest is not None:
-            parts += [sel.rest.out.split(sizes, 1), sel.rest.lse.split(sizes, 1)]
-        out = []
-        for i in range(len(queries)):
-            rest = RestPart(parts[2][i].contiguous(), parts[3][i].contiguous()) if sel.rest is not None else None
-            out.append(Selection(ids=parts[0][i].contiguous(), scores=parts[1][i].contiguous(), searched=sel.searched,
-                                 no_empty_slots=sel.no_empty_slots, rest=rest))
-        return out
 
     def device_routes(self, device: torch.device, k_per_layer: list[int]) -> Any:
         """A part of the search that runs on the decode device inside the captured one-token step
