@@ -6,6 +6,9 @@ Per step and layer (batch 1):
     q → CPU; the strategy picks context ids + exact scores per KV head
     context part: softmax-weighted sum of values[ids] + its lse    (CPU, context.py)
     o (H, D), m and z (H, 2) → device; attention = one softmax over retrieved ∪ window, by lse merge (merge.py)
+
+`forward_batch` runs several conversations' one-token steps as one (1, B, C) pass of the model, each row
+at its own position over its own window and cache (docs/SERVE.md "Batched decoding").
 """
 
 from __future__ import annotations
@@ -117,9 +120,10 @@ class TopKDecoder:
         lock: the step lock, shared by decoders of other caches over the same `model` (one model, one
             step at a time); None: a lock of its own.
 
-    Threads: one decoder serves many conversations, and every step (`forward`) holds `self.lock`.
-    The model runs at batch 1 anyway, so serialising steps costs no throughput, and it covers every
-    piece of shared scratch state at once: the context part's buffers, the strategies' search buffers
+    Threads: one decoder serves many conversations, and every step (`forward`) holds `self.lock`
+    (shared by the decoders of other caches over the same model). Without a `batcher` the model runs
+    at batch 1; with one (decode/batch.py), concurrent one-token steps run as one batched step
+    (`forward_batch`). The lock covers every piece of shared scratch state at once: the context part's buffers, the strategies' search buffers
     and counters, the step segments. A conversation's own state (window, strategy state, pending
     token) is touched only by its own steps, so conversations in different threads interleave step by
     step and each gets exactly its serial answer. One conversation must not be stepped by two threads
