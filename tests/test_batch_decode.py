@@ -1,8 +1,13 @@
 """Concurrent conversations decoded together (decode/batch.py, engine.py `forward_batch`): each gets what it
-gets alone, over one cache or several caches of one model."""
+gets alone, over one cache or several caches of one model.
+
+`TOPK_TEST_SERVE_DEVICE=cuda` runs them on the GPU host, where a conversation's own one-token step replays
+the CUDA graphs and a batched step runs the modules eagerly (fp32, so the tolerances hold).
+"""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -12,6 +17,7 @@ from topk_decode.errors import StepCancelled
 
 K = 8   # well below the tiny cache's searchable tokens: flat really selects
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [20], [30, 31, 32, 33]]
+DEVICE = os.environ.get("TOPK_TEST_SERVE_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -22,12 +28,12 @@ def stores(tmp_path_factory, built_cache, docs_dir):
 
     cache, model_dir = built_cache
     one = tmp_path_factory.mktemp("one-doc")
-    first = sorted(p for p in docs_dir.rglob("*.txt"))[0]
+    first = min(docs_dir.rglob("*.txt"))
     (one / first.name).write_text(first.read_text())
     other = tmp_path_factory.mktemp("caches") / "other"
     build_cache(one, other, model_dir, chunk_size=97, device="cpu")
-    a = KVStore.open(cache, k=K, strategy="flat", device="cpu", dtype="fp32")
-    b = KVStore.open(other, k=K, strategy="flat", device="cpu", dtype="fp32", share_model=a)
+    a = KVStore.open(cache, k=K, strategy="flat", device=DEVICE, dtype="fp32")
+    b = KVStore.open(other, k=K, strategy="flat", device=DEVICE, dtype="fp32", share_model=a)
     yield a, b
     b.close()
     a.close()
@@ -52,7 +58,7 @@ def test_share_model_refuses_a_cache_of_another_model(stores, tmp_path_factory, 
     out = tmp_path_factory.mktemp("caches") / "qwen"
     build_cache(docs_dir, out, model_factory("qwen2"), chunk_size=97, device="cpu")
     with pytest.raises(TopkError, match="not the model of"):
-        KVStore.open(out, device="cpu", dtype="fp32", share_model=stores[0])
+        KVStore.open(out, device=DEVICE, dtype="fp32", share_model=stores[0])
 
 
 def test_flat_rows_are_independent_one_select_over_several_conversations_rows_equals_one_each(stores):
@@ -150,7 +156,7 @@ def test_batcher_refuses_decoders_of_different_models(stores, built_cache):
     from topk_decode.api import KVStore
     from topk_decode.decode.batch import StepBatcher
 
-    own = KVStore.open(built_cache[0], k=K, strategy="flat", device="cpu", dtype="fp32")   # its own model copy
+    own = KVStore.open(built_cache[0], k=K, strategy="flat", device=DEVICE, dtype="fp32")   # its own model copy
     try:
         with pytest.raises(ValueError):
             StepBatcher(4).attach([stores[0].decoder, own.decoder])

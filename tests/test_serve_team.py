@@ -1,14 +1,13 @@
 """`topk serve` with two caches of the demo model behind one loaded model, and concurrent requests decoded
 together, against live servers on 127.0.0.1 with the real `openai` client.
 
-Cache `docs` holds examples/docs (four documents); cache `travel` only 04_travel_log.txt, where the
+`TOPK_TEST_SERVE_DEVICE=cuda` decodes on the GPU (as tests/test_serve.py). Cache `docs` holds examples/docs (four documents); cache `travel` only 04_travel_log.txt, where the
 quiet-lynx fact is. Both were prefilled with the shipped demo model, so the server loads it once.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from tests.test_serve import TIMEOUT, get, post, serve_in_thread  # noqa: E402
+from tests.test_serve import DEVICE, TIMEOUT, get, post, serve_in_thread  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = {          # examples/QUESTIONS.md
@@ -54,8 +53,8 @@ def caches(tmp_path_factory) -> dict[str, Path]:
 def stores(caches):
     from topk_decode.api import KVStore
 
-    docs = KVStore.open(caches["docs"], device="cpu", dtype="fp32")
-    travel = KVStore.open(caches["travel"], device="cpu", dtype="fp32", share_model=docs)
+    docs = KVStore.open(caches["docs"], device=DEVICE, dtype="fp32")
+    travel = KVStore.open(caches["travel"], device=DEVICE, dtype="fp32", share_model=docs)
     yield {"docs": docs, "travel": travel}
     travel.close()
     docs.close()
@@ -229,6 +228,3 @@ def test_topk_serve_with_a_cache_given_twice_is_one_error_line(caches):
     assert result.exit_code == 2
     assert result.stderr.strip() == f"error: the cache {caches['docs'].resolve()} is given twice"
 
-
-if os.environ.get("TOPK_TEST_SERVE_DEVICE", "cpu") != "cpu":   # these tests are CPU-only
-    pytestmark = pytest.mark.skip("CPU only")
