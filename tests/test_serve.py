@@ -66,7 +66,7 @@ def store(demo_cache):
 @pytest.fixture(scope="module")
 def live(store):
     """(base_url, Server): the app served by uvicorn in a thread on a free port of 127.0.0.1."""
-    server = Server(store, MODEL, max_tokens_limit=1024, default_max_tokens=64, max_body_mb=BODY_MB)
+    server = Server({MODEL: store}, max_tokens_limit=1024, default_max_tokens=64, max_body_mb=BODY_MB)
     yield from serve_in_thread(server)
 
 
@@ -192,9 +192,10 @@ def test_models_and_health(live):
     base, server = live
     models = get(base, "/v1/models")
     assert [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["documents"] == 4 and models["data"][0]["context_tokens"] == server.stores[MODEL].ckv.n_tokens
     health = get(base, "/health")
-    assert health["status"] == "ok" and health["batching"] == "serial queue, batch 1"
-    assert health["queue"] == 0 and health["documents"] == 4
+    assert health["status"] == "ok" and health["batching"].startswith("up to 8 answers at once")
+    assert health["queue"] == 0 and health["documents"] == 4 and health["model"] == MODEL
 
 
 # ---- many clients ------------------------------------------------------------------------------------
@@ -265,7 +266,7 @@ def test_load_every_request_of_every_client_is_answered(client):
 @pytest.mark.parametrize("body, status, param", [
     (b"{not json", 400, None),
     (b"[1, 2]", 400, None),
-    ({"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
+    ({"model": "", "messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
     ({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
     ({"model": MODEL, "messages": []}, 400, "messages"),
     ({"model": MODEL, "messages": "hi"}, 400, "messages"),
@@ -382,10 +383,10 @@ def test_the_prompt_is_checked_against_the_room_before_it_is_queued(store):
     from topk_decode.serve.schemas import APIError, GenerationRequest
     from topk_decode.serve.worker import DecodeWorker
 
-    worker = DecodeWorker(store)
+    worker = DecodeWorker({MODEL: store})
     try:
-        assert worker.room == store.decoder.shape.max_positions - store.ckv.n_tokens   # the demo's binding limit
-        worker.room = 100
+        assert worker.rooms[MODEL] == store.decoder.shape.max_positions - store.ckv.n_tokens   # the demo's binding limit
+        worker.rooms[MODEL] = 100
         req = GenerationRequest(kind="completion", model=MODEL, prompt=" the" * 95, max_tokens=64)
         assert len(worker.prompt_ids(req)) == 95 and req.max_tokens == 5    # an unset max_tokens fits the room
         for n, given, param in [(95, True, "max_tokens"), (100, False, "prompt"), (100_000, False, "prompt")]:
@@ -465,7 +466,7 @@ def test_topk_serve_command_stops_on_interrupt_ending_an_open_stream_with_an_err
                             env={**os.environ, "TOPK_API_KEY": KEY})
     try:
         line = proc.stdout.readline()          # printed once the model is loaded and the port bound
-        assert line.startswith(f"serving {demo_cache} as model '{MODEL}' on http://127.0.0.1:"), line
+        assert line.startswith(f"serving {demo_cache} as model '{MODEL}' (") and " on http://127.0.0.1:" in line, line
         base = line.split(" on ")[1].split("/v1")[0]
         deadline = time.monotonic() + 60
         while True:
@@ -514,10 +515,10 @@ def test_a_full_queue_answers_429_and_shutdown_answers_queued_requests_503(store
     from topk_decode.serve.worker import DecodeWorker, Job
 
     loop = asyncio.new_event_loop()
-    worker = DecodeWorker(store, max_queue=2)
+    worker = DecodeWorker({MODEL: store}, max_queue=2, max_batch=1)
     request = GenerationRequest(kind="completion", model=MODEL, prompt=" the", max_tokens=5)
     try:
-        with worker.lock:                   # the decoding thread blocks on the store: jobs pile up
+        with store.decoder.lock:            # the decoding thread blocks on the step lock: jobs pile up
             jobs = [Job(request, loop), Job(request, loop)]
             for job in jobs:
                 worker.submit(job)
@@ -547,7 +548,8 @@ ORIGIN = "https://app.example.com"
 @pytest.fixture(scope="module")
 def keyed(store):
     """(base_url, Server) of a second server over the same store, with an API key and one CORS origin."""
-    server = Server(store, MODEL, max_tokens_limit=1024, default_max_tokens=64, api_key=KEY, cors_origins=(ORIGIN,))
+    server = Server({MODEL: store}, max_tokens_limit=1024, default_max_tokens=64, api_key=KEY,
+                    cors_origins=(ORIGIN,))
     yield from serve_in_thread(server)
 
 
@@ -633,15 +635,17 @@ def test_metrics_count_requests_tokens_time_to_first_token_search_and_keys(live,
         key = (name, tuple(sorted(labels.items())))
         return after.get(key, 0.0) - before.get(key, 0.0)
 
-    assert delta("topk_requests_total", route="/v1/chat/completions", status="200") == 1
-    assert delta("topk_requests_total", route="/v1/chat/completions", status="400") == 1
-    assert delta("topk_completion_tokens_total") == r.usage.completion_tokens
-    assert delta("topk_prompt_tokens_total") == r.usage.prompt_tokens - r.usage.prompt_tokens_details.cached_tokens
-    assert delta("topk_time_to_first_token_seconds_count") == 1 and delta("topk_time_to_first_token_seconds_sum") > 0
-    assert delta("topk_decode_tokens_per_second_count") == 1 and delta("topk_decode_seconds_total") > 0
-    assert delta("topk_steps_total") >= r.usage.completion_tokens
-    assert delta("topk_search_ms_per_step_count") == 1 and delta("topk_search_seconds_total") > 0
-    assert delta("topk_keys_read_total") > 0
+    assert delta("topk_requests_total", route="/v1/chat/completions", status="200", model=MODEL) == 1
+    assert delta("topk_requests_total", route="/v1/chat/completions", status="400", model="") == 1
+    m = {"model": MODEL}
+    assert delta("topk_completion_tokens_total", **m) == r.usage.completion_tokens
+    assert delta("topk_prompt_tokens_total", **m) == r.usage.prompt_tokens - r.usage.prompt_tokens_details.cached_tokens
+    assert delta("topk_time_to_first_token_seconds_count", **m) == 1
+    assert delta("topk_time_to_first_token_seconds_sum", **m) > 0
+    assert delta("topk_decode_tokens_per_second_count", **m) == 1 and delta("topk_decode_seconds_total", **m) > 0
+    assert delta("topk_steps_total", **m) >= r.usage.completion_tokens
+    assert delta("topk_search_ms_per_step_count", **m) == 1 and delta("topk_search_seconds_total", **m) > 0
+    assert delta("topk_keys_read_total", **m) > 0
     assert after[("topk_queue_depth", ())] == 0 and after[("topk_running", ())] == 0
 
 

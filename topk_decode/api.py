@@ -36,13 +36,13 @@ class KVStore:
     """
 
     def __init__(self, ckv: ContextKV, model, tokenizer, config: DecodeConfig,
-                 progress: Callable[[int, int], None] | None = None) -> None:
+                 progress: Callable[[int, int], None] | None = None, step_lock=None) -> None:
         self.ckv = ckv
         self.model = model
         self.tokenizer = tokenizer
         last = ckv.path / LAST_LOGITS
         last_logits = torch.from_numpy(np.fromfile(last, dtype=np.float32)) if last.is_file() else None
-        self.decoder = TopKDecoder(model, ckv, config, last_logits=last_logits, progress=progress)
+        self.decoder = TopKDecoder(model, ckv, config, last_logits=last_logits, progress=progress, lock=step_lock)
         self.prompt_format = PromptFormat(**ckv.manifest.get("prompt", {"kind": "raw"}))
         self.eos_ids = eos_token_ids(model, tokenizer)
 
@@ -85,7 +85,8 @@ class KVStore:
              k_per_layer: list[int] | None = None, k_schedule: str = "uniform", n_sink: int = 4, n_tail: int = 64,
              strategy_options: dict | None = None, verify: bool | None = None,
              progress: Callable[[int, int], None] | None = None, compile: bool = True,
-             prompt_chunk: int = 512, prompt_scratch_mib: int = 1024, max_window_tokens: int = 65536) -> "KVStore":
+             prompt_chunk: int = 512, prompt_scratch_mib: int = 1024, max_window_tokens: int = 65536,
+             share_model: "KVStore | None" = None) -> "KVStore":
         """Open a cache for decoding: the model goes to the device, the context KV stays memory-mapped.
 
         Args:
@@ -109,6 +110,9 @@ class KVStore:
                 within this many MiB (DecodeConfig).
             max_window_tokens: most tokens a conversation may add after the context; a longer prompt gets
                 a TopkError (DecodeConfig).
+            share_model: an open store of a cache made with the same model: this store decodes with its
+                model, tokenizer and step lock (the weights once on the device; `model`, `device` and
+                `dtype` are then its). A cache of another model is a TopkError.
         """
         config = DecodeConfig(k=k, k_per_layer=k_per_layer, k_schedule=k_schedule, strategy=strategy,
                               strategy_options=dict(strategy_options or {}), n_sink=n_sink, n_tail=n_tail,
@@ -117,6 +121,13 @@ class KVStore:
         ckv = open_cache(path, verify=verify)
         config.validate(ckv.n_layers)
         recorded = ckv.manifest["model"]
+        if share_model is not None:
+            theirs = share_model.ckv.manifest["model"]
+            if recorded["fingerprint"] != theirs["fingerprint"]:
+                raise TopkError(f"{path} was made with {recorded['path']} (fingerprint {recorded['fingerprint']}), "
+                                f"not the model of {share_model.ckv.path} ({theirs['fingerprint']})")
+            return cls(ckv, share_model.model, share_model.tokenizer, config, progress,
+                       step_lock=share_model.decoder.lock)
         model_dir = Path(model) if model is not None else Path(recorded["path"])
         if model is None and not model_dir.exists():
             raise TopkError(f"the cache's model {model_dir} is not there any more; pass --model DIR")

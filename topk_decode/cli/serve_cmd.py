@@ -1,4 +1,5 @@
-"""`topk serve CACHE`: the cache behind an OpenAI-compatible HTTP API (topk_decode/serve/)."""
+"""`topk serve CACHE [CACHE ...]`: the caches behind an OpenAI-compatible HTTP API (topk_decode/serve/),
+each a model id; caches made with one model share it (loaded once)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,14 @@ from topk_decode.cli.common import (ThreadsOption, check_device, check_positive,
                                      use_threads)
 from topk_decode.errors import TopkError
 from topk_decode.serve.schemas import MAX_BODY_MB
+from topk_decode.serve.worker import MAX_BATCH
 
 API_KEY_ENV = "TOPK_API_KEY"
 
 
 def serve_command(
-    cache: Annotated[Path, typer.Argument(help="The cache directory written by `topk prefill`.")],
+    cache: Annotated[list[Path], typer.Argument(help="Cache directories written by `topk prefill`: each is a model "
+                                                     "id (its folder name), picked by a request's `model`.")],
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port (0: any free port, printed at start).")] = 8000,
     k: Annotated[int, typer.Option("--k", "-k", help="Context tokens retrieved per query head and layer.")] = 256,
@@ -29,10 +32,13 @@ def serve_command(
                                                 "long ones), flat (exact top-k), routed, ...")] = "auto",
     k_schedule: Annotated[str, typer.Option(help="uniform, or linear: k growing over layers at the same total.")] = "uniform",
     opt: Annotated[Optional[list[str]], typer.Option(help="Strategy option key=value, e.g. nprobe=32 (repeatable).")] = None,
-    model_name: Annotated[Optional[str], typer.Option(help="The model id clients pass (default: the cache's folder name).")] = None,
+    model_name: Annotated[Optional[list[str]], typer.Option(help="The model id clients pass, once per cache in order "
+                                                                 "(default: each cache's folder name).")] = None,
     max_tokens: Annotated[int, typer.Option(help="Answer length when a request sets no max_tokens.")] = 256,
     max_tokens_limit: Annotated[int, typer.Option(help="The largest max_tokens a request may ask for.")] = 4096,
     max_queue: Annotated[int, typer.Option(help="Requests waiting or running beyond which new ones get a 429.")] = 64,
+    max_batch: Annotated[int, typer.Option(help="Requests decoded at once, their one-token steps in one batched "
+                                                "model step (1: one request at a time).")] = MAX_BATCH,
     max_body_mb: Annotated[float, typer.Option(help="Request bodies past this many MB get a 413.")] = MAX_BODY_MB,
     model: Annotated[Optional[Path], typer.Option(help="Checkpoint dir (default: the one the cache records).")] = None,
     device: Annotated[Optional[str], typer.Option(help="cuda or cpu (default: cuda when available).")] = None,
@@ -50,8 +56,9 @@ def serve_command(
     cors_origin: Annotated[Optional[list[str]], typer.Option(help="A browser origin allowed to call the API, e.g. "
                                                                   "https://app.example.com, or * (repeatable).")] = None,
 ) -> None:
-    """Serve a cache over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models; /health, /metrics)."""
+    """Serve caches over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models; /health, /metrics)."""
     check_positive("k", k)
+    check_positive("--max-batch", max_batch)
     check_positive("--max-tokens", max_tokens)
     check_positive("--max-tokens-limit", max_tokens_limit)
     check_positive("--max-queue", max_queue)
@@ -71,10 +78,12 @@ def serve_command(
     from topk_decode.store.cache_dir import check_cache
 
     check_requested_strategy(strategy)  # an unknown name fails before the model loads
-    check_cache(cache)  # so does a missing or truncated cache; neither check imports torch
+    # so does a missing or truncated cache; neither check imports torch
+    fingerprints = [check_cache(c)[0]["model"]["fingerprint"] for c in cache]
+    names = model_ids(cache, model_name or [])
     import uvicorn
 
-    from topk_decode.serve.app import BATCHING, Server, create_app
+    from topk_decode.serve.app import Server, batching, create_app
     # bind first: a taken port is one error line before minutes of loading, not a log line after
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -86,17 +95,23 @@ def serve_command(
 
     from topk_decode.api import KVStore
 
-    store = KVStore.open(cache, k=k, k_schedule=k_schedule, strategy=strategy, model=model, device=device,
-                         dtype=dtype, n_sink=n_sink, n_tail=n_tail, strategy_options=options, compile=compile)
-    name = model_name or Path(cache).resolve().name
-    server = Server(store, name, max_tokens_limit=max_tokens_limit, default_max_tokens=max_tokens,
-                    max_queue=max_queue, max_body_mb=max_body_mb, api_key=api_key, cors_origins=origins)
+    stores: dict[str, KVStore] = {}
+    loaded: dict[str, KVStore] = {}    # model fingerprint → the first store that loaded it
+    for name, path, fp in zip(names, cache, fingerprints):
+        stores[name] = KVStore.open(path, k=k, k_schedule=k_schedule, strategy=strategy, model=model, device=device,
+                                    dtype=dtype, n_sink=n_sink, n_tail=n_tail, strategy_options=options,
+                                    compile=compile, share_model=loaded.get(fp))
+        loaded.setdefault(fp, stores[name])
+    server = Server(stores, max_tokens_limit=max_tokens_limit, default_max_tokens=max_tokens, max_queue=max_queue,
+                    max_body_mb=max_body_mb, api_key=api_key, cors_origins=origins, max_batch=max_batch)
     server.worker.warm_up()
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
-    console().print(f"serving {cache} as model '{name}' on http://{shown}:{bound}/v1 ({BATCHING}; "
-                    f"{store.ckv.n_tokens:,} tokens, strategy {store.config.strategy}, k={k}). Ctrl-C stops.", markup=False,
-                    soft_wrap=True)
+    served = ", ".join(f"{path} as model '{name}' ({stores[name].ckv.n_tokens:,} tokens, strategy "
+                       f"{stores[name].config.strategy})" for name, path in zip(names, cache))
+    shared = f"; {len(cache)} caches over {len(loaded)} loaded model{'s' if len(loaded) > 1 else ''}" if len(cache) > 1 else ""
+    console().print(f"serving {served} on http://{shown}:{bound}/v1 (k={k}{shared}; {batching(max_batch)}). "
+                    f"Ctrl-C stops.", markup=False, soft_wrap=True)
     if api_key is None and not loopback(host):
         say_note("the server has no API key (--allow-no-key): anyone who can reach this address can use it")
     log_requests()
@@ -108,6 +123,30 @@ def serve_command(
 
     config = uvicorn.Config(create_app(server), log_level="warning", timeout_graceful_shutdown=5)
     _Uvicorn(config).run(sockets=[sock])
+
+
+def model_ids(caches: list[Path], names: list[str]) -> list[str]:
+    """Each cache's model id: `names` (one per cache) if given, else its folder name, with as many parent
+    folders as needed to tell apart caches whose folders share a name (TopkError for a cache given twice)."""
+    if names:
+        if len(names) != len(caches):
+            raise TopkError(f"--model-name is given {len(names)} times for {len(caches)} caches: give it once per "
+                            f"cache, in order, or not at all")
+        if len(set(names)) != len(names) or not all(n.strip() for n in names):
+            raise TopkError("--model-name values must be distinct and not empty")
+        return list(names)
+    paths = [Path(c).resolve() for c in caches]
+    if len(set(paths)) != len(paths):
+        twice = next(str(p) for p in paths if paths.count(p) > 1)
+        raise TopkError(f"the cache {twice} is given twice")
+    depth = [1] * len(paths)
+    while True:
+        ids = ["/".join(p.parts[-d:]) for p, d in zip(paths, depth)]
+        clash = [i for i, name in enumerate(ids) if ids.count(name) > 1]
+        if not clash:
+            return ids
+        for i in clash:
+            depth[i] += 1
 
 
 def loopback(host: str) -> bool:

@@ -6,6 +6,9 @@ Per step and layer (batch 1):
     q → CPU; the strategy picks context ids + exact scores per KV head
     context part: softmax-weighted sum of values[ids] + its lse    (CPU, context.py)
     o (H, D), m and z (H, 2) → device; attention = one softmax over retrieved ∪ window, by lse merge (merge.py)
+
+`forward_batch` runs several conversations' one-token steps as one (1, B, C) pass of the model, each row
+at its own position over its own window and cache (docs/SERVE.md "Batched decoding").
 """
 
 from __future__ import annotations
@@ -114,10 +117,13 @@ class TopKDecoder:
         progress: optional callback(done, total) while the strategy builds its indices.
         graphs: run one-token steps through fixed-buffer segments replayed as CUDA graphs (see
             graphs.py); None = on CUDA only. True on the CPU runs the same segments eagerly.
+        lock: the step lock, shared by decoders of other caches over the same `model` (one model, one
+            step at a time); None: a lock of its own.
 
-    Threads: one decoder serves many conversations, and every step (`forward`) holds `self.lock`.
-    The model runs at batch 1 anyway, so serialising steps costs no throughput, and it covers every
-    piece of shared scratch state at once: the context part's buffers, the strategies' search buffers
+    Threads: one decoder serves many conversations, and every step (`forward`) holds `self.lock`
+    (shared by the decoders of other caches over the same model). Without a `batcher` the model runs
+    at batch 1; with one (decode/batch.py), concurrent one-token steps run as one batched step
+    (`forward_batch`). The lock covers every piece of shared scratch state at once: the context part's buffers, the strategies' search buffers
     and counters, the step segments. A conversation's own state (window, strategy state, pending
     token) is touched only by its own steps, so conversations in different threads interleave step by
     step and each gets exactly its serial answer. One conversation must not be stepped by two threads
@@ -125,7 +131,8 @@ class TopKDecoder:
     """
 
     def __init__(self, model, ckv: ContextKV, config: DecodeConfig, last_logits: torch.Tensor | None = None,
-                 progress: Callable[[int, int], None] | None = None, graphs: bool | None = None) -> None:
+                 progress: Callable[[int, int], None] | None = None, graphs: bool | None = None,
+                 lock: threading.RLock | None = None) -> None:
         self.model = model
         self.ckv = ckv
         self.shape = ModelShape.from_config(model.config)
@@ -151,7 +158,9 @@ class TopKDecoder:
         self._segments_k: list[int] | None = None     # the k per layer the segments were built for
         # Serialises steps over the shared scratch state (see the class docstring); re-entrant so an
         # observer or a progress callback may call back into the decoder.
-        self.lock = threading.RLock()
+        self.lock = lock if lock is not None else threading.RLock()
+        # when set (decode/batch.py), concurrent one-token steps of this model are decoded together
+        self.batcher = None
         self.closed = False
         # torch's CPU ops in a step run on at most this many OpenMP threads (TOPK_THREADS, else the CPUs this
         # process may use): torch's own default ignores a cgroup CPU quota. Set on the stepping thread only.
@@ -211,15 +220,73 @@ class TopKDecoder:
         st.search_s += t2 - t1
         st.context_s += t3 - t2b
 
+    def _context_parts(self, layer: int, q_all: torch.Tensor, idx: list[int], convs: list[Conversation],
+                       o_all: torch.Tensor, mz_all: torch.Tensor) -> None:
+        """The context part of several conversations' one-token steps over this decoder's cache (forward_batch).
+
+        Where the strategy's rows are independent (flat) and the conversations hold no strategy state, one
+        `select` searches every conversation's queries in one pass over the keys and one `attend` sums
+        their values; otherwise each conversation gets its own `_context_part`.
+
+        Args:
+            layer: the layer.
+            q_all: (Hkv, G, B, D) float32 host queries of the whole batch.
+            idx: the batch positions of this decoder's conversations; convs: those conversations.
+            o_all, mz_all: (Hkv, G, B, D) and (Hkv, G, B, 2) host tensors receiving the parts at `idx`.
+        """
+        hkv, G, _, D = q_all.shape
+        n = len(idx)
+        if not (n > 1 and self.strategy.n_searchable > 0 and self.strategy.rows_independent
+                and all(c.strategy_state is None for c in convs)):
+            o = torch.empty((hkv * G, D), dtype=self.context.dtype)
+            mz = torch.empty((hkv * G, 2), dtype=torch.float32)
+            for b, conv in zip(idx, convs):
+                self._context_part(layer, q_all[:, :, b].contiguous(), conv, o, mz)
+                o_all[:, :, b] = o.view(hkv, G, D)
+                mz_all[:, :, b] = mz.view(hkv, G, 2)
+            return
+        # rows conversation-major, (Hkv, n·G, D): conversation j's queries are rows [j·G, (j+1)·G)
+        q = q_all[:, :, idx].transpose(1, 2).reshape(hkv, n * G, D)
+        k = self.config.k_for_layer(layer)
+        t1 = time.perf_counter()
+        sel = self.strategy.select(layer, q, k, None)
+        t2 = time.perf_counter()
+        K = sel.ids.shape[-1]
+        for j, conv in enumerate(convs):
+            if conv.observer is not None:      # its own queries and selection, as alone
+                rows = slice(j * G, (j + 1) * G)
+                conv.observer(layer, q[:, rows].clone(), Selection(ids=sel.ids[:, rows].contiguous(),
+                                                                   scores=sel.scores[:, rows].contiguous()), conv)
+        t3 = time.perf_counter()
+        o = torch.empty((hkv * n * G, D), dtype=self.context.dtype)
+        mz = torch.empty((hkv * n * G, 2), dtype=torch.float32)
+        self.context.attend(layer, sel, o, mz)
+        o_all[:, :, idx] = o.view(hkv, n, G, D).transpose(1, 2)
+        mz_all[:, :, idx] = mz.view(hkv, n, G, 2).transpose(1, 2)
+        filled = ([hkv * G * K] * n if sel.no_empty_slots else
+                  sel.ids.view(hkv, n, G, K).ge(0).sum(dim=(0, 2, 3)).tolist())
+        t4 = time.perf_counter()
+        for conv, count in zip(convs, filled):   # one search and one sum for all: each conversation its share
+            conv.stats.retrieved += count
+            conv.stats.search_s += (t2 - t1) / n
+            conv.stats.context_s += (t4 - t3) / n
+
     def forward(self, ids: list[int], conv: Conversation) -> torch.Tensor:
         """Feed new tokens (after any pending ones) through the model; return the last token's logits (V,).
 
-        Thread-safe: the step holds the decoder's lock (see the class docstring).
+        Thread-safe: the step holds the decoder's lock (see the class docstring). With a `batcher`, a
+        one-token step waits to be decoded together with the other threads' (decode/batch.py).
 
         Args:
             ids: the new tokens.
             conv: the conversation they continue.
         """
+        if self.batcher is not None and len(conv.pending) + len(ids) == 1:
+            return self.batcher.step(self, conv, list(ids))
+        return self.forward_alone(ids, conv)
+
+    def forward_alone(self, ids: list[int], conv: Conversation) -> torch.Tensor:
+        """`forward` without a batcher: this conversation's step only, under the decoder's lock."""
         with self.lock:
             if self.closed:
                 raise TopkError("the store is closed")
@@ -279,17 +346,9 @@ class TopKDecoder:
                 return self.last_logits
             raise TopkError("nothing to decode: empty prompt")
         T = len(ids)
-        limit = self.config.max_window_tokens
-        if win.n_new + T > limit:
-            held = f", with the {win.n_new} this conversation holds," if win.n_new else ""
-            raise TopkError(f"the prompt is too long: {T} tokens{held} pass the limit of {limit} tokens after the "
-                            f"context (max_window_tokens); shorten it or start a new conversation")
+        self._check_room(win, T)
         t_start = time.perf_counter()
         pos0 = win.next_position
-        if pos0 + T > self.shape.max_positions and not self._warned_positions:
-            warnings.warn(f"position {pos0 + T} is past the model's maximum positions "
-                          f"({self.shape.max_positions}); answers may degrade", TopkWarning, stacklevel=3)
-            self._warned_positions = True
         conv.pending = []
         length0 = win.length
         try:
@@ -312,6 +371,19 @@ class TopKDecoder:
         conv.stats.tokens += T
         conv.stats.total_s += time.perf_counter() - t_start
         return logits
+
+    def _check_room(self, win: Window, T: int) -> None:
+        """TopkError when T more tokens pass max_window_tokens; a warning (once) past the model's positions."""
+        limit = self.config.max_window_tokens
+        if win.n_new + T > limit:
+            held = f", with the {win.n_new} this conversation holds," if win.n_new else ""
+            raise TopkError(f"the prompt is too long: {T} tokens{held} pass the limit of {limit} tokens after the "
+                            f"context (max_window_tokens); shorten it or start a new conversation")
+        end = win.next_position + T
+        if end > self.shape.max_positions and not self._warned_positions:
+            warnings.warn(f"position {end} is past the model's maximum positions "
+                          f"({self.shape.max_positions}); answers may degrade", TopkWarning, stacklevel=4)
+            self._warned_positions = True
 
     def _forward_one(self, token: int, position: int, conv: Conversation) -> torch.Tensor:
         """One token through fixed-buffer segments (CUDA graphs on CUDA): (V,) logits."""
@@ -391,15 +463,19 @@ class TopKDecoder:
         eos_ids = eos_ids or set()
         if max_new_tokens <= 0:
             return
-        logits = self.forward(prompt_ids, conv)
-        for i in range(max_new_tokens):
-            tok = sampling.pick(logits) if sampling is not None else int(torch.argmax(logits))
-            if tok in eos_ids or i == max_new_tokens - 1:
-                conv.pending = [tok]
+        try:
+            logits = self.forward(prompt_ids, conv)
+            for i in range(max_new_tokens):
+                tok = sampling.pick(logits) if sampling is not None else int(torch.argmax(logits))
+                if tok in eos_ids or i == max_new_tokens - 1:
+                    conv.pending = [tok]
+                    yield tok
+                    return
                 yield tok
-                return
-            yield tok
-            logits = self.forward([tok], conv)
+                logits = self.forward([tok], conv)
+        finally:
+            if self.batcher is not None:   # no more steps of this answer: the next batch need not wait for it
+                self.batcher.leave(conv)
 
     def generate(self, conv: Conversation, prompt_ids: list[int], max_new_tokens: int,
                  eos_ids: set[int] | None = None, sampling: Sampling | None = None) -> list[int]:
@@ -411,3 +487,108 @@ def check_stop(conv: Conversation) -> None:
     """Raise StepCancelled when the conversation's `should_stop` says so."""
     if conv.should_stop is not None and conv.should_stop():
         raise StepCancelled("the step was cancelled")
+
+
+@dataclass(eq=False)
+class StepRequest:
+    """One conversation's one-token step, to be decoded with others (`forward_batch`, decode/batch.py).
+
+    ids: the new token (or none, when the conversation's pending token is the step's); `logits` (V,) or
+    `error` is set by `forward_batch`.
+    """
+
+    decoder: TopKDecoder
+    conv: Conversation
+    ids: list[int]
+    logits: torch.Tensor | None = None
+    error: BaseException | None = None
+
+
+def forward_batch(reqs: list[StepRequest]) -> None:
+    """One model step for several conversations' one-token steps; sets each request's logits or error.
+
+    The decoders must share one model and step lock (`TopKDecoder(lock=...)`); their caches may differ.
+    A request whose conversation is cancelled (`should_stop`), full or closed gets its error alone; a
+    failing step fails every request in it and leaves each conversation as it was. One request left:
+    the ordinary one-token step (CUDA graphs where they run).
+    """
+    lead = reqs[0].decoder
+    with lead.lock:
+        live = []
+        for r in reqs:
+            try:
+                if r.decoder.closed:
+                    raise TopkError("the store is closed")
+                check_stop(r.conv)
+                r.decoder._check_room(r.conv.window, 1)
+                live.append(r)
+            except Exception as e:  # noqa: BLE001 - this request's failure, not the batch's
+                r.error = e
+        if len(live) == 1:
+            r = live[0]
+            try:
+                r.logits = r.decoder.forward_alone(r.ids, r.conv)
+            except BaseException as e:  # noqa: BLE001 - handed to the request's own thread
+                r.error = e
+            return
+        if not live:
+            return
+        saved = [(r.conv.window.length, r.conv.pending) for r in live]
+        t0 = time.perf_counter()
+        try:
+            with omp_threads(lead.cpu_threads):
+                logits = _forward_batch_locked(live)
+            if lead._cuda:
+                torch.cuda.current_stream(lead.device).synchronize()
+        except BaseException as e:  # noqa: BLE001 - handed to every request's thread
+            for r, (length, pending) in zip(live, saved):
+                r.conv.window.length, r.conv.pending = length, pending
+                r.error = e
+            return
+        dt = time.perf_counter() - t0
+        for b, r in enumerate(live):
+            r.logits = logits[b]
+            st = r.conv.stats
+            st.steps += 1
+            st.tokens += 1
+            st.total_s += dt
+
+
+@torch.inference_mode()
+def _forward_batch_locked(reqs: list[StepRequest]) -> torch.Tensor:
+    """The batched step: the B tokens go through the model's modules as one (1, B, C) sequence, each at its own
+    position; each attends to its own window and its own cache. (B, V) logits."""
+    lead = reqs[0].decoder
+    model, shape, device = lead.model, lead.shape, lead.device
+    H, hkv, G, D = shape.n_heads, shape.n_kv_heads, shape.group_size, shape.head_dim
+    B = len(reqs)
+    tokens = []
+    for r in reqs:
+        tokens.append((r.conv.pending + r.ids)[0])
+        r.conv.pending = []
+    wins = [r.conv.window for r in reqs]
+    starts = [w.length for w in wins]
+    positions = torch.tensor([w.next_position for w in wins], device=device)
+    for w, s in zip(wins, starts):
+        w.reserve(s + 1)
+    groups: dict[int, tuple[TopKDecoder, list[int]]] = {}
+    for b, r in enumerate(reqs):
+        groups.setdefault(id(r.decoder), (r.decoder, []))[1].append(b)
+    x = model.model.embed_tokens(torch.tensor([tokens], device=device))     # (1, B, C)
+    cos, sin = rope(model, x, positions)                                    # (1, B, D): each token its position
+    out_w = torch.empty((H, B, D), dtype=torch.float32, device=device)
+    lse_w = torch.empty((H, B), dtype=torch.float32, device=device)
+    o = torch.empty((hkv, G, B, D), dtype=lead.context.dtype)
+    mz = torch.empty((hkv, G, B, 2), dtype=torch.float32)
+    for layer_idx, layer in enumerate(model.model.layers):
+        q, k, v = attention_inputs(layer, x, cos, sin, shape)               # (1, H, B, D), (1, Hkv, B, D)
+        for b, (w, s) in enumerate(zip(wins, starts)):                      # each token over its own window
+            wk, wv = w.update(layer_idx, s, k[0, :, b:b + 1], v[0, :, b:b + 1])
+            out_w[:, b:b + 1], lse_w[:, b:b + 1] = chunk_window_attention(q[0, :, b:b + 1], wk, wv, lead.scale)
+        q_host = q[0].float().reshape(hkv, G, B, D).cpu()
+        for decoder, idx in groups.values():                                # each cache its own search
+            decoder._context_parts(layer_idx, q_host, idx, [reqs[b].conv for b in idx], o, mz)
+        x = finish_layer(layer, x, out_w, lse_w, o.view(H, B, D).to(device), mz.view(H, B, 2).to(device), shape)
+    for w in wins:
+        w.advance(1)
+    return final_logits(model, x)

@@ -167,6 +167,10 @@ class SelectionStrategy(ABC):
     # whether `select` may keep a reference to its query tensor after returning (a selection cache);
     # if not, the decoder hands it the reused buffer the query was copied into instead of a copy
     keeps_query: ClassVar[bool] = True
+    # whether each query row's selection depends on that row alone (no selection shared across rows), so
+    # that a stateless `select` over several conversations' rows at once answers each as alone: the
+    # decoder then searches concurrent conversations' queries in one call (decode/engine.py forward_batch)
+    rows_independent: ClassVar[bool] = False
 
     def __init__(self, ckv: ContextKV, lo: int, hi: int, options: dict | None = None) -> None:
         self.ckv = ckv

@@ -70,6 +70,7 @@ class FlatStrategy(SelectionStrategy):
     name = "flat"
     OPTIONS = {"backend": str, "threads": int, "scan": str}
     keeps_query = False
+    rows_independent = True   # exact top-k per query row: one scan serves several conversations' rows
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
         self.backend = self.options.get("backend", DEFAULT_BACKEND)

@@ -1,9 +1,10 @@
 """The ASGI app: OpenAI's /v1/chat/completions, /v1/completions and /v1/models, plus /health and /metrics.
 
-Each request is a fresh conversation over the cached documents (the client sends the whole
-history, as with OpenAI); see decode/messages.py for how it is laid out after them. Requests are
-decoded one at a time by `DecodeWorker`; the event loop only reads (up to the body limit), parses,
-queues and streams. `Access` (outside the routes) checks the API key, counts each answer by status
+Every served cache is a model id; a request's `model` picks its cache. Each request is a fresh
+conversation over that cache's documents (the client sends the whole history, as with OpenAI); see
+decode/messages.py for how it is laid out after them. `DecodeWorker` decodes up to `max_batch`
+requests at once, their one-token steps together; the event loop only reads (up to the body limit),
+parses, queues and streams. `Access` (outside the routes) checks the API key, counts each answer by status
 and logs one line per request; CORS, when enabled, sits outside it (a preflight carries no key).
 """
 
@@ -26,9 +27,8 @@ from starlette.routing import Route
 
 from topk_decode.serve.metrics import CONTENT_TYPE, LOG, Metrics
 from topk_decode.serve.schemas import MAX_BODY_MB, APIError, GenerationRequest, parse_json, parse_request, too_large
-from topk_decode.serve.worker import DecodeWorker, Job
+from topk_decode.serve.worker import MAX_BATCH, DecodeWorker, Job
 
-BATCHING = "serial queue, batch 1"
 OPEN_PATHS = ("/health",)    # answered without the API key: liveness probes carry no credentials
 QUIET_PATHS = ("/health", "/metrics")   # polled every few seconds: logged only when they fail
 ROUTES = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
@@ -56,51 +56,70 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def batching(max_batch: int) -> str:
+    """The batching policy in words (/health, the start-up line)."""
+    if max_batch == 1:
+        return "serial queue, batch 1"
+    return f"up to {max_batch} answers at once, their one-token steps decoded together"
+
+
 class Server:
-    """The app's state: the store behind a worker, the served model id and limits.
+    """The app's state: the stores behind a worker, the served model ids and limits.
 
     Args:
-        store: the opened KVStore.
-        model_id: the name clients pass as `model` (GET /v1/models lists it).
+        stores: model id → opened KVStore, in the order GET /v1/models lists them (the id is what clients
+            pass as `model`).
         max_tokens_limit: the largest max_tokens a request may ask for.
         default_max_tokens: max_tokens when a request gives none.
         max_queue: requests waiting or running beyond which new ones get a 429.
         max_body_mb: request bodies past this many MB get a 413, before they are read in full.
         api_key: requests must carry `Authorization: Bearer API_KEY` (all but /health); None: no key.
         cors_origins: browser origins allowed to call the API (CORS); empty: none.
+        max_batch: requests decoded at once, their one-token steps batched (1: one at a time).
     """
 
-    def __init__(self, store, model_id: str, max_tokens_limit: int = 4096, default_max_tokens: int = 256,
+    def __init__(self, stores: dict, max_tokens_limit: int = 4096, default_max_tokens: int = 256,
                  max_queue: int = 64, max_body_mb: float = MAX_BODY_MB, api_key: str | None = None,
-                 cors_origins: tuple[str, ...] = ()) -> None:
-        self.store = store
-        self.model_id = model_id
+                 cors_origins: tuple[str, ...] = (), max_batch: int = MAX_BATCH) -> None:
+        if not stores:
+            raise ValueError("a server needs at least one store")
+        self.stores = dict(stores)
+        self.model_ids = list(self.stores)
         self.max_body_bytes = int(max_body_mb * 2 ** 20)
         self.max_tokens_limit = max_tokens_limit
         self.default_max_tokens = min(default_max_tokens, max_tokens_limit)
         self.api_key = api_key
         self.cors_origins = tuple(cors_origins)
         self.metrics = Metrics()
-        self.worker = DecodeWorker(store, max_queue=max_queue, metrics=self.metrics)
+        self.worker = DecodeWorker(self.stores, max_queue=max_queue, metrics=self.metrics, max_batch=max_batch)
         self.metrics.watch(self.worker)
         self.created = int(time.time())
 
     # ---- plain endpoints --------------------------------------------------------------------------
     async def health(self, request: Request) -> JSONResponse:
-        """GET /health: liveness, the batching policy and the queue."""
+        """GET /health: liveness, the batching policy, the queue and the served models."""
         w = self.worker
-        return JSONResponse({"status": "ok", "model": self.model_id, "batching": BATCHING,
-                             "queue": w.waiting, "running": w.running, "served": w.served, "cancelled": w.cancelled,
-                             "context_tokens": self.store.ckv.n_tokens, "documents": len(self.store.documents)})
+        body = {"status": "ok", "batching": batching(w.max_batch), "queue": w.waiting, "running": w.running,
+                "served": w.served, "cancelled": w.cancelled,
+                "batched_steps": sum(b.batches for b in w.batchers),
+                "batched_requests": sum(b.stepped for b in w.batchers),
+                "models": [{"id": name, "context_tokens": s.ckv.n_tokens, "documents": len(s.documents)}
+                           for name, s in self.stores.items()]}
+        if len(self.stores) == 1:    # one cache: its facts at the top level too (as before several were served)
+            body.update(model=self.model_ids[0], context_tokens=body["models"][0]["context_tokens"],
+                        documents=body["models"][0]["documents"])
+        return JSONResponse(body)
 
     async def prometheus(self, request: Request) -> Response:
         """GET /metrics: the Prometheus text format (metrics.py)."""
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     async def models(self, request: Request) -> JSONResponse:
-        """GET /v1/models: the one model this server serves."""
+        """GET /v1/models: every served cache, with its document count and tokens (fields OpenAI's lacks)."""
         return JSONResponse({"object": "list", "data": [
-            {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "topk-decode"}]})
+            {"id": name, "object": "model", "created": self.created, "owned_by": "topk-decode",
+             "documents": len(s.documents), "context_tokens": s.ckv.n_tokens, "strategy": s.config.strategy}
+            for name, s in self.stores.items()]})
 
     # ---- generation ---------------------------------------------------------------------------------
     async def chat(self, request: Request):
@@ -114,7 +133,7 @@ class Server:
     async def _generate(self, request: Request, kind: str):
         try:
             raw = await read_body(request, self.max_body_bytes)
-            req = parse_request(parse_json(raw), kind, self.model_id, self.max_tokens_limit, self.default_max_tokens)
+            req = parse_request(parse_json(raw), kind, self.model_ids, self.max_tokens_limit, self.default_max_tokens)
             job = Job(req, asyncio.get_running_loop(), id=f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-"
                                                          f"{uuid.uuid4().hex[:24]}")
             request.state.job = job    # for the log line (Access)
@@ -158,14 +177,14 @@ class Server:
         else:
             choice = {"index": 0, "text": text, "finish_reason": info["finish_reason"], "logprobs": logprobs}
         return JSONResponse({"id": ident, "object": "chat.completion" if req.kind == "chat" else "text_completion",
-                             "created": int(time.time()), "model": self.model_id, "choices": [choice],
+                             "created": int(time.time()), "model": req.model, "choices": [choice],
                              "usage": _usage(info), "sources": info["sources"]})
 
     async def _events(self, job: Job, req: GenerationRequest, ident: str):
         """OpenAI's chunk stream: role, content deltas, a last chunk with finish_reason (and our sources)."""
         chat = req.kind == "chat"
         base = {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": int(time.time()), "model": self.model_id}
+                "created": int(time.time()), "model": req.model}
 
         def chunk(delta: dict | str, finish: str | None = None, logprobs: dict | None = None, **extra) -> str:
             choice = {"index": 0, "delta": delta} if chat else {"index": 0, "text": delta}
@@ -252,7 +271,7 @@ class Access:
 
     Args:
         app: the app inside.
-        server: the Server (its api_key, model id and metrics).
+        server: the Server (its api_key and metrics).
     """
 
     def __init__(self, app, server: Server) -> None:
@@ -279,12 +298,13 @@ class Access:
             else:
                 await self.app(scope, receive, send_)
         finally:
-            self.server.metrics.requests.labels(path if path in ROUTES else "other", str(status)).inc()
+            job: Job | None = state.get("job")
+            model = job.request.model if job is not None else ""
+            self.server.metrics.requests.labels(path if path in ROUTES else "other", str(status), model).inc()
             if not (path in QUIET_PATHS and status < 400):
-                job: Job | None = state.get("job")
                 line = f"{job.id if job is not None else '-'} {scope['method']} {path} {status}"
                 if job is not None:
-                    line += (f" model={self.server.model_id} prompt_tokens={len(job.ids)} "
+                    line += (f" model={model} prompt_tokens={len(job.ids)} "
                              f"completion_tokens={job.completion_tokens} finish={job.finish or '-'}")
                 LOG.info("%s seconds=%.3f", line, time.perf_counter() - t0)
 

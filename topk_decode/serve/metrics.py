@@ -19,60 +19,67 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class Metrics:
-    """The server's Prometheus metrics; `watch(worker)` adds the queue gauges."""
+    """The server's Prometheus metrics; `watch(worker)` adds the queue gauges. Requests carry the model id
+    they named (empty for requests that named none, such as /health), and so does every decoding metric."""
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("topk_requests", "HTTP requests answered, by route and status code",
-                                ["route", "status"], registry=r)
+                                ["route", "status", "model"], registry=r)
         self.queue = Gauge("topk_queue_depth", "Requests preparing or waiting for the decoder", registry=r)
-        self.running = Gauge("topk_running", "Requests being decoded (0 or 1: batch 1)", registry=r)
+        self.running = Gauge("topk_running", "Requests being decoded (at most --max-batch, together)", registry=r)
         self.ttft = Histogram("topk_time_to_first_token_seconds",
-                              "From a generation request's arrival to its first generated text", buckets=TTFT_BUCKETS,
-                              registry=r)
+                              "From a generation request's arrival to its first generated text", ["model"],
+                              buckets=TTFT_BUCKETS, registry=r)
         self.prompt_tokens = Counter("topk_prompt_tokens", "Prompt tokens run through the model after the cached "
-                                     "documents", registry=r)
-        self.completion_tokens = Counter("topk_completion_tokens", "Tokens generated", registry=r)
+                                     "documents", ["model"], registry=r)
+        self.completion_tokens = Counter("topk_completion_tokens", "Tokens generated", ["model"], registry=r)
         self.decode_seconds = Counter("topk_decode_seconds", "Seconds from each answer's first generated text to its "
-                                      "end (tokens after the first / this = decode tokens/s)", registry=r)
+                                      "end (tokens after the first / this = decode tokens/s)", ["model"], registry=r)
         self.tokens_per_second = Histogram("topk_decode_tokens_per_second", "Each answer's decode speed after its "
-                                           "first token", buckets=TOKENS_PER_S_BUCKETS, registry=r)
-        self.steps = Counter("topk_steps", "Decoder steps (one generated token, or one prompt chunk)", registry=r)
-        self.search_seconds = Counter("topk_search_seconds", "Seconds of top-k search on the CPU, over all steps",
-                                      registry=r)
+                                           "first token", ["model"], buckets=TOKENS_PER_S_BUCKETS, registry=r)
+        self.steps = Counter("topk_steps", "Decoder steps of each request (one generated token, or one prompt); "
+                             "a batched step counts once for each request in it", ["model"], registry=r)
+        self.search_seconds = Counter("topk_search_seconds", "Seconds of top-k search on the CPU, over all steps "
+                                      "(a search shared by a batch: each request its share)", ["model"], registry=r)
         self.search_ms = Histogram("topk_search_ms_per_step", "Each request's mean top-k search time per decoder step, "
-                                   "in ms", buckets=SEARCH_MS_BUCKETS, registry=r)
+                                   "in ms", ["model"], buckets=SEARCH_MS_BUCKETS, registry=r)
         self.keys_read = Counter("topk_keys_read", "Context keys read from the CPU store (retrieved keys summed over "
-                                 "steps, layers and heads)", registry=r)
+                                 "steps, layers and heads)", ["model"], registry=r)
 
     def watch(self, worker) -> None:
-        """Read the queue gauges from `worker` at each scrape."""
+        """Read the queue gauges from `worker` at each scrape; every served model's series start at 0."""
         self.queue.set_function(lambda: worker.waiting)
         self.running.set_function(lambda: worker.running)
+        for model in worker.stores:
+            for metric in (self.ttft, self.prompt_tokens, self.completion_tokens, self.decode_seconds,
+                           self.tokens_per_second, self.steps, self.search_seconds, self.search_ms, self.keys_read):
+                metric.labels(model)
 
-    def decoded(self, prompt_tokens: int, completion_tokens: int, ttft_s: float | None, decode_s: float,
-                stats) -> None:
+    def decoded(self, model: str, prompt_tokens: int, completion_tokens: int, ttft_s: float | None,
+                decode_s: float, stats) -> None:
         """Count one request's decoding.
 
         Args:
+            model: the model id (cache) it asked.
             prompt_tokens: its prompt's tokens (after the cached documents).
             completion_tokens: tokens it generated.
             ttft_s: seconds from its arrival to its first text (None: it produced none).
             decode_s: seconds from its first text to its end.
             stats: its conversation's StepStats (steps, search seconds, keys retrieved).
         """
-        self.prompt_tokens.inc(prompt_tokens)
-        self.completion_tokens.inc(completion_tokens)
+        self.prompt_tokens.labels(model).inc(prompt_tokens)
+        self.completion_tokens.labels(model).inc(completion_tokens)
         if ttft_s is not None:
-            self.ttft.observe(ttft_s)
-        self.decode_seconds.inc(decode_s)
+            self.ttft.labels(model).observe(ttft_s)
+        self.decode_seconds.labels(model).inc(decode_s)
         if completion_tokens > 1 and decode_s > 0:
-            self.tokens_per_second.observe((completion_tokens - 1) / decode_s)
-        self.steps.inc(stats.steps)
-        self.search_seconds.inc(stats.search_s)
+            self.tokens_per_second.labels(model).observe((completion_tokens - 1) / decode_s)
+        self.steps.labels(model).inc(stats.steps)
+        self.search_seconds.labels(model).inc(stats.search_s)
         if stats.steps:
-            self.search_ms.observe(1e3 * stats.search_s / stats.steps)
-        self.keys_read.inc(stats.retrieved)
+            self.search_ms.labels(model).observe(1e3 * stats.search_s / stats.steps)
+        self.keys_read.labels(model).inc(stats.retrieved)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -128,21 +128,26 @@ def _text(content: Any, param: str) -> str:
                    code="invalid_type")
 
 
-def parse_request(body: dict, kind: str, model_id: str, max_tokens_limit: int, default_max_tokens: int) -> GenerationRequest:
+def parse_request(body: dict, kind: str, model_ids: list[str], max_tokens_limit: int,
+                  default_max_tokens: int) -> GenerationRequest:
     """Validate a chat or completion request.
 
     Args:
         body: the parsed JSON body.
         kind: "chat" or "completion".
-        model_id: the one model this server serves.
+        model_ids: the models (caches) this server serves; a request may omit `model` when there is one.
         max_tokens_limit: the largest max_tokens accepted.
         default_max_tokens: max_tokens when the request gives none.
     """
     model = body.get("model")
+    listed = ", ".join(repr(m) for m in model_ids)
+    if model is None and len(model_ids) == 1:
+        model = model_ids[0]
     if not isinstance(model, str) or not model:
-        raise APIError(400, "model is required (GET /v1/models lists it)", param="model", code="missing_required_parameter")
-    if model != model_id:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {model_id!r}", param="model",
+        raise APIError(400, f"model is required: one of {listed} (GET /v1/models lists them)", param="model",
+                       code="missing_required_parameter")
+    if model not in model_ids:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {listed}", param="model",
                        code="model_not_found")
     req = GenerationRequest(kind=kind, model=model)
     if kind == "chat":

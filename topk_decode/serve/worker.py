@@ -1,14 +1,16 @@
-"""One decoding thread that serves requests one at a time (batch 1), off the event loop.
+"""The decoding threads behind the server, off the event loop: up to `max_batch` answers at a time, their
+one-token steps decoded together (decode/batch.py).
 
-Each request becomes a `Job`. A preparing thread renders and tokenizes its prompt and checks it
-against the context limits, so an oversized request is refused without ever reaching the decoder;
-then the decoding thread decodes it and hands events to the request's asyncio queue (`start`, then
-`text` pieces, then `done`, or one `error`). The store is only ever touched by the decoding thread,
-under the store lock, so concurrent clients can never mix their conversations; the preparing thread
-has its own copy of the tokenizer. A job whose client went away is cancelled: it is skipped if still
-queued, and if running it stops within a layer of its prompt or at its next token (the decoder
-polls `Job.cancelled` through the conversation's `should_stop`). Each `text` event carries the text and,
-when the request asked for logprobs, its tokens' OpenAI logprob entries.
+Each request becomes a `Job` for one of the served caches (`request.model`). A preparing thread
+renders and tokenizes its prompt and checks it against that cache's limits, so an oversized request
+is refused without ever reaching the decoder; then a decoding thread decodes it and hands events to
+the request's asyncio queue (`start`, then `text` pieces, then `done`, or one `error`). Each job has
+its own conversation, so concurrent clients never mix theirs; every step holds the model's step lock
+and the one-token steps of the running jobs over one model (whatever their cache) run as one batched
+step. The preparing thread has its own copy of each tokenizer. A job whose client went away is
+cancelled: it is skipped if still queued, and if running it stops within a layer of its prompt or at
+its next token (the decoder polls `Job.cancelled` through the conversation's `should_stop`). Each
+`text` event carries the text and, when the request asked for logprobs, its tokens' OpenAI logprob entries.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from topk_decode.serve.schemas import APIError, GenerationRequest
 
 LOGPROB_FLOOR = -9999.0   # what OpenAI reports for a token the model gives (almost) no chance; JSON has no -inf
 SLICE_CHARS = 1 << 16   # a long prompt is first counted slice by slice, so a huge one is refused early
+MAX_BATCH = 8           # answers decoded at once by default (`topk serve --max-batch`)
 
 
 class StopText:
@@ -106,32 +109,47 @@ def tokenize_within(tokenizer, text: str, limit: int) -> list[int] | None:
 
 
 class DecodeWorker:
-    """The serial queue in front of the store, behind a preparing thread.
+    """The queue in front of the stores, behind a preparing thread.
 
     Args:
-        store: the opened KVStore.
+        stores: model id → opened KVStore; stores of one model share it (`KVStore.open(share_model=...)`).
         max_queue: jobs preparing, waiting or running beyond which new requests get a 429.
         metrics: the server's Metrics, told about each decoded request (None: nobody counts).
+        max_batch: answers decoded at once, their one-token steps batched (1: one at a time, serially).
     """
 
-    def __init__(self, store, max_queue: int = 64, metrics=None) -> None:
-        self.store = store
+    def __init__(self, stores: dict, max_queue: int = 64, metrics=None, max_batch: int = MAX_BATCH) -> None:
+        from topk_decode.decode.batch import StepBatcher
+
+        self.stores = dict(stores)
         self.max_queue = max_queue
         self.metrics = metrics
-        self.lock = threading.Lock()          # the store and its tokenizer: one request at a time
-        # the preparing thread's own tokenizer: the store's is the decoding thread's alone
-        self.tokenizer = copy.deepcopy(store.tokenizer)
-        decoder = store.decoder
-        # tokens a prompt and its answer may take after the documents: the window's limit, the model's positions
-        self.room = min(decoder.config.max_window_tokens, decoder.shape.max_positions - store.ckv.n_tokens)
+        self.max_batch = max_batch
+        self.tokenizers: dict[str, object] = {}   # the preparing thread's own copies (decoding threads use the stores')
+        self.rooms: dict[str, int] = {}
+        copies: dict[int, object] = {}
+        for name, store in self.stores.items():
+            self.tokenizers[name] = copies.setdefault(id(store.tokenizer), copy.deepcopy(store.tokenizer))
+            decoder = store.decoder
+            # tokens a prompt and its answer may take after the documents: the window's limit, the model's positions
+            self.rooms[name] = min(decoder.config.max_window_tokens, decoder.shape.max_positions - store.ckv.n_tokens)
+        self.batchers = []
+        if max_batch > 1:        # one batcher per loaded model: its caches' steps go through it together
+            models: dict[int, list] = {}
+            for store in self.stores.values():
+                models.setdefault(id(store.model), []).append(store.decoder)
+            for decoders in models.values():
+                batcher = StepBatcher(max_batch)
+                batcher.attach(decoders)
+                self.batchers.append(batcher)
         self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="topk-prepare")
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="topk-decode")
+        self._pool = ThreadPoolExecutor(max_workers=max_batch, thread_name_prefix="topk-decode")
         self._count = threading.Lock()
         self.waiting = 0
         self.running = 0
         self.served = 0
         self.cancelled = 0   # jobs stopped early because their client went away
-        self.current: Job | None = None
+        self.current: set[Job] = set()
         self.pending: set[Job] = set()
         self.closing = False
 
@@ -152,15 +170,14 @@ class DecodeWorker:
         self._prep.submit(self._prepare, job)
 
     def warm_up(self) -> None:
-        """Decode two tokens on the decoding thread, so that the one-time work of the first step
-        (torch.compile, CUDA graph capture) happens before the first request, on the thread that will
-        replay it."""
-        def run() -> None:
-            with self.lock:
-                ids = self.store.tokenizer("Hello", add_special_tokens=False).input_ids
-                self.store.generate_ids(ids, max_new_tokens=2)
+        """Decode two tokens over each store on a decoding thread, so that the one-time work of the first
+        step (torch.compile, CUDA graph capture) happens before the first request."""
+        def run(store) -> None:
+            ids = store.tokenizer("Hello", add_special_tokens=False).input_ids
+            store.generate_ids(ids, max_new_tokens=2)
 
-        self._pool.submit(run).result()
+        for store in self.stores.values():
+            self._pool.submit(run, store).result()
 
     def close(self) -> None:
         """Server shutdown: queued jobs get a 503, the running one stops within a layer."""
@@ -172,7 +189,9 @@ class DecodeWorker:
             job.emit("error", _shutting_down())
         self._prep.shutdown(wait=False, cancel_futures=True)
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if (job := self.current) is not None:
+        with self._count:
+            running = list(self.current)
+        for job in running:
             job.cancel()
 
     def prompt_ids(self, req: GenerationRequest) -> list[int]:
@@ -182,7 +201,7 @@ class DecodeWorker:
         Args:
             req: the validated request (its max_tokens may be lowered).
         """
-        store = self.store
+        store, room = self.stores[req.model], self.rooms[req.model]
         vocab = store.decoder.shape.vocab_size
         if req.logit_bias and max(req.logit_bias) >= vocab:
             raise APIError(400, f"logit_bias names token {max(req.logit_bias)}; this model's vocabulary has {vocab} "
@@ -190,26 +209,26 @@ class DecodeWorker:
         if req.kind == "chat":
             from topk_decode.decode.messages import conversation_text
 
-            text = conversation_text(req.messages, store.prompt_format, self.tokenizer)
+            text = conversation_text(req.messages, store.prompt_format, self.tokenizers[req.model])
         else:
             text = req.prompt
-        ids = tokenize_within(self.tokenizer, text, self.room - 1)
+        ids = tokenize_within(self.tokenizers[req.model], text, room - 1)
         n_prompt = len(ids) if ids is not None else None
         if ids is not None and not ids:
             raise APIError(400, "the prompt is empty once tokenized", param="prompt", code="invalid_value")
         if ids is not None and not req.max_tokens_given:
-            req.max_tokens = max(1, min(req.max_tokens, self.room - n_prompt))
-        if ids is None or n_prompt + req.max_tokens > self.room:
+            req.max_tokens = max(1, min(req.max_tokens, room - n_prompt))
+        if ids is None or n_prompt + req.max_tokens > room:
             n_context, window = store.ckv.n_tokens, store.decoder.config.max_window_tokens
-            prompt = f"{n_prompt}" if ids is not None else f"more than {self.room}"
-            if self.room == window:
+            prompt = f"{n_prompt}" if ids is not None else f"more than {room}"
+            if room == window:
                 limit = (f"this server takes at most {window} tokens of prompt and answer after the cached "
                          f"documents (max_window_tokens)")
             else:
                 limit = (f"this model's maximum context length is {store.decoder.shape.max_positions} tokens, "
                          f"{n_context} of them the cached documents")
             raise APIError(400, f"{limit}; the prompt ({prompt}) + max_tokens ({req.max_tokens}) exceed it",
-                           param="max_tokens" if ids is not None and n_prompt < self.room else
+                           param="max_tokens" if ids is not None and n_prompt < room else
                            ("messages" if req.kind == "chat" else "prompt"), code="context_length_exceeded")
         return ids
 
@@ -245,25 +264,24 @@ class DecodeWorker:
             return
         with self._count:
             self.running += 1
+            self.current.add(job)
         try:
             if job.cancelled.is_set():
                 with self._count:
                     self.cancelled += 1
                 job.emit("done", None)
                 return
-            with self.lock:
-                self.current = job
-                self._generate(job)
+            self._generate(job)
         except Exception as e:  # noqa: BLE001 - a failing request must not take the worker down
             job.emit("error", _api_error(e))
         finally:
-            self.current = None
             with self._count:
+                self.current.discard(job)
                 self.running -= 1
                 self.served += 1
 
     def _generate(self, job: Job) -> None:
-        req, store = job.request, self.store
+        req, store = job.request, self.stores[job.request.model]
         session = store.session(temperature=req.temperature, top_p=req.top_p, seed=req.seed, sources=True,
                                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                                 logit_bias=req.logit_bias or None, logprobs=req.logprobs)
@@ -284,7 +302,7 @@ class DecodeWorker:
                     piece = piece.lstrip()
                     started = bool(piece)
                 out, hit = stopper.feed(piece)
-                entries, logged = self._logprobs(session, logged)
+                entries, logged = self._logprobs(store, session, logged)
                 if out or entries:
                     job.emit("text", (out, entries))
                 if hit:
@@ -292,7 +310,7 @@ class DecodeWorker:
                     break
             else:
                 tail = stopper.flush()
-                entries, logged = self._logprobs(session, logged)
+                entries, logged = self._logprobs(store, session, logged)
                 if tail or entries:
                     job.emit("text", (tail, entries))
         except StepCancelled:
@@ -302,7 +320,7 @@ class DecodeWorker:
             end = time.perf_counter()
             job.completion_tokens = session.n_generated
             if self.metrics is not None:
-                self.metrics.decoded(len(job.ids), session.n_generated, first_at and first_at - job.t0,
+                self.metrics.decoded(req.model, len(job.ids), session.n_generated, first_at and first_at - job.t0,
                                      end - first_at if first_at else 0.0, session.conv.stats)
         job.finish = finish or session.finish_reason or "length"
         if finish == "cancelled":
@@ -316,13 +334,13 @@ class DecodeWorker:
                           "prompt_tokens": n_context + len(job.ids), "cached_tokens": n_context,
                           "completion_tokens": session.n_generated, "sources": session.sources})
 
-    def _logprobs(self, session, done: int) -> tuple[list[dict], int]:
+    def _logprobs(self, store, session, done: int) -> tuple[list[dict], int]:
         """OpenAI's logprob entries of the tokens picked since the first `done` (none unless asked; the end of
         turn token left out, as its text is), and how many are done now."""
         sampling = session.sampling
         if sampling is None or sampling.logprobs is None:
             return [], done
-        tok, eos = self.store.tokenizer, self.store.eos_ids
+        tok, eos = store.tokenizer, store.eos_ids
         entries = [token_logprob(tok, t, lp, alternatives) for t, lp, alternatives in sampling.picked[done:]
                    if t not in eos]
         return entries, len(sampling.picked)
