@@ -132,7 +132,7 @@ class KVStore:
     def append(self, docs: str | os.PathLike, *, model: str | os.PathLike | None = None, chunk_size: int | None = None,
                device: str | None = None, allow_long_context: bool = False, follow_symlinks: bool = False,
                include: list[str] | tuple[str, ...] = (), exclude: list[str] | tuple[str, ...] = (),
-               strategy_options: dict[str, dict] | None = None) -> "KVStore":
+               strategies: dict[str, dict] | None = None) -> "KVStore":
         """Add documents to this store's cache (`topk prefill DOCS --append CACHE`) and return the store over it.
 
         The model runs over the new documents only; the cache, swapped in atomically, equals a prefill of
@@ -146,8 +146,8 @@ class KVStore:
             chunk_size: prefill chunk length (default: the cache's own).
             device: where the new documents are prefilled (default: CUDA when available).
             allow_long_context, follow_symlinks, include, exclude: as for `build`.
-            strategy_options: strategy name → build options of artifacts to build as well (those the cache
-                has are rebuilt for the appended cache anyway).
+            strategies: strategy name → build options of artifacts to build as well (those the cache has,
+                and auto's choice for the new length, are rebuilt for the appended cache anyway).
         """
         from dataclasses import replace
 
@@ -155,7 +155,7 @@ class KVStore:
 
         path, _, _ = append_cache(docs, self.ckv.path, model, chunk_size=chunk_size, device=device,
                                   allow_long_context=allow_long_context, follow_symlinks=follow_symlinks,
-                                  include=include, exclude=exclude, strategies=strategy_options)
+                                  include=include, exclude=exclude, strategies=strategies)
         config = replace(self.config, strategy=self.requested_strategy,
                          strategy_options=dict(self.config.strategy_options))
         return KVStore(open_cache(path), self.model, self.tokenizer, config, self.progress)
