@@ -96,13 +96,19 @@ def test_the_tracker_names_the_place_that_drew_the_most_mass():
     assert [citation(s) for s in tr.sources(min_weight=0.0)][:2] == ["report.pdf p. 2", "deck.pptx slide 1"]
 
 
-def test_ask_and_chat_sources_name_the_pdf_page(tmp_path):
+def test_a_folder_of_pdf_code_html_and_docx_prefills_and_sources_name_the_pdf_page(tmp_path):
     pytest.importorskip("pypdf")
+    docx = pytest.importorskip("docx")
     from topk_decode.api import KVStore
     from topk_decode.demo import DEMO_MODEL_DIR
 
     docs = tmp_path / "docs"
     docs.mkdir()
+    d = docx.Document()
+    d.add_heading("Ledger", level=1)
+    d.add_paragraph("The ledger opens in spring.")
+    d.save(docs / "ledger.docx")
+    (docs / "page.html").write_text("<html><body><h1>Harbour</h1><p>Boats leave at dawn.</p></body></html>")
     # the code file comes after the PDF and is longer than the exact window's tail (n_tail=64), so the PDF's
     # tokens are reached through retrieval, where sources are counted
     (docs / "tool.py").write_text("def main():\n    return sum(range(42))\n\n" * 20)
@@ -112,6 +118,7 @@ def test_ask_and_chat_sources_name_the_pdf_page(tmp_path):
     store = KVStore.build(docs, tmp_path / "c", DEMO_MODEL_DIR, device="cpu", strategy="flat", compile=False)
     _, sources = store.ask("What is the special magic number for amber-fox?", max_new_tokens=12,
                            return_sources=True)
+    assert [d["name"] for d in store.documents] == ["ledger.docx", "page.html", "report.pdf", "tool.py"]
     by_doc = {s["document"]: s for s in sources}
     assert by_doc["report.pdf"]["place"] in ("p. 1", "p. 2")
     assert citation(by_doc["report.pdf"]) == f"report.pdf {by_doc['report.pdf']['place']}"

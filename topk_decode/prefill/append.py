@@ -166,7 +166,7 @@ def append_cache(
                             documents=manifest.get("documents", []) + new_table,
                             skipped=list(manifest.get("skipped", [])) + skipped,
                             prefill=dict(prefill_record, appended=appends))
-        del old                                   # the old cache's maps: not needed past here
+        old = None                                # the old cache's maps: not needed past here
         built = writer.finish(new_manifest)
         wanted = {**strategies_to_rebuild(cache, len(ids)), **(strategies or {})}
         if wanted:
