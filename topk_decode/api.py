@@ -42,6 +42,8 @@ class KVStore:
         self.tokenizer = tokenizer
         last = ckv.path / LAST_LOGITS
         last_logits = torch.from_numpy(np.fromfile(last, dtype=np.float32)) if last.is_file() else None
+        self.requested_strategy = config.strategy   # "auto" is resolved per cache by the decoder (`append` reopens)
+        self.progress = progress
         self.decoder = TopKDecoder(model, ckv, config, last_logits=last_logits, progress=progress, lock=step_lock)
         self.prompt_format = PromptFormat(**ckv.manifest.get("prompt", {"kind": "raw"}))
         self.eos_ids = eos_token_ids(model, tokenizer)
@@ -138,6 +140,37 @@ class KVStore:
         dev = pick_device(device)
         return cls(ckv, load_model(model_dir, dev, parse_dtype(dtype)), load_tokenizer(model_dir), config, progress)
 
+    def append(self, docs: str | os.PathLike, *, model: str | os.PathLike | None = None, chunk_size: int | None = None,
+               device: str | None = None, allow_long_context: bool = False, follow_symlinks: bool = False,
+               include: list[str] | tuple[str, ...] = (), exclude: list[str] | tuple[str, ...] = (),
+               strategies: dict[str, dict] | None = None) -> "KVStore":
+        """Add documents to this store's cache (`topk prefill DOCS --append CACHE`) and return the store over it.
+
+        The model runs over the new documents only; the cache, swapped in atomically, equals a prefill of
+        its documents followed by these (prefill/append.py). This store keeps answering over the old
+        documents until closed; the one returned shares its model and settings.
+
+        Args:
+            docs: a documents directory or one file (read as `build` reads them); names the cache already
+                holds are refused (TopkError).
+            model: the checkpoint (default: the one the cache records; its fingerprint must match).
+            chunk_size: prefill chunk length (default: the cache's own).
+            device: where the new documents are prefilled (default: CUDA when available).
+            allow_long_context, follow_symlinks, include, exclude: as for `build`.
+            strategies: strategy name → build options of artifacts to build as well (those the cache has,
+                and auto's choice for the new length, are rebuilt for the appended cache anyway).
+        """
+        from dataclasses import replace
+
+        from topk_decode.prefill.append import append_cache
+
+        path, _, _ = append_cache(docs, self.ckv.path, model, chunk_size=chunk_size, device=device,
+                                  allow_long_context=allow_long_context, follow_symlinks=follow_symlinks,
+                                  include=include, exclude=exclude, strategies=strategies)
+        config = replace(self.config, strategy=self.requested_strategy,
+                         strategy_options=dict(self.config.strategy_options))
+        return KVStore(open_cache(path), self.model, self.tokenizer, config, self.progress)
+
     def close(self) -> None:
         """Stop the store's search threads (idempotent); decoding afterwards raises TopkError."""
         self.decoder.close()
@@ -156,7 +189,8 @@ class KVStore:
 
     @property
     def documents(self) -> list[dict]:
-        """The document table: name and token span of each document."""
+        """The document table: name and token span of each document (and "places", where its pages,
+        slides, sheets ... start, for a document that has them)."""
         return self.ckv.manifest["documents"]
 
     @property
@@ -200,7 +234,8 @@ class KVStore:
             system: a system prompt (placed after the documents: see decode/messages.py).
             temperature, top_p, seed: sampling (temperature 0, the default, is greedy and exact).
             return_sources: return (answer, sources), sources = [{"document", "weight"}] by share of the
-                retrieved attention mass (decode/sources.py); needs stream=False.
+                retrieved attention mass, with "place" ("p. 12", "slide 3" ...) where the document table
+                records places (decode/sources.py); needs stream=False.
         """
         if return_sources and stream:
             raise TopkError("return_sources needs stream=False (a streamed session has .sources once it ends)")

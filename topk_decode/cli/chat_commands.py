@@ -181,8 +181,10 @@ def _cmd_stats(state: ChatState, arg: str) -> None:
 
 
 def _cmd_sources(state: ChatState, arg: str) -> None:
+    from topk_decode.decode.sources import citation
+
     rows = state.session.sources
-    say("\n".join(f"{s['weight']:6.1%}  {s['document']}" for s in rows) or "(no answer yet)")
+    say("\n".join(f"{s['weight']:6.1%}  {citation(s)}" for s in rows) or "(no answer yet)")
 
 
 def _cmd_help(state: ChatState, arg: str) -> None:

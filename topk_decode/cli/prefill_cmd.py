@@ -100,17 +100,24 @@ class _LogLines:
 
 def prefill_command(
     docs: Annotated[Path, typer.Argument(help="A documents directory (every UTF-8 text file in it, recursively: "
-                                         "code, config, CSV, Markdown, HTML ...; PDF and DOCX with the docs extra; "
+                                         "code, config, CSV, Markdown, HTML, EPUB, notebooks ...; PDF, DOCX, PPTX "
+                                         "and XLSX with the docs extra; "
                                          "binary files, VCS folders, virtual "
                                          "environments, node_modules, __pycache__, hidden (.name) and .gitignore'd paths are "
                                          "skipped) or one text file.")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="The cache directory to create.")],
-    model: Annotated[Optional[Path], typer.Option(help="Local HF checkpoint dir or GGUF file (default: the embedded demo model).")] = None,
-    chunk_size: Annotated[int, typer.Option(help="Tokens per prefill chunk (bounds peak GPU memory).")] = 4096,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="The cache directory to create.")] = None,
+    append: Annotated[Optional[Path], typer.Option("--append", metavar="CACHE", help="Add the documents to this "
+                      "existing cache instead: the model runs over the new documents only, and the cache becomes "
+                      "what a prefill of its documents followed by these would write (swapped in atomically).")] = None,
+    model: Annotated[Optional[Path], typer.Option(help="Local HF checkpoint dir or GGUF file (default: the embedded "
+                     "demo model; with --append, the cache's own).")] = None,
+    chunk_size: Annotated[Optional[int], typer.Option(help="Tokens per prefill chunk (bounds peak GPU memory; default "
+                          "4096, with --append the cache's own).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing cache at --out (only a topk cache: "
                                                      "any other directory is refused).")] = False,
     device: Annotated[Optional[str], typer.Option(help="cuda or cpu (default: cuda when available).")] = None,
-    dtype: Annotated[Optional[str], typer.Option(help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU).")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU; with "
+                     "--append, the cache's own).")] = None,
     strategy: Annotated[Optional[str], typer.Option(help="Also build these strategies' artifacts: NAME[,NAME...].")] = None,
     opt: Annotated[Optional[list[str]], typer.Option(help="Strategy build option key=value (repeatable).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted prefill of --out from its last "
@@ -127,8 +134,14 @@ def prefill_command(
     exclude: Annotated[Optional[list[str]], typer.Option("--exclude", metavar="GLOB", help="Never read paths "
                        "matching this gitignore-style pattern; wins over --include (repeatable).")] = None,
 ) -> None:
-    """Prefill documents once and write each layer's keys/values to a cache directory."""
+    """Prefill documents once and write each layer's keys/values to a cache directory (or add them to one)."""
     # Everything cheap is checked before the model loads: a typo must not cost a prefill.
+    if (out is None) == (append is None):
+        raise TopkError("name the cache: --out CACHE to create one, or --append CACHE to add the documents to one")
+    for flag, given in (("--overwrite", overwrite), ("--resume", resume)):
+        if append is not None and given:
+            raise TopkError(f"{flag} does not apply to --append (an interrupted append leaves the cache as it was: "
+                            f"run it again)")
     check_positive("--chunk-size", chunk_size)
     check_device(device)
     names = parse_strategy_names(strategy)
@@ -144,13 +157,18 @@ def prefill_command(
     check_documents_path(docs)
     compile_globs(include or [], "--include")
     compile_globs(exclude or [], "--exclude")
-    check_output(out, overwrite)
+    if append is None:
+        check_output(out, overwrite)
     if model is not None:
         check_model_path(model)
     from topk_decode.index import split_options
 
     per_strategy = split_options(names, options)   # unknown or mistyped options fail before the prefill
 
+    if append is not None:
+        _append_command(docs, append, model, chunk_size, device, dtype, per_strategy, log_every,
+                        allow_long_context, follow_symlinks, include or [], exclude or [])
+        return
     from topk_decode.prefill.build import build_cache
 
     if model is None:
@@ -182,7 +200,8 @@ def prefill_command(
                 lines.advance(tokens)
 
         try:
-            path, stats = build_cache(docs, out, model, chunk_size=chunk_size, overwrite=overwrite, device=device,
+            sized = {} if chunk_size is None else {"chunk_size": chunk_size}
+            path, stats = build_cache(docs, out, model, **sized, overwrite=overwrite, device=device,
                                       dtype=dtype, on_start=on_start, progress=progress, resume=resume,
                                       checkpoint_every=checkpoint_every, on_note=say_note,
                                       allow_long_context=allow_long_context, follow_symlinks=follow_symlinks,
@@ -228,3 +247,52 @@ def _build_strategies(bar, path: Path, names: list[str], options: dict[str, dict
             say_note(f"the cache {path} is complete; only the {name} artifacts were not built")
             raise
         bar.remove_task(task)
+
+
+def _append_command(docs: Path, cache: Path, model: Optional[Path], chunk_size: Optional[int], device: Optional[str],
+                    dtype: Optional[str], per_strategy: dict[str, dict], log_every: float, allow_long_context: bool,
+                    follow_symlinks: bool, include: list[str], exclude: list[str]) -> None:
+    """`topk prefill NEW_DOCS --append CACHE`, with the same progress bar and summary as a prefill."""
+    from topk_decode.prefill.append import append_cache
+
+    with _progress() as bar, _sigterm_unwinds():
+        state: dict = {}
+        lines = _LogLines(log_every) if bar.disable else None
+
+        def on_start(n_tokens: int, n_layers: int, skipped: list[str]) -> None:
+            from topk_decode.prefill.documents import summarize_skipped
+
+            for line in summarize_skipped(skipped):
+                say_warning(f"skipped {line}")
+            state["task"] = bar.add_task(f"append {n_tokens:,} tokens × {n_layers} layers",
+                                         total=n_tokens * n_layers, layers=n_layers)
+            if lines is not None:
+                lines.start(n_tokens, n_layers)
+
+        def progress(tokens: int) -> None:
+            bar.advance(state["task"], tokens)
+            if lines is not None:
+                lines.advance(tokens)
+
+        def on_strategy(name: str):
+            task = bar.add_task(f"strategy {name}", total=None)
+            return lambda done, total: bar.update(task, completed=done, total=total)
+
+        try:
+            path, stats, _ = append_cache(docs, cache, model, chunk_size=chunk_size, device=device, dtype=dtype,
+                                          on_start=on_start, progress=progress, allow_long_context=allow_long_context,
+                                          follow_symlinks=follow_symlinks, include=include, exclude=exclude,
+                                          strategies=per_strategy, on_strategy=on_strategy)
+        except Terminated:
+            typer.echo("terminated; the cache is unchanged", err=True)
+            raise typer.Exit(143) from None
+    from topk_decode.store.cache_dir import read_manifest
+
+    manifest = read_manifest(path)
+    added = manifest["prefill"]["appended"][-1]
+    out_console = console()
+    out_console.print(f"appended {added['documents']} document{'s' * (added['documents'] != 1)} "
+                      f"({added['n_tokens']:,} tokens) to {path}", markup=False, soft_wrap=True)
+    out_console.print(f"tokens: {manifest['n_tokens']:,} in all, {stats.n_tokens:,} computed   time: {stats.seconds:.2f} s   "
+                      f"throughput: {stats.tokens_per_s:,.0f} tok/s   size on disk: {human_bytes(dir_size(path))}",
+                      markup=False)

@@ -3,7 +3,8 @@
 At every answer step and layer the strategy hands the decoder the context ids each query head attends
 to with their exact scores. Softmax over those scores is that head's attention over what it retrieved;
 summing it over heads, steps and the last quarter of the layers, per document of the cache's document
-table, gives each document's share. Early layers are left out: on the demo model they attend by
+table, gives each document's share; where the table records places (a PDF's pages, a deck's slides ...),
+the place inside the document that drew the most of that mass is named too (`report.pdf p. 12`). Early layers are left out: on the demo model they attend by
 position (the most recent document) or almost uniformly whatever the question, while the last
 layer's heads point at the document the answer copies from (docs/SERVE.md shows the measurement).
 Only the retrieved context part counts: the exact window (attention sinks, the
@@ -32,12 +33,27 @@ class SourceTracker:
     def __init__(self, documents: list[dict], scale: float, group_size: int, n_layers: int,
                  first_layer: int | None = None) -> None:
         self.names = [d["name"] for d in documents]
-        # bucket b of torch.bucketize(ids, starts, right=True) is document b-1 (bucket 0: before the first)
-        self.starts = torch.tensor([d["start"] for d in documents], dtype=torch.int64)
+        # Segments: each document from its start, cut at its places (pages, slides ...) where the table has them.
+        starts, self.segment_doc, self.segment_label = [], [], []
+        for i, d in enumerate(documents):
+            starts.append(d["start"])
+            self.segment_doc.append(i)
+            self.segment_label.append(None)
+            for place in d.get("places", []):
+                if not d["start"] <= place["start"] < d["end"] or place["start"] < starts[-1]:
+                    continue           # outside its document, or out of order: not a cut
+                if place["start"] == starts[-1]:
+                    self.segment_label[-1] = place["label"]
+                else:
+                    starts.append(place["start"])
+                    self.segment_doc.append(i)
+                    self.segment_label.append(place["label"])
+        # bucket b of torch.bucketize(ids, starts, right=True) is segment b-1 (bucket 0: before the first)
+        self.starts = torch.tensor(starts, dtype=torch.int64)
         self.scale = scale
         self.first_layer = n_layers - max(1, n_layers // 4) if first_layer is None else first_layer
         self.group_size = group_size
-        self.mass = torch.zeros(len(documents) + 1, dtype=torch.float64)   # [0]: before the first document
+        self.mass = torch.zeros(len(starts) + 1, dtype=torch.float64)   # [0]: before the first document
         self.steps = 0
 
     def reset(self) -> None:
@@ -65,15 +81,31 @@ class SourceTracker:
         self.mass.index_add_(0, bucket[valid].reshape(-1), w[valid].reshape(-1).double())
 
     def sources(self, min_weight: float = 0.01) -> list[dict]:
-        """Documents by share of the retrieved attention mass, largest first.
+        """Documents by share of the retrieved attention mass, largest first: {"document", "weight"}, and
+        "place" (e.g. "p. 12") where the document table records places: the one that drew the most mass.
 
         Args:
             min_weight: leave out documents below this share (shares are of all the mass, before that cut).
         """
-        per_doc = self.mass[1:]
-        total = float(per_doc.sum())
+        per_segment = self.mass[1:].tolist()
+        total = sum(per_segment)
         if total <= 0:
             return []
-        out = [{"document": name, "weight": round(float(m) / total, 4)}
-               for name, m in zip(self.names, per_doc) if float(m) / total >= min_weight]
+        per_doc = [0.0] * len(self.names)
+        best: dict[int, tuple[float, str]] = {}
+        for m, doc, label in zip(per_segment, self.segment_doc, self.segment_label):
+            per_doc[doc] += m
+            if label is not None and m > 0 and m > best.get(doc, (0.0, ""))[0]:
+                best[doc] = (m, label)
+        out = []
+        for i, (name, m) in enumerate(zip(self.names, per_doc)):
+            if m / total >= min_weight:
+                out.append({"document": name, "weight": round(m / total, 4)})
+                if i in best:
+                    out[-1]["place"] = best[i][1]
         return sorted(out, key=lambda s: -s["weight"])
+
+
+def citation(source: dict) -> str:
+    """A source as people cite it: `report.pdf p. 12`, or the document name alone."""
+    return f"{source['document']} {source['place']}" if source.get("place") else source["document"]

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import bisect
 import codecs
 import errno
 import fnmatch
 import os
 import stat
 import unicodedata
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
 from topk_decode.errors import TopkError
-from topk_decode.prefill.formats import BINARY_FORMATS, HTML_SUFFIXES, NotReadable, html_text
+from topk_decode.prefill.formats import BINARY_FORMATS, TEXT_FORMATS, Extracted, NotReadable
 
 _SENTINEL_Q = "\x00TOPKQ\x00"
 _SENTINEL_A = "\x00TOPKA\x00"
@@ -23,10 +24,11 @@ RAW_QUESTION = "\nQuestion: {question}\nAnswer:"
 
 @dataclass
 class Document:
-    """One input document."""
+    """One input document; `places`: where its pages, slides, sheets ... start (character offset, label)."""
 
     name: str
     text: str
+    places: list[tuple[int, str]] = field(default_factory=list)
 
 
 def safe_name(name: str) -> str:
@@ -294,23 +296,25 @@ def read_text_file(path: Path) -> str | None:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
-def read_document(path: Path) -> str | None:
-    """A document's text: PDF and DOCX converted (formats.py, NotReadable when they yield none), HTML
-    stripped of its markup, anything else as a text file (None when binary)."""
+def read_document(path: Path) -> Extracted | None:
+    """A document's text and places: PDF, DOCX, PPTX, XLSX, EPUB, HTML and notebooks converted (formats.py,
+    NotReadable when they yield none), anything else as a text file (None when binary)."""
     suffix = path.suffix.lower()
     if suffix in BINARY_FORMATS:
         with open_regular(path) as f:
             return BINARY_FORMATS[suffix](f)
     text = read_text_file(path)
-    return html_text(text) if text is not None and suffix in HTML_SUFFIXES else text
+    if text is None:
+        return None
+    return TEXT_FORMATS[suffix](text) if suffix in TEXT_FORMATS else Extracted(text)
 
 
 def collect_documents(path: str | os.PathLike, follow_symlinks: bool = False, include: list[str] | tuple[str, ...] = (),
                       exclude: list[str] | tuple[str, ...] = ()) -> tuple[list[Document], list[str]]:
     """Read every text file under a directory (recursively, sorted; see `list_files` for what is skipped) or one file.
 
-    A text file is one that decodes as UTF-8 and holds no NUL byte, whatever its suffix; PDF, DOCX and
-    HTML files are converted to their text (`read_document`).
+    A text file is one that decodes as UTF-8 and holds no NUL byte, whatever its suffix; PDF, DOCX, PPTX,
+    XLSX, EPUB, HTML and notebook files are converted to their text (`read_document`).
 
     Args:
         path: a directory or a single text file.
@@ -332,20 +336,20 @@ def collect_documents(path: str | os.PathLike, follow_symlinks: bool = False, in
         raw = str(f.relative_to(root))
         rel = safe_name(raw)   # for messages; the Document keeps the raw name
         try:
-            text = read_document(f)
+            got = read_document(f)
         except NotReadable as e:
             skipped.append(f"{rel} ({e})")
             continue
         except OSError as e:
             skipped.append(f"{rel} ({e.strerror})")
             continue
-        if text is None:
+        if got is None:
             skipped.append(f"{rel} ({BINARY})")
             continue
-        if not text.strip():
+        if not got.text.strip():
             skipped.append(f"{rel} ({EMPTY})")
             continue
-        docs.append(Document(raw, text))
+        docs.append(Document(raw, got.text, got.places))
     if not docs:
         why = f"; skipped: {'; '.join(summarize_skipped(skipped))}" if skipped else ""
         raise TopkError(f"no readable text in {path} (looked for non-empty UTF-8 text files){why}")
@@ -434,8 +438,42 @@ class ContextLayout:
     """Token ids of the whole context and which span each document occupies."""
 
     ids: list[int]
-    documents: list[dict]  # {"name", "start", "end"} token spans (header included)
+    documents: list[dict]  # {"name", "start", "end"} token spans (header included), "places" where known
     prompt: PromptFormat
+
+
+def place_tokens(tokenizer, text: str, chars: list[int]) -> list[int]:
+    """For character offsets into `text`, the index of the token of `tokenizer(text)` that holds each one.
+
+    A fast tokenizer's offset mapping gives them exactly; a slow one (no offsets) counts the tokens of
+    the text before each offset, which can differ by a token where a merge crosses it.
+    """
+    if getattr(tokenizer, "is_fast", False):
+        offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        ends = [e for _, e in offsets]
+        return [min(bisect.bisect_right(ends, c), max(len(ends) - 1, 0)) for c in chars]
+    return [len(tokenizer(text[:c], add_special_tokens=False).input_ids) for c in chars]
+
+
+def document_span(doc: Document, header: str, tokenizer, start: int) -> tuple[list[int], dict]:
+    """One document's tokens (header and text tokenized as one piece) and its document-table entry.
+
+    The entry is {"name", "start", "end"} and, for a document with places (pages, slides ...),
+    "places": [{"label", "start"}] with absolute token positions, in order.
+
+    Args:
+        doc: the document.
+        header: the separator in front of it ("" for none), see `document_header`.
+        tokenizer: the model's tokenizer.
+        start: the context position of its first token.
+    """
+    text = header + doc.text
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    entry = {"name": safe_name(doc.name), "start": start, "end": start + len(ids)}
+    if doc.places:
+        at = place_tokens(tokenizer, text, [len(header) + c for c, _ in doc.places])
+        entry["places"] = [{"label": label, "start": start + i} for i, (_, label) in zip(at, doc.places)]
+    return ids, entry
 
 
 def layout_context(docs: list[Document], tokenizer) -> ContextLayout:
@@ -456,9 +494,27 @@ def layout_context(docs: list[Document], tokenizer) -> ContextLayout:
         ids = [bos] + ids
     table = []
     for i, d in enumerate(docs):
-        start = len(ids)
         name = safe_name(d.name)   # a name must not inject lines into the context (nor the terminal)
         header = document_header(name) if i or fmt.kind == "chat" or len(docs) > 1 else ""
-        ids += tokenizer(header + d.text, add_special_tokens=False).input_ids
-        table.append({"name": name, "start": start, "end": len(ids)})
+        piece, entry = document_span(d, header, tokenizer, len(ids))
+        ids += piece
+        table.append(entry)
     return ContextLayout(ids, table, fmt)
+
+
+def has_headers(documents: list[dict], prompt: dict) -> bool:
+    """Whether a cache's documents each start with a `document_header` (all but a lone raw-text document),
+    so that more documents can follow them exactly as `layout_context` would lay them out together."""
+    return prompt.get("kind") == "chat" or len(documents) > 1
+
+
+def layout_more(docs: list[Document], tokenizer, start: int) -> tuple[list[int], list[dict]]:
+    """The tokens and document-table entries of documents that follow a context of `start` tokens
+    (`topk prefill --append`): the same pieces `layout_context` makes for them after earlier documents."""
+    ids: list[int] = []
+    table = []
+    for d in docs:
+        piece, entry = document_span(d, document_header(safe_name(d.name)), tokenizer, start + len(ids))
+        ids += piece
+        table.append(entry)
+    return ids, table

@@ -236,24 +236,31 @@ def whole_layer_attention_fits(n: int, shape: ModelShape, dtype: torch.dtype, de
 
 def _run_layer(model, layer_idx: int, layer, hidden: torch.Tensor, shape: ModelShape, device: torch.device,
                chunk_size: int, drain: KVDrain, progress: Callable[[int], None] | None,
-               whole: bool | None = None) -> None:
+               whole: bool | None = None, past: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """One decoder layer over all N tokens, chunk by chunk; `hidden` (N, C) is updated in place.
 
     The layer's keys/values (Hkv, N, D) live on the device while it runs, then go to `drain`, which
     copies them out while the next layer computes. With `whole` (default: when it fits, see
     `whole_layer_attention_fits`) the chunks' queries are kept and the attention runs once for the
     whole layer between a projection pass and an output pass; otherwise each chunk attends on its own.
+    With `past` (this layer's (Hkv, P, D) keys and values of the P positions before `hidden`'s first
+    token, from a cache: `topk prefill --append`), `hidden` holds positions P.. only, its chunks attend
+    to the past keys too, and the layer's KV handed to `drain` covers all P + N positions.
     """
-    N = hidden.shape[0]
+    P = 0 if past is None else past[0].shape[1]
+    N = P + hidden.shape[0]
     if whole is None:
-        whole = whole_layer_attention_fits(N, shape, hidden.dtype, device)
+        whole = P == 0 and whole_layer_attention_fits(N, shape, hidden.dtype, device)
     keys = torch.empty((1, shape.n_kv_heads, N, shape.head_dim), dtype=hidden.dtype, device=device)
     values = torch.empty_like(keys)
+    if P:
+        keys[0, :, :P].copy_(past[0])
+        values[0, :, :P].copy_(past[1])
     queries = torch.empty((1, shape.n_heads, N, shape.head_dim), dtype=hidden.dtype, device=device) \
         if whole else None
-    for s in range(0, N, chunk_size):
+    for s in range(P, N, chunk_size):
         e = min(s + chunk_size, N)
-        x = hidden[s:e].to(device, non_blocking=True)[None]                     # (1, T, C); a view if on device
+        x = hidden[s - P:e - P].to(device, non_blocking=True)[None]             # (1, T, C); a view if on device
         cos, sin = rope(model, x, torch.arange(s, e, device=device))
         q, k, v = attention_inputs(layer, x, cos, sin, shape)                   # (1, H|Hkv, T, D)
         keys[:, :, s:e], values[:, :, s:e] = k, v
@@ -262,7 +269,7 @@ def _run_layer(model, layer_idx: int, layer, hidden: torch.Tensor, shape: ModelS
             continue
         out = chunk_attention(q, keys[:, :, :e], values[:, :, :e])              # (1, H, T, D)
         # pinned host: an async device→pinned copy; stream order keeps the next layer's read of it correct
-        hidden[s:e].copy_(finish_block(layer, x, out)[0], non_blocking=True)
+        hidden[s - P:e - P].copy_(finish_block(layer, x, out)[0], non_blocking=True)
         if progress is not None:
             progress(e - s)
     if whole:
@@ -331,6 +338,7 @@ def prefill_layers(
     hidden: torch.Tensor | None = None,
     checkpoint: Callable[[int, torch.Tensor], None] | None = None,
     checkpoint_every: float = 60.0,
+    past: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, PrefillStats]:
     """Run the model over `ids` layer by layer, handing each layer's KV to `on_layer`.
 
@@ -352,8 +360,12 @@ def prefill_layers(
             entering `next_layer`, once every layer below it was handed to `on_layer` and returned;
             at most every `checkpoint_every` seconds (0: after every layer), never after the last layer.
         checkpoint_every: seconds between checkpoints.
+        past: continue a context (`topk prefill --append`): past(layer) gives that layer's (Hkv, P, D)
+            CPU keys and values of the P positions before `ids`, which then sit at positions P..; each
+            chunk attends to them too, `on_layer` gets all P + N positions, and the chunks start at P
+            (a multiple of `chunk_size` gives exactly the chunks a prefill of the whole context runs).
     Returns:
-        the logits (V,) after the last token, and PrefillStats.
+        the logits (V,) after the last token, and PrefillStats (n_tokens: the tokens computed).
     """
     if start_layer and hidden is None:
         raise ValueError("start_layer > 0 needs the residual stream entering it (hidden)")
@@ -364,7 +376,7 @@ def prefill_layers(
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        return _prefill_offloaded(model, ids, on_layer, chunk_size, progress, shape, dtype, device, resume)
+        return _prefill_offloaded(model, ids, on_layer, chunk_size, progress, shape, dtype, device, resume, past)
     device = next(model.parameters()).device
     N = len(ids)
     if device.type == "cuda":
@@ -375,7 +387,8 @@ def prefill_layers(
         for layer_idx, layer in enumerate(model.model.layers):
             if layer_idx < resume.start:
                 continue
-            _run_layer(model, layer_idx, layer, hidden, shape, device, chunk_size, drain, progress)
+            _run_layer(model, layer_idx, layer, hidden, shape, device, chunk_size, drain, progress,
+                       past=None if past is None else past(layer_idx))
             resume.after_layer(layer_idx + 1, shape.n_layers, hidden, drain, device)
         _sync_host(hidden, device)
         last = final_logits(model, hidden[N - 1:N].to(device)[None])[0].cpu()
@@ -384,7 +397,7 @@ def prefill_layers(
 
 
 def _prefill_offloaded(model, ids, on_layer, chunk_size, progress, shape: ModelShape, dtype: torch.dtype,
-                       device: torch.device, resume: _Resume) -> tuple[torch.Tensor, PrefillStats]:
+                       device: torch.device, resume: _Resume, past=None) -> tuple[torch.Tensor, PrefillStats]:
     """`prefill_layers` with the weights on the CPU: one decoder layer on the device at a time."""
     N = len(ids)
     cuda = device.type == "cuda"
@@ -405,7 +418,8 @@ def _prefill_offloaded(model, ids, on_layer, chunk_size, progress, shape: ModelS
                     continue
                 streamer.acquire(layer_idx)
                 streamer.prefetch(layer_idx + 1)           # overlaps with this layer's compute
-                _run_layer(model, layer_idx, layer, hidden, shape, device, chunk_size, drain, progress)
+                _run_layer(model, layer_idx, layer, hidden, shape, device, chunk_size, drain, progress,
+                           past=None if past is None else past(layer_idx))
                 streamer.release(layer_idx)
                 resume.after_layer(layer_idx + 1, shape.n_layers, hidden, drain, device)
             _sync_host(hidden, device)

@@ -154,6 +154,12 @@ class CacheWriter:
 
     def commit(self, manifest: dict) -> Path:
         """Write the manifest last and swap the finished cache into place (one atomic rename)."""
+        self.finish(manifest)
+        return self.swap()
+
+    def finish(self, manifest: dict) -> Path:
+        """Write the manifest last: the partial directory is then a complete cache (still hidden, not yet at
+        `out`), which may be opened to build strategy artifacts in it before `swap()` (`topk prefill --append`)."""
         manifest = dict(manifest, format=FORMAT_MARKER, format_version=FORMAT_VERSION, files=self.files,
                         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         manifest[CHECKSUM_FIELD] = manifest_checksum(manifest)
@@ -165,6 +171,10 @@ class CacheWriter:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_manifest, self.tmp / MANIFEST)
+        return self.tmp
+
+    def swap(self) -> Path:
+        """Put the finished cache (`finish`) at `out` in one atomic rename; an old cache there is deleted."""
         check_output(self.out, self.overwrite)     # the user may have put something there meanwhile
         if self.out.exists() and exchange(self.tmp, self.out):
             # self.tmp now names the old cache: delete it once no reader is still opening it.

@@ -111,6 +111,11 @@ def validate_manifest(manifest, where: Path) -> dict:
                                              and _is_int(d.get("end")) and isinstance(d.get("name"), str)
                                              for d in docs):
         raise bad("'documents' must be a list of {name, start, end}")
+    for d in docs:   # "places" (where a document's pages, slides ... start) is optional: older caches lack it
+        places = d.get("places", [])
+        if not isinstance(places, list) or not all(isinstance(p, dict) and _is_int(p.get("start"))
+                                                   and isinstance(p.get("label"), str) for p in places):
+            raise bad(f"the places of document {d['name']!r} must be a list of {{label, start}}")
     return manifest
 
 
