@@ -41,6 +41,7 @@ class PrefillStats:
     seconds: float
     peak_device_bytes: int | None  # None on CPU
     resumed_at_layer: int = 0      # > 0: the time covers only the layers from this one on (`--resume`)
+    ranks: int = 1                 # processes that computed it (`--gpus N`, prefill/distributed.py)
 
     @property
     def tokens_per_s(self) -> float:
@@ -135,7 +136,7 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     return _sdpa_lower_right(q, k, v)
 
 
-class _LayerStreamer:
+class LayerStreamer:
     """Moves one decoder layer's weights to the device at a time; the CPU copies stay pinned.
 
     Args:
@@ -397,7 +398,7 @@ def _prefill_offloaded(model, ids, on_layer, chunk_size, progress, shape: ModelS
     rotary_host = {name: b.data for name, b in rotary.named_buffers()}
     for b in rotary.buffers():
         b.data = b.data.to(device)
-    streamer = _LayerStreamer(model, device)
+    streamer = LayerStreamer(model, device)
     try:
         with KVDrain(on_layer, device) as drain:          # leaving it waits for the last layer's on_layer
             for layer_idx, layer in enumerate(model.model.layers):
