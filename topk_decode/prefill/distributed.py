@@ -29,12 +29,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from topk_decode.errors import TopkError
 from topk_decode.model.blocks import ModelShape, attention_inputs, final_logits, finish_block, rope
 from topk_decode.prefill.drain import KVDrain
 from topk_decode.prefill.layerwise import LayerStreamer, PrefillStats, chunk_attention, device_room
 
 POLL_S = 0.0005          # sleep between polls of a pending collective (the peers are checked meanwhile)
 GO, STOP = 1, 0          # the first word of the start message rank 0 sends the others
+PEER_EXIT_S = 3.0         # after a failed collective: how long to wait for the failed rank's exit code
 PIECE_BYTES = 256 * 2**20   # residual-stream rows move between ranks in pieces of this size (checkpoint, resume)
 
 
@@ -61,10 +63,18 @@ class Ranks:
 
     def wait(self, work) -> None:
         """Wait for an async collective, checking the peers meanwhile (signals stay deliverable too)."""
-        while not work.is_completed():
-            self.check()
-            time.sleep(POLL_S)
-        work.wait()
+        try:
+            while not work.is_completed():
+                self.check()
+                time.sleep(POLL_S)
+            work.wait()
+        except RuntimeError as e:   # gloo notices a dead peer itself ("Connection closed by peer")
+            deadline = time.monotonic() + PEER_EXIT_S
+            while time.monotonic() < deadline:     # name the rank and its exit code when it is one we watch
+                self.check()
+                time.sleep(0.05)
+            raise TopkError(f"a prefill rank stopped: {str(e).splitlines()[0] if str(e) else type(e).__name__}") \
+                from None
 
 
 @dataclass
