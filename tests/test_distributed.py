@@ -180,3 +180,31 @@ def test_two_gpu_ranks_match_one_gpu(tmp_path, docs_dir, demo_model, monkeypatch
     a, b = open_cache(two), open_cache(whole)
     for x, y in zip(a.keys + a.values, b.keys + b.values):
         torch.testing.assert_close(x.float(), y.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.slow      # three fresh processes import torch and transformers: ~50 s on the shared 2-core box
+def test_prefill_scaling_bench_runs_on_cpu_ranks(tmp_path):
+    """`topk bench --prefill-only` at a smoke size: one row per rank count, with what the device run records."""
+    from topk_decode.bench.scaling import run_scaling, smoke_scaling_config
+
+    cfg = smoke_scaling_config(str(tmp_path))
+    cfg.contexts = [768]
+    data = run_scaling(cfg, log=lambda line: None)
+    rows = data["rows"]
+    assert [r["ranks"] for r in rows] == [1, 2] and all(r["status"] == "ok" for r in rows), rows
+    two = rows[1]
+    assert two["scaling_efficiency"] == pytest.approx(two["tokens_per_s"] / (2 * rows[0]["tokens_per_s"]), rel=1e-2)
+    assert len(two["rss_gib"]) == 2 and two["peak_gpu_gib"] == [None, None]
+    assert two["disk_bytes"] == 2 * 2 * 2 * 768 * 16 * 4        # tiny: 2 layers × K,V × Hkv 2 × N × D 16 × fp32
+    assert [tuple(s) for s in two["slices"]] == [(0, two["slices"][0][1]), (two["slices"][0][1], 768)]
+    assert json.loads(Path(data["path"]).read_text())["rows"] == rows
+    assert not any(tmp_path.glob("prefill-cache-*")) and not any(tmp_path.glob(".prefill-cache-*"))
+
+
+def test_prefill_scaling_refuses_a_checkpoint_directory_and_bad_counts(tmp_path):
+    from topk_decode.bench.scaling import ScalingConfig, run_scaling
+
+    with pytest.raises(TopkError, match="named shape"):
+        run_scaling(ScalingConfig(model=str(tmp_path), device="cpu", out=str(tmp_path)))
+    with pytest.raises(TopkError, match="positive rank counts"):
+        run_scaling(ScalingConfig(model="tiny", gpus=[0], device="cpu", out=str(tmp_path)))

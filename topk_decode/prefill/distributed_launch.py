@@ -168,7 +168,7 @@ def serve_rank(ranks, spec: RankSpec) -> None:
              start_layer=start_layer)
 
 
-def _parent_check():
+def parent_alive_check():
     """Raise when the process that spawned this rank is gone (killed -9, say): nothing is left to serve."""
     parent = multiprocessing.parent_process()
 
@@ -193,7 +193,7 @@ def _spawned_rank(rank: int, plan: GroupPlan, init_method: str, spec: RankSpec, 
         ready.put(rank)
         _init_group(plan, rank, init_method)
         try:
-            serve_rank(Ranks(rank, plan.world, device, _parent_check()), spec)
+            serve_rank(Ranks(rank, plan.world, device, parent_alive_check()), spec)
         finally:
             dist.destroy_process_group()
     except KeyboardInterrupt:
@@ -346,4 +346,4 @@ def build_cache_ranks(docs, out, model_dir, ranks: int, device: str | None = Non
 
 
 __all__ = ["GroupPlan", "RankSpec", "plan_group", "leader", "serve_rank", "run_torchrun_rank", "build_cache_ranks",
-           "under_torchrun", "LeaderPrefill"]
+           "under_torchrun", "LeaderPrefill", "parent_alive_check"]
