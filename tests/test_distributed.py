@@ -208,3 +208,23 @@ def test_prefill_scaling_refuses_a_checkpoint_directory_and_bad_counts(tmp_path)
         run_scaling(ScalingConfig(model=str(tmp_path), device="cpu", out=str(tmp_path)))
     with pytest.raises(TopkError, match="positive rank counts"):
         run_scaling(ScalingConfig(model="tiny", gpus=[0], device="cpu", out=str(tmp_path)))
+
+
+def test_sharded_decode_simulation_counts_the_bytes_each_layout_moves():
+    """scripts/sim_sharded_decode.py's message sizes and implied times (docs/SCALE.md quotes them)."""
+    import importlib.util
+
+    from topk_decode.bench.shapes import make_config
+    from topk_decode.model.blocks import ModelShape
+
+    spec = importlib.util.spec_from_file_location("sim_sharded_decode", REPO / "scripts" / "sim_sharded_decode.py")
+    sim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sim)
+    shape = ModelShape.from_config(make_config("llama-3-8b"))
+    b = sim.message_bytes(shape, 2)
+    assert b["query_per_layer"] == 32 * 128 * 2 and b["reply_per_layer"] == 32 * (128 * 2 + 4)
+    assert b["head_per_token"] == 32 * (8192 + 8320) == 528384 and b["pipeline_per_token"] == 3 * 4096 * 2
+    t = sim.implied(b, rtt_us=43.1, wire_rtt_us=20.0, nvlink_rtt_us=10.0)
+    assert t["head @ 10 Gbit/s"]["ms_per_token"] == pytest.approx(1e3 * (32 * 63.1e-6 + 528384 / 1.25e9), abs=1e-3)
+    assert t["head @ 10 Gbit/s"]["tok_s_ceiling"] < t["head @ 25 Gbit/s"]["tok_s_ceiling"] \
+        < t["head @ NVLink node"]["tok_s_ceiling"]
