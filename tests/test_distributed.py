@@ -51,13 +51,28 @@ def assert_same_cache(cache: Path, reference: Path) -> None:
 
 def test_two_gloo_ranks_write_the_cache_one_process_writes(tmp_path, docs_dir, demo_model, one_process):
     out = tmp_path / "cache"
+    threads = torch.get_num_threads()
     result = CliRunner().invoke(app, ["prefill", str(docs_dir), "--out", str(out), "--device", "cpu", "--gpus", "2",
                                       "--chunk-size", str(CHUNK)])
     assert result.exit_code == 0, result.output
     assert_same_cache(out, one_process)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["prefill"]["ranks"] == 2
-    assert torch.get_num_threads() >= 1
+    assert torch.get_num_threads() == threads          # rank 0 gave the CPUs it shared back
+
+
+def test_bad_documents_found_after_the_ranks_started_are_one_line_and_stop_them(tmp_path):
+    """An error rank 0 finds after spawning (no text in the folder) is one `error:` line; the ranks stop."""
+    import multiprocessing
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0")
+    result = CliRunner().invoke(app, ["prefill", str(docs), "--out", str(tmp_path / "c"), "--device", "cpu",
+                                      "--gpus", "2"])
+    assert result.exit_code == 2, result.output
+    assert len([line for line in result.stderr.splitlines() if line.startswith("error: ")]) == 1, result.stderr
+    assert not (tmp_path / "c").exists() and not multiprocessing.active_children()
 
 
 def test_interrupted_two_rank_prefill_resumes_to_the_same_cache(tmp_path, docs_dir, demo_model, one_process,

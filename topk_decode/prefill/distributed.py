@@ -347,7 +347,7 @@ def run_rank(
     tell = _Progress(progress if lead else None, n, b - a)
     last_checkpoint = time.monotonic()
     try:
-        with KVDrain(on_layer, device) if lead else nullcontext() as drain:
+        with KVDrain(on_layer, device) if lead and on_layer is not None else nullcontext() as drain:
             for layer_idx, layer in enumerate(model.model.layers):
                 if layer_idx < start_layer:
                     continue
@@ -357,7 +357,7 @@ def run_rank(
                 keys, values = _layer(model, layer, ranks, local, slices, shape, chunk_size, stats, tell.chunk)
                 if streamer is not None:
                     streamer.release(layer_idx)
-                if lead:
+                if drain is not None:
                     drain.submit(layer_idx, keys[0], values[0])
                 tell.layer_done()
                 del keys, values
@@ -367,7 +367,7 @@ def run_rank(
                     due.fill_(1)
                 ranks.wait(dist.broadcast(due, 0, async_op=True))
                 if int(due.item()):
-                    if lead:
+                    if drain is not None:
                         drain.wait()                       # the layers below the checkpoint are on disk first
                     if device.type == "cuda" and not local.is_cuda:
                         torch.cuda.synchronize(device)     # async copies into the pinned slice have landed

@@ -224,10 +224,23 @@ class _Watch:
 
 
 class LeaderPrefill:
-    """Rank 0's `prefill_fn` for build_cache: starts the other ranks on the token ids, then computes its share."""
+    """Rank 0's `prefill_fn` for build_cache: joins the group (once the other ranks are up), starts them on
+    the token ids, then computes its share.
 
-    def __init__(self, ranks, spec: RankSpec) -> None:
-        self.ranks, self.spec, self.started = ranks, spec, False
+    Args:
+        connect: joins the process group and returns rank 0's `Ranks` (called once, at the first call or
+            by `connect_now`): the spawned ranks start up while rank 0 reads, tokenizes and loads.
+        spec: what the other ranks were started with.
+    """
+
+    def __init__(self, connect, spec: RankSpec) -> None:
+        self.connect, self.spec, self.ranks, self.started = connect, spec, None, False
+
+    def connect_now(self):
+        """Join the group now (if not yet); returns rank 0's `Ranks`."""
+        if self.ranks is None:
+            self.ranks = self.connect()
+        return self.ranks
 
     def __call__(self, model, ids, on_layer, chunk_size=4096, progress=None, offload_weights=False, device=None,
                  start_layer=0, hidden=None, checkpoint=None, checkpoint_every=60.0):
@@ -236,17 +249,19 @@ class LeaderPrefill:
 
         if chunk_size != self.spec.chunk_size or offload_weights != self.spec.offload_weights:
             raise ValueError("the ranks were started with another chunk size or weight offloading")
-        slices = plan_slices(len(ids), self.ranks.world, chunk_size, layer_flops(model.config))
-        send_start(self.ranks, ids, start_layer, slices)
+        ranks = self.connect_now()
+        slices = plan_slices(len(ids), ranks.world, chunk_size, layer_flops(model.config))
+        send_start(ranks, ids, start_layer, slices)
         self.started = True
-        return run_rank(model, ids, self.ranks, slices, chunk_size, on_layer, progress, offload_weights,
+        return run_rank(model, ids, ranks, slices, chunk_size, on_layer, progress, offload_weights,
                         start_layer, hidden, checkpoint, checkpoint_every)
 
 
 @contextmanager
 def leader(plan: GroupPlan, spec: RankSpec) -> Iterator[LeaderPrefill]:
-    """Rank 0's side of the group: spawn the other ranks (unless torchrun did), join the process group,
-    yield the `prefill_fn` for build_cache; on leaving, the others have finished or are stopped."""
+    """Rank 0's side of the group: spawn the other ranks (unless torchrun did) and yield the `prefill_fn`
+    for build_cache (which joins the group when the prefill starts); on leaving, the others have finished
+    or are stopped."""
     import torch
     import torch.distributed as dist
 
@@ -264,11 +279,9 @@ def leader(plan: GroupPlan, spec: RankSpec) -> Iterator[LeaderPrefill]:
         for p in procs:
             p.start()
     watch = _Watch(procs)
-    prefill = None
-    try:
-        if plan.device_type == "cpu":
-            _threads_per_rank(plan.world)
-        for _ in procs:          # the ranks have imported torch: what is left of joining the group is quick
+
+    def connect() -> Ranks:
+        for _ in procs:          # once they have imported torch, what is left of joining the group is quick
             while True:
                 watch.check()
                 try:
@@ -277,7 +290,14 @@ def leader(plan: GroupPlan, spec: RankSpec) -> Iterator[LeaderPrefill]:
                 except queue_module.Empty:
                     continue
         _init_group(plan, 0, init_method)
-        prefill = LeaderPrefill(Ranks(0, plan.world, torch.device(plan.device_name), watch.check), spec)
+        return Ranks(0, plan.world, torch.device(plan.device_name), watch.check)
+
+    prefill = LeaderPrefill(connect, spec)
+    try:
+        if plan.device_type == "cpu":
+            _threads_per_rank(plan.world)
+        if plan.torchrun:        # torchrun's ranks join at once: join them, so a failure can tell them to stop
+            prefill.connect_now()
         yield prefill
         for p in procs:          # they finish right after the last collective
             while p.exitcode is None:
@@ -285,7 +305,7 @@ def leader(plan: GroupPlan, spec: RankSpec) -> Iterator[LeaderPrefill]:
                 p.join(0.05)
         watch.check()
     except BaseException:
-        if plan.torchrun and prefill is not None and not prefill.started:
+        if plan.torchrun and prefill.ranks is not None and not prefill.started:
             try:                 # torchrun's ranks wait for the token ids: tell them there are none
                 send_stop(prefill.ranks, STOP_WAIT_S)
             except Exception:    # noqa: BLE001 - best effort: torchrun stops them anyway once we exit
