@@ -81,7 +81,7 @@ class Ranks:
 class RankStats(PrefillStats):
     """What a sequence-parallel prefill measured (on rank 0)."""
 
-    exchange_seconds: float = 0.0                     # rank 0's wait for the layers' all-gathers
+    exchange_seconds: float = 0.0    # rank 0's time in the layers' all-gathers: transfer + waiting for slower ranks
     slices: list[tuple[int, int]] = field(default_factory=list)
 
 
@@ -257,6 +257,8 @@ def _layer(model, layer, ranks: Ranks, hidden: torch.Tensor, slices: list[tuple[
         queries[:, :, s - a:e - a] = q
         send[s - a:e - a, 0] = k[0].transpose(0, 1)
         send[s - a:e - a, 1] = v[0].transpose(0, 1)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)       # the timer below then sees the exchange, not this rank's projections
     t0 = time.perf_counter()
     keys, values = _exchange_kv(ranks, send, slices, shape, n)
     stats.exchange_seconds += time.perf_counter() - t0
