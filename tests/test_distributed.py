@@ -75,6 +75,7 @@ def test_bad_documents_found_after_the_ranks_started_are_one_line_and_stop_them(
     assert not (tmp_path / "c").exists() and not multiprocessing.active_children()
 
 
+@pytest.mark.slow      # two 2-rank prefills: ~30 s on the shared 2-core box
 def test_interrupted_two_rank_prefill_resumes_to_the_same_cache(tmp_path, docs_dir, demo_model, one_process,
                                                                  monkeypatch):
     """Rank 0 (this process) fails writing layer 2: the checkpoint (gathered from both ranks) is kept and a
