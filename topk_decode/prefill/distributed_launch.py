@@ -20,7 +20,6 @@ import queue as queue_module
 import shutil
 import sys
 import tempfile
-import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
