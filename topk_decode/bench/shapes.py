@@ -58,7 +58,7 @@ def make_config(name: str):
     return getattr(transformers, _CLASSES[shape.family][0])(**cfg)
 
 
-def build_model(model: str, device: torch.device, dtype: torch.dtype):
+def build_model(model: str, device: torch.device, dtype: torch.dtype, layers: int | None = None):
     """A model to benchmark: a named shape with random weights, or a local checkpoint.
 
     Random weights are created directly on `device` in `dtype` (an 8B model in seconds; nothing is
@@ -68,6 +68,7 @@ def build_model(model: str, device: torch.device, dtype: torch.dtype):
         model: a SHAPES name, a checkpoint directory or a GGUF file.
         device: where the weights live.
         dtype: weight dtype.
+        layers: build only the first `layers` decoder layers of a named shape (None: all).
     """
     from transformers import AutoModelForCausalLM
 
@@ -78,6 +79,8 @@ def build_model(model: str, device: torch.device, dtype: torch.dtype):
 
         return load_model(model, device, dtype)
     config = make_config(model)
+    if layers is not None:
+        config.num_hidden_layers = min(layers, config.num_hidden_layers)
     torch.manual_seed(0)
     with torch.device(device):
         m = AutoModelForCausalLM.from_config(config, dtype=dtype)

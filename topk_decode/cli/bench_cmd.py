@@ -34,6 +34,13 @@ def bench_command(
     out: Annotated[str, typer.Option("--out", "-o", help="Directory for bench_<model>.json and .png.")] = "bench-results",
     smoke: Annotated[bool, typer.Option("--smoke", help="CI smoke run: tiny shape on the CPU, seconds (other options ignored except --out and --threads).")] = False,
     threads: ThreadsOption = None,
+    prefill_only: Annotated[bool, typer.Option("--prefill-only", help="Measure only the sequence-parallel prefill "
+                            "(topk prefill --gpus) of a named shape on each rank count of --gpus: tokens/s, scaling, "
+                            "memory, disk (docs/SCALE.md). Uses --model, --context, --prefill-chunk, --device, "
+                            "--dtype, --out, --smoke.")] = False,
+    gpus: Annotated[str, typer.Option("--gpus", help="With --prefill-only: comma-separated rank counts.")] = "1,2,4",
+    layers: Annotated[Optional[int], typer.Option("--layers", help="With --prefill-only: run only the first N layers "
+                      "(every layer costs the same; whole-model figures are scaled).", min=1)] = None,
 ) -> None:
     """Measure decode tokens/s (with a per-step breakdown), peak GPU memory and CPU RSS of top-k decoding
     beside HF transformers dense and offloaded decoding, at several context lengths."""
@@ -42,6 +49,9 @@ def bench_command(
     from topk_decode.cli.common import parse_options
     from topk_decode.bench.run import BenchConfig, run_bench, smoke_config
 
+    if prefill_only:
+        _prefill_scaling(model, context, gpus, layers, prefill_chunk, device, dtype, out, smoke)
+        return
     if smoke:
         cfg = smoke_config(out)
     else:
@@ -55,6 +65,23 @@ def bench_command(
     data = run_bench(cfg, log=lambda line: typer.echo(line, err=True))
     _print_table(data)
     say_note(f"results: {cfg.out}/bench_{data['model']['name']}.json" + (f", plot: {data['plot']}" if data.get("plot") else ""))
+
+
+def _prefill_scaling(model, context, gpus, layers, chunk, device, dtype, out, smoke) -> None:
+    """`--prefill-only`: the sequence-parallel prefill on each rank count (bench/scaling.py)."""
+    from topk_decode.bench.measure import parse_tokens
+    from topk_decode.bench.scaling import ScalingConfig, run_scaling, smoke_scaling_config
+    from topk_decode.errors import TopkError
+
+    try:
+        counts = [int(g) for g in gpus.split(",") if g.strip()]
+    except ValueError:
+        raise TopkError(f"--gpus must list rank counts such as 1,2,4, got {gpus!r}") from None
+    cfg = smoke_scaling_config(out) if smoke else ScalingConfig(
+        model=model, contexts=[parse_tokens(c) for c in context.split(",") if c.strip()], gpus=counts, layers=layers,
+        chunk=chunk, device=device, dtype=dtype, out=out)
+    data = run_scaling(cfg, log=lambda line: typer.echo(line, err=True))
+    say_note(f"results: {data['path']}")
 
 
 def _print_table(data: dict) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -133,12 +133,14 @@ def prefill_command(
                        "this gitignore-style pattern even where skipped by default or by a .gitignore (repeatable).")] = None,
     exclude: Annotated[Optional[list[str]], typer.Option("--exclude", metavar="GLOB", help="Never read paths "
                        "matching this gitignore-style pattern; wins over --include (repeatable).")] = None,
+    gpus: Annotated[Optional[int], typer.Option("--gpus", help="Prefill on N GPUs, one process each (sequence-"
+                    "parallel; with --device cpu: N CPU processes). Under torchrun: its processes.")] = None,
 ) -> None:
     """Prefill documents once and write each layer's keys/values to a cache directory (or add them to one)."""
     # Everything cheap is checked before the model loads: a typo must not cost a prefill.
     if (out is None) == (append is None):
         raise TopkError("name the cache: --out CACHE to create one, or --append CACHE to add the documents to one")
-    for flag, given in (("--overwrite", overwrite), ("--resume", resume)):
+    for flag, given in (("--overwrite", overwrite), ("--resume", resume), ("--gpus", gpus is not None)):
         if append is not None and given:
             raise TopkError(f"{flag} does not apply to --append (an interrupted append leaves the cache as it was: "
                             f"run it again)")
@@ -164,6 +166,10 @@ def prefill_command(
     from topk_decode.index import split_options
 
     per_strategy = split_options(names, options)   # unknown or mistyped options fail before the prefill
+    from topk_decode.prefill.distributed_launch import RankSpec, leader, plan_group, run_torchrun_rank
+    from topk_decode.prefill.layerwise import CHUNK_SIZE
+
+    group = plan_group(gpus, device)     # None: this process alone; bad --gpus fails here
 
     if append is not None:
         _append_command(docs, append, model, chunk_size, device, dtype, per_strategy, log_every,
@@ -175,10 +181,14 @@ def prefill_command(
         from topk_decode.demo import default_model_dir
 
         model, trained = default_model_dir()
-        if not trained:
+        if not trained and (group is None or group.rank == 0):
             say_note(f"no trained demo model is installed: using a random-weight stand-in ({model}) that "
                      "produces noise; pass --model DIR for real answers")
 
+    spec = RankSpec(str(model), dtype, CHUNK_SIZE if chunk_size is None else chunk_size)
+    if group is not None and group.rank != 0:     # a torchrun rank other than 0: computes its share, writes nothing
+        run_torchrun_rank(group, spec)
+        return
     out_console = console()
     with _progress() as bar, _sigterm_unwinds():
         state: dict = {}
@@ -201,11 +211,13 @@ def prefill_command(
 
         try:
             sized = {} if chunk_size is None else {"chunk_size": chunk_size}
-            path, stats = build_cache(docs, out, model, **sized, overwrite=overwrite, device=device,
-                                      dtype=dtype, on_start=on_start, progress=progress, resume=resume,
-                                      checkpoint_every=checkpoint_every, on_note=say_note,
-                                      allow_long_context=allow_long_context, follow_symlinks=follow_symlinks,
-                                      include=include or [], exclude=exclude or [])
+            with leader(group, spec) if group is not None else nullcontext() as prefill_fn:
+                path, stats = build_cache(docs, out, model, **sized, overwrite=overwrite,
+                                          device=group.device_name if group else device,
+                                          dtype=dtype, on_start=on_start, progress=progress, resume=resume,
+                                          checkpoint_every=checkpoint_every, on_note=say_note,
+                                          allow_long_context=allow_long_context, follow_symlinks=follow_symlinks,
+                                          include=include or [], exclude=exclude or [], prefill_fn=prefill_fn)
         except Terminated:
             typer.echo("terminated", err=True)
             raise typer.Exit(143) from None
@@ -224,7 +236,8 @@ def prefill_command(
         out_console.print(f"resumed at layer {stats.resumed_at_layer}: the figures below cover the layers computed "
                           "by this run", markup=False)
     out_console.print(f"tokens: {stats.n_tokens:,}   time: {stats.seconds:.2f} s   "
-                      f"throughput: {stats.tokens_per_s:,.0f} tok/s   peak GPU memory: {peak}   "
+                      f"throughput: {stats.tokens_per_s:,.0f} tok/s   peak GPU memory: {peak}"
+                      f"{f' (rank 0 of {stats.ranks})' if stats.ranks > 1 and stats.peak_device_bytes else ''}   "
                       f"size on disk: {human_bytes(dir_size(path))}", markup=False)
 
 

@@ -22,10 +22,10 @@ from typing import Callable
 
 from topk_decode.errors import TopkError
 from topk_decode.prefill.documents import collect_documents, has_headers, layout_more, safe_name
+from topk_decode.prefill.layerwise import CHUNK_SIZE
 from topk_decode.store.format import LAST_LOGITS, torch_dtype
 
 # A cache written before the manifest recorded its chunk size was prefilled with the default of the time.
-DEFAULT_CHUNK = 4096
 
 
 def recompute_from(n_cached: int, chunk_size: int) -> int:
@@ -140,7 +140,7 @@ def append_cache(
             raise TopkError(f"{cache} holds {manifest['kv_dtype']} keys and values: append with that dtype "
                             f"(leave --dtype out)")
         prefill_record = manifest.get("prefill", {})
-        chunk = chunk_size or prefill_record.get("chunk_size", DEFAULT_CHUNK)
+        chunk = chunk_size or prefill_record.get("chunk_size", CHUNK_SIZE)
         tokenizer = load_tokenizer(model_dir)
         n_old = old.n_tokens
         new_ids, new_table = layout_more(documents, tokenizer, n_old)

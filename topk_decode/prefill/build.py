@@ -18,7 +18,7 @@ from topk_decode.model.blocks import ModelShape
 from topk_decode.model.loading import (load_config, load_model, load_tokenizer, model_fingerprint,  # noqa: F401
                                        parse_dtype)  # parse_dtype re-exported (api, eval, bench import it from here)
 from topk_decode.prefill.documents import collect_documents, layout_context
-from topk_decode.prefill.layerwise import PrefillStats, prefill_layers
+from topk_decode.prefill.layerwise import CHUNK_SIZE, PrefillStats, prefill_layers
 from topk_decode.store.cache_dir import CacheWriter, check_output
 from topk_decode.store.format import LAST_LOGITS, dtype_name
 from topk_decode.store.locking import unwritable
@@ -85,7 +85,7 @@ def build_cache(
     docs: str | os.PathLike,
     out: str | os.PathLike,
     model_dir: str | os.PathLike,
-    chunk_size: int = 4096,
+    chunk_size: int = CHUNK_SIZE,
     overwrite: bool = False,
     device: str | None = None,
     dtype: str | None = None,
@@ -99,6 +99,7 @@ def build_cache(
     follow_symlinks: bool = False,
     include: list[str] | tuple[str, ...] = (),
     exclude: list[str] | tuple[str, ...] = (),
+    prefill_fn: Callable[..., tuple[torch.Tensor, PrefillStats]] | None = None,
 ) -> tuple[Path, PrefillStats]:
     """Prefill documents with a model and write the cache directory atomically.
 
@@ -125,6 +126,8 @@ def build_cache(
         follow_symlinks: also read links that leave the documents folder (`collect_documents`).
         include, exclude: gitignore-style patterns read despite the default skips and .gitignore, and
             never read (exclude wins); see `list_files`.
+        prefill_fn: runs the layers, with `prefill_layers`' arguments (default: `prefill_layers`, this
+            process alone; prefill/distributed_launch.py passes rank 0 of a group of processes).
     Returns:
         the cache path and the prefill statistics.
     """
@@ -168,7 +171,7 @@ def build_cache(
         # On CUDA, write_layer runs in prefill's drain thread (one layer at a time, in order, overlapped with
         # the next layer's compute); prefill_layers returns or raises only once it is done, so neither
         # commit() nor abort() below can race a write.
-        last_logits, stats = prefill_layers(
+        last_logits, stats = (prefill_fn or prefill_layers)(
             model, layout.ids, writer.write_layer, chunk_size, progress, offload_weights=offload_weights,
             device=dev, start_layer=start, hidden=hidden, checkpoint_every=checkpoint_every,
             checkpoint=lambda next_layer, h: writer.checkpoint(key, next_layer, h))
@@ -186,7 +189,7 @@ def build_cache(
             "prompt": layout.prompt.to_dict(),
             "prefill": {"chunk_size": chunk_size, "device": str(dev), "seconds": round(stats.seconds, 3),
                         "tokens_per_s": round(stats.tokens_per_s, 1), "peak_device_bytes": stats.peak_device_bytes,
-                        "resumed_at_layer": start},
+                        "resumed_at_layer": start, "ranks": stats.ranks},
         }
         return writer.commit(manifest), stats
     except BaseException as e:

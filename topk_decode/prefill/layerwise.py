@@ -27,6 +27,9 @@ from torch.nn.attention.bias import causal_lower_right
 from topk_decode.model.blocks import ModelShape, attention_inputs, final_logits, finish_block, rope
 from topk_decode.prefill.drain import KVDrain
 
+# Tokens per prefill chunk unless asked otherwise (bounds the chunk's activations on the device).
+CHUNK_SIZE = 4096
+
 try:  # optional: flash-attn handles GQA and bottom-right causal masks natively
     from flash_attn import flash_attn_func  # type: ignore
 except Exception:  # noqa: BLE001 - any import failure means "not available"
@@ -41,6 +44,7 @@ class PrefillStats:
     seconds: float
     peak_device_bytes: int | None  # None on CPU
     resumed_at_layer: int = 0      # > 0: the time covers only the layers from this one on (`--resume`)
+    ranks: int = 1                 # processes that computed it (`--gpus N`, prefill/distributed.py)
 
     @property
     def tokens_per_s(self) -> float:
@@ -135,7 +139,7 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     return _sdpa_lower_right(q, k, v)
 
 
-class _LayerStreamer:
+class LayerStreamer:
     """Moves one decoder layer's weights to the device at a time; the CPU copies stay pinned.
 
     Args:
@@ -330,7 +334,7 @@ def prefill_layers(
     model,
     ids: list[int],
     on_layer: Callable[[int, torch.Tensor, torch.Tensor], None],
-    chunk_size: int = 4096,
+    chunk_size: int = CHUNK_SIZE,
     progress: Callable[[int], None] | None = None,
     offload_weights: bool = False,
     device: torch.device | str | None = None,
@@ -410,7 +414,7 @@ def _prefill_offloaded(model, ids, on_layer, chunk_size, progress, shape: ModelS
     rotary_host = {name: b.data for name, b in rotary.named_buffers()}
     for b in rotary.buffers():
         b.data = b.data.to(device)
-    streamer = _LayerStreamer(model, device)
+    streamer = LayerStreamer(model, device)
     try:
         with KVDrain(on_layer, device) as drain:          # leaving it waits for the last layer's on_layer
             for layer_idx, layer in enumerate(model.model.layers):
