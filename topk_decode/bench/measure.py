@@ -67,8 +67,9 @@ def set_gpu_budget(device: torch.device, budget: int | None) -> None:
     """
     if device.type != "cuda":
         return
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(1.0 if budget is None else min(1.0, budget / total), device)
+    index = device.index if device.index is not None else torch.cuda.current_device()   # "cuda" names no index
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(1.0 if budget is None else min(1.0, budget / total), index)
 
 
 def release(device: torch.device) -> None:
