@@ -1,4 +1,4 @@
-"""What routed's device-side routing costs per layer inside a captured graph (index/routed_device.py).
+"""What routed's device-side routing costs per layer inside a captured graph (index/routed/device.py).
 
     python scripts/route_gpu_speed.py --n 131072 --kv-heads 8 --group 4      # Llama-3-8B shape at 128K
     python scripts/route_gpu_speed.py --n 1048576 --kv-heads 4 --group 7 --probe-fraction 0.02 --segment 65536
@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's package, not an installed one
-from topk_decode.index.routed_device import DeviceRoutes
+from topk_decode.index.routed.device import DeviceRoutes
 
 
 def graph_us(fn, reps: int) -> float:

@@ -9,7 +9,7 @@ Usage (Llama-3-8B shape at 128K, 32 layers; synthetic random bf16 KV, so routed'
 nothing: docs/BENCHMARKS.md):
   python scripts/step_cpu.py --n 131072 --layers 32 --configs flat routed:kernel=torch routed:kernel=numba
 With routed:device_route=true the clusters are ranked on the GPU (the CPU where there is none), untimed,
-and the CPU side is what is left of a device-routed step (index/routed_device.py).
+and the CPU side is what is left of a device-routed step (index/routed/device.py).
 Figures: docs/BENCHMARKS.md.
 """
 
@@ -30,7 +30,7 @@ from topk_decode.bench.measure import anon_huge_pages
 from topk_decode.bench.synthetic import synthetic_kv
 from topk_decode.decode.context import ContextAttention
 from topk_decode.index import get_strategy
-from topk_decode.index.routed_compiled import SPLIT_ROUNDS
+from topk_decode.index.routed.compiled import SPLIT_ROUNDS
 
 
 def parse_config(text: str) -> tuple[str, dict]:

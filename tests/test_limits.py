@@ -279,7 +279,7 @@ def _small_cache(out: Path, n: int = 300) -> Path:
 
 @pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"), KeyboardInterrupt()],
                          ids=["disk-full", "interrupted"])
-@pytest.mark.parametrize("name,module", [("routed", "routed_layout"), ("quest", "quest")])
+@pytest.mark.parametrize("name,module", [("routed", "routed.layout"), ("quest", "quest")])
 def test_a_failed_artifact_build_removes_its_partial_files(tmp_path, monkeypatch, name, module, error):
     import importlib
 

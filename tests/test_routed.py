@@ -11,7 +11,7 @@ from topk_decode import KVStore
 from topk_decode.errors import TopkError
 from topk_decode.index import artifact_dir, get_strategy
 from topk_decode.index.base import exact_scores
-from topk_decode.index.cluster import KMeansConfig, build_layer
+from topk_decode.index.routed.cluster import KMeansConfig, build_layer
 from topk_decode.index.artifacts import recorded_options
 from topk_decode.store.cache_dir import CacheWriter, open_cache
 from conftest import hf_greedy
@@ -141,7 +141,6 @@ def test_routed_probing_every_cluster_equals_flat(clustered_cache):
 
 def test_flat_backends_select_the_same_keys_as_the_default_torch_backend(clustered_cache):
     pytest.importorskip("faiss")
-    pytest.importorskip("numba")
     default = _open(clustered_cache, "flat")
     assert default.backend == "torch"
     others = [_open(clustered_cache, "flat", {"backend": b, "threads": 1}) for b in ("numba", "faiss")]

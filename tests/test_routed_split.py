@@ -1,4 +1,4 @@
-"""routed's split scan (index/routed_split.py) gives what one task per head gives, for any number of pieces."""
+"""routed's split scan (kernels/routed_split.py) gives what one task per head gives, for any number of pieces."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from test_routed import _open, _queries, clustered_cache  # noqa: F401 - fixture
-from topk_decode.index import dots, routed_compiled
+from topk_decode.kernels import dots
+from topk_decode.index.routed import compiled as routed_compiled
 
-pytest.importorskip("numba")
 
 CPU = torch.device("cpu")
 
@@ -99,13 +99,13 @@ def test_split_scan_writes_its_output_rounded_to_bf16_as_torch_rounds_it(device_
 
 
 def test_bf16_rounding_matches_torch_on_ties_infinities_nan_and_subnormals():
-    from topk_decode.index.routed_kernel import _round_bf16
+    from topk_decode.kernels.routed_scan import round_bf16
 
     bits = np.array([0x3F808000, 0x3F818000, 0x3F808001, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000,
                      0x7FC00000, 0xFFC00001, 0x00000001, 0x80008000, 0x00018000, 0, 0x80000000], np.uint32)
     x = np.concatenate([bits.view(np.float32), np.random.default_rng(0).standard_normal(1000).astype(np.float32)])
     out = np.empty(len(x), np.uint16)
-    _round_bf16(x, out)
+    round_bf16(x, out)
     want = torch.from_numpy(x).bfloat16().view(torch.int16).numpy().view(np.uint16)
     nan = np.isnan(x)
     np.testing.assert_array_equal(out[~nan], want[~nan])

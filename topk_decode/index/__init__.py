@@ -15,13 +15,13 @@ from topk_decode.index.artifacts import artifact_dir, artifacts_complete
 # name → (module, class, keeps files in the cache: overrides `build_artifacts`; a test checks this flag
 # against the class, so `topk info` can tell ready strategies without importing them)
 _REGISTRY = {
-    "flat": ("topk_decode.index.flat", "FlatStrategy", False),
+    "flat": ("topk_decode.index.flat.strategy", "FlatStrategy", False),
     "ivf": ("topk_decode.index.ann", "IvfStrategy", True),
     "hnsw": ("topk_decode.index.ann", "HnswStrategy", True),
     "quest": ("topk_decode.index.quest", "QuestStrategy", True),
     "tokenselect": ("topk_decode.index.tokenselect", "TokenSelectStrategy", False),
     "duo": ("topk_decode.index.duo", "DuoStrategy", True),
-    "routed": ("topk_decode.index.routed", "RoutedStrategy", True),
+    "routed": ("topk_decode.index.routed.strategy", "RoutedStrategy", True),
 }
 
 

@@ -16,11 +16,22 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
+import numpy as np
 import torch
 
 from topk_decode.index.artifacts import artifact_dir, artifacts_complete  # noqa: F401 - re-exported
 from topk_decode.errors import TopkError
 from topk_decode.store.cache_dir import ContextKV
+
+# What the compiled kernels (topk_decode.kernels) read: bf16 keys and values (what GPU prefills write), as their
+# uint16 bits; fp32 and fp16 caches take the strategies' torch paths.
+KERNEL_DTYPES = (torch.bfloat16,)
+
+
+def bf16_bits(t: torch.Tensor) -> np.ndarray:
+    """A bf16 tensor's storage as uint16, the kernels' view of it (no copy)."""
+    return t.view(torch.int16).numpy().view(np.uint16)
+
 
 _TYPE_WORDS = {int: "an integer", float: "a number", bool: "a boolean (true/false)", str: "a string"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -222,7 +233,7 @@ class SelectionStrategy(ABC):
 
     def device_routes(self, device: torch.device, k_per_layer: list[int]) -> Any:
         """A part of the search that runs on the decode device inside the captured one-token step
-        (index/routed_device.py's `DeviceRoutes` is the one there is), or None (the default).
+        (index/routed/device.py's `DeviceRoutes` is the one there is), or None (the default).
 
         Args:
             device: the decode device; k_per_layer: each layer's k.

@@ -1,8 +1,8 @@
 """routed's compiled path with routing on the CPU (no device tables, or `device_route=false`): per layer, one
 call (`search_layer_par`) routes each KV head's query against its centroids over ranges of clusters in
 parallel (`route_chunk`), then runs the rest of each head (`finish_head`): cluster choice, the estimate of
-the unread clusters (`_unread`), and routed_kernel.py's scan, top-k and context part. The Python side is
-routed_compiled.py `search_layer`.
+the unread clusters (`_unread`), and kernels/routed_scan.py's scan, top-k and context part. The Python side is
+index/routed/compiled.py `search_layer`.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import math
 
 import numpy as np
 
-from topk_decode.index.compiled import cycles, jit, pjit, prange
-from topk_decode.index.routed_kernel import _dot_queries, _exp_into, _read_clusters, _widen
+from topk_decode.kernels.jit import cycles, jit, pjit, prange
+from topk_decode.kernels.routed_scan import dot_queries, exp_into, read_clusters, widen
 
 
 @jit
@@ -28,8 +28,8 @@ def route_chunk(qh, cent, bias, scale, logit, e, mx, z):
     wf = widened.view(np.float32)
     dots = np.empty(Q, dtype=np.float32)
     for c in range(Cj):
-        _widen(cent[c], widened)
-        _dot_queries(qh, wf, dots)
+        widen(cent[c], widened)
+        dot_queries(qh, wf, dots)
         for i in range(Q):
             logit[c, i] = dots[i] * scale + bias[c]
     shifted = np.empty(Cj, dtype=np.float32)
@@ -46,7 +46,7 @@ def route_chunk(qh, cent, bias, scale, logit, e, mx, z):
             continue
         for c in range(Cj):
             shifted[c] = logit[c, i] - m
-        _exp_into(shifted, ex, bits)
+        exp_into(shifted, ex, bits)
         total = np.float32(0.0)
         for c in range(Cj):
             e[c, i] = ex[c]
@@ -95,7 +95,7 @@ def _cluster_order(logit, lz, offsets, budget, n):
 
 @jit
 def _unread(e, size_factor, vmeans, order, taken, bounds, factor, mxs, rest_o, rest_lse):
-    """The unread clusters' estimate (estimate.py `unread_part`): lse = logsumexp_c(s·q·μ_c + log n_c),
+    """The unread clusters' estimate (index/routed/estimate.py `unread_part`): lse = logsumexp_c(s·q·μ_c + log n_c),
     out = Σ_c p_c·v̄_c over the clusters not read.
 
     Reuses routing's exponentials: exp(s·q·μ_c + log n_c − mxs) = e[c, i]·size_factor[c]·factor[p, i]
@@ -119,7 +119,7 @@ def _unread(e, size_factor, vmeans, order, taken, bounds, factor, mxs, rest_o, r
             for i in range(Q):
                 w[i] = e[c, i] * size_factor[c] * factor[p, i]
                 z[i] += w[i]
-            _widen(vmeans[c], widened)
+            widen(vmeans[c], widened)
             for i in range(Q):
                 for j in range(d):
                     rest_o[i, j] += w[i] * vf[j]
@@ -175,7 +175,7 @@ def finish_head(keys, pos, offsets, size_factor, vmeans, qh, budget, k, scale, e
     order, taken, m = _cluster_order(logit, lz, offsets, budget, keys.shape[0])
     if estimate:
         _unread(e, size_factor, vmeans, order, taken, bounds, factor, mxs, rest_o, rest_lse)
-    _read_clusters(keys, pos, offsets, order, taken, m, qh, scale, vals, values_by_row, rest_o, rest_lse,
+    read_clusters(keys, pos, offsets, order, taken, m, qh, scale, vals, values_by_row, rest_o, rest_lse,
                    estimate, attend, ids_out, sc_out, o_out, mz_out)
     return m
 

@@ -24,11 +24,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from topk_decode.index.compiled import cycles, jit, pjit, prange
-from topk_decode.index.dots import pad_queries
-from topk_decode.index.kernel_topk import top_k_one
-from topk_decode.index.routed_kernel import (_cluster_rows_into, _count_rows, _hit_rows, _round_bf16, _scan_range,
-                                             _slot_weights, _sum_values)
+from topk_decode.kernels.jit import cycles, jit, pjit, prange
+from topk_decode.kernels.dots import pad_queries
+from topk_decode.kernels.topk import top_k_one
+from topk_decode.kernels.routed_scan import (cluster_rows_into, count_rows, hit_rows, round_bf16, scan_range,
+                                             slot_weights, sum_values)
 
 
 class SplitScratch(NamedTuple):
@@ -115,7 +115,7 @@ def split_layer_par(keys, pos, offsets, order, take, q, qf, qb, k, scale, vals, 
                     rpos, sc, w, part, ids, scores, o, o16, mz, tally):
     """One device-routed layer (arguments as `scan_layer_par`, plus the `SplitScratch` buffers) in `pieces`
     equal pieces per round. qf, qb: (Hkv, Qp, D) buffers for the queries padded to groups of four, as float32
-    and as bf16 bits (uint16 where the CPU has the bf16 dot product, else float32 and unused; dots.py). The
+    and as bf16 bits (uint16 where the CPU has the bf16 dot product, else float32 and unused; kernels/dots.py). The
     buffers must hold every head's rows: when some head needs more than they hold
     (tally[1] says how many), nothing else is written and the caller retries with larger ones. tally (TALLY,)
     int64 receives the call's counts and times, reduced here so that the Python side does no array work.
@@ -139,16 +139,16 @@ def split_layer_par(keys, pos, offsets, order, take, q, qf, qb, k, scale, vals, 
     for t in prange(hkv * J):
         h, j = t // J, t % J
         t0, t1 = take[h] * j // J, take[h] * (j + 1) // J
-        starts[h, j + 1] = _count_rows(offsets[h], order[h], t1, t0)
+        starts[h, j + 1] = count_rows(offsets[h], order[h], t1, t0)
         if J == 1 and starts[h, 1] <= cap:
-            _cluster_rows_into(offsets[h], order[h], t1, rows[h])
+            cluster_rows_into(offsets[h], order[h], t1, rows[h])
     _tally_reads(starts, read, tally)
     if tally[1] > cap:
         return
     if J > 1:
         for t in prange(hkv * J):
             h, j = t // J, t % J
-            _cluster_rows_into(offsets[h], order[h], take[h] * (j + 1) // J, rows[h], take[h] * j // J, starts[h, j])
+            cluster_rows_into(offsets[h], order[h], take[h] * (j + 1) // J, rows[h], take[h] * j // J, starts[h, j])
     phases[1] = cycles()
     seg = _pieces(read, pieces)
     for p in prange(pieces):
@@ -156,7 +156,7 @@ def split_layer_par(keys, pos, offsets, order, take, q, qf, qb, k, scale, vals, 
         for h in range(hkv):
             r0, r1 = seg[p, h, 0], seg[p, h, 1]
             if r1 > r0:
-                _scan_range(keys[h], pos[h], rows[h], r0, r1, qf[h], qb[h], use_b[h], rpos[h], sc[h])
+                scan_range(keys[h], pos[h], rows[h], r0, r1, qf[h], qb[h], use_b[h], rpos[h], sc[h])
     phases[2] = cycles()
     ms, zs = np.empty((hkv, Q), np.float32), np.empty((hkv, Q), np.float32)
     K = ids.shape[2]
@@ -168,7 +168,7 @@ def split_layer_par(keys, pos, offsets, order, take, q, qf, qb, k, scale, vals, 
         # zeroed by the task that scatters into it (its lines then sit in this core's cache, not in the scan
         # pieces' caches); no measurable change on the host either way (docs/BENCHMARKS.md run 16)
         w[h, i, :n] = 0.0
-        ms[h, i], zs[h, i] = _slot_weights(scores[h, i], cols, scale, w[h, i], np.empty(K, np.float32),
+        ms[h, i], zs[h, i] = slot_weights(scores[h, i], cols, scale, w[h, i], np.empty(K, np.float32),
                                            np.empty(K, np.float32), np.empty(K, np.int32))
     phases[3] = cycles()
     for p in prange(pieces):   # the same row ranges as the scan: each piece sums the rows it scanned that were chosen
@@ -177,8 +177,8 @@ def split_layer_par(keys, pos, offsets, order, take, q, qf, qb, k, scale, vals, 
             r0, r1 = seg[p, h, 0], seg[p, h, 1]
             if r1 > r0:
                 part[p, h] = 0.0
-                n_hit = _hit_rows(w[h].T, r0, r1, hits)
-                _sum_values(vals[h], rows[h] if values_by_row else rpos[h], hits, 0, n_hit, w[h].T, part[p, h])
+                n_hit = hit_rows(w[h].T, r0, r1, hits)
+                sum_values(vals[h], rows[h] if values_by_row else rpos[h], hits, 0, n_hit, w[h].T, part[p, h])
         clock[p, 1] = cycles()
     phases[4] = cycles()
     for h in prange(hkv):
@@ -192,6 +192,6 @@ def split_layer_par(keys, pos, offsets, order, take, q, qf, qb, k, scale, vals, 
             mz[h, i, 0] = ms[h, i]
             mz[h, i, 1] = zs[h, i]
             if o16.shape[0] > 0:
-                _round_bf16(o[h, i], o16[h, i])
+                round_bf16(o[h, i], o16[h, i])
     phases[5] = cycles()
     _tally_work(filled, clock, tally)

@@ -1,11 +1,11 @@
 """routed's compiled path, the Python side: one layer's arrays in, one compiled call per layer out.
 
-The compiled functions are in routed_cpu_route.py, routed_kernel.py and routed_split.py. With routing on
+The compiled functions are in kernels/routed_route.py, kernels/routed_scan.py and kernels/routed_split.py. With routing on
 the CPU, one call per layer (`search_layer_par`) runs two parallel rounds on numba's threads:
 - routing, over (KV head, range of clusters): logits and their exponentials (`route_chunk`);
 - the rest of each head (`finish_head`): cluster choice, scan, top-k, the estimate, the context part.
 Splitting routing over ranges gives every thread work when the KV heads are fewer than the cores. When
-the decode device routes (routed_device.py), `split_layer_par` cuts the scan, top-k and context part into
+the decode device routes (index/routed/device.py), `split_layer_par` cuts the scan, top-k and context part into
 pieces for the whole team (`split_layer`), or `scan_layer_par` runs `scan_head` per head (`split=false`).
 """
 
@@ -16,11 +16,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from topk_decode.index import compiled
-from topk_decode.index.dots import GROUP, bf16_available
-from topk_decode.index.routed_cpu_route import search_layer_par
-from topk_decode.index.routed_kernel import scan_layer_par
-from topk_decode.index.routed_split import (TALLY, SplitScratch, new_scratch,  # noqa: F401 - new_scratch re-exported
+from topk_decode.kernels import jit
+from topk_decode.kernels.dots import GROUP, bf16_available
+from topk_decode.kernels.routed_route import search_layer_par
+from topk_decode.kernels.routed_scan import scan_layer_par
+from topk_decode.kernels.routed_split import (TALLY, SplitScratch, new_scratch,  # noqa: F401 - new_scratch re-exported
                                             split_layer_par)
 
 # The smallest cluster range of one routing task: below it a task's fixed cost rivals its work.
@@ -84,7 +84,7 @@ class LayerResult(NamedTuple):
     times: "HeadTimes"
 
 
-# the parts of a split call (routed_split.py), as HeadTimes.rounds times them: from the Python side's call to the
+# the parts of a split call (kernels/routed_split.py), as HeadTimes.rounds times them: from the Python side's call to the
 # compiled function's start, its rounds, and from their end back to the Python side
 SPLIT_ROUNDS = ("enter", "rows", "scan", "top_k", "values", "sums", "exit")
 
@@ -92,7 +92,7 @@ SPLIT_ROUNDS = ("enter", "rows", "scan", "top_k", "values", "sums", "exit")
 class HeadTimes(NamedTuple):
     """Seconds inside one compiled call: the mean and the slowest head's own work, and the span from the
     first head's start to the last one's end (the call's time beyond the span is starting and joining
-    the threads; beyond the slowest head, heads that started late). A split call (routed_split.py) times
+    the threads; beyond the slowest head, heads that started late). A split call (kernels/routed_split.py) times
     its pieces instead of heads, and its parts (`SPLIT_ROUNDS`: entry, the rounds, exit) as `rounds`."""
 
     mean: float
@@ -103,7 +103,7 @@ class HeadTimes(NamedTuple):
 
 def _head_times(clock: np.ndarray) -> HeadTimes:
     """HeadTimes of a call's clock (Hkv, 2) `cycles` (start, end) per head."""
-    rate = compiled.cycles_per_second()
+    rate = jit.cycles_per_second()
     work = clock[:, 1] - clock[:, 0]
     return HeadTimes(float(work.mean()) / rate, float(work.max()) / rate,
                      float(clock[:, 1].max() - clock[:, 0].min()) / rate)
@@ -160,7 +160,7 @@ def search_layer(arrays: LayerArrays, q: torch.Tensor, budget: int, k: int, scal
     logit, e = (reused_buffer(scratch, name, (hkv, C, Q), np.float32) for name in ("logit", "e"))
     mx_p, z_p = (reused_buffer(scratch, name, (hkv, J, Q), np.float32) for name in ("mx", "z"))
     read, clock = np.zeros(hkv, dtype=np.int64), np.zeros((hkv, 2), dtype=np.int64)
-    compiled.set_threads(min(threads, hkv * J))      # no idle team members (see `team_size`)
+    jit.set_threads(min(threads, hkv * J))      # no idle team members (see `team_size`)
     search_layer_par(a.keys, a.pos, a.offsets, a.size_factor, a.vmeans, qn, a.cent, a.bias, budget, k, s,
                      estimate, vals, a.values_by_row, attend, logit, e, bounds, mx_p, z_p, ids, scores, rest_o,
                      rest_lse, o, mz, read, clock)
@@ -170,7 +170,7 @@ def search_layer(arrays: LayerArrays, q: torch.Tensor, budget: int, k: int, scal
 
 def scan_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take: torch.Tensor, k: int,
                scale: float, threads: int, o: np.ndarray, mz: np.ndarray) -> LayerResult:
-    """One layer routed on the device (index/routed_device.py): every KV head scans its chosen clusters,
+    """One layer routed on the device (index/routed/device.py): every KV head scans its chosen clusters,
     takes the top-k and writes the context part, in parallel. No estimate here (the device
     merges its own), so the result's rest is empty.
 
@@ -188,7 +188,7 @@ def scan_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take: 
     scores = np.empty((hkv, Q, k), dtype=np.float32)
     vals = a.vals if a.vals is not None else a.keys
     read, clock = np.zeros(hkv, dtype=np.int64), np.zeros((hkv, 2), dtype=np.int64)
-    compiled.set_threads(min(threads, hkv))
+    jit.set_threads(min(threads, hkv))
     scan_layer_par(a.keys, a.pos, a.offsets, order_n, take_n, qn, k, s, vals, a.values_by_row, ids, scores,
                    o, mz, read, clock)
     return LayerResult(torch.from_numpy(ids), torch.from_numpy(scores), torch.zeros(hkv, Q, d),
@@ -199,7 +199,7 @@ def scan_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take: 
 def split_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take: torch.Tensor, k: int,
                 scale: float, threads: int, o: np.ndarray, mz: np.ndarray, scratch: dict,
                 o_bf16: np.ndarray | None = None) -> LayerResult:
-    """`scan_layer` with the heads' work cut into `threads` equal pieces per round (routed_split.py), so every
+    """`scan_layer` with the heads' work cut into `threads` equal pieces per round (kernels/routed_split.py), so every
     thread of the team has work however few the KV heads are.
 
     Args: as `scan_layer`; scratch: the caller's dict, which keeps the buffers (grown when a layer needs more
@@ -217,19 +217,19 @@ def split_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take:
         o_bf16 = reused_buffer(scratch, "no_bf16", (0, Q, d), np.uint16)
     qp = (Q + GROUP - 1) // GROUP * GROUP
     qf = reused_buffer(scratch, "qf", (hkv, qp, d), np.float32)
-    # bf16 bits where the CPU scores with bf16 dot products (dots.py); a float32 buffer tells the kernel it cannot
+    # bf16 bits where the CPU scores with bf16 dot products (kernels/dots.py); a float32 buffer tells the kernel it cannot
     bf16 = bf16_available(d) and arrays.keys.strides[2] == 2
     qb = reused_buffer(scratch, "qb" if bf16 else "qf_b", (hkv, qp, d), np.uint16 if bf16 else np.float32)
-    compiled.set_threads(threads)
+    jit.set_threads(threads)
     for _ in range(2):
-        c_in = compiled.now()
+        c_in = jit.now()
         buf: SplitScratch | None = scratch.get("split")
         if buf is None or buf.part.shape[:2] != (threads, hkv) or buf.scores.shape[1] != Q:
             buf = scratch["split"] = new_scratch(hkv, Q, d, 0, threads)
         split_layer_par(arrays.keys, arrays.pos, arrays.offsets, order.numpy(), take.numpy(), qn, qf, qb, k,
                         np.float32(scale), vals, arrays.values_by_row, threads, *buf, ids, scores, o, o_bf16, mz,
                         tally)
-        c_out = compiled.now()
+        c_out = jit.now()
         need = int(tally[1])
         if need <= buf.rows.shape[1]:
             break
@@ -238,7 +238,7 @@ def split_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take:
     no_rest = scratch.get("no_rest")
     if no_rest is None or no_rest[0].shape != (hkv, Q, d):
         no_rest = scratch["no_rest"] = (torch.zeros(hkv, Q, d), torch.full((hkv, Q), -float("inf")))
-    t, rate = tally.tolist(), compiled.cycles_per_second()
+    t, rate = tally.tolist(), jit.cycles_per_second()
     marks = (c_in, *t[6:], c_out)
     times = HeadTimes(t[3] / threads / rate, t[4] / rate, t[5] / rate,
                       tuple([(b - a) / rate for a, b in zip(marks, marks[1:])]))

@@ -9,8 +9,8 @@ the same arithmetic is a few microseconds of a kernel. So, for the layers whose 
   clusters exactly as the CPU path does (a cluster's priority is the largest share of attention any of
   the head's queries gives it), and copies the ranked cluster ids and how many of them fit the budget
   to pinned host memory (`route`); the CPU then scans only those clusters' keys, takes the exact top-k
-  and computes the context part (routed_kernel.py `scan_head`);
-- while the CPU scans, the device computes the estimate of the clusters not read (index/estimate.py
+  and computes the context part (kernels/routed_scan.py `scan_head`);
+- while the CPU scans, the device computes the estimate of the clusters not read (index/routed/estimate.py
   `unread_part`, the same function the torch path calls) and merges it into the window part by
   log-sum-exp (`estimate`): a third disjoint part of the same softmax, so the merge stays exact.
 
@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from topk_decode.index.estimate import unread_part
+from topk_decode.index.routed.estimate import unread_part
 
 # Free device memory kept beside the tables for the step itself (its graphs' temporaries, the window).
 DEFAULT_RESERVE = 384 << 20

@@ -1,8 +1,8 @@
 """routed: read only the clusters a query routes to, then take the exact top-k of what was read.
 
 Built once per cache (`topk prefill --strategy routed`, or on first open): per (layer, KV head) the keys
-are clustered into clusters of ~`cluster_size` tokens and stored cluster-contiguously (cluster.py, on
-disk by routed_layout.py).
+are clustered into clusters of ~`cluster_size` tokens and stored cluster-contiguously (index/routed/cluster.py, on
+disk by index/routed/layout.py).
 Per step and layer, for each KV head:
 
 1. routing (CPU): each of its G·T queries estimates the share of its attention mass in every cluster c
@@ -18,7 +18,7 @@ Per step and layer, for each KV head:
    values by id; the permuted values in the layout are not used by it yet, see docs/STRATEGIES.md).
 
 With `estimate` (and `estimate_read`) the selection also carries an estimate of the attention over what
-it left out (index/estimate.py), which the context part merges by log-sum-exp (decode/context.py).
+it left out (index/routed/estimate.py), which the context part merges by log-sum-exp (decode/context.py).
 
 When the budget covers the searchable range (k ≥ hi − lo, or `probe_fraction` = 1) the result is the
 exact top-k, as flat's (and the estimate is empty).
@@ -34,13 +34,14 @@ import numpy as np
 import torch
 
 from topk_decode.errors import TopkError
-from topk_decode.index import compiled, routed_compiled
 from topk_decode.index.artifacts import ensure_artifacts, recorded_options
-from topk_decode.index.base import RestPart, Selection, SelectionStrategy, as_bool, one_of, positive_int
-from topk_decode.index.estimate import searchable_stats
-from topk_decode.index.routed_device import TABLE_KINDS, DeviceRoutes
-from topk_decode.index.routed_layout import layer_layouts, load_layouts, on_disk, to_huge_pages, write_layouts
-from topk_decode.index.routed_torch import TorchPath
+from topk_decode.index.base import (KERNEL_DTYPES, RestPart, Selection, SelectionStrategy, as_bool, bf16_bits, one_of,
+                                    positive_int)
+from topk_decode.index.routed import compiled as routed_compiled
+from topk_decode.index.routed.device import TABLE_KINDS, DeviceRoutes
+from topk_decode.index.routed.estimate import searchable_stats
+from topk_decode.index.routed.layout import layer_layouts, load_layouts, on_disk, to_huge_pages, write_layouts
+from topk_decode.index.routed.torch_path import TorchPath
 from topk_decode.index.threads import default_threads
 from topk_decode.store import huge_pages
 from topk_decode.store.cache_dir import ContextKV
@@ -70,11 +71,11 @@ class RoutedStrategy(TorchPath, SelectionStrategy):
         cluster_size: target tokens per cluster (default 16: on real keys it routes better than 32 at the
             same keys read and kept 0.97 of flat's mass on Qwen2.5-Coder-1.5B at 16K where 32 kept 0.95;
             the centroids and value means read every step grow as 1/S; docs/STRATEGIES.md).
-        iters: Lloyd iterations of k-means (default 6; on a CPU also bounded by time, cluster.py).
+        iters: Lloyd iterations of k-means (default 6; on a CPU also bounded by time, index/routed/cluster.py).
         store_values: also store the values cluster-contiguously (default True; not read by the
             context part yet).
         segment: tokens clustered together (default 65,536): longer contexts are clustered segment by
-            segment, which bounds k-means' cost per key (cluster.py; a value ≥ the context clusters it whole).
+            segment, which bounds k-means' cost per key (index/routed/cluster.py; a value ≥ the context clusters it whole).
     Search options:
         probe_fraction: share of a KV head's searchable keys read per step (default 0.04, so that
             with the last cluster's overshoot at most ~5 % are read).
@@ -83,25 +84,25 @@ class RoutedStrategy(TorchPath, SelectionStrategy):
         sizes: include log n_c (the cluster's size) in the estimate (default False: clusters ranked by
             s·q·μ_c alone, as IVF probes, had the higher id recall at the same mass on real keys).
         estimate: add RetroInfer's estimate of the unread clusters' attention, n_c·exp(s·q·μ_c) with
-            the cluster's mean value, as a third part of the softmax (index/estimate.py; default True: it
+            the cluster's mean value, as a third part of the softmax (index/routed/estimate.py; default True: it
             lowered KL and raised agreement on every real model measured, docs/STRATEGIES.md).
         estimate_read: add the read keys outside the top-k too (exact weights, cluster-mean values;
             default False).
         kernel: "auto" (default: "numba" where it applies, else "torch"), "numba" or "torch". numba
-            (routed_kernel.py, driven by routed_compiled.py) runs each KV head's whole layer as compiled
+            (kernels/routed_scan.py, driven by index/routed/compiled.py) runs each KV head's whole layer as compiled
             functions on numba's threads (one call per layer), and in the decoder computes the context part too
             (`select_and_attend`); it needs
             numba and bf16 keys and values, and implements neither `spread` nor `estimate_read`. torch is
-            the tensor ops of routed_torch.py. Both give the same selection and estimate (tests/test_routed_kernel.py).
+            the tensor ops of index/routed/torch_path.py. Both give the same selection and estimate (tests/test_routed_kernel.py).
         device_route: "auto" (default: on a CUDA decode device, for the layers whose tables fit), "true"
             (also on a CPU decode device: the tests' way in) or "false". Routing and the estimate then run
-            inside the captured step on the device (routed_device.py), and the CPU only scans the chosen
+            inside the captured step on the device (index/routed/device.py), and the CPU only scans the chosen
             clusters (compiled path only; one-token steps only, prompts route on the CPU).
         device_tables: the precision of the device's routing tables: "auto" (default: the first of keys,
             fp8-values, fp8 that holds every layer beside the step), "keys" (centroids and mean values in the
-            keys' dtype), "fp8-values" (float8 mean values) or "fp8" (float8 centroids too; routed_device.py).
+            keys' dtype), "fp8-values" (float8 mean values) or "fp8" (float8 centroids too; index/routed/device.py).
         split: device-routed layers cut all heads' scan and value sums into equal pieces, one per thread of
-            the team (routed_split.py; default True), rather than one task per KV head (`scan_layer_par`).
+            the team (kernels/routed_split.py; default True), rather than one task per KV head (`scan_layer_par`).
         hugepages: the compiled path reads the layout's keys, values and offsets from copies in memory backed
             by transparent huge pages (store/huge_pages.py; default True): always for a layout in RAM (each
             copy replaces its original), for a memory-mapped one when it fits in half the available memory
@@ -175,7 +176,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy):
         # instead of two compares of the positions.
         self._outside = [((lay.pos < self.lo) | (lay.pos >= self.hi)).reshape(-1) for lay in self.layouts]
         # Cluster statistics over the searchable keys only (the window attends to sinks and tail exactly):
-        # routing ranks and the estimate sums what the strategy may return (index/estimate.py).
+        # routing ranks and the estimate sums what the strategy may return (index/routed/estimate.py).
         self._stats = [searchable_stats(lay, out, self.ckv.values[i])
                        for i, (lay, out) in enumerate(zip(self.layouts, self._outside))]
         if (self.estimate or self.estimate_read) and any(st.value_means is None for st in self._stats):
@@ -215,11 +216,10 @@ class RoutedStrategy(TorchPath, SelectionStrategy):
                                 span_s=0.0)
 
     def _use_kernel(self, choice: str) -> bool:
-        """Whether routed_kernel.py's compiled path runs (the `kernel` option; "auto": wherever it applies)."""
+        """Whether the compiled path (index/routed/compiled.py) runs (the `kernel` option; "auto": wherever it applies)."""
         one_of("kernel", choice, ("auto", "torch", "numba"))
-        why = ("numba is not installed (pip install numba)" if not compiled.available() else
-               f"it reads bf16 keys and values, these are {dtype_name(self.ckv.dtype)}"
-               if self.ckv.dtype not in compiled.KEY_DTYPES else
+        why = (f"it reads bf16 keys and values, these are {dtype_name(self.ckv.dtype)}"
+               if self.ckv.dtype not in KERNEL_DTYPES else
                "it does not implement spread=true" if self.use_spread else
                "it does not implement estimate_read=true" if self.estimate_read else None)
         if choice == "numba" and why:
@@ -236,11 +236,11 @@ class RoutedStrategy(TorchPath, SelectionStrategy):
         # n_c·exp(−bias_c): turns routing's exp(s·q·μ_c + bias_c − max) into the estimate's weights
         size_factor = torch.where(torch.isinf(bias), 0.0, (st.log_n[:, 0] - bias).exp())
         return routed_compiled.LayerArrays(
-            keys=compiled.bits(lay.keys), pos=self._positions(layer),
-            offsets=lay.offsets.numpy(), cent=compiled.bits(st.centroids.contiguous()),
+            keys=bf16_bits(lay.keys), pos=self._positions(layer),
+            offsets=lay.offsets.numpy(), cent=bf16_bits(st.centroids.contiguous()),
             bias=bias.numpy(), size_factor=size_factor.numpy(),
-            vmeans=compiled.bits(vmeans.contiguous()),
-            vals=compiled.bits(lay.values if by_row else self.ckv.values[layer]), values_by_row=by_row)
+            vmeans=bf16_bits(vmeans.contiguous()),
+            vals=bf16_bits(lay.values if by_row else self.ckv.values[layer]), values_by_row=by_row)
 
     def _positions(self, layer: int) -> np.ndarray:
         """The kernels' int32 positions of a layer (−1 outside the searchable range), in huge pages with the
@@ -287,7 +287,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy):
                          filled=res.filled)
 
     def device_routes(self, device: torch.device, k_per_layer: list[int]) -> DeviceRoutes | None:
-        """Routing and the estimate on the decode device for the layers whose tables fit (routed_device.py),
+        """Routing and the estimate on the decode device for the layers whose tables fit (index/routed/device.py),
         or None where the option, the device or the compiled path rules it out.
 
         Args:
@@ -302,12 +302,12 @@ class RoutedStrategy(TorchPath, SelectionStrategy):
 
     def select_and_attend(self, layer: int, q: torch.Tensor, k: int, state: Any, o: torch.Tensor,
                           mz: torch.Tensor, route: tuple[torch.Tensor, torch.Tensor] | None = None) -> Selection | None:
-        """The compiled path computes the context part inside each head's search (routed_kernel.py).
+        """The compiled path computes the context part inside each head's search (kernels/routed_scan.py).
 
         Args: as `SelectionStrategy.select_and_attend`; route: the device's ranking of this layer's
             clusters (`DeviceRoutes.host_route`): then only the scan, top-k and context part run here.
         """
-        if not self.kernel or k >= self.n_searchable or o.dtype not in compiled.KEY_DTYPES:
+        if not self.kernel or k >= self.n_searchable or o.dtype not in KERNEL_DTYPES:
             return None
         self.stats.searches += 1
         hkv, Q, D = q.shape
@@ -340,7 +340,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy):
         if hit is not None and hit[0] is o and hit[1] is mz and hit[3].shape[:2] == shape[:2]:
             return hit[2], hit[3]
         hkv, Q, D = shape
-        o16 = compiled.bits(o).reshape(hkv, Q, D) if o.is_contiguous() else None
+        o16 = bf16_bits(o).reshape(hkv, Q, D) if o.is_contiguous() else None
         mz_np = mz.numpy().reshape(hkv, Q, 2) if mz.is_contiguous() else np.empty((hkv, Q, 2), np.float32)
         if len(views) > 4 * self.ckv.n_layers:     # the eager path's buffers are new every call
             views.clear()
