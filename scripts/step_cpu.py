@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's
 from topk_decode.bench.measure import anon_huge_pages
 from topk_decode.bench.synthetic import synthetic_kv
 from topk_decode.decode.context import ContextAttention
-from topk_decode.index import get_strategy
+from topk_decode.index import FusedAttention, get_strategy
 from topk_decode.index.routed.compiled import SPLIT_ROUNDS
 
 
@@ -57,7 +57,9 @@ def step_ms(strat, context: ContextAttention, qs: list[torch.Tensor], k: int, la
                 torch.cuda.synchronize(routes.device)
             route = routes.host_route(layer)
         t = time.perf_counter()
-        if strat.select_and_attend(layer, q, k, None, o, mz, route=route) is None:
+        if isinstance(strat, FusedAttention) and strat.attends(layer, k, o):
+            strat.select_and_attend(layer, q, k, None, o, mz, route=route)
+        else:
             context.attend(layer, strat.select(layer, q, k), o, mz)
         return time.perf_counter() - t
 

@@ -49,7 +49,7 @@ class StepSegments:
         compile: with capture, compile `layer_boundary` with torch.compile (falls back to the plain
             function, with a warning, where compilation fails).
         context_dtype: dtype of the context part's output o (the cache values' dtype).
-        routes: the strategy's device part (`SelectionStrategy.device_routes`), or None: for the layers
+        routes: the strategy's device stage (`DeviceStaged.device_routes`, index/base.py `DeviceStage`), or None: for the layers
             it handles, each segment also ranks the context's clusters and sends the ranking to the host
             with the query, and merges the device's estimate of the unread clusters into the window part.
     """

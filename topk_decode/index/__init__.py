@@ -72,7 +72,7 @@ def get_strategy(name: str):
 
 def __getattr__(name: str):
     # The interface and flat's class, imported on first use like the strategies (they need torch).
-    if name in ("Selection", "SelectionStrategy", "exact_scores"):
+    if name in ("Selection", "SelectionStrategy", "FusedAttention", "DeviceStage", "DeviceStaged", "FusedAttention", "DeviceStage", "DeviceStaged", "exact_scores"):
         from topk_decode.index import base
 
         return getattr(base, name)
@@ -117,6 +117,6 @@ def prepare_artifacts(ckv, names: list[str], options: dict | None = None, progre
         get_strategy(name).build_artifacts(ckv, opts, progress)
 
 
-__all__ = ["prepare_artifacts", "split_options", "artifact_dir", "artifacts_complete", "Selection", "SelectionStrategy",
+__all__ = ["prepare_artifacts", "split_options", "artifact_dir", "artifacts_complete", "Selection", "SelectionStrategy", "FusedAttention", "DeviceStage", "DeviceStaged",
            "STRATEGIES", "StrategyRegistry", "check_requested_strategy", "check_strategy_name", "keeps_artifacts", "get_strategy", "exact_scores",
            "FlatStrategy"]

@@ -1,4 +1,7 @@
-"""The one interface every selection strategy implements.
+"""The interface of the selection strategies: `SelectionStrategy` (plain select, what every strategy implements)
+and two capabilities a strategy declares by subclassing them: `FusedAttention` (its search also computes the
+context part) and `DeviceStaged` (part of its search runs on the decode device inside the captured step). The
+decoder (decode/engine.py) checks the type, not a return value.
 
 Per decode step and layer, the decoder hands a strategy the step's queries grouped by KV head and
 asks: which context tokens should each query attend to, and with which exact scores q·k? A strategy
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -231,30 +234,6 @@ class SelectionStrategy(ABC):
             state: what `new_state()` returned for this conversation.
         """
 
-    def device_routes(self, device: torch.device, k_per_layer: list[int]) -> Any:
-        """A part of the search that runs on the decode device inside the captured one-token step
-        (index/routed/device.py's `DeviceRoutes` is the one there is), or None (the default).
-
-        Args:
-            device: the decode device; k_per_layer: each layer's k.
-        """
-        return None
-
-    def select_and_attend(self, layer: int, q: torch.Tensor, k: int, state: Any, o: torch.Tensor,
-                          mz: torch.Tensor, route: Any = None) -> Selection | None:
-        """`select` and the context part in one pass, for strategies that compute both together.
-
-        Returns None (the default) when the strategy does not: the decoder then calls `select` and
-        decode/context.py's `ContextAttention.attend`. A strategy that does writes what `attend` would
-        (estimate included) into o and mz and returns its selection (for observers and counts).
-
-        Args:
-            layer, q, k, state: as `select`.
-            o: (Hkv·Q, D) host tensor in the values' dtype; mz: (Hkv·Q, 2) float32 (ContextAttention.attend).
-            route: what this strategy's `device_routes` sent the host for this layer, or None.
-        """
-        return None
-
     def all_tokens(self, q: torch.Tensor, layer: int, heads: list[int] | None = None) -> Selection:
         """The whole searchable range with exact scores: what every strategy returns when k covers it.
 
@@ -293,3 +272,58 @@ def exact_scores(keys: torch.Tensor, q: torch.Tensor, ids: torch.Tensor) -> torc
     flat = ids.clamp(min=0) + torch.arange(hkv).view(hkv, 1, 1) * n
     k_sel = keys.reshape(hkv * n, d).index_select(0, flat.reshape(-1)).float().view(*ids.shape, d)
     return torch.einsum("hqd,hqkd->hqk", q, k_sel)
+
+
+class FusedAttention(ABC):
+    """Capability: the strategy computes the context part inside its search (routed's compiled path).
+
+    The decoder calls `select_and_attend` instead of `select` + decode/context.py's `ContextAttention.attend`
+    wherever `attends` says it applies; elsewhere it calls `select` as for any strategy.
+    """
+
+    @abstractmethod
+    def attends(self, layer: int, k: int, o: torch.Tensor) -> bool:
+        """Whether `select_and_attend` runs for this layer, budget and output buffer (dtype, layout)."""
+
+    @abstractmethod
+    def select_and_attend(self, layer: int, q: torch.Tensor, k: int, state: Any, o: torch.Tensor,
+                          mz: torch.Tensor, route: tuple[torch.Tensor, torch.Tensor] | None = None) -> Selection:
+        """`select` and the context part in one pass: writes what `ContextAttention.attend` would (estimate
+        included) into o and mz and returns the selection (for observers and counts).
+
+        Args:
+            layer, q, k, state: as `SelectionStrategy.select`.
+            o: (Hkv·Q, D) host tensor in the values' dtype; mz: (Hkv·Q, 2) float32 (ContextAttention.attend).
+            route: what this strategy's device stage sent the host for this layer (`DeviceStage.host_route`),
+                or None.
+        """
+
+
+class DeviceStage(Protocol):
+    """The part of a strategy's search that runs on the decode device inside the captured one-token step
+    (decode/graphs.py runs it; index/routed/device.py's `DeviceRoutes` is the one there is)."""
+
+    def handles(self, layer: int) -> bool:
+        """Whether this layer's stage runs on the device."""
+
+    def route(self, layer: int, q32: torch.Tensor) -> None:
+        """Run the layer's device stage for the step's float32 queries (inside the captured step)."""
+
+    def estimate_part(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's (out, lse) part computed on the device, merged by the step, or None."""
+
+    def host_route(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the host's `FusedAttention.select_and_attend` receives as `route` for this layer."""
+
+
+class DeviceStaged(ABC):
+    """Capability: part of the strategy's search can run on the decode device (`DeviceStage`)."""
+
+    @abstractmethod
+    def device_routes(self, device: torch.device, k_per_layer: list[int]) -> DeviceStage | None:
+        """The device stage for these layer budgets on `device`, or None where it does not apply there (the
+        device, the options or the budgets rule it out).
+
+        Args:
+            device: the decode device; k_per_layer: each layer's k (fixed in the captured step).
+        """

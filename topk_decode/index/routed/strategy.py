@@ -35,8 +35,8 @@ import torch
 
 from topk_decode.errors import TopkError
 from topk_decode.index.artifacts import ensure_artifacts, recorded_options
-from topk_decode.index.base import (KERNEL_DTYPES, RestPart, Selection, SelectionStrategy, as_bool, bf16_bits, one_of,
-                                    positive_int)
+from topk_decode.index.base import (KERNEL_DTYPES, DeviceStaged, FusedAttention, RestPart, Selection, SelectionStrategy,
+                                    as_bool, bf16_bits, one_of, positive_int)
 from topk_decode.index.routed import compiled as routed_compiled
 from topk_decode.index.routed.device import TABLE_KINDS, DeviceRoutes
 from topk_decode.index.routed.estimate import searchable_stats
@@ -64,7 +64,7 @@ def _fraction(options: dict, key: str, default: float) -> float:
     return value
 
 
-class RoutedStrategy(TorchPath, SelectionStrategy):
+class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged):
     """Clustered keys, mass-estimate routing, exact top-k over the routed clusters.
 
     Build options (recorded in done.json; a different value rebuilds):
@@ -300,15 +300,17 @@ class RoutedStrategy(TorchPath, SelectionStrategy):
                               self.ckv.n_tokens, self.scale, self.estimate, device, values=self.device_tables)
         return routes if routes.layers_on_device() else None
 
+    def attends(self, layer: int, k: int, o: torch.Tensor) -> bool:
+        """The compiled path attends (bf16 values) wherever k leaves something to search."""
+        return self.kernel and k < self.n_searchable and o.dtype in KERNEL_DTYPES
+
     def select_and_attend(self, layer: int, q: torch.Tensor, k: int, state: Any, o: torch.Tensor,
-                          mz: torch.Tensor, route: tuple[torch.Tensor, torch.Tensor] | None = None) -> Selection | None:
+                          mz: torch.Tensor, route: tuple[torch.Tensor, torch.Tensor] | None = None) -> Selection:
         """The compiled path computes the context part inside each head's search (kernels/routed_scan.py).
 
-        Args: as `SelectionStrategy.select_and_attend`; route: the device's ranking of this layer's
+        Args: as `FusedAttention.select_and_attend`; route: the device's ranking of this layer's
             clusters (`DeviceRoutes.host_route`): then only the scan, top-k and context part run here.
         """
-        if not self.kernel or k >= self.n_searchable or o.dtype not in KERNEL_DTYPES:
-            return None
         self.stats.searches += 1
         hkv, Q, D = q.shape
         o32 = routed_compiled.reused_buffer(self._split_scratch, "o32", (hkv, Q, D), np.float32)
