@@ -227,7 +227,7 @@ def test_numba_backend_takes_fp32_queries_not_representable_in_bf16():
 def test_bad_backend_values_raise_one_line_topk_errors():
     keys, _ = _keys_and_queries(1, 100, 64, 1, seed=0)
     ckv = kv_in_memory([keys], [keys], list(range(100)), "llama")
-    with pytest.raises(TopkError, match="use auto, torch, numba or faiss"):
+    with pytest.raises(TopkError, match="backend must be auto, torch, numba or faiss"):
         FlatStrategy(ckv, 0, 100, {"backend": "numbaa"}).prepare()
     fp32 = kv_in_memory([keys.float()], [keys.float()], list(range(100)), "llama")
     with pytest.raises(TopkError, match="reads bf16 keys, these are float32") as err:

@@ -211,16 +211,6 @@ def test_bench_runs_routed_and_reports_the_share_of_keys_read(tmp_path):
     assert 20 <= row["keys_read_pct"] < 30   # 20 % plus at most one cluster of 16 per head and step
 
 
-@pytest.mark.parametrize("scan", ["blocks", "kq"])
-def test_flat_scan_kernels_equal_the_batched_scan_under_inference_mode(clustered_cache, scan):
-    bmm = _open(clustered_cache, "flat", {"scan": "bmm"})
-    other = _open(clustered_cache, "flat", {"scan": scan, "threads": 2})
-    q = _queries(seed=9)
-    with torch.inference_mode():     # the decoder's mode: the worker threads must write its buffers
-        a, b = bmm.select(0, q, 20), other.select(0, q, 20)
-    assert torch.equal(a.ids.sort(-1).values, b.ids.sort(-1).values)
-
-
 def test_prefill_builds_the_layout_and_open_reuses_it(tmp_path, clustered_cache):
     from topk_decode.index import prepare_artifacts
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from topk_decode.index.artifacts import artifact_dir, artifacts_complete  # noqa: F401 - re-exported
-from topk_decode.errors import TopkError
+from topk_decode.index.options import StrategyOptions
 from topk_decode.store.cache_dir import ContextKV
 
 # What the compiled kernels (topk_decode.kernels) read: bf16 keys and values (what GPU prefills write), as their
@@ -34,91 +34,6 @@ KERNEL_DTYPES = (torch.bfloat16,)
 def bf16_bits(t: torch.Tensor) -> np.ndarray:
     """A bf16 tensor's storage as uint16, the kernels' view of it (no copy)."""
     return t.view(torch.int16).numpy().view(np.uint16)
-
-
-_TYPE_WORDS = {int: "an integer", float: "a number", bool: "a boolean (true/false)", str: "a string"}
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def _coerce(value: Any, kind: type) -> Any:
-    """`value` as `kind` (CLI values arrive as str/int/float), or ValueError."""
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, int) and value in (0, 1):
-            return bool(value)
-        if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
-            return value.lower() in _TRUE
-    elif kind is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            return int(value.strip())
-    elif kind is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            return float(value.strip())
-    elif kind is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)   # e.g. pattern=2024.tsv stays a path even if it looked like a number
-        if isinstance(value, bool):
-            return str(value).lower()   # device_route=false: the CLI reads it as a boolean
-    raise ValueError(value)
-
-
-def as_bool(value: Any) -> bool:
-    """An option value from the CLI ("1", "true", "no", ...) or Python as a bool."""
-    if isinstance(value, str):
-        if value.lower() in ("1", "true", "yes", "on"):
-            return True
-        if value.lower() in ("0", "false", "no", "off"):
-            return False
-        raise TopkError(f"expected a boolean option value, got {value!r}")
-    return bool(value)
-
-
-def positive_int(options: dict, key: str, default: int) -> int:
-    """Read a positive integer option, raising TopkError on anything else."""
-    raw = options.get(key, default)
-    try:
-        value = int(raw)
-    except (TypeError, ValueError):
-        raise TopkError(f"option {key} must be a positive integer, got {raw!r}") from None
-    if value <= 0:
-        raise TopkError(f"option {key} must be a positive integer, got {raw!r}")
-    return value
-
-
-def one_of(key: str, value: Any, allowed: tuple[str, ...]) -> Any:
-    """value when it is one of `allowed`, else a TopkError naming them ("option k must be a, b or c, got 'x'")."""
-    if value not in allowed:
-        words = ", ".join(allowed[:-1]) + " or " + allowed[-1]
-        raise TopkError(f"option {key} must be {words}, got {value!r}")
-    return value
-
-
-def check_options(name: str, declared: dict[str, type], options: dict) -> dict:
-    """Validate strategy options against the names and types a strategy declares.
-
-    Args:
-        name: the strategy's name (for messages).
-        declared: option name → type (int, float, bool or str).
-        options: the given options.
-    Returns:
-        the options with each value converted to its declared type.
-    """
-    out = {}
-    for key, value in options.items():
-        if key not in declared:
-            valid = ", ".join(sorted(declared)) or "none"
-            raise TopkError(f"unknown option {key!r} for strategy {name} (valid options: {valid})")
-        kind = declared[key]
-        try:
-            out[key] = _coerce(value, kind)
-        except (ValueError, TypeError):
-            raise TopkError(f"option {key} of strategy {name} must be {_TYPE_WORDS[kind]}, got {value!r}") from None
-    return out
 
 
 @dataclass
@@ -175,24 +90,33 @@ class SelectionStrategy(ABC):
     """
 
     name: ClassVar[str] = ""
-    # Option name → type (int, float, bool or str); any other option is refused with the valid names
-    # (`check_options`). None: the strategy declares nothing and takes options unchecked.
-    OPTIONS: ClassVar[dict[str, type] | None] = None
+    # The strategy's options (index/options.py): a frozen dataclass, one field per option.
+    Options: ClassVar[type[StrategyOptions]] = StrategyOptions
+    # Option name → type, derived from `Options` (the registry's and the CLI's view: `split_options`).
+    OPTIONS: ClassVar[dict[str, type]] = {}
     # whether `select` may keep a reference to its query tensor after returning (a selection cache);
     # if not, the decoder hands it the reused buffer the query was copied into instead of a copy
     keeps_query: ClassVar[bool] = True
 
-    def __init__(self, ckv: ContextKV, lo: int, hi: int, options: dict | None = None) -> None:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.OPTIONS = cls.Options.types()
+
+    def __init__(self, ckv: ContextKV, lo: int, hi: int, options: dict | StrategyOptions | None = None) -> None:
         self.ckv = ckv
         self.lo, self.hi = lo, hi
-        self.options = self.checked_options(options)
+        self.options = self.parse_options(options)
         self.stats = StrategyStats()
 
     @classmethod
+    def parse_options(cls, options: dict | StrategyOptions | None) -> StrategyOptions:
+        """`options` as the strategy's `Options`, every value converted and checked; TopkError otherwise."""
+        return cls.Options.parse(cls.name, options)
+
+    @classmethod
     def checked_options(cls, options: dict | None) -> dict:
-        """`options` validated against `OPTIONS` (names and types), values converted; TopkError otherwise."""
-        options = dict(options or {})
-        return options if cls.OPTIONS is None else check_options(cls.name, cls.OPTIONS, options)
+        """The given options validated and converted, as a plain dict (JSON-able: eval configs, reports)."""
+        return cls.parse_options(options).given_values()
 
     @property
     def n_searchable(self) -> int:
@@ -200,7 +124,7 @@ class SelectionStrategy(ABC):
         return max(0, self.hi - self.lo)
 
     @classmethod
-    def build_artifacts(cls, ckv: ContextKV, options: dict | None = None,
+    def build_artifacts(cls, ckv: ContextKV, options: dict | StrategyOptions | None = None,
                         progress: Callable[[int, int], None] | None = None) -> None:
         """Build and save, under `artifact_dir(ckv.path, cls.name)`, what the strategy needs on disk.
 

@@ -13,6 +13,7 @@ which decodes them exactly); Faiss is imported only when it is used.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -20,19 +21,14 @@ import torch
 
 from topk_decode.errors import TopkError
 from topk_decode.index.base import KERNEL_DTYPES, Selection, SelectionStrategy
+from topk_decode.index.options import StrategyOptions, option
 from topk_decode.index.flat.select_topk import topk_by_threshold
 from topk_decode.index.threads import HeadPool, default_threads
 from topk_decode.store.format import dtype_name
 
-# auto: numba where it can run and the context is long enough to repay its first-run compile (~30 s on 2
-# cores, cached on disk after), torch otherwise (docs/STRATEGIES.md "flat's default backend")
-DEFAULT_BACKEND = "auto"
-BACKENDS = ("auto", "torch", "numba", "faiss")
+# auto takes numba where the context is long enough to repay its first-run compile (~30 s on 2 cores, cached on
+# disk after), torch otherwise (docs/STRATEGIES.md "flat's default backend")
 NUMBA_MIN_KEYS = 1 << 15
-# Scoring kernel of the torch backend: on the 16-core GPU host one batched matmul reads the keys much
-# closer to the DRAM bandwidth than the threaded blocks (docs/BENCHMARKS.md, "Scan bandwidth").
-DEFAULT_SCAN = "bmm"
-_SCAN_BLOCK = 1 << 14   # keys per task: 4 MiB of bf16 keys at D=128, a (Q, block) output that stays in cache
 _SQ_TYPES = {torch.float16: "QT_fp16", torch.bfloat16: "QT_bf16"}
 _TORCH_BLOCK = 1 << 16  # keys per matmul block: bounds the fp32 temporary to ~32 MiB per head at D=128
 
@@ -53,36 +49,32 @@ def add_in_blocks(index: "faiss.Index", keys: torch.Tensor, block: int = 1 << 18
         index.add(np.ascontiguousarray(keys[s:s + block].float().numpy()))
 
 
-class FlatStrategy(SelectionStrategy):
-    """Exact top-k per query head.
+@dataclass(frozen=True)
+class FlatOptions(StrategyOptions):
+    """flat's options (all search options: flat builds nothing)."""
 
-    Options:
-        backend: "auto" (default: numba for bf16 keys when at least NUMBA_MIN_KEYS keys are searchable, else torch), "torch" (zero-copy batched matmul of the memory map and an exact
-            rescoring), "numba" (compiled.py: compiled exact scan of the memory map in (head, block of keys)
-            tasks on the strategy's threads, a cut per query, then a merge of the blocks' candidates; bf16
-            keys only) or "faiss" (indices copied into RAM at open). All are exact.
-        threads: parallel head searches, or the numba backend's worker threads (default: CPU cores).
-        scan: torch backend's scoring kernel: "bmm" (default: one batched matmul q·Kᵀ), "kq" (K·qᵀ, the
-            keys as the tall operand, then a transpose of the scores) or "blocks" (threads over (head,
-            block of keys), each a single-threaded bf16 matmul over a cache-sized block).
-    """
+    backend: str = option("auto", "auto (numba for bf16 keys when at least NUMBA_MIN_KEYS keys are searchable, else "
+                          "torch), torch (a batched half-precision matmul of the memory map and an exact rescoring), "
+                          "numba (compiled exact scan in (head, block of keys) tasks, index/flat/compiled.py; bf16 keys "
+                          "only) or faiss (indices copied into RAM at open). All are exact.",
+                          check=("auto", "torch", "numba", "faiss"))
+    threads: int | None = option(None, "Parallel head searches, or the numba backend's threads (default: CPU cores).")
+
+
+class FlatStrategy(SelectionStrategy):
+    """Exact top-k per query head (options: `FlatOptions`)."""
 
     name = "flat"
-    OPTIONS = {"backend": str, "threads": int, "scan": str}
+    Options = FlatOptions
     keeps_query = False
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
-        self.backend = self.options.get("backend", DEFAULT_BACKEND)
-        if self.backend not in BACKENDS:
-            raise TopkError(f"unknown flat backend {self.backend!r} (use auto, torch, numba or faiss)")
+        self.backend = self.options.backend
         if self.backend == "auto":
             self.backend = auto_backend(self.ckv.dtype, self.n_searchable)
         if self.backend == "numba":
             _check_numba(self.ckv.dtype)
-        self.threads = int(self.options.get("threads") or default_threads())
-        self.scan = self.options.get("scan", DEFAULT_SCAN)
-        if self.scan not in ("blocks", "bmm", "kq"):
-            raise TopkError(f"unknown flat scan {self.scan!r} (use bmm, kq or blocks)")
+        self.threads = self.options.threads or default_threads()
         self._buffers: dict = {}
         # Per-head searches in parallel, each single-threaded on the pool's own workers (threads.py);
         # the torch backend's batched scan runs on the caller's thread with all its threads.
@@ -136,8 +128,7 @@ class FlatStrategy(SelectionStrategy):
             # Reused buffers only for one-token steps (Q = G): prompt chunks vary in length, and a kept
             # (Hkv, Q, N) buffer per length would pile up.
             buffers = self._buffers if q.shape[1] <= 64 else None
-            pool = self.pool if self.scan == "blocks" else None
-            return half_scan(keys, q, k, self.lo, self.hi, self.stats, buffers, pool, self.scan == "kq")
+            return half_scan(keys, q, k, self.lo, self.hi, self.stats, buffers)
         scores, ids = fp32_scan(keys, q, k, self.lo, self.hi)
         return Selection(ids=ids, scores=scores, no_empty_slots=True)
 
@@ -194,31 +185,8 @@ THRESHOLD_MAX_THREADS = 4
 _HALF_REL_ERR = 2.0 ** -7
 
 
-def scan_blocks(qh: torch.Tensor, keys: torch.Tensor, out: torch.Tensor, pool: HeadPool) -> None:
-    """out = qh @ keysᵀ per head, computed as (head, block) tasks on `pool`, torch single-threaded in each.
-
-    One batched matmul with Q = 4 query rows is a matrix-vector product: torch's CPU kernel then reads
-    the keys well below the memory bandwidth; independent block tasks keep every core streaming.
-
-    Args:
-        qh: (Hkv, Q, D) queries in the keys' dtype; keys: (Hkv, N, D); out: (Hkv, Q, N) in the keys' dtype.
-        pool: the worker threads.
-    """
-    hkv, n, _ = keys.shape
-    inference = torch.is_inference_mode_enabled()   # worker threads do not inherit it
-
-    def one(task: tuple[int, int]) -> None:
-        h, s = task
-        e = min(s + _SCAN_BLOCK, n)
-        with torch.inference_mode(inference):
-            out[h, :, s:e] = torch.mm(qh[h], keys[h, s:e].t())               # (Q, block)
-
-    # HeadPool's workers run torch on one OpenMP thread each (threads.py): the tasks are the parallelism
-    pool.map(one, [(h, s) for h in range(hkv) for s in range(0, n, _SCAN_BLOCK)])
-
-
 def half_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, stats,
-               buffers: dict | None = None, pool: HeadPool | None = None, kq: bool = False) -> Selection:
+              buffers: dict | None = None) -> Selection:
     """Exact top-k through a half-precision scan: no fp32 copy of the keys is ever made.
 
     1. scores in the keys' dtype with one batched matmul over the memory map (fp32 accumulation);
@@ -232,8 +200,6 @@ def half_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, sta
         k: results per query; lo, hi: the searchable range.
         stats: the strategy's StrategyStats (counts fp32 rescans).
         buffers: reusable score buffers keyed by shape (no 8-64 MiB allocation per layer and step).
-        pool: when given, the half-precision scores are computed by `scan_blocks` on it.
-        kq: compute them as keys @ qᵀ (keys the tall operand, (Hkv, N, Q)) and transpose the scores.
     """
     hkv, n, d = keys.shape
     Q, M = q.shape[1], hi - lo
@@ -244,16 +210,9 @@ def half_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, sta
         approx = buffers.get((hkv, Q, n, keys.dtype))
         if approx is None:
             approx = buffers[(hkv, Q, n, keys.dtype)] = torch.empty((hkv, Q, n), dtype=keys.dtype)
-        if pool is not None:
-            scan_blocks(q.to(keys.dtype), keys, approx, pool)
-        elif kq:
-            tall = buffers.get(("kq", hkv, Q, n, keys.dtype))
-            if tall is None:
-                tall = buffers[("kq", hkv, Q, n, keys.dtype)] = torch.empty((hkv, n, Q), dtype=keys.dtype)
-            torch.bmm(keys, q.to(keys.dtype).transpose(1, 2), out=tall)     # (Hkv, N, Q) half
-            approx.copy_(tall.transpose(1, 2))
-        else:
-            torch.bmm(q.to(keys.dtype), keys.transpose(1, 2), out=approx)  # (Hkv, Q, N) half
+        # one batched matmul q·Kᵀ: on the 16-core host K·qᵀ and threaded blocks lost to it (docs/STRATEGIES.md
+        # "flat's default backend")
+        torch.bmm(q.to(keys.dtype), keys.transpose(1, 2), out=approx)      # (Hkv, Q, N) half
     else:
         approx = torch.bmm(q.to(keys.dtype), keys.transpose(1, 2))
     approx[..., :lo] = float("-inf")

@@ -6,7 +6,8 @@ the CPU, one call per layer (`search_layer_par`) runs two parallel rounds on num
 - the rest of each head (`finish_head`): cluster choice, scan, top-k, the estimate, the context part.
 Splitting routing over ranges gives every thread work when the KV heads are fewer than the cores. When
 the decode device routes (index/routed/device.py), `split_layer_par` cuts the scan, top-k and context part into
-pieces for the whole team (`split_layer`), or `scan_layer_par` runs `scan_head` per head (`split=false`).
+pieces for the whole team (`split_layer`). `scan_layer` (one task per KV head, `scan_head`) is the split's
+reference in the tests: in decoding it lost to the split (docs/BENCHMARKS.md run 15).
 """
 
 from __future__ import annotations
@@ -29,14 +30,12 @@ _MIN_CLUSTERS_PER_TASK = 1024
 
 def warm_up(arrays: "LayerArrays") -> None:
     """Compile the per-layer calls for these arrays' types now (seconds on a first run without numba's disk
-    cache), not inside a decode step: a search of one query with k = 1, then a scan of one cluster, per head
-    and split."""
+    cache), not inside a decode step: a search of one query with k = 1, then a split scan of one cluster."""
     hkv, d = arrays.keys.shape[0], arrays.keys.shape[2]
     q = torch.zeros(hkv, 1, d)
     o, mz = np.empty((hkv, 1, d), np.float32), np.empty((hkv, 1, 2), np.float32)
     search_layer(arrays, q, 1, 1, 1.0, True, 1, o, mz)
     order, take = torch.zeros(hkv, 1, dtype=torch.int32), torch.ones(hkv, dtype=torch.int32)
-    scan_layer(arrays, q, order, take, 1, 1.0, 1, o, mz)
     split_layer(arrays, q, order, take, 1, 1.0, 2, o, mz, {})
 
 
@@ -170,7 +169,8 @@ def search_layer(arrays: LayerArrays, q: torch.Tensor, budget: int, k: int, scal
 
 def scan_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take: torch.Tensor, k: int,
                scale: float, threads: int, o: np.ndarray, mz: np.ndarray) -> LayerResult:
-    """One layer routed on the device (index/routed/device.py): every KV head scans its chosen clusters,
+    """One layer routed on the device (index/routed/device.py), one task per KV head (the split's reference in the
+    tests; `split_layer` decodes): every KV head scans its chosen clusters,
     takes the top-k and writes the context part, in parallel. No estimate here (the device
     merges its own), so the result's rest is empty.
 

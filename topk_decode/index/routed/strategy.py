@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -36,7 +37,8 @@ import torch
 from topk_decode.errors import TopkError
 from topk_decode.index.artifacts import ensure_artifacts, recorded_options
 from topk_decode.index.base import (KERNEL_DTYPES, DeviceStaged, FusedAttention, RestPart, Selection, SelectionStrategy,
-                                    as_bool, bf16_bits, one_of, positive_int)
+                                    bf16_bits)
+from topk_decode.index.options import FRACTION, POSITIVE, StrategyOptions, option
 from topk_decode.index.routed import compiled as routed_compiled
 from topk_decode.index.routed.device import TABLE_KINDS, DeviceRoutes
 from topk_decode.index.routed.estimate import searchable_stats
@@ -53,120 +55,79 @@ _MIN_READ_PER_K = 2
 _ROUND_KEYS = tuple(name + "_s" for name in routed_compiled.SPLIT_ROUNDS)
 
 
-def _fraction(options: dict, key: str, default: float) -> float:
-    raw = options.get(key, default)
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        raise TopkError(f"option {key} must be a number in (0, 1], got {raw!r}") from None
-    if not 0 < value <= 1:
-        raise TopkError(f"option {key} must be a number in (0, 1], got {raw!r}")
-    return value
+@dataclass(frozen=True)
+class RoutedOptions(StrategyOptions):
+    """routed's options. Build options are recorded in done.json; a different value rebuilds the layout."""
+
+    cluster_size: int = option(16, "Target tokens per cluster. On real keys 16 routes better than 32 at the same keys "
+                               "read (0.97 of flat's mass on Qwen2.5-Coder-1.5B at 16K, 32: 0.95); the centroids and "
+                               "value means read every step grow as 1/S (docs/STRATEGIES.md).", build=True, check=POSITIVE)
+    iters: int = option(6, "Lloyd iterations of k-means (on a CPU also bounded by time, index/routed/cluster.py).",
+                        build=True, check=POSITIVE)
+    store_values: bool = option(True, "Also store the values cluster-contiguously (the compiled context part reads "
+                                "them next to their keys).", build=True)
+    segment: int = option(65536, "Tokens clustered together: longer contexts are clustered segment by segment, which "
+                          "bounds k-means' cost per key (a value ≥ the context clusters it whole).", build=True,
+                          check=POSITIVE)
+    probe_fraction: float = option(0.04, "Share of a KV head's searchable keys read per step (with the last "
+                                   "cluster's overshoot at most ~5 %).", check=FRACTION)
+    spread: bool = option(False, "Include the clusters' spread in the mass estimate (neutral to slightly worse on "
+                          "real keys, docs/STRATEGIES.md; torch path only).")
+    sizes: bool = option(False, "Include log n_c (the cluster's size) in the estimate (clusters ranked by s·q·μ_c "
+                         "alone, as IVF probes, had the higher id recall at the same mass on real keys).")
+    estimate: bool = option(True, "Add RetroInfer's estimate of the unread clusters' attention, n_c·exp(s·q·μ_c) with "
+                            "the cluster's mean value, as a third part of the softmax (index/routed/estimate.py; it "
+                            "lowered KL and raised agreement on every real model measured, docs/STRATEGIES.md).")
+    estimate_read: bool = option(False, "Add the read keys outside the top-k too (exact weights, cluster-mean "
+                                 "values; torch path only).")
+    kernel: str = option("auto", "auto (numba where it applies, else torch), numba (index/routed/compiled.py: each "
+                         "layer one compiled call over all KV heads, which also computes the context part; bf16 keys "
+                         "and values, neither spread nor estimate_read) or torch (index/routed/torch_path.py, the "
+                         "exact reference). Both give the same selection and estimate (tests/test_routed_kernel.py).",
+                         check=("auto", "torch", "numba"))
+    device_route: str = option("auto", "auto (on a CUDA decode device, for the layers whose tables fit), true (also on "
+                               "a CPU decode device: the tests' way in) or false. Routing and the estimate then run "
+                               "inside the captured one-token step on the device (index/routed/device.py) and the CPU "
+                               "only scans the chosen clusters (compiled path only).", check=("auto", "true", "false"))
+    device_tables: str = option("auto", "Precision of the device's routing tables: auto (the first of keys, "
+                                "fp8-values, fp8 that holds every layer beside the step), keys, fp8-values or fp8 "
+                                "(index/routed/device.py).", check=("auto", *TABLE_KINDS))
+    hugepages: bool = option(True, "The compiled path reads the layout from copies backed by transparent huge pages "
+                             "(store/huge_pages.py): always for a layout in RAM, for a memory-mapped one when it fits "
+                             "in half the available memory. Scattered cluster reads otherwise miss the TLB on almost "
+                             "every cluster (docs/BENCHMARKS.md run 16).")
 
 
 class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged):
-    """Clustered keys, mass-estimate routing, exact top-k over the routed clusters.
-
-    Build options (recorded in done.json; a different value rebuilds):
-        cluster_size: target tokens per cluster (default 16: on real keys it routes better than 32 at the
-            same keys read and kept 0.97 of flat's mass on Qwen2.5-Coder-1.5B at 16K where 32 kept 0.95;
-            the centroids and value means read every step grow as 1/S; docs/STRATEGIES.md).
-        iters: Lloyd iterations of k-means (default 6; on a CPU also bounded by time, index/routed/cluster.py).
-        store_values: also store the values cluster-contiguously (default True; not read by the
-            context part yet).
-        segment: tokens clustered together (default 65,536): longer contexts are clustered segment by
-            segment, which bounds k-means' cost per key (index/routed/cluster.py; a value ≥ the context clusters it whole).
-    Search options:
-        probe_fraction: share of a KV head's searchable keys read per step (default 0.04, so that
-            with the last cluster's overshoot at most ~5 % are read).
-        spread: include the clusters' spread in the mass estimate (default False: neutral to slightly
-            worse on real keys, docs/STRATEGIES.md).
-        sizes: include log n_c (the cluster's size) in the estimate (default False: clusters ranked by
-            s·q·μ_c alone, as IVF probes, had the higher id recall at the same mass on real keys).
-        estimate: add RetroInfer's estimate of the unread clusters' attention, n_c·exp(s·q·μ_c) with
-            the cluster's mean value, as a third part of the softmax (index/routed/estimate.py; default True: it
-            lowered KL and raised agreement on every real model measured, docs/STRATEGIES.md).
-        estimate_read: add the read keys outside the top-k too (exact weights, cluster-mean values;
-            default False).
-        kernel: "auto" (default: "numba" where it applies, else "torch"), "numba" or "torch". numba
-            (kernels/routed_scan.py, driven by index/routed/compiled.py) runs each KV head's whole layer as compiled
-            functions on numba's threads (one call per layer), and in the decoder computes the context part too
-            (`select_and_attend`); it needs
-            numba and bf16 keys and values, and implements neither `spread` nor `estimate_read`. torch is
-            the tensor ops of index/routed/torch_path.py. Both give the same selection and estimate (tests/test_routed_kernel.py).
-        device_route: "auto" (default: on a CUDA decode device, for the layers whose tables fit), "true"
-            (also on a CPU decode device: the tests' way in) or "false". Routing and the estimate then run
-            inside the captured step on the device (index/routed/device.py), and the CPU only scans the chosen
-            clusters (compiled path only; one-token steps only, prompts route on the CPU).
-        device_tables: the precision of the device's routing tables: "auto" (default: the first of keys,
-            fp8-values, fp8 that holds every layer beside the step), "keys" (centroids and mean values in the
-            keys' dtype), "fp8-values" (float8 mean values) or "fp8" (float8 centroids too; index/routed/device.py).
-        split: device-routed layers cut all heads' scan and value sums into equal pieces, one per thread of
-            the team (kernels/routed_split.py; default True), rather than one task per KV head (`scan_layer_par`).
-        hugepages: the compiled path reads the layout's keys, values and offsets from copies in memory backed
-            by transparent huge pages (store/huge_pages.py; default True): always for a layout in RAM (each
-            copy replaces its original), for a memory-mapped one when it fits in half the available memory
-            (it is then read whole at open). Scattered cluster reads otherwise miss the TLB on almost every
-            cluster (docs/BENCHMARKS.md run 16).
-    """
+    """Clustered keys, mass-estimate routing, exact top-k over the routed clusters (options: `RoutedOptions`)."""
 
     name = "routed"
     keeps_query = False
-    BUILD_DEFAULTS = {"cluster_size": 16, "iters": 6, "store_values": True, "segment": 65536}
-    SEARCH_DEFAULTS = {"probe_fraction": 0.04, "spread": False, "sizes": False, "estimate": True,
-                       "estimate_read": False, "kernel": "auto", "device_route": "auto",
-                       "device_tables": "auto", "split": True, "hugepages": True}
-    OPTIONS = {"cluster_size": int, "iters": int, "store_values": bool, "segment": int, "probe_fraction": float,
-               "spread": bool, "sizes": bool, "estimate": bool, "estimate_read": bool, "kernel": str,
-               "device_route": str, "device_tables": str, "split": bool, "hugepages": bool}
-
-    # ---- options / build -------------------------------------------------------------------------
-    @classmethod
-    def build_options(cls, options: dict) -> dict:
-        """Validated build options (defaults filled in)."""
-        return {"cluster_size": positive_int(options, "cluster_size", cls.BUILD_DEFAULTS["cluster_size"]),
-                "iters": positive_int(options, "iters", cls.BUILD_DEFAULTS["iters"]),
-                "store_values": as_bool(options.get("store_values", cls.BUILD_DEFAULTS["store_values"])),
-                "segment": positive_int(options, "segment", cls.BUILD_DEFAULTS["segment"])}
+    Options = RoutedOptions
 
     @classmethod
-    def checked_options(cls, options: dict | None) -> dict:
-        """Names and types checked (`SelectionStrategy.checked_options`), and the build values too, so that
-        `topk prefill --strategy routed --opt segment=0` fails before the prefill, not after it."""
-        checked = super().checked_options(options)
-        cls.build_options(checked)
-        return checked
-
-    @classmethod
-    def build_artifacts(cls, ckv: ContextKV, options: dict | None = None,
+    def build_artifacts(cls, ckv: ContextKV, options: dict | RoutedOptions | None = None,
                         progress: Callable[[int, int], None] | None = None) -> None:
-        write_layouts(ckv, cls.name, cls.build_options(cls.checked_options(options)), progress)
+        write_layouts(ckv, cls.name, cls.parse_options(options).build_values(), progress)
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
         o = self.options
-        self.probe_fraction = _fraction(o, "probe_fraction", self.SEARCH_DEFAULTS["probe_fraction"])
-        self.use_spread = as_bool(o.get("spread", self.SEARCH_DEFAULTS["spread"]))
-        use_sizes = as_bool(o.get("sizes", self.SEARCH_DEFAULTS["sizes"]))
-        self.estimate = as_bool(o.get("estimate", self.SEARCH_DEFAULTS["estimate"]))
-        self.estimate_read = as_bool(o.get("estimate_read", self.SEARCH_DEFAULTS["estimate_read"]))
-        self.kernel = self._use_kernel(o.get("kernel", self.SEARCH_DEFAULTS["kernel"]))   # refused before any build
-        route, tables = (str(o.get(key, self.SEARCH_DEFAULTS[key])).lower() for key in ("device_route", "device_tables"))
-        self.device_route = one_of("device_route", route, ("auto", "true", "false"))
-        self.device_tables = one_of("device_tables", tables, ("auto", *TABLE_KINDS))
-        self.split = as_bool(o.get("split", self.SEARCH_DEFAULTS["split"]))
-        self.hugepages = as_bool(o.get("hugepages", self.SEARCH_DEFAULTS["hugepages"]))
-        opts = self.build_options(o)
+        self.probe_fraction = o.probe_fraction
+        self.use_spread, use_sizes = o.spread, o.sizes
+        self.estimate, self.estimate_read = o.estimate, o.estimate_read
+        self.kernel = self._use_kernel(o.kernel)   # refused before any build
+        self.device_route, self.device_tables, self.hugepages = o.device_route, o.device_tables, o.hugepages
         if not on_disk(self.ckv):
-            self.layouts = list(layer_layouts(self.ckv, opts, progress))
+            self.layouts = list(layer_layouts(self.ckv, o.build_values(), progress))
         else:
-            wanted = {k: v for k, v in opts.items() if k in o}
+            wanted = o.given_build_values()
             if self.estimate or self.estimate_read:
                 wanted["value_means"] = True       # layouts built before the estimate lack them: rebuild
             def build() -> None:
                 # a rebuild for the value means alone keeps the build options recorded before
                 old = recorded_options(self.ckv.path, self.name) or {}
-                kept = {k: v for k, v in old.items() if k in self.BUILD_DEFAULTS} if old.get("dtype") else {}
-                self.build_artifacts(self.ckv, {**kept, **o}, progress)
+                kept = {k: v for k, v in old.items() if k in o.build_values()} if old.get("dtype") else {}
+                self.build_artifacts(self.ckv, {**kept, **o.given_values()}, progress)
 
             self.layouts = load_layouts(self.ckv, self.name, ensure_artifacts(self.ckv, self.name, wanted, build))
         self.scale = 1.0 / math.sqrt(self.ckv.head_dim)
@@ -217,7 +178,6 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
 
     def _use_kernel(self, choice: str) -> bool:
         """Whether the compiled path (index/routed/compiled.py) runs (the `kernel` option; "auto": wherever it applies)."""
-        one_of("kernel", choice, ("auto", "torch", "numba"))
         why = (f"it reads bf16 keys and values, these are {dtype_name(self.ckv.dtype)}"
                if self.ckv.dtype not in KERNEL_DTYPES else
                "it does not implement spread=true" if self.use_spread else
@@ -318,15 +278,12 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         t = time.perf_counter()
         if route is None:
             sel = self._compiled(layer, q, k, self._budget(k), o32, mz_np)
-        elif self.split:   # o16: the kernel rounds o to bf16 into the decoder's buffer itself
+        else:   # o16: the kernel rounds o to bf16 into the decoder's buffer itself
             sel = self._kernel_selection(routed_compiled.split_layer(self._kernel_in[layer], q, route[0], route[1], k,
                                                                      self.scale, self.threads, o32, mz_np,
                                                                      self._split_scratch, o16))
-        else:
-            sel = self._kernel_selection(routed_compiled.scan_layer(self._kernel_in[layer], q, route[0], route[1], k,
-                                                                    self.scale, self.threads, o32, mz_np))
         self.stats.extra["kernel_s"] += time.perf_counter() - t   # the compiled call (bench: kernel_ms)
-        if o16 is None or route is None or not self.split:
+        if o16 is None or route is None:
             o.copy_(torch.from_numpy(o32).view(hkv * Q, D))       # fp32 → the values' dtype, rounded once
         if not mz.is_contiguous():                                # mz_np is a buffer of our own
             mz.copy_(torch.from_numpy(mz_np).view(hkv * Q, 2))
