@@ -42,3 +42,25 @@ def test_bad_values_are_one_line_topk_errors(options, fragment):
     with pytest.raises(TopkError) as err:
         get_strategy("routed").parse_options(options)
     assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+def test_decode_defaults_are_declared_once_in_decode_config():
+    import inspect
+
+    from topk_decode.api import KVStore
+    from topk_decode.cli.chat_cmd import chat_command
+    from topk_decode.cli.eval_cmd import eval_command
+    from topk_decode.cli.serve_cmd import serve_command
+    from topk_decode.config import DecodeConfig
+    from topk_decode.eval.harness import EvalConfig
+
+    want = DecodeConfig()
+    for fn in (KVStore.open, chat_command, serve_command, eval_command):
+        params = inspect.signature(fn).parameters
+        for name in ("k", "strategy", "k_schedule", "n_sink", "n_tail", "compile"):
+            if name in params and fn is not eval_command:
+                assert params[name].default == getattr(want, name), (fn.__name__, name)
+        for name in ("n_sink", "n_tail"):
+            if name in params:
+                assert params[name].default == getattr(want, name), (fn.__name__, name)
+    assert (EvalConfig.n_sink, EvalConfig.n_tail) == (want.n_sink, want.n_tail)

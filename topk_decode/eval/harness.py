@@ -83,8 +83,8 @@ class EvalConfig:
     fidelity_steps: int = 8
     device: str | None = None
     dtype: str | None = None
-    n_sink: int = 4
-    n_tail: int = 64
+    n_sink: int = DecodeConfig.n_sink
+    n_tail: int = DecodeConfig.n_tail
     strategy_options: dict = field(default_factory=dict)
     chunk_size: int = 4096
     work_dir: str | None = None
