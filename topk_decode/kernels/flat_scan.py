@@ -29,11 +29,36 @@ summation order differs from torch's matmul (~1e-6 relative).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from topk_decode.kernels.jit import jit, pjit, prange, prefetch_row
 from topk_decode.kernels.dots import GROUP, dot4, score_rows4
 from topk_decode.kernels.flat_sample import SURVIVORS_PER_K
+
+class Tasks(NamedTuple):
+    """(T,) int64 each: a task's KV head, its rows [start, end) and the candidate slot it writes."""
+
+    head: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    slot: np.ndarray
+
+
+class Cuts(NamedTuple):
+    """(Hkv, Q) float32 each: the cuts the blocks publish (`bar`) and the sampled ones (`spec`, −inf: none)."""
+
+    bar: np.ndarray
+    spec: np.ndarray
+
+
+class Candidates(NamedTuple):
+    """ids int64 and scores float32 of the same shape: per task slot (slots, Q, kb), or the result (Hkv, Q, k)."""
+
+    ids: np.ndarray
+    scores: np.ndarray
+
 
 _CHUNK = 64    # rows scored between two refreshes of the cuts (the other blocks' published ones)
 # Rows prefetched ahead of the dot products: the hardware prefetcher alone left a task's reads and its
@@ -207,15 +232,19 @@ def _block_topk(keys, q, s, e, k, bar, spec, ids_out, sc_out, ahead):
 
 
 @pjit
-def scan_par(keys, q, task_h, task_s, task_e, task_o, workers, k, bar, spec, ids_out, sc_out, ahead):
+def scan_par(keys, q, tasks, workers, k, cuts, out, ahead):
     """Every task, split over `workers` numba threads: worker w takes tasks w, w + workers, ...
 
     Args:
         keys: (Hkv, N, D) uint16 bits; q: (Hkv, Q, D) float32 (or bf16 bits).
-        task_h, task_s, task_e, task_o: (T,) int64 head, rows [s, e) and output slot of each task.
-        workers: threads; k: results per query; bar: (Hkv, Q) float32 shared cuts; spec: (Hkv, Q) sampled
-        cuts; ids_out, sc_out: (slots, Q, kb) per-task candidates; ahead: rows prefetched ahead.
+        tasks: `Tasks`; workers: threads; k: results per query; cuts: `Cuts`; out: `Candidates` (one slot per
+            task); ahead: rows prefetched ahead.
     """
+    # unpacked outside the parallel loop: numba 0.68 drops writes made through a tuple's array field inside a
+    # prange body (tests/test_flat_kernel.py checks the results)
+    task_h, task_s, task_e, task_o = tasks
+    bar, spec = cuts
+    ids_out, sc_out = out
     for w in prange(workers):
         for t in range(w, task_h.shape[0], workers):
             h, o = task_h[t], task_o[t]
@@ -275,9 +304,12 @@ def _merge_query(ids_in, sc_in, i, low, k, ids_out, sc_out):
 
 
 @pjit
-def merge_par(ids_in, sc_in, bar, k, ids_out, sc_out):
+def merge_par(cands, bar, k, out):
     """`_merge_query` of every (head, query) in parallel, on the scan's threads (a pass per head would leave
-    half of them idle at 8 KV heads): ids_in, sc_in (Hkv, B, Q, kb); bar (Hkv, Q); outs (Hkv, Q, k)."""
+    half of them idle at 8 KV heads): cands `Candidates` (Hkv, B, Q, kb); bar (Hkv, Q); out `Candidates`
+    (Hkv, Q, k)."""
+    ids_in, sc_in = cands
+    ids_out, sc_out = out
     Q = bar.shape[1]
     for w in prange(bar.shape[0] * Q):
         h, i = w // Q, w % Q

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 
+from typing import NamedTuple
+
 import numpy as np
 
 from topk_decode.kernels.jit import cycles, jit, pjit, prange
@@ -180,14 +182,39 @@ def finish_head(keys, pos, offsets, size_factor, vmeans, qh, budget, k, scale, e
     return m
 
 
+class RouteBuffers(NamedTuple):
+    """Routing's buffers for one layer: logit, e (Hkv, C, Q) float32 the logits and their exponentials; bounds
+    (J + 1,) int64 the routing tasks' cluster ranges; mx, z (Hkv, J, Q) float32 each range's maxima and sums."""
+
+    logit: np.ndarray
+    e: np.ndarray
+    bounds: np.ndarray
+    mx: np.ndarray
+    z: np.ndarray
+
+
+class RestOut(NamedTuple):
+    """The unread clusters' estimate: out (Hkv, Q, D) float32, lse (Hkv, Q) float32 (−inf: nothing left out)."""
+
+    out: np.ndarray
+    lse: np.ndarray
+
+
 @pjit
-def search_layer_par(keys, pos, offsets, size_factor, vmeans, q, cent, bias, budget, k, scale, estimate,
-                     vals, values_by_row, attend, logit, e, bounds, mx_p, z_p, ids, scores, rest_o, rest_lse, o, mz,
-                     read, clock):
+def search_layer_par(a, q, budget, k, scale, estimate, attend, route, out, rest, heads):
     """One layer, every KV head: routing over (head, cluster range) tasks, then `finish_head` per head, each
-    round on numba's threads. Arrays are the per-head arguments of `route_chunk` / `finish_head` with a
-    leading (Hkv,) axis; read (Hkv,) int64 receives each head's keys read, clock (Hkv, 2) int64 the `cycles`
-    at which its `finish_head` started and ended."""
+    round on numba's threads.
+
+    Args: a: `LayerArrays`; q (Hkv, Q, D) float32; budget, k, scale, estimate: as `finish_head`; attend: also
+        write the context part into out.o / out.mz; route: `RouteBuffers`; out: `LayerOut`; rest: `RestOut`;
+        heads: `HeadClock` (read and the `cycles` at which each head's `finish_head` started and ended).
+    """
+    # unpacked outside the parallel loops (kernels/routed_scan.py `scan_layer_par` says why)
+    keys, pos, offsets, cent, bias, size_factor, vmeans, vals, values_by_row = a
+    logit, e, bounds, mx_p, z_p = route
+    ids, scores, o, mz = out
+    rest_o, rest_lse = rest
+    read, clock = heads
     hkv = keys.shape[0]
     J = bounds.shape[0] - 1
     for t in prange(hkv * J):

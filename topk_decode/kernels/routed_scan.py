@@ -23,12 +23,50 @@ flash kernel does): within bf16 rounding of each other (tests/test_routed_kernel
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
 from topk_decode.kernels.jit import cycles, jit, pjit, prange, prefetch_row
 from topk_decode.kernels.dots import GROUP, dot4, pad_queries
 from topk_decode.kernels.topk import top_k_rows
+
+
+class LayerArrays(NamedTuple):
+    """One layer's arrays as the per-layer calls read them (numpy views of the strategy's tensors, no copies).
+
+    keys: (Hkv, N, D) uint16 bf16 bits, cluster-contiguous; pos: (Hkv, N) int32 positions, −1 outside the searchable
+    range; offsets: (Hkv, C + 1) int64; cent: (Hkv, C, D) uint16 (bf16) centroids; bias, size_factor: (Hkv, C)
+    float32 (`finish_head`); vmeans: (Hkv, C, D) uint16 (bf16) mean values, or (Hkv, 1, D) zeros; vals: (Hkv, N, D)
+    uint16 values, by layout row when values_by_row, else by position.
+    """
+
+    keys: np.ndarray
+    pos: np.ndarray
+    offsets: np.ndarray
+    cent: np.ndarray
+    bias: np.ndarray
+    size_factor: np.ndarray
+    vmeans: np.ndarray
+    vals: np.ndarray
+    values_by_row: bool
+
+
+class LayerOut(NamedTuple):
+    """What a per-layer call writes: ids (Hkv, Q, K) int64 (−1 in empty slots), scores (Hkv, Q, K) float32, the
+    context part's o (Hkv, Q, D) float32 and mz (Hkv, Q, 2) float32 (m, z)."""
+
+    ids: np.ndarray
+    scores: np.ndarray
+    o: np.ndarray
+    mz: np.ndarray
+
+
+class HeadClock(NamedTuple):
+    """Per KV head: read (Hkv,) int64 keys read, clock (Hkv, 2) int64 the `cycles` at its work's start and end."""
+
+    read: np.ndarray
+    clock: np.ndarray
 
 @jit
 def exp_into(x, out, bits):
@@ -296,11 +334,17 @@ def scan_head(keys, pos, offsets, order, taken, qh, k, scale, vals, values_by_ro
 
 
 @pjit
-def scan_layer_par(keys, pos, offsets, order, take, q, k, scale, vals, values_by_row, ids, scores, o, mz,
-                   read, clock):
-    """One layer routed elsewhere, every KV head on numba's threads: `scan_head` per head (arguments with a
-    leading (Hkv,) axis; take (Hkv,) int32; read (Hkv,) int64 receives each head's keys read, clock (Hkv, 2)
-    int64 the `cycles` at which it started and ended)."""
+def scan_layer_par(a, order, take, q, k, scale, out, heads):
+    """One layer routed elsewhere, every KV head on numba's threads: `scan_head` per head.
+
+    Args: a: `LayerArrays`; order (Hkv, W) int32 clusters by priority, take (Hkv,) int32 how many to read;
+        q (Hkv, Q, D) float32; out: `LayerOut`; heads: `HeadClock`.
+    """
+    # the named tuples unpacked here, outside the parallel loops: numba 0.68 drops writes made through a
+    # tuple's array field inside a prange body (tests/test_routed_kernel.py checks the results)
+    keys, pos, offsets, _, _, _, _, vals, values_by_row = a
+    ids, scores, o, mz = out
+    read, clock = heads
     for h in prange(keys.shape[0]):
         clock[h, 0] = cycles()
         read[h] = scan_head(keys[h], pos[h], offsets[h], order[h], take[h], q[h], k, scale, vals[h],

@@ -12,7 +12,7 @@ import torch
 from topk_decode.index.base import bf16_bits
 from topk_decode.kernels import dots, flat_scan, jit
 from topk_decode.kernels.flat_sample import head_cuts
-from topk_decode.kernels.flat_scan import AHEAD
+from topk_decode.kernels.flat_scan import AHEAD, Candidates, Cuts, Tasks
 
 # Tasks per pool worker when the block size is left to `search`: few, long tasks keep each running
 # threshold close to the final k-th score (fewer insertions and compactions, fewer candidates to
@@ -97,19 +97,20 @@ def search(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, thread
     cand_i = np.empty((hkv * nb, Q, kb), dtype=np.int64)             # (T, Q, kb)
     cand_s = np.empty((hkv * nb, Q, kb), dtype=np.float32)
     task_o = np.arange(len(task_h), dtype=np.int64)
-    flat_scan.scan_par(kbits, q_np, task_h, task_s, task_e, task_o, workers, k, bar, spec, cand_i, cand_s, ahead)
+    cands, cuts = Candidates(cand_i, cand_s), Cuts(bar, spec)
+    flat_scan.scan_par(kbits, q_np, Tasks(task_h, task_s, task_e, task_o), workers, k, cuts, cands, ahead)
     t3 = time.perf_counter()
     short = flat_scan.short_heads(cand_i.reshape(hkv, nb, Q, kb), spec, min(k, hi - lo))
     if short.any():   # a guess let too few rows through (rare on real keys): those heads again, without one
         spec[short] = -np.inf
         again = np.flatnonzero(np.repeat(short, nb))
         jit.set_threads(min(threads, len(again)))
-        flat_scan.scan_par(kbits, q_np, task_h[again], task_s[again], task_e[again], again, min(threads, len(again)), k,
-                  bar, spec, cand_i, cand_s, ahead)
+        flat_scan.scan_par(kbits, q_np, Tasks(task_h[again], task_s[again], task_e[again], again),
+                           min(threads, len(again)), k, cuts, cands, ahead)
         jit.set_threads(workers)
     t4 = time.perf_counter()
-    flat_scan.merge_par(cand_i.reshape(hkv, nb, Q, kb), cand_s.reshape(hkv, nb, Q, kb), bar, k, ids.numpy(),
-               scores.numpy())
+    flat_scan.merge_par(Candidates(cand_i.reshape(hkv, nb, Q, kb), cand_s.reshape(hkv, nb, Q, kb)), bar, k,
+                        Candidates(ids.numpy(), scores.numpy()))
     if parts is not None:
         t5 = time.perf_counter()
         for name, dt in (("cuts", t2 - t1), ("scan", t3 - t2), ("rescan", t4 - t3), ("merge", t5 - t4),

@@ -19,10 +19,9 @@ import torch
 
 from topk_decode.kernels import jit
 from topk_decode.kernels.dots import GROUP, bf16_available
-from topk_decode.kernels.routed_route import search_layer_par
-from topk_decode.kernels.routed_scan import scan_layer_par
-from topk_decode.kernels.routed_split import (TALLY, SplitScratch, new_scratch,  # noqa: F401 - new_scratch re-exported
-                                            split_layer_par)
+from topk_decode.kernels.routed_route import RestOut, RouteBuffers, search_layer_par
+from topk_decode.kernels.routed_scan import HeadClock, LayerArrays, LayerOut, scan_layer_par
+from topk_decode.kernels.routed_split import ROUNDS, SplitScratch, new_scratch, new_tally, split_layer_par
 
 # The smallest cluster range of one routing task: below it a task's fixed cost rivals its work.
 _MIN_CLUSTERS_PER_TASK = 1024
@@ -37,27 +36,6 @@ def warm_up(arrays: "LayerArrays") -> None:
     search_layer(arrays, q, 1, 1, 1.0, True, 1, o, mz)
     order, take = torch.zeros(hkv, 1, dtype=torch.int32), torch.ones(hkv, dtype=torch.int32)
     split_layer(arrays, q, order, take, 1, 1.0, 2, o, mz, {})
-
-
-class LayerArrays(NamedTuple):
-    """One layer's arrays as the kernel reads them (numpy views of the strategy's tensors, no copies).
-
-    keys: (Hkv, N, D) uint16; pos: (Hkv, N) int32 positions, −1 outside the searchable range (`kernel_positions`);
-    offsets: (Hkv, C + 1) int64;
-    cent: (Hkv, C, D) uint16 (bf16); bias, size_factor: (Hkv, C) float32 (`finish_head`); vmeans: (Hkv, C, D)
-    uint16 (bf16) or (Hkv, 1, D) zeros;
-    vals: (Hkv, N, D) uint16 values (by layout row when values_by_row, else by position) or None.
-    """
-
-    keys: np.ndarray
-    pos: np.ndarray
-    offsets: np.ndarray
-    cent: np.ndarray
-    bias: np.ndarray
-    size_factor: np.ndarray
-    vmeans: np.ndarray
-    vals: np.ndarray | None
-    values_by_row: bool
 
 
 def kernel_positions(pos: torch.Tensor, outside: torch.Tensor) -> np.ndarray:
@@ -85,7 +63,7 @@ class LayerResult(NamedTuple):
 
 # the parts of a split call (kernels/routed_split.py), as HeadTimes.rounds times them: from the Python side's call to the
 # compiled function's start, its rounds, and from their end back to the Python side
-SPLIT_ROUNDS = ("enter", "rows", "scan", "top_k", "values", "sums", "exit")
+SPLIT_ROUNDS = ("enter", *ROUNDS, "exit")
 
 
 class HeadTimes(NamedTuple):
@@ -100,7 +78,7 @@ class HeadTimes(NamedTuple):
     rounds: tuple = ()
 
 
-def _head_times(clock: np.ndarray) -> HeadTimes:
+def head_times(clock: np.ndarray) -> HeadTimes:
     """HeadTimes of a call's clock (Hkv, 2) `cycles` (start, end) per head."""
     rate = jit.cycles_per_second()
     work = clock[:, 1] - clock[:, 0]
@@ -151,7 +129,6 @@ def search_layer(arrays: LayerArrays, q: torch.Tensor, budget: int, k: int, scal
     attend = o is not None
     if not attend:
         o, mz = np.empty((hkv, Q, d), np.float32), np.empty((hkv, Q, 2), np.float32)
-    vals = a.vals if a.vals is not None else a.keys          # unread unless attend
     # Routing tasks per head: enough for every thread (Qwen2.5-7B has 4 KV heads for 16 cores), each over
     # at least _MIN_CLUSTERS_PER_TASK clusters.
     J = max(1, min(-(-threads // hkv), C // _MIN_CLUSTERS_PER_TASK))
@@ -160,11 +137,10 @@ def search_layer(arrays: LayerArrays, q: torch.Tensor, budget: int, k: int, scal
     mx_p, z_p = (reused_buffer(scratch, name, (hkv, J, Q), np.float32) for name in ("mx", "z"))
     read, clock = np.zeros(hkv, dtype=np.int64), np.zeros((hkv, 2), dtype=np.int64)
     jit.set_threads(min(threads, hkv * J))      # no idle team members (see `team_size`)
-    search_layer_par(a.keys, a.pos, a.offsets, a.size_factor, a.vmeans, qn, a.cent, a.bias, budget, k, s,
-                     estimate, vals, a.values_by_row, attend, logit, e, bounds, mx_p, z_p, ids, scores, rest_o,
-                     rest_lse, o, mz, read, clock)
+    search_layer_par(a, qn, budget, k, s, estimate, attend, RouteBuffers(logit, e, bounds, mx_p, z_p),
+                     LayerOut(ids, scores, o, mz), RestOut(rest_o, rest_lse), HeadClock(read, clock))
     return LayerResult(torch.from_numpy(ids), torch.from_numpy(scores), torch.from_numpy(rest_o),
-                       torch.from_numpy(rest_lse), int(read.sum()), int(np.count_nonzero(ids >= 0)), _head_times(clock))
+                       torch.from_numpy(rest_lse), int(read.sum()), int(np.count_nonzero(ids >= 0)), head_times(clock))
 
 
 def scan_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take: torch.Tensor, k: int,
@@ -186,14 +162,12 @@ def scan_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take: 
     order_n, take_n = order.numpy(), take.numpy()
     ids = np.empty((hkv, Q, k), dtype=np.int64)
     scores = np.empty((hkv, Q, k), dtype=np.float32)
-    vals = a.vals if a.vals is not None else a.keys
     read, clock = np.zeros(hkv, dtype=np.int64), np.zeros((hkv, 2), dtype=np.int64)
     jit.set_threads(min(threads, hkv))
-    scan_layer_par(a.keys, a.pos, a.offsets, order_n, take_n, qn, k, s, vals, a.values_by_row, ids, scores,
-                   o, mz, read, clock)
+    scan_layer_par(a, order_n, take_n, qn, k, s, LayerOut(ids, scores, o, mz), HeadClock(read, clock))
     return LayerResult(torch.from_numpy(ids), torch.from_numpy(scores), torch.zeros(hkv, Q, d),
                        torch.full((hkv, Q), -float("inf")), int(read.sum()), int(np.count_nonzero(ids >= 0)),
-                       _head_times(clock))
+                       head_times(clock))
 
 
 def split_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take: torch.Tensor, k: int,
@@ -211,8 +185,9 @@ def split_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take:
     qn = q.numpy() if q.is_contiguous() else q.contiguous().numpy()
     ids = np.empty((hkv, Q, k), dtype=np.int64)
     scores = np.empty((hkv, Q, k), dtype=np.float32)
-    vals = arrays.vals if arrays.vals is not None else arrays.keys
-    tally = reused_buffer(scratch, "tally", (TALLY,), np.int64)
+    tally = scratch.get("tally")
+    if tally is None:
+        tally = scratch["tally"] = new_tally()
     if o_bf16 is None:
         o_bf16 = reused_buffer(scratch, "no_bf16", (0, Q, d), np.uint16)
     qp = (Q + GROUP - 1) // GROUP * GROUP
@@ -226,11 +201,10 @@ def split_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take:
         buf: SplitScratch | None = scratch.get("split")
         if buf is None or buf.part.shape[:2] != (threads, hkv) or buf.scores.shape[1] != Q:
             buf = scratch["split"] = new_scratch(hkv, Q, d, 0, threads)
-        split_layer_par(arrays.keys, arrays.pos, arrays.offsets, order.numpy(), take.numpy(), qn, qf, qb, k,
-                        np.float32(scale), vals, arrays.values_by_row, threads, *buf, ids, scores, o, o_bf16, mz,
-                        tally)
+        split_layer_par(arrays, order.numpy(), take.numpy(), qn, qf, qb, k, np.float32(scale), threads, buf,
+                        LayerOut(ids, scores, o, mz), o_bf16, tally)
         c_out = jit.now()
-        need = int(tally[1])
+        need = int(tally[0]["most_read"])
         if need <= buf.rows.shape[1]:
             break
         # too few rows for this layer (the first call, or a layer reading more): grow with a margin, again
@@ -238,8 +212,8 @@ def split_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take:
     no_rest = scratch.get("no_rest")
     if no_rest is None or no_rest[0].shape != (hkv, Q, d):
         no_rest = scratch["no_rest"] = (torch.zeros(hkv, Q, d), torch.full((hkv, Q), -float("inf")))
-    t, rate = tally.tolist(), jit.cycles_per_second()
-    marks = (c_in, *t[6:], c_out)
-    times = HeadTimes(t[3] / threads / rate, t[4] / rate, t[5] / rate,
+    t, rate = tally[0], jit.cycles_per_second()
+    marks = (c_in, int(t["start"]), *(int(t[name]) for name in ROUNDS), c_out)
+    times = HeadTimes(int(t["work"]) / threads / rate, int(t["slowest"]) / rate, int(t["span"]) / rate,
                       tuple([(b - a) / rate for a, b in zip(marks, marks[1:])]))
-    return LayerResult(torch.from_numpy(ids), torch.from_numpy(scores), *no_rest, t[0], t[2], times)
+    return LayerResult(torch.from_numpy(ids), torch.from_numpy(scores), *no_rest, int(t["read"]), int(t["filled"]), times)
