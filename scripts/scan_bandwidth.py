@@ -110,7 +110,10 @@ def main() -> None:
     flat = FlatStrategy(ckv, lo, hi, {})
     flat.prepare()
     exact = [flat.select(0, q, a.k).ids for q in qs]
-    pct = (lambda gbs: None if dram is None else round(100 * gbs / dram, 1))
+
+    def pct(gbs: float) -> float | None:
+        return None if dram is None else round(100 * gbs / dram, 1)
+
     if "flat" not in a.skip:
         for backend in a.flat_backends:
             f = FlatStrategy(ckv, lo, hi, {"backend": backend})

@@ -54,9 +54,9 @@ def python_m(*args: object, **kwargs) -> subprocess.CompletedProcess:
 
 # ---- start-up: no torch for --help, info and the error paths ---------------------------------------
 PROBE = ("import sys, atexit\n"
-         "atexit.register(lambda: sys.stderr.write('HEAVY=' + ','.join(m for m in {heavy!r} if m in sys.modules)))\n"
+         f"atexit.register(lambda: sys.stderr.write('HEAVY=' + ','.join(m for m in {HEAVY!r} if m in sys.modules)))\n"
          "from topk_decode.cli.app import main\n"
-         "main(sys.argv[1:])\n").format(heavy=HEAVY)
+         "main(sys.argv[1:])\n")
 
 
 def heavy_imports(*args: object) -> tuple[subprocess.CompletedProcess, str]:

@@ -122,7 +122,7 @@ def test_fused_context_part_equals_select_then_the_decoders_context_part(cluster
 
 def test_fused_path_is_not_taken_where_the_exact_path_applies(clustered_cache):
     compiled = _open(clustered_cache, "routed", {"cluster_size": 32, "kernel": "numba"}, lo=3, hi=100)
-    o, mz = torch.empty(8, 16, dtype=torch.bfloat16), torch.empty(8, 2)
+    o = torch.empty(8, 16, dtype=torch.bfloat16)
     assert not compiled.attends(0, 97, o)                                         # k covers the range
     assert compiled.attends(0, 20, o) and not compiled.attends(0, 20, o.float())  # bf16 values only
 

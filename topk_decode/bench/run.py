@@ -332,7 +332,7 @@ def _run_topk(rec, model, shape, tokens, kv, real, cfg, device, dtype, budget) -
              kv="prefill" if real else "synthetic", kv_gib=_gib(kv), gpu_budget_gib=_gib(budget), strategy=name)
         release(device)
     set_gpu_budget(device, None)
-    del ckv
+    ckv = None   # the KV's memory goes before the next context
     release(device)
 
 

@@ -123,7 +123,7 @@ class SelectionStrategy(ABC):
         """Number of searchable context tokens."""
         return max(0, self.hi - self.lo)
 
-    @classmethod
+    @classmethod  # noqa: B027 - an optional hook: strategies without artifacts build nothing
     def build_artifacts(cls, ckv: ContextKV, options: dict | StrategyOptions | None = None,
                         progress: Callable[[int, int], None] | None = None) -> None:
         """Build and save, under `artifact_dir(ckv.path, cls.name)`, what the strategy needs on disk.
@@ -134,7 +134,7 @@ class SelectionStrategy(ABC):
         every file's size and checksum: use the helpers of `topk_decode.index.artifacts`).
         """
 
-    def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
+    def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:  # noqa: B027 - an optional hook
         """Build or load whatever the strategy searches (called once, at open)."""
 
     def close(self) -> None:

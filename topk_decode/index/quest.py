@@ -19,7 +19,6 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from topk_decode.errors import TopkError
 from topk_decode.index.artifacts import (
     artifact_dir,
     ensure_artifacts,

@@ -15,7 +15,6 @@ from typing import Any, Callable
 
 import torch
 
-from topk_decode.errors import TopkError
 from topk_decode.index.base import Selection, SelectionStrategy, exact_scores
 from topk_decode.index.options import StrategyOptions, option
 

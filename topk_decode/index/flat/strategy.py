@@ -14,7 +14,7 @@ which decodes them exactly); Faiss is imported only when it is used.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -25,6 +25,9 @@ from topk_decode.index.options import StrategyOptions, option
 from topk_decode.index.flat.select_topk import topk_by_threshold
 from topk_decode.index.threads import HeadPool, default_threads
 from topk_decode.store.format import dtype_name
+
+if TYPE_CHECKING:
+    import faiss
 
 # auto takes numba where the context is long enough to repay its first-run compile (~30 s on 2 cores, cached on
 # disk after), torch otherwise (docs/STRATEGIES.md "flat's default backend")

@@ -160,7 +160,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         # Padding reads an outside row of its head when there is one (then the flag alone masks padding
         # too), else the head's first row, masked by `valid`.
         self._pad_rows = []
-        for lay, out in zip(self.layouts, self._outside):
+        for out in self._outside:
             has = out.view(hkv, n).any(1)
             first = out.view(hkv, n).to(torch.uint8).argmax(1)                  # first outside row per head
             self._pad_rows.append((self._row_base[:, 0] + first).view(hkv, 1) if bool(has.all()) else None)
