@@ -4,7 +4,7 @@ four queries, `dot4`, in one of two ways chosen by the queries' dtype.
 - float32 queries: the key row widened exactly to fp32 inside the loop, one FMA per element and query.
 - uint16 queries (bf16 bits): AVX512-BF16's `vdpbf16ps`, which multiplies 32 bf16 pairs and adds them
   into 16 fp32 lanes in one instruction, with no widening. On the 16-core GPU host the fp32 arithmetic,
-  not DRAM, bounds flat's scan (docs/BENCHMARKS.md run 18); this removes most of it (run 19).
+  not DRAM, bounds flat's scan (docs/BENCHMARKS.md "flat's numba scan against the DRAM floor"); this removes most of it ("flat's numba scan with bf16 dot products").
 
 Same scores as the fp32 path where the query is bf16-exact (the decoder's queries are: the model computes
 them in bf16): a product of two bf16 values is exact in fp32, and the sums are fp32 additions, as there;

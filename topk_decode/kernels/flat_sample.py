@@ -3,7 +3,7 @@ that about SURVIVORS_PER_K·k of the head's rows reach, from an evenly strided s
 
 A guess, not a bound: flat_kernel.search checks that at least k rows got through and scans a head again
 without it where not. Sampling the whole head rather than each block lets each of B blocks keep about
-2·k/B rows instead of 2·k (docs/BENCHMARKS.md run 20).
+2·k/B rows instead of 2·k (docs/BENCHMARKS.md "flat's numba scan at 61–74 % of the DRAM floor").
 """
 
 from __future__ import annotations

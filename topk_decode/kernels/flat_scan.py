@@ -19,7 +19,7 @@ reads a cut that the head's other blocks publish (`bar`), both lower bounds of t
 Rows are prefetched ahead of the dot products, so that reading the next rows overlaps the arithmetic. A
 last pass merges each (head, query)'s block candidates into the exact top-k. Each pass is one numba
 parallel call (`prange`): a Python thread pool's start alone cost ~2 ms per layer on the 16-core host
-(docs/BENCHMARKS.md run 18); this layout is run 20's.
+(docs/BENCHMARKS.md "flat's numba scan against the DRAM floor"); this layout is that section's.
 
 Result: the top k by (exact fp32 score descending, position ascending): ties at the k-th score go to
 the lower positions, independent of thread timing. The k ids are returned in no particular order.
@@ -62,7 +62,7 @@ class Candidates(NamedTuple):
 
 _CHUNK = 64    # rows scored between two refreshes of the cuts (the other blocks' published ones)
 # Rows prefetched ahead of the dot products: the hardware prefetcher alone left a task's reads and its
-# arithmetic one after the other (docs/BENCHMARKS.md run 18).
+# arithmetic one after the other (docs/BENCHMARKS.md "flat's numba scan against the DRAM floor").
 AHEAD = 16
 
 
@@ -103,7 +103,7 @@ def _score_hits(keys, qp, t0, t1, ahead, e, cutv, sc, rows):
     or not the row is kept (cheaper than a branch around the stores). One group of queries (G ≤ 4, e.g.
     Llama-3-8B) has its own loop (`dots.score_rows4`: for bf16 queries written in IR, the queries held in
     registers for all rows): the general one's index arithmetic and loop over groups cost about half as
-    much as the dot products on the dev box (docs/BENCHMARKS.md run 20).
+    much as the dot products on the dev box (docs/BENCHMARKS.md "flat's numba scan at 61–74 % of the DRAM floor").
     """
     qn = qp.shape[0]
     nh = 0
@@ -174,7 +174,7 @@ def _padded_copy(q):
     """(Qp, D) a copy of the (Q, D) queries, zero rows padding the last group of GROUP, 64-byte aligned.
 
     Aligned: a 512-bit load that straddles two cache lines costs two (16 of them per key). The task's own
-    copy: one padded array shared by all tasks scanned slower (docs/BENCHMARKS.md run 19)."""
+    copy: one padded array shared by all tasks scanned slower (docs/BENCHMARKS.md "flat's numba scan with bf16 dot products")."""
     Q, d = q.shape
     qn = (Q + GROUP - 1) // GROUP * GROUP
     pad = 64 // q.itemsize

@@ -56,9 +56,9 @@ def pjit(fn):
     """fn compiled with its `prange` loops run on numba's threads (`jit` otherwise).
 
     One such call per layer replaces a Python thread pool's map, whose futures and GIL hand-offs cost
-    about as much as a head's work (docs/BENCHMARKS.md run 14). Outside its `prange` loops, numba also turns
+    about as much as a head's work (docs/BENCHMARKS.md "routing on the device"). Outside its `prange` loops, numba also turns
     every array expression (np.zeros, a.sum(), a - b) into a parallel region of its own: write those as loops
-    or in `jit` helpers (docs/BENCHMARKS.md run 16)."""
+    or in `jit` helpers (docs/BENCHMARKS.md "segmented k-means, Qwen2.5-7B at 1M, one position array, huge pages")."""
     return numba.njit(nogil=True, cache=True, fastmath=FASTMATH, parallel=True)(fn)
 
 
@@ -71,7 +71,7 @@ _SET = threading.local()   # the count this thread last set through `set_threads
 def set_threads(n: int) -> None:
     """Run this thread's later `pjit` calls on at most n of numba's threads (a per-thread setting)."""
     n = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
-    # numba's setter checks its thread pool on every call, once per layer here (docs/BENCHMARKS.md run 17)
+    # numba's setter checks its thread pool on every call, once per layer here (docs/BENCHMARKS.md "huge pages over a whole step, a faster top-k, less Python per layer")
     if getattr(_SET, "n", None) != n:
         numba.set_num_threads(n)
         _SET.n = n
@@ -82,7 +82,7 @@ def prefetch(typingctx, addr):
     """Ask for the cache line at byte address `addr` (an integer: `a.ctypes.data` + offset) to be loaded.
 
     routed's scan reads small clusters scattered over the layout; without a hint each row is a serial
-    DRAM miss (docs/BENCHMARKS.md run 15). A hint costs one instruction and never faults."""
+    DRAM miss (docs/BENCHMARKS.md "prefetching, and the heads' work split over the whole team"). A hint costs one instruction and never faults."""
     if not isinstance(addr, numba.types.Integer):
         return None
 

@@ -9,7 +9,7 @@ what this module holds — the exact fp32 scan of the chosen clusters' keys, the
 (in the decoder) the context part itself (`scan_head`; kernels/routed_split.py cuts the same work into pieces for
 the whole team). With the context part inside, a decode step runs no parallel torch op on the CPU, so
 torch's OpenMP workers (which spin after each parallel region) no longer compete with the search for the
-cores (docs/BENCHMARKS.md, run 12).
+cores (docs/BENCHMARKS.md "the decode buffer-ownership refactor").
 
 Same rules as the torch path: a cluster's priority is the largest share of attention mass any of the
 head's queries gives it (softmax over s·q·μ_c + bias_c), clusters are read in that order until `budget`
@@ -123,7 +123,7 @@ def dot_queries(qh, x, out):
 
 
 # Rows ahead of the scan whose cache lines are requested: the clusters read are small and scattered, so
-# without it each row is a serial DRAM miss; 16 rows keep ~70 lines in flight (docs/BENCHMARKS.md run 15).
+# without it each row is a serial DRAM miss; 16 rows keep ~70 lines in flight (docs/BENCHMARKS.md "prefetching, and the heads' work split over the whole team").
 _AHEAD = 16
 
 

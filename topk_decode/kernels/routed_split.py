@@ -2,7 +2,7 @@
 
 `scan_layer_par` gives each KV head one task: Llama-3-8B's 8 heads use 8 of a 16-core host's threads
 (Qwen2.5-7B's 4 heads use 4), and the layer waits for its slowest head. Here one call runs the layer in
-rounds over the whole team (docs/BENCHMARKS.md run 15):
+rounds over the whole team (docs/BENCHMARKS.md "prefetching, and the heads' work split over the whole team"):
 
     rows:    per head, the layout rows of its chosen clusters, in routing order (counted, then listed, over
              ranges of its clusters);
@@ -145,7 +145,7 @@ def split_layer_par(a, order, take, q, qf, qb, k, scale, pieces, buf, out, o16, 
     cap = rows.shape[1]
     # np.empty, not np.zeros, and the reductions in `_tally_reads` / `_tally_work`: in a parallel function
     # numba turns each array expression (a fill, a sum) into a parallel region of its own, a fork and join of
-    # the team each (docs/BENCHMARKS.md run 16). Every element of these is written by the rounds.
+    # the team each (docs/BENCHMARKS.md "segmented k-means, Qwen2.5-7B at 1M, one position array, huge pages"). Every element of these is written by the rounds.
     read, filled, clock = np.empty(hkv, np.int64), np.empty((hkv, Q), np.int64), np.empty((pieces, 2), np.int64)
     tally[0].start = cycles()
     use_b = np.empty(hkv, np.bool_)
@@ -185,7 +185,7 @@ def split_layer_par(a, order, take, q, qf, qb, k, scale, pieces, buf, out, o16, 
         cols = np.empty(K, np.int64)
         filled[h, i] = top_k_one(sc[h, i, :n], rpos[h, :n], ids[h, i], scores[h, i], cols, np.empty(2048, np.int64))
         # zeroed by the task that scatters into it (its lines then sit in this core's cache, not in the scan
-        # pieces' caches); no measurable change on the host either way (docs/BENCHMARKS.md run 16)
+        # pieces' caches); no measurable change on the host either way (docs/BENCHMARKS.md "segmented k-means, Qwen2.5-7B at 1M, one position array, huge pages")
         w[h, i, :n] = 0.0
         ms[h, i], zs[h, i] = slot_weights(scores[h, i], cols, scale, w[h, i], np.empty(K, np.float32),
                                            np.empty(K, np.float32), np.empty(K, np.int32))

@@ -58,7 +58,7 @@ def search(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, thread
         keys: (Hkv, N, D) bf16 keys (KERNEL_DTYPES), e.g. a memory map; q: (Hkv, Q, D) float32 queries.
         k: results per query; lo, hi: the searchable rows [lo, hi).
         threads: numba threads to use; block: keys per task (None: `task_block`).
-        ahead: rows prefetched ahead of the dot products (a tuning knob: docs/BENCHMARKS.md run 18).
+        ahead: rows prefetched ahead of the dot products (a tuning knob: docs/BENCHMARKS.md "flat's numba scan against the DRAM floor").
         dot: "bf16" scores with the hardware bf16 dot product (kernels/dots.py; the queries are rounded to bf16),
             "fp32" widens the keys and runs FMAs; "auto": bf16 where `bf16_dot_applies` (the same scores as
             fp32 up to summation order), else fp32.

@@ -7,7 +7,7 @@ the CPU, one call per layer (`search_layer_par`) runs two parallel rounds on num
 Splitting routing over ranges gives every thread work when the KV heads are fewer than the cores. When
 the decode device routes (index/routed/device.py), `split_layer_par` cuts the scan, top-k and context part into
 pieces for the whole team (`split_layer`). `scan_layer` (one task per KV head, `scan_head`) is the split's
-reference in the tests: in decoding it lost to the split (docs/BENCHMARKS.md run 15).
+reference in the tests: in decoding it lost to the split (docs/BENCHMARKS.md "prefetching, and the heads' work split over the whole team").
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def team_size(cores: int) -> int:
     """Threads of the per-layer call on a host with `cores` cores: one fewer than the cores, and (at the
     call) no more than its tasks. Every team member waits at the region's end, so one descheduled member
     stalls the layer for an OS time slice; a team of every core did, while the GPU ran the step
-    (docs/BENCHMARKS.md run 14)."""
+    (docs/BENCHMARKS.md "routing on the device")."""
     return max(1, cores - 1)
 
 
@@ -180,7 +180,7 @@ def split_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take:
         rows than they hold) across layers and steps; o_bf16: (Hkv, Q, D) uint16 that receives o rounded to
         bf16 too (the decoder's part buffer), or None.
     """
-    # Called once per layer and step: its Python side is on the critical path (docs/BENCHMARKS.md run 17)
+    # Called once per layer and step: its Python side is on the critical path (docs/BENCHMARKS.md "huge pages over a whole step, a faster top-k, less Python per layer")
     hkv, Q, d = q.shape
     qn = q.numpy() if q.is_contiguous() else q.contiguous().numpy()
     ids = np.empty((hkv, Q, k), dtype=np.int64)

@@ -2,7 +2,7 @@
 
 On the CPU, routing reads every centroid and the estimate every cluster's mean value at every step and
 layer: at 128K tokens and clusters of 16 that is 4 MB per KV head, three times the keys the scan reads,
-and it dominated the step on the GPU host (docs/BENCHMARKS.md run 14). On the GPU
+and it dominated the step on the GPU host (docs/BENCHMARKS.md "routing on the device"). On the GPU
 the same arithmetic is a few microseconds of a kernel. So, for the layers whose tables fit the device:
 
 - per layer, the step's segment (decode/graphs.py) scores the query against the centroids, ranks the

@@ -95,7 +95,8 @@ class RoutedOptions(StrategyOptions):
     hugepages: bool = option(True, "The compiled path reads the layout from copies backed by transparent huge pages "
                              "(store/huge_pages.py): always for a layout in RAM, for a memory-mapped one when it fits "
                              "in half the available memory. Scattered cluster reads otherwise miss the TLB on almost "
-                             "every cluster (docs/BENCHMARKS.md run 16).")
+                             "every cluster (docs/BENCHMARKS.md 'segmented k-means, Qwen2.5-7B at 1M, one position "
+                             "array, huge pages').")
 
 
 class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged):
@@ -293,7 +294,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         """Numpy views of the decoder's part buffers for the compiled calls: o's bf16 bits (Hkv, Q, D) uint16
         (None where o is not contiguous) and mz (Hkv, Q, 2), or a fresh array where mz is not contiguous.
         Kept per buffer: the decoder passes the same per-layer buffers every step, and making the views costs
-        about what a small layer's compiled call does (docs/BENCHMARKS.md run 17)."""
+        about what a small layer's compiled call does (docs/BENCHMARKS.md "huge pages over a whole step, a faster top-k, less Python per layer")."""
         views = self._split_scratch.setdefault("views", {})
         hit = views.get((id(o), id(mz)))
         if hit is not None and hit[0] is o and hit[1] is mz and hit[3].shape[:2] == shape[:2]:
