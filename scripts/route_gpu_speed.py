@@ -74,7 +74,7 @@ def main() -> None:
            "tables": routes.values_kind,
            "route_us": graph_us(lambda: routes.route(0, q32), a.reps),
            "route_estimate_us": graph_us(lambda: (routes.route(0, q32), routes.estimate_part(0)), a.reps),
-           "centroid_product_us": graph_us(lambda: routes._bmm(q32, t.cent.transpose(1, 2)), a.reps),
+           "centroid_product_us": graph_us(lambda: routes.bmm(q32, t.cent.transpose(1, 2)), a.reps),
            "top_w_sorted_us": graph_us(lambda: share.topk(t.width, dim=-1, sorted=True), a.reps),
            "full_sort_us": graph_us(lambda: share.sort(dim=-1, descending=True), a.reps)}
     print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)

@@ -171,7 +171,7 @@ class DeviceRoutes:
         """
         t = self.tables[layer]
         q = q32 if t.cscale is None else q32 * t.cscale          # float8 centroids: their scale moves to q
-        base = self._bmm(q, t.cent.transpose(1, 2)).mul_(self.scale)            # (Hkv, G, C) s·q·μ_c
+        base = self.bmm(q, t.cent.transpose(1, 2)).mul_(self.scale)            # (Hkv, G, C) s·q·μ_c
         logit = base + t.bias
         share = logit - torch.logsumexp(logit, dim=-1, keepdim=True)
         order = share.amax(1).topk(t.width, dim=-1, sorted=True).indices          # (Hkv, W) by priority
@@ -193,12 +193,12 @@ class DeviceRoutes:
         read = torch.zeros(base.shape[0], base.shape[2], dtype=torch.bool, device=base.device)
         read.scatter_(1, order, taken)                                            # (Hkv, C)
         def p_times_means(p: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
-            out = self._bmm(p, means)                                              # (Hkv, G, D)
+            out = self.bmm(p, means)                                              # (Hkv, G, D)
             return out if t.vscale is None else out.mul_(t.vscale)
         rest = unread_part(base + t.log_n, read, t.vmeans, bmm=p_times_means)
         return rest.out, rest.lse
 
-    def _bmm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def bmm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """a (B, M, K) float32 × b (B, K, N) stored in bf16 or float8 → (B, M, N) float32."""
         if self._bf16_bmm:
             b = b if b.dtype == torch.bfloat16 else b.to(torch.bfloat16)
