@@ -54,7 +54,7 @@ def profile_prefill(model, n: int, chunk: int, out: Path, device) -> dict:
     kept = []
     res["ours_keep_s"] = _timed(lambda: prefill_layers(model, tokens, lambda l, k, v: kept.append((k, v)),
                                                       chunk_size=chunk), device)
-    del kept
+    kept = None
     # one layer, phase by phase (CUDA events around each phase of every chunk)
     layer = model.model.layers[1]
     hidden = torch.randn((n, shape.hidden_size), dtype=torch.bfloat16, pin_memory=True)

@@ -1,4 +1,4 @@
-"""What routed's device-side routing costs per layer inside a captured graph (index/routed_device.py).
+"""What routed's device-side routing costs per layer inside a captured graph (index/routed/device.py).
 
     python scripts/route_gpu_speed.py --n 131072 --kv-heads 8 --group 4      # Llama-3-8B shape at 128K
     python scripts/route_gpu_speed.py --n 1048576 --kv-heads 4 --group 7 --probe-fraction 0.02 --segment 65536
@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's package, not an installed one
-from topk_decode.index.routed_device import DeviceRoutes
+from topk_decode.index.routed.device import DeviceRoutes
 
 
 def graph_us(fn, reps: int) -> float:
@@ -74,7 +74,7 @@ def main() -> None:
            "tables": routes.values_kind,
            "route_us": graph_us(lambda: routes.route(0, q32), a.reps),
            "route_estimate_us": graph_us(lambda: (routes.route(0, q32), routes.estimate_part(0)), a.reps),
-           "centroid_product_us": graph_us(lambda: routes._bmm(q32, t.cent.transpose(1, 2)), a.reps),
+           "centroid_product_us": graph_us(lambda: routes.bmm(q32, t.cent.transpose(1, 2)), a.reps),
            "top_w_sorted_us": graph_us(lambda: share.topk(t.width, dim=-1, sorted=True), a.reps),
            "full_sort_us": graph_us(lambda: share.sort(dim=-1, descending=True), a.reps)}
     print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from topk_decode.eval.realtext import REAL_TASKS, make_suite
-from topk_decode.index.cluster import KMeansConfig, build_layer
+from topk_decode.index.routed.cluster import KMeansConfig, build_layer
 from topk_decode.store.cache_dir import open_cache
 
 N_SINK, N_TAIL = 4, 64

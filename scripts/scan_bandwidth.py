@@ -2,10 +2,8 @@
 
 On one host, one JSON line per measurement:
   dram      — GB/s of summing a large fp32 tensor (all threads), the read floor;
-  flat      — ms per layer of FlatStrategy.select (torch backend: each `scan` kernel; `--flat-backends`
-              adds others, e.g. numba) over Hkv × N × D bf16 keys, the key bytes / time as GB/s and as
-              % of the dram figure; plus the torch backend's bmm stage alone and alternative scan
-              kernels for that stage (`scan_variants`);
+  flat      — ms per layer of FlatStrategy.select (each backend of `--flat-backends`) over Hkv × N × D
+              bf16 keys, the key bytes / time as GB/s and as % of the dram figure;
   routed    — ms per layer of RoutedStrategy.select, keys read %, GB/s of the keys it read, its
               routing stage alone, and id recall of flat's exact top-k (random keys cluster poorly:
               this recall is a floor, not the fidelity on a real model).
@@ -14,7 +12,7 @@ Usage (Llama-3-8B shape at 128K, one layer):
   python scripts/scan_bandwidth.py --n 131072 --kv-heads 8 --group 4 --k 1024 --out scan.jsonl
 flat's torch and numba backends only, one layer and then 32 layers (each layer's keys cold):
   python scripts/scan_bandwidth.py --n 131072 --kv-heads 8 --group 4 --k 1024 --flat-backends torch numba \
-      --skip variants routed routed_layers --layers 32 --out scan.jsonl
+      --skip routed routed_layers --layers 32 --out scan.jsonl
 Figures: docs/BENCHMARKS.md.
 """
 
@@ -61,37 +59,6 @@ def dram_bandwidth(gib: float = 4.0, reps: int = 5) -> dict:
             "gb_s": round(x.numel() * 4 / best / 1e6, 1)}
 
 
-def scan_variants(keys: torch.Tensor, q: torch.Tensor, reps: int) -> dict:
-    """ms of the half-precision scoring stage (q·k for all keys, no top-k) by several kernels.
-
-    bmm: one batched (Hkv, Q, D) × (Hkv, D, N) matmul (what flat runs today);
-    mm_kq: per head (N, D) × (D, Q), keys as the tall operand;
-    blocks_T: threads over (head, block of 16K keys), torch single-threaded inside each block.
-    """
-    hkv, n, d = keys.shape
-    qb = q.to(keys.dtype)
-    out = torch.empty((hkv, q.shape[1], n), dtype=keys.dtype)
-    out_t = torch.empty((hkv, n, q.shape[1]), dtype=keys.dtype)
-    res = {"bmm_ms": _timed(lambda: torch.bmm(qb, keys.transpose(1, 2), out=out), reps)}
-    qt = qb.transpose(1, 2).contiguous()                                       # (Hkv, D, Q)
-    res["mm_kq_ms"] = _timed(lambda: [torch.mm(keys[h], qt[h], out=out_t[h]) for h in range(hkv)], reps)
-    res["bmm_kq_ms"] = _timed(lambda: torch.bmm(keys, qt, out=out_t), reps)
-    block = 1 << 14
-    tasks = [(h, s) for h in range(hkv) for s in range(0, n, block)]
-    n_thr = torch.get_num_threads()
-
-    def one(t):
-        h, s = t
-        torch.mm(keys[h, s:s + block], qt[h], out=out_t[h, s:s + block])
-
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with ThreadPoolExecutor(n_thr) as pool:
-        res["blocks_threads_ms"] = _timed(lambda: list(pool.map(one, tasks)), reps)
-    torch.set_num_threads(prev)
-    return {k: round(v, 3) for k, v in res.items()}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=131072, help="keys per head (context length)")
@@ -104,14 +71,13 @@ def main() -> None:
     ap.add_argument("--dram-gib", type=float, default=4.0)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--skip", nargs="*", default=[],
-                    help="any of dram flat variants routed; with --layers > 1 also routed_layers, flat_layers")
+                    help="any of dram flat routed; with --layers > 1 also routed_layers, flat_layers")
     ap.add_argument("--flat-backends", nargs="+", default=["torch"],
-                    help="flat backends to time (its `backend` option: torch, numba, faiss); torch is timed "
-                         "with each of its scan kernels")
+                    help="flat backends to time (its `backend` option: torch, numba, faiss)")
     ap.add_argument("--layers", type=int, default=1, help="with > 1: also time routed and flat over every layer per "
                     "step (each layer's data cold, as in decoding) on a synthetic cache of this many layers")
     ap.add_argument("--kernels", nargs="+", default=["torch", "numba"],
-                    help="routed's search paths to time (its `kernel` option; numba needs numba installed)")
+                    help="routed's search paths to time (its `kernel` option; numba: bf16 keys)")
     ap.add_argument("--estimate", action="store_true",
                     help="routed with its estimate of the rest (the strategy's default; both kernels implement it)")
     ap.add_argument("--profile", action="store_true", help="print a torch profile of routed select (stderr)")
@@ -144,12 +110,13 @@ def main() -> None:
     flat = FlatStrategy(ckv, lo, hi, {})
     flat.prepare()
     exact = [flat.select(0, q, a.k).ids for q in qs]
-    pct = (lambda gbs: None if dram is None else round(100 * gbs / dram, 1))
+
+    def pct(gbs: float) -> float | None:
+        return None if dram is None else round(100 * gbs / dram, 1)
+
     if "flat" not in a.skip:
-        configs = [(b, {"backend": b, "scan": scan} if b == "torch" else {"backend": b})
-                   for b in a.flat_backends for scan in (("bmm", "kq", "blocks") if b == "torch" else (None,))]
-        for backend, opts in configs:
-            f = FlatStrategy(ckv, lo, hi, opts)
+        for backend in a.flat_backends:
+            f = FlatStrategy(ckv, lo, hi, {"backend": backend})
             f.prepare()
             sels = []
             it = iter(qs * 2)
@@ -158,17 +125,11 @@ def main() -> None:
             gbs = key_bytes / ms / 1e6
             # the same top-k as the torch backend's (ties aside): share of equal id sets over heads × queries
             same = [torch.equal(sel.ids.sort(-1).values, ids.sort(-1).values) for sel, ids in zip(sels, exact)]
-            emit({"what": "flat", "backend": backend, "scan": opts.get("scan"), "dot": _numba_dot(backend, ckv, qs[0]),
+            emit({"what": "flat", "backend": backend, "dot": _numba_dot(backend, ckv, qs[0]),
                   "ms_per_layer": round(ms, 2),
                   "key_gb_s": round(gbs, 1), "pct_of_dram": pct(gbs), "dram_gb_s": dram,
                   "same_ids_as_torch": round(sum(same) / len(same), 3)})
-    if "variants" not in a.skip:
-        v = scan_variants(ckv.keys[0], qs[0], a.reps)
-        emit({"what": "flat_scan_stage", **v,
-              **{k.replace("_ms", "_pct_of_dram"): pct(key_bytes / ms / 1e6) for k, ms in v.items()}})
     if "routed" not in a.skip:
-      import topk_decode.index.routed_torch as routed_mod
-
       for kernel in a.kernels:
         t = time.perf_counter()
         routed = RoutedStrategy(ckv, lo, hi, {"cluster_size": a.cluster_size, "kernel": kernel,
@@ -177,8 +138,6 @@ def main() -> None:
         build_s = time.perf_counter() - t
 
         for pf in a.probe_fraction:
-          for route_threads in ((1, None) if kernel == "torch" else (None,)):
-            routed_mod._SMALL_OP_THREADS = route_threads
             routed.probe_fraction = pf
             routed.stats.extra.update(keys_read=0, keys_searchable=0)
             sels = []
@@ -187,10 +146,7 @@ def main() -> None:
             read = routed.keys_read_fraction()
             budget = max(int(pf * (hi - lo)), 2 * a.k)
             it = iter(qs * 2)
-            threads = torch.get_num_threads()
-            torch.set_num_threads(route_threads or threads)
             route_ms = _timed(lambda: routed.route(0, next(it), budget), a.reps) if kernel == "torch" else None
-            torch.set_num_threads(threads)
             rec = []
             for sel, ids in zip(sels[:len(qs)], exact):
                 for h in range(a.kv_heads):
@@ -198,18 +154,17 @@ def main() -> None:
                         rec.append(len(set(sel.ids[h, i].tolist()) & set(ids[h, i].tolist())) / a.k)
             gbs = read * key_bytes / ms / 1e6
             emit({"what": "routed", "kernel": kernel, "probe_fraction": pf, "cluster_size": a.cluster_size,
-                  "build_s": round(build_s, 1), "route_threads": route_threads or threads,
+                  "build_s": round(build_s, 1),
                   "ms_per_layer": round(ms, 3), "route_ms": route_ms and round(route_ms, 3),
                   "keys_read_pct": round(100 * read, 2),
                   "read_gb_s": round(gbs, 1), "pct_of_dram": pct(gbs), "id_recall_random_keys": round(sum(rec) / len(rec), 3)})
-            if a.profile and route_threads == 1:
+            if a.profile and kernel == "torch":
                 from torch.profiler import profile
 
                 with profile() as prof:
                     for q in qs:
                         routed.select(0, q, a.k)
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18), file=sys.stderr)
-        routed_mod._SMALL_OP_THREADS = None
         routed.close()
     if a.layers > 1:
         del ckv, flat
@@ -241,9 +196,9 @@ def _numba_dot(backend: str, ckv, q: torch.Tensor) -> str | None:
     """How flat's numba backend scores here ("bf16": hardware dot products, "fp32"), None for other backends."""
     if backend != "numba":
         return None
-    from topk_decode.index import flat_kernel
+    from topk_decode.index.flat import compiled
 
-    return "bf16" if flat_kernel.bf16_dot_applies(ckv.keys[0], q) else "fp32"
+    return "bf16" if compiled.bf16_dot_applies(ckv.keys[0], q) else "fp32"
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ Usage (Llama-3-8B shape at 128K, 32 layers; synthetic random bf16 KV, so routed'
 nothing: docs/BENCHMARKS.md):
   python scripts/step_cpu.py --n 131072 --layers 32 --configs flat routed:kernel=torch routed:kernel=numba
 With routed:device_route=true the clusters are ranked on the GPU (the CPU where there is none), untimed,
-and the CPU side is what is left of a device-routed step (index/routed_device.py).
+and the CPU side is what is left of a device-routed step (index/routed/device.py).
 Figures: docs/BENCHMARKS.md.
 """
 
@@ -22,15 +22,14 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's package, not an installed one
 from topk_decode.bench.measure import anon_huge_pages
 from topk_decode.bench.synthetic import synthetic_kv
 from topk_decode.decode.context import ContextAttention
-from topk_decode.index import get_strategy
-from topk_decode.index.routed_compiled import SPLIT_ROUNDS
+from topk_decode.index import FusedAttention, get_strategy
+from topk_decode.index.routed.compiled import SPLIT_ROUNDS
 
 
 def parse_config(text: str) -> tuple[str, dict]:
@@ -57,7 +56,9 @@ def step_ms(strat, context: ContextAttention, qs: list[torch.Tensor], k: int, la
                 torch.cuda.synchronize(routes.device)
             route = routes.host_route(layer)
         t = time.perf_counter()
-        if strat.select_and_attend(layer, q, k, None, o, mz, route=route) is None:
+        if isinstance(strat, FusedAttention) and strat.attends(layer, k, o):
+            strat.select_and_attend(layer, q, k, None, o, mz, route=route)
+        else:
             context.attend(layer, strat.select(layer, q, k), o, mz)
         return time.perf_counter() - t
 

@@ -30,7 +30,7 @@ def one_error_line(result) -> str:
 @pytest.mark.parametrize("strategy,options,fragment", [
     ("ivf", {"nprob": 1}, "unknown option 'nprob' for strategy ivf (valid options: center, mmap, nlist, nprobe, "
                           "spherical, threads)"),
-    ("flat", {"nprobe": 4}, "unknown option 'nprobe' for strategy flat (valid options: backend, scan, threads)"),
+    ("flat", {"nprobe": 4}, "unknown option 'nprobe' for strategy flat (valid options: backend, threads)"),
     ("ivf", {"nprobe": "many"}, "option nprobe of strategy ivf must be an integer, got 'many'"),
     ("hnsw", {"center": "maybe"}, "option center of strategy hnsw must be a boolean"),
     ("tokenselect", {"threshold": "high"}, "option threshold of strategy tokenselect must be a number"),
@@ -47,12 +47,14 @@ def test_cli_values_are_converted_to_the_declared_types(built_cache):
     cache, _ = built_cache
     with KVStore.open(cache, k=8, strategy="flat", strategy_options={"threads": "1", "backend": "torch"},
                       device="cpu") as store:
-        assert store.decoder.strategy.options == {"threads": 1, "backend": "torch"}
+        assert store.decoder.strategy.options.given_values() == {"threads": 1, "backend": "torch"}
 
 
 def test_options_for_several_strategies_are_split_between_them():
-    assert split_options(["ivf", "hnsw"], {"nlist": 16, "efSearch": "32", "center": 0}) == {
+    split = split_options(["ivf", "hnsw"], {"nlist": 16, "efSearch": "32", "center": 0})
+    assert {n: o.given_values() for n, o in split.items()} == {
         "ivf": {"nlist": 16, "center": False}, "hnsw": {"efSearch": 32, "center": False}}
+    assert split["hnsw"].efSearch == 32 and split["hnsw"].M == 32             # parsed once, defaults filled in
     with pytest.raises(TopkError, match="unknown option 'nprob' for strategies ivf, hnsw"):
         split_options(["ivf", "hnsw"], {"nprob": 1})
 

@@ -13,7 +13,7 @@ from topk_decode.bench.shapes import SHAPES, make_config
 from topk_decode.bench.synthetic import kv_bytes, synthetic_kv
 from topk_decode.errors import TopkError
 from topk_decode.index.base import StrategyStats
-from topk_decode.index.flat import _fp32_scan, _half_scan
+from topk_decode.index.flat.strategy import fp32_scan, half_scan
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +91,8 @@ def test_half_precision_scan_returns_the_exact_fp32_top_k():
     torch.manual_seed(0)
     keys = torch.randn(3, 4000, 32).bfloat16()
     q = torch.randn(3, 5, 32).bfloat16().float()
-    sel = _half_scan(keys, q, 100, 7, 3900, StrategyStats())
-    scores, ids = _fp32_scan(keys, q, 100, 7, 3900)
+    sel = half_scan(keys, q, 100, 7, 3900, StrategyStats())
+    scores, ids = fp32_scan(keys, q, 100, 7, 3900)
     assert torch.equal(sel.ids.sort(-1).values, ids.sort(-1).values)
     assert torch.allclose(sel.scores, scores, rtol=0, atol=1e-5)
     assert sel.ids.min() >= 7 and sel.ids.max() < 3900
@@ -104,7 +104,7 @@ def test_half_precision_scan_rescans_rows_whose_certificate_fails():
     keys = torch.ones(1, 500, 8, dtype=torch.bfloat16)
     q = torch.ones(1, 2, 8)
     stats = StrategyStats()
-    sel = _half_scan(keys, q, 10, 0, 500, stats)
+    sel = half_scan(keys, q, 10, 0, 500, stats)
     assert stats.extra["fp32_rescans"] == 2
     assert torch.all(sel.scores == 8.0)
 

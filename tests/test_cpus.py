@@ -135,11 +135,9 @@ def test_a_store_opened_with_topk_threads_1_searches_on_one_thread(built_cache, 
 
 def test_the_numba_search_runs_on_as_many_threads_as_topk_threads(monkeypatch):
     torch = pytest.importorskip("torch")
-    from topk_decode.index import compiled, flat_kernel
-
-    if not compiled.available():
-        pytest.skip("needs numba")
     import numba
+
+    from topk_decode.kernels import flat_scan
 
     from topk_decode.bench.synthetic import kv_in_memory
     from topk_decode.index.flat import FlatStrategy
@@ -147,13 +145,13 @@ def test_the_numba_search_runs_on_as_many_threads_as_topk_threads(monkeypatch):
     keys = torch.randn(2, 1500, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
     ckv = kv_in_memory([keys], [keys], list(range(1500)), "llama")
     q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(1)).bfloat16().float()
-    scan, seen = flat_kernel._scan_par, []
+    scan, seen = flat_scan.scan_par, []
 
     def watched(*args):
         seen.append(numba.get_num_threads())
         return scan(*args)
 
-    monkeypatch.setattr(flat_kernel, "_scan_par", watched)
+    monkeypatch.setattr(flat_scan, "scan_par", watched)
     for value, want in (("1", 1), (None, min(cpus.usable_cpus(), numba.config.NUMBA_NUM_THREADS))):
         if value is None:
             monkeypatch.delenv("TOPK_THREADS", raising=False)

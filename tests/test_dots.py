@@ -1,4 +1,4 @@
-"""The compiled scans' dot products (index/dots.py): padding, exactness flags, and both ways of scoring."""
+"""The compiled scans' dot products (kernels/dots.py): padding, exactness flags, and both ways of scoring."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from topk_decode.index import dots
-from topk_decode.index.compiled import bits, jit
+from topk_decode.kernels import dots
+from topk_decode.index.base import bf16_bits as bits
+from topk_decode.kernels.jit import jit
 
-pytest.importorskip("numba")
 
 
 @jit

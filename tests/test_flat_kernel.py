@@ -1,4 +1,4 @@
-"""flat's compiled scan (index/flat_kernel.py, `flat --opt backend=numba`) returns the exact top-k."""
+"""flat's compiled scan (kernels/flat_scan.py, index/flat/compiled.py, `flat --opt backend=numba`) returns the exact top-k."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import torch
 
 from topk_decode.bench.synthetic import kv_in_memory, synthetic_kv
 from topk_decode.errors import TopkError
-from topk_decode.index import compiled as compiled_paths, dots, flat_kernel, flat_sample
-from topk_decode.index.base import exact_scores
+from topk_decode.index.base import bf16_bits, exact_scores
 from topk_decode.index.flat import FlatStrategy
+from topk_decode.index.flat import compiled as flat_numba
+from topk_decode.kernels import dots, flat_sample, jit
 
-pytest.importorskip("numba")
 
 
 @pytest.fixture(scope="module")
@@ -74,21 +74,21 @@ def _assert_exact_topk(ids: torch.Tensor, sc: torch.Tensor, keys: torch.Tensor, 
 def test_search_returns_the_exact_topk_across_block_boundaries(threads, d, Q, k, lo, hi, block, dot):
     keys, q = _keys_and_queries(2, 3000, d, Q, seed=d + Q + k)
     q = _for(dot, q)
-    ids, sc = flat_kernel.search(keys, q, k, lo, hi, threads, block=block, dot=dot)
+    ids, sc = flat_numba.search(keys, q, k, lo, hi, threads, block=block, dot=dot)
     _assert_exact_topk(ids, sc, keys, q, k, lo, hi)
 
 
 @pytest.mark.parametrize("k,lo,hi", [(900, 100, 1000), (2000, 100, 1000), (1, 0, 1)])
 def test_k_at_least_the_range_returns_every_key_then_empty_slots(threads, k, lo, hi):
     keys, q = _keys_and_queries(2, 1000, 64, 4, seed=3)
-    ids, sc = flat_kernel.search(keys, q, k, lo, hi, threads, block=64)
+    ids, sc = flat_numba.search(keys, q, k, lo, hi, threads, block=64)
     _assert_exact_topk(ids, sc, keys, q, k, lo, hi)
     assert (sc[..., hi - lo:] == 0).all()
 
 
 def test_empty_range_returns_only_empty_slots(threads):
     keys, q = _keys_and_queries(2, 100, 64, 4, seed=4)
-    ids, sc = flat_kernel.search(keys, q, 5, 50, 50, threads)
+    ids, sc = flat_numba.search(keys, q, 5, 50, 50, threads)
     assert (ids == -1).all() and (sc == 0).all() and ids.shape == (2, 4, 5)
 
 
@@ -100,7 +100,7 @@ def test_ties_at_the_kth_score_go_to_the_lowest_positions_whatever_the_threads_a
     q = torch.ones(hkv, 3, d)
     want = set(range(1500, 1510)) | set(range(10, 40))          # lo = 10: the 30 lowest tied positions
     for p, block in ((threads, 16), (threads, 64), (threads, 1000), (1, 300), (threads, None)):
-        ids, sc = flat_kernel.search(keys, q, 40, 10, 1990, p, block=block, dot=dot)
+        ids, sc = flat_numba.search(keys, q, 40, 10, 1990, p, block=block, dot=dot)
         for h in range(hkv):
             for i in range(3):
                 assert set(ids[h, i].tolist()) == want
@@ -109,7 +109,7 @@ def test_ties_at_the_kth_score_go_to_the_lowest_positions_whatever_the_threads_a
 
 def _sampled_block_is_used(keys: torch.Tensor, q: torch.Tensor, k: int, s: int, e: int) -> bool:
     """Whether `search` guesses each head's cut from a sample here (else every block starts from −inf)."""
-    spec = flat_sample.head_cuts(compiled_paths.bits(keys), q.contiguous().numpy(), s, e, k, 1)
+    spec = flat_sample.head_cuts(bf16_bits(keys), q.contiguous().numpy(), s, e, k, 1)
     return bool((spec > float("-inf")).all())
 
 
@@ -123,7 +123,7 @@ def test_sampled_cut_keeps_the_exact_topk(Q, k, lo, hi, block, dot):
     keys, q = _keys_and_queries(2, 12000, 64, Q, seed=Q + k)
     q = _for(dot, q)
     assert _sampled_block_is_used(keys, q, k, lo, hi) == (k < 2000)
-    ids, sc = flat_kernel.search(keys, q, k, lo, hi, 1, block=block, dot=dot)
+    ids, sc = flat_numba.search(keys, q, k, lo, hi, 1, block=block, dot=dot)
     _assert_exact_topk(ids, sc, keys, q, k, lo, hi)
 
 
@@ -135,7 +135,7 @@ def test_a_sample_that_guesses_too_high_falls_back_to_the_exact_topk():
     q = torch.ones(hkv, 2, d)      # 64th best lets only ~64 rows through, far fewer than k
     keys = keys.bfloat16()
     assert _sampled_block_is_used(keys, q, k, 0, n)
-    ids, sc = flat_kernel.search(keys, q, k, 0, n, 1)
+    ids, sc = flat_numba.search(keys, q, k, 0, n, 1)
     _assert_exact_topk(ids, sc, keys, q, k, 0, n)
 
 
@@ -149,7 +149,7 @@ def test_only_the_head_whose_guess_was_too_high_is_scanned_again_and_all_stay_ex
     q = _for(dot, torch.ones(hkv, 3, d) + 0.1 * torch.randn(hkv, 3, d, generator=gen))
     keys = keys.bfloat16()
     assert _sampled_block_is_used(keys, q, k, 0, n)
-    ids, sc = flat_kernel.search(keys, q, k, 0, n, threads, block=2048, dot=dot)
+    ids, sc = flat_numba.search(keys, q, k, 0, n, threads, block=2048, dot=dot)
     _assert_exact_topk(ids, sc, keys, q, k, 0, n)
 
 
@@ -158,7 +158,7 @@ def test_ties_everywhere_with_a_sampled_cut_go_to_the_lowest_positions():
     keys = torch.ones(hkv, n, d, dtype=torch.bfloat16)       # the sample's cut equals every score
     q = torch.ones(hkv, 2, d)
     assert _sampled_block_is_used(keys, q, k, 0, n)
-    ids, _ = flat_kernel.search(keys, q, k, 0, n, 1)
+    ids, _ = flat_numba.search(keys, q, k, 0, n, 1)
     assert all(set(ids[0, i].tolist()) == set(range(k)) for i in range(2))
 
 
@@ -189,24 +189,30 @@ def test_numba_backend_selects_what_the_torch_backend_selects_from_a_memory_mapp
 def test_bf16_dot_products_select_and_score_what_the_fp32_path_does(threads, d, Q):
     keys, q = _keys_and_queries(3, 5000, d, Q, seed=d * Q)
     q = q.bfloat16().float()
-    assert flat_kernel.bf16_dot_applies(keys, q)
-    a_ids, a_sc = flat_kernel.search(keys, q, 100, 2, 4990, threads, dot="fp32")
-    b_ids, b_sc = flat_kernel.search(keys, q, 100, 2, 4990, threads)          # auto: bf16 here
+    assert flat_numba.bf16_dot_applies(keys, q)
+    a_ids, a_sc = flat_numba.search(keys, q, 100, 2, 4990, threads, dot="fp32")
+    b_ids, b_sc = flat_numba.search(keys, q, 100, 2, 4990, threads)          # auto: bf16 here
     assert torch.equal(a_ids.sort(-1).values, b_ids.sort(-1).values)
     torch.testing.assert_close(a_sc.sort(-1).values, b_sc.sort(-1).values, rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_dot_products_apply_only_to_bf16_exact_queries_and_rows_of_whole_registers(monkeypatch):
     keys, q = _keys_and_queries(1, 100, 64, 4, seed=1)
-    assert not flat_kernel.bf16_dot_applies(keys, q)                           # q: fp32 bits below bf16's
+    assert not flat_numba.bf16_dot_applies(keys, q)                           # q: fp32 bits below bf16's
     assert not dots.bf16_available(48)                                          # 48 is no multiple of 32
-    monkeypatch.setenv("TOPK_NO_BF16_DOT", "1")                                # the switch for A/B runs
-    assert not dots.bf16_available(64)
-    monkeypatch.delenv("TOPK_NO_BF16_DOT")
     import numba
 
-    monkeypatch.setattr(numba.config, "CPU_NAME", "generic")                   # numba built for another CPU
-    assert not dots.bf16_available(64)
+    try:   # the instruction set is chosen once per process (kernels/jit.py): choose again under each setting
+        monkeypatch.setenv("TOPK_NO_BF16_DOT", "1")                            # the switch for A/B runs
+        jit.instruction_set.cache_clear()
+        assert not dots.bf16_available(64)
+        monkeypatch.delenv("TOPK_NO_BF16_DOT")
+        monkeypatch.setattr(numba.config, "CPU_NAME", "generic")               # numba built for another CPU
+        jit.instruction_set.cache_clear()
+        assert not dots.bf16_available(64)
+    finally:
+        monkeypatch.undo()
+        jit.instruction_set.cache_clear()
 
 
 def test_numba_backend_takes_fp32_queries_not_representable_in_bf16():
@@ -218,23 +224,19 @@ def test_numba_backend_takes_fp32_queries_not_representable_in_bf16():
     _assert_exact_topk(sel.ids, sel.scores, keys, q, 30, 0, 1500)
 
 
-def test_bad_backend_values_raise_one_line_topk_errors(monkeypatch):
+def test_bad_backend_values_raise_one_line_topk_errors():
     keys, _ = _keys_and_queries(1, 100, 64, 1, seed=0)
     ckv = kv_in_memory([keys], [keys], list(range(100)), "llama")
-    with pytest.raises(TopkError, match="use auto, torch, numba or faiss"):
+    with pytest.raises(TopkError, match="backend must be auto, torch, numba or faiss"):
         FlatStrategy(ckv, 0, 100, {"backend": "numbaa"}).prepare()
     fp32 = kv_in_memory([keys.float()], [keys.float()], list(range(100)), "llama")
     with pytest.raises(TopkError, match="reads bf16 keys, these are float32") as err:
         FlatStrategy(fp32, 0, 100, {"backend": "numba"}).prepare()
     assert "\n" not in str(err.value)
-    monkeypatch.setattr(compiled_paths, "numba", None)                 # as where numba is not installed
-    with pytest.raises(TopkError, match="needs numba") as err:
-        FlatStrategy(ckv, 0, 100, {"backend": "numba"}).prepare()
-    assert "\n" not in str(err.value)
 
 
 def test_auto_backend_takes_numba_for_long_bf16_contexts_and_torch_otherwise(monkeypatch):
-    from topk_decode.index import flat as flat_mod
+    from topk_decode.index.flat import strategy as flat_mod
 
     keys, q = _keys_and_queries(2, 3000, 64, 4, seed=11)
     q = q.bfloat16().float()
@@ -255,14 +257,12 @@ def test_auto_backend_takes_numba_for_long_bf16_contexts_and_torch_otherwise(mon
     assert torch.equal(a.ids.sort(-1).values, b.ids.sort(-1).values)
     assert backend(ckv, 0, 1000).backend == "torch"                    # counts the searchable keys only
     assert backend(fp32).backend == "torch"                            # numba reads bf16 keys only
-    monkeypatch.setattr(compiled_paths, "numba", None)                 # as where numba is not installed
-    assert backend(ckv).backend == "torch"
 
 
 def test_search_reports_the_time_of_each_pass_when_asked():
     keys, q = _keys_and_queries(2, 4096, 64, 4, seed=12)
     parts: dict = {}
-    ids, sc = flat_kernel.search(keys, q, 256, 0, 4096, 2, parts=parts)
+    ids, sc = flat_numba.search(keys, q, 256, 0, 4096, 2, parts=parts)
     assert set(parts) == {"cuts", "scan", "rescan", "merge", "total"}
     assert all(t >= 0 for t in parts.values())
     assert parts["total"] >= parts["cuts"] + parts["scan"] + parts["merge"]

@@ -25,7 +25,6 @@ def test_huge_copy_is_an_equal_contiguous_copy_that_outlives_its_source(dtype):
 
 
 def test_routed_reads_its_huge_page_copies_with_the_same_selection_and_output(clustered_cache):
-    pytest.importorskip("numba")
     base = {"cluster_size": 32, "probe_fraction": 0.1, "kernel": "numba"}
     huge, plain = (_open(clustered_cache, "routed", dict(base, hugepages=h)) for h in (True, False))
     try:

@@ -54,9 +54,9 @@ def python_m(*args: object, **kwargs) -> subprocess.CompletedProcess:
 
 # ---- start-up: no torch for --help, info and the error paths ---------------------------------------
 PROBE = ("import sys, atexit\n"
-         "atexit.register(lambda: sys.stderr.write('HEAVY=' + ','.join(m for m in {heavy!r} if m in sys.modules)))\n"
+         f"atexit.register(lambda: sys.stderr.write('HEAVY=' + ','.join(m for m in {HEAVY!r} if m in sys.modules)))\n"
          "from topk_decode.cli.app import main\n"
-         "main(sys.argv[1:])\n").format(heavy=HEAVY)
+         "main(sys.argv[1:])\n")
 
 
 def heavy_imports(*args: object) -> tuple[subprocess.CompletedProcess, str]:
@@ -279,7 +279,7 @@ def _small_cache(out: Path, n: int = 300) -> Path:
 
 @pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"), KeyboardInterrupt()],
                          ids=["disk-full", "interrupted"])
-@pytest.mark.parametrize("name,module", [("routed", "routed_layout"), ("quest", "quest")])
+@pytest.mark.parametrize("name,module", [("routed", "routed.layout"), ("quest", "quest")])
 def test_a_failed_artifact_build_removes_its_partial_files(tmp_path, monkeypatch, name, module, error):
     import importlib
 

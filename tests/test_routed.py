@@ -11,7 +11,7 @@ from topk_decode import KVStore
 from topk_decode.errors import TopkError
 from topk_decode.index import artifact_dir, get_strategy
 from topk_decode.index.base import exact_scores
-from topk_decode.index.cluster import KMeansConfig, build_layer
+from topk_decode.index.routed.cluster import KMeansConfig, build_layer
 from topk_decode.index.artifacts import recorded_options
 from topk_decode.store.cache_dir import CacheWriter, open_cache
 from conftest import hf_greedy
@@ -141,7 +141,6 @@ def test_routed_probing_every_cluster_equals_flat(clustered_cache):
 
 def test_flat_backends_select_the_same_keys_as_the_default_torch_backend(clustered_cache):
     pytest.importorskip("faiss")
-    pytest.importorskip("numba")
     default = _open(clustered_cache, "flat")
     assert default.backend == "torch"
     others = [_open(clustered_cache, "flat", {"backend": b, "threads": 1}) for b in ("numba", "faiss")]
@@ -210,16 +209,6 @@ def test_bench_runs_routed_and_reports_the_share_of_keys_read(tmp_path):
     row = rows["routed"]
     assert row["status"] == "ok" and row["tokens_per_s"] > 0
     assert 20 <= row["keys_read_pct"] < 30   # 20 % plus at most one cluster of 16 per head and step
-
-
-@pytest.mark.parametrize("scan", ["blocks", "kq"])
-def test_flat_scan_kernels_equal_the_batched_scan_under_inference_mode(clustered_cache, scan):
-    bmm = _open(clustered_cache, "flat", {"scan": "bmm"})
-    other = _open(clustered_cache, "flat", {"scan": scan, "threads": 2})
-    q = _queries(seed=9)
-    with torch.inference_mode():     # the decoder's mode: the worker threads must write its buffers
-        a, b = bmm.select(0, q, 20), other.select(0, q, 20)
-    assert torch.equal(a.ids.sort(-1).values, b.ids.sort(-1).values)
 
 
 def test_prefill_builds_the_layout_and_open_reuses_it(tmp_path, clustered_cache):

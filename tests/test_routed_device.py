@@ -1,4 +1,4 @@
-"""routed's routing and estimate on the decode device (index/routed_device.py) give what the CPU path gives.
+"""routed's routing and estimate on the decode device (index/routed/device.py) give what the CPU path gives.
 
 The device code is plain torch, so these run it on the CPU device: the same ops the captured step runs.
 """
@@ -12,10 +12,9 @@ import test_routed
 
 from topk_decode.decode.merge import lse_merge
 from topk_decode.errors import TopkError
-from topk_decode.index.routed_device import DeviceRoutes
+from topk_decode.index.routed.device import DeviceRoutes
 from test_routed import _queries, clustered_cache  # noqa: F401 - fixtures
 
-pytest.importorskip("numba")
 
 CPU = torch.device("cpu")
 

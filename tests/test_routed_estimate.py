@@ -11,7 +11,7 @@ from topk_decode import KVStore
 from topk_decode.decode.context import ContextAttention, merge_rest
 from topk_decode.index import get_strategy
 from topk_decode.index.base import RestPart
-from topk_decode.index.estimate import searchable_stats
+from topk_decode.index.routed.estimate import searchable_stats
 from topk_decode.store.cache_dir import CacheWriter, open_cache
 
 

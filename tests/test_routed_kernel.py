@@ -1,4 +1,4 @@
-"""routed's compiled search (index/routed_kernel.py) selects what the torch path selects."""
+"""routed's compiled search (kernels/routed_scan.py) selects what the torch path selects."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from topk_decode.errors import TopkError
 from topk_decode.index.base import exact_scores
 from test_routed import _open, _queries, clustered_cache, own_cache  # noqa: F401 - fixtures
 
-pytest.importorskip("numba")
 
 
 @pytest.fixture(autouse=True)
@@ -58,7 +57,7 @@ def test_compiled_and_torch_paths_select_the_same_ids_with_the_same_scores(clust
 @pytest.mark.parametrize("probe", [0.05, 0.9])
 def test_routing_split_over_several_tasks_per_head_selects_and_estimates_as_the_torch_path(
         clustered_cache, monkeypatch, threads, probe):
-    from topk_decode.index import routed_compiled
+    from topk_decode.index.routed import compiled as routed_compiled
 
     monkeypatch.setattr(routed_compiled, "_MIN_CLUSTERS_PER_TASK", 8)
     compiled, plain = _pair(clustered_cache, {"cluster_size": 32, "probe_fraction": probe})
@@ -123,8 +122,9 @@ def test_fused_context_part_equals_select_then_the_decoders_context_part(cluster
 
 def test_fused_path_is_not_taken_where_the_exact_path_applies(clustered_cache):
     compiled = _open(clustered_cache, "routed", {"cluster_size": 32, "kernel": "numba"}, lo=3, hi=100)
-    o, mz = torch.empty(8, 16, dtype=torch.bfloat16), torch.empty(8, 2)
-    assert compiled.select_and_attend(0, _queries(), 97, None, o, mz) is None      # k covers the range
+    o = torch.empty(8, 16, dtype=torch.bfloat16)
+    assert not compiled.attends(0, 97, o)                                         # k covers the range
+    assert compiled.attends(0, 20, o) and not compiled.attends(0, 20, o.float())  # bf16 values only
 
 
 def test_kernel_option_picks_the_compiled_path_wherever_it_applies(clustered_cache, own_cache):
@@ -172,7 +172,7 @@ def test_decoder_runs_the_fused_path_and_matches_the_torch_path(tmp_path, model_
 def test_kth_largest_is_the_partition_value_with_ties_infinities_and_signed_zeros():
     import numpy as np
 
-    from topk_decode.index.kernel_topk import kth_largest
+    from topk_decode.kernels.topk import kth_largest
 
     rng = np.random.default_rng(0)
     hist = np.empty(2048, np.int64)
@@ -190,7 +190,7 @@ def test_kth_largest_is_the_partition_value_with_ties_infinities_and_signed_zero
 def test_top_k_one_takes_every_score_above_the_cut_then_the_first_ties_in_row_order():
     import numpy as np
 
-    from topk_decode.index.kernel_topk import top_k_one
+    from topk_decode.kernels.topk import top_k_one
 
     rng = np.random.default_rng(1)
     rows = [rng.standard_normal(3000).astype(np.float32), np.round(rng.standard_normal(800)).astype(np.float32),

@@ -1,4 +1,4 @@
-"""routed's split scan (index/routed_split.py) gives what one task per head gives, for any number of pieces."""
+"""routed's split scan (kernels/routed_split.py) gives what one task per head gives, for any number of pieces."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from test_routed import _open, _queries, clustered_cache  # noqa: F401 - fixture
-from topk_decode.index import dots, routed_compiled
+from topk_decode.kernels import dots
+from topk_decode.index.routed import compiled as routed_compiled
 
-pytest.importorskip("numba")
 
 CPU = torch.device("cpu")
 
@@ -69,23 +69,23 @@ def test_split_scan_grows_its_buffers_and_handles_a_head_with_nothing_to_read(de
     np.testing.assert_allclose(o, o_ref, rtol=1e-5, atol=1e-5)
 
 
-def test_device_routed_select_and_attend_uses_the_split_scan_unless_told_not_to(clustered_cache):
-    outs = {}
-    for split in (True, False):
-        strat = _open(clustered_cache, "routed", {"cluster_size": 32, "probe_fraction": 0.05, "kernel": "numba",
-                                                  "device_route": "true", "split": split})
-        assert strat.split is split
-        routes = strat.device_routes(CPU, [40, 40])
-        q = _queries(seed=21)
-        routes.route(0, q)
-        o, mz = torch.empty(8, 16, dtype=torch.bfloat16), torch.empty(8, 2)
-        sel = strat.select_and_attend(0, q, 40, None, o, mz, route=routes.host_route(0))
-        outs[split] = (sel.ids, o.float(), mz)
-        assert ("split" in strat._split_scratch) is split
-        strat.close()
-    assert torch.equal(outs[True][0], outs[False][0])
-    torch.testing.assert_close(outs[True][1], outs[False][1], rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(outs[True][2], outs[False][2], rtol=0, atol=0)
+def test_device_routed_select_and_attend_uses_the_split_scan_and_matches_one_task_per_head(clustered_cache):
+    strat = _open(clustered_cache, "routed", {"cluster_size": 32, "probe_fraction": 0.05, "kernel": "numba",
+                                              "device_route": "true"})
+    routes = strat.device_routes(CPU, [40, 40])
+    q = _queries(seed=21)
+    routes.route(0, q)
+    order, take = routes.host_route(0)
+    o, mz = torch.empty(8, 16, dtype=torch.bfloat16), torch.empty(8, 2)
+    sel = strat.select_and_attend(0, q, 40, None, o, mz, route=(order, take))
+    assert "split" in strat._split_scratch                                    # the split call ran
+    hkv, Q, d = q.shape
+    o_ref, mz_ref = np.empty((hkv, Q, d), np.float32), np.empty((hkv, Q, 2), np.float32)
+    ref = routed_compiled.scan_layer(strat._kernel_in[0], q, order, take, 40, strat.scale, 2, o_ref, mz_ref)
+    assert torch.equal(sel.ids.sort(-1).values, ref.ids.sort(-1).values)
+    torch.testing.assert_close(o.float(), torch.from_numpy(o_ref).view(hkv * Q, d), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(mz, torch.from_numpy(mz_ref).view(hkv * Q, 2), rtol=1e-5, atol=1e-5)
+    strat.close()
 
 
 def test_split_scan_writes_its_output_rounded_to_bf16_as_torch_rounds_it(device_routed):
@@ -99,13 +99,13 @@ def test_split_scan_writes_its_output_rounded_to_bf16_as_torch_rounds_it(device_
 
 
 def test_bf16_rounding_matches_torch_on_ties_infinities_nan_and_subnormals():
-    from topk_decode.index.routed_kernel import _round_bf16
+    from topk_decode.kernels.routed_scan import round_bf16
 
     bits = np.array([0x3F808000, 0x3F818000, 0x3F808001, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000,
                      0x7FC00000, 0xFFC00001, 0x00000001, 0x80008000, 0x00018000, 0, 0x80000000], np.uint32)
     x = np.concatenate([bits.view(np.float32), np.random.default_rng(0).standard_normal(1000).astype(np.float32)])
     out = np.empty(len(x), np.uint16)
-    _round_bf16(x, out)
+    round_bf16(x, out)
     want = torch.from_numpy(x).bfloat16().view(torch.int16).numpy().view(np.uint16)
     nan = np.isnan(x)
     np.testing.assert_array_equal(out[~nan], want[~nan])

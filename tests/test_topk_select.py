@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from topk_decode.index.base import StrategyStats
-from topk_decode.index.flat import _fp32_scan, _half_scan
-from topk_decode.index.select_topk import FALLBACK_KEY, sample_plan, topk_by_threshold
+from topk_decode.index.flat.strategy import fp32_scan, half_scan
+from topk_decode.index.flat.select_topk import FALLBACK_KEY, sample_plan, topk_by_threshold
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -134,17 +134,17 @@ def test_threshold_topk_accepts_a_non_contiguous_input():
 
 @pytest.mark.parametrize("max_threads", [1 << 10, 0])   # threshold path / plain topk path (many cores)
 def test_half_scan_with_threshold_candidates_returns_the_exact_fp32_top_k(monkeypatch, max_threads):
-    # Large enough that _half_scan's candidates come from the threshold path; buffers reused across calls.
-    from topk_decode.index import flat
+    # Large enough that half_scan's candidates come from the threshold path; buffers reused across calls.
+    from topk_decode.index.flat import strategy as flat
 
-    monkeypatch.setattr(flat, "_THRESHOLD_MAX_THREADS", max_threads)
+    monkeypatch.setattr(flat, "THRESHOLD_MAX_THREADS", max_threads)
     gen = torch.Generator().manual_seed(9)
     keys = torch.randn(2, 30000, 16, generator=gen).bfloat16()
     stats, buffers = StrategyStats(), {}
     for _ in range(2):
         q = torch.randn(2, 3, 16, generator=gen).bfloat16().float()
-        sel = _half_scan(keys, q, 256, 5, 29000, stats, buffers)
-        scores, ids = _fp32_scan(keys, q, 256, 5, 29000)
+        sel = half_scan(keys, q, 256, 5, 29000, stats, buffers)
+        scores, ids = fp32_scan(keys, q, 256, 5, 29000)
         assert torch.equal(sel.ids.sort(-1).values, ids.sort(-1).values)
         assert torch.allclose(sel.scores, scores, rtol=0, atol=1e-5)
     assert stats.extra.get(FALLBACK_KEY, 0) == 0 and stats.extra["fp32_rescans"] == 0

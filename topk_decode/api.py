@@ -82,12 +82,14 @@ class KVStore:
         return cls.open(out, device=device, dtype=dtype, **open_kwargs)
 
     @classmethod
-    def open(cls, path: str | os.PathLike, k: int = 256, strategy: str = DecodeConfig.strategy, *,
+    def open(cls, path: str | os.PathLike, k: int = DecodeConfig.k, strategy: str = DecodeConfig.strategy, *,
              model: str | os.PathLike | None = None, device: str | None = None, dtype: str | None = None,
-             k_per_layer: list[int] | None = None, k_schedule: str = "uniform", n_sink: int = 4, n_tail: int = 64,
+             k_per_layer: list[int] | None = None, k_schedule: str = DecodeConfig.k_schedule,
+             n_sink: int = DecodeConfig.n_sink, n_tail: int = DecodeConfig.n_tail,
              strategy_options: dict | None = None, verify: bool | None = None,
-             progress: Callable[[int, int], None] | None = None, compile: bool = True,
-             prompt_chunk: int = 512, prompt_scratch_mib: int = 1024, max_window_tokens: int = 65536,
+             progress: Callable[[int, int], None] | None = None, compile: bool = DecodeConfig.compile,
+             prompt_chunk: int = DecodeConfig.prompt_chunk, prompt_scratch_mib: int = DecodeConfig.prompt_scratch_mib,
+             max_window_tokens: int = DecodeConfig.max_window_tokens,
              share_model: "KVStore | None" = None) -> "KVStore":
         """Open a cache for decoding: the model goes to the device, the context KV stays memory-mapped.
 

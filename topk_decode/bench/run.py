@@ -31,7 +31,7 @@ from topk_decode.config import DecodeConfig
 from topk_decode.cpus import usable_cpus
 from topk_decode.decode.engine import TopKDecoder
 from topk_decode.errors import TopkError
-from topk_decode.index.routed_compiled import SPLIT_ROUNDS
+from topk_decode.index.routed.compiled import SPLIT_ROUNDS
 from topk_decode.model.blocks import ModelShape
 from topk_decode.prefill.layerwise import prefill_layers
 from topk_decode.store.huge_pages import available_bytes
@@ -332,7 +332,7 @@ def _run_topk(rec, model, shape, tokens, kv, real, cfg, device, dtype, budget) -
              kv="prefill" if real else "synthetic", kv_gib=_gib(kv), gpu_budget_gib=_gib(budget), strategy=name)
         release(device)
     set_gpu_budget(device, None)
-    del ckv
+    ckv = None   # the KV's memory goes before the next context
     release(device)
 
 

@@ -54,9 +54,9 @@ def search_floor(n_tokens: int, n_kv_heads: int = 8, head_dim: int = 128, group:
 
 def torch_scan_stages(n_tokens: int, n_kv_heads: int = 8, head_dim: int = 128, group: int = 4, k: int = 1024,
                       reps: int = 5, seed: int = 0) -> dict:
-    """Where the torch backend's time goes: ms per layer of each stage of `_half_scan`.
+    """Where the torch backend's time goes: ms per layer of each stage of `half_scan`.
 
-    `select_ms` is the candidate selection `_half_scan` runs (`topk_by_threshold`); `topk_ms` is the
+    `select_ms` is the candidate selection `half_scan` runs (`topk_by_threshold`); `topk_ms` is the
     plain `torch.topk` over all N scores it replaces, timed on the same scores for comparison.
 
     Args:
@@ -64,7 +64,7 @@ def torch_scan_stages(n_tokens: int, n_kv_heads: int = 8, head_dim: int = 128, g
         reps: timed repetitions (after one warm-up).
         seed: random seed.
     """
-    from topk_decode.index.select_topk import topk_by_threshold
+    from topk_decode.index.flat.select_topk import topk_by_threshold
 
     ckv = synthetic_kv(1, n_kv_heads, head_dim, n_tokens, torch.bfloat16, seed)
     keys = ckv.keys[0]

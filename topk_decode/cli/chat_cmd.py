@@ -12,25 +12,27 @@ from topk_decode.cli.chat_commands import ChatState, run_command, say
 from topk_decode.cli.chat_repl import StopRequest, make_reader, read_turn, stdin_closed
 from topk_decode.cli.common import (ThreadsOption, check_device, check_positive, console, parse_options, say_error,
                                      say_note, use_threads)
+from topk_decode.config import DecodeConfig
 from topk_decode.errors import TopkError
 
 
 def chat_command(
     cache: Annotated[Path, typer.Argument(help="The cache directory written by `topk prefill`.")],
-    k: Annotated[int, typer.Option("--k", "-k", help="Context tokens retrieved per query head and layer.")] = 256,
+    k: Annotated[int, typer.Option("--k", "-k", help="Context tokens retrieved per query head and layer.")] = DecodeConfig.k,
     strategy: Annotated[str, typer.Option(help="Selection strategy: auto (exact flat on short contexts, routed on "
-                                                "long ones), flat (exact top-k), routed, ...")] = "auto",
-    k_schedule: Annotated[str, typer.Option(help="uniform, or linear: k growing over layers at the same total.")] = "uniform",
+                                                "long ones), flat (exact top-k), routed, ...")] = DecodeConfig.strategy,
+    k_schedule: Annotated[str, typer.Option(help="uniform, or linear: k growing over layers at the same total.")
+                          ] = DecodeConfig.k_schedule,
     opt: Annotated[Optional[list[str]], typer.Option(help="Strategy option key=value, e.g. nprobe=32 (repeatable).")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Answer length limit in tokens.")] = 256,
     model: Annotated[Optional[Path], typer.Option(help="Checkpoint dir or GGUF file (default: the one the cache records).")] = None,
     device: Annotated[Optional[str], typer.Option(help="cuda or cpu (default: cuda when available).")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU).")] = None,
-    n_sink: Annotated[int, typer.Option(help="First context tokens kept in the exact GPU window.")] = 4,
-    n_tail: Annotated[int, typer.Option(help="Last context tokens kept in the exact GPU window.")] = 64,
+    n_sink: Annotated[int, typer.Option(help="First context tokens kept in the exact GPU window.")] = DecodeConfig.n_sink,
+    n_tail: Annotated[int, typer.Option(help="Last context tokens kept in the exact GPU window.")] = DecodeConfig.n_tail,
     prompt: Annotated[Optional[str], typer.Option(help="Answer this one question, print it and exit.")] = None,
     compile: Annotated[bool, typer.Option("--compile/--no-compile",
-                                          help="On CUDA, compile the one-token step (the first token waits for it).")] = True,
+                                          help="On CUDA, compile the one-token step (the first token waits for it).")] = DecodeConfig.compile,
     system: Annotated[Optional[str], typer.Option(help="System prompt (a system turn right after the documents).")] = None,
     temperature: Annotated[float, typer.Option(help="0 = greedy (exact); > 0 samples.")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling: keep the tokens covering this probability.")] = 1.0,

@@ -8,6 +8,7 @@ from typing import Annotated, Callable
 import typer
 
 from topk_decode.cli.common import ThreadsOption, check_device, console, parse_options, say_note, use_threads
+from topk_decode.config import DecodeConfig
 from topk_decode.errors import TopkError
 
 
@@ -71,8 +72,8 @@ def eval_command(
     device: Annotated[str | None, typer.Option("--device", help="cuda, cuda:N or cpu (default: CUDA when available).")] = None,
     dtype: Annotated[str | None, typer.Option("--dtype", help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU).")] = None,
     fidelity_steps: Annotated[int, typer.Option("--fidelity-steps", help="Teacher-forced steps measured per run (0: no attention metrics).")] = 8,
-    n_sink: Annotated[int, typer.Option("--n-sink", help="First context tokens kept in the exact window.")] = 4,
-    n_tail: Annotated[int, typer.Option("--n-tail", help="Last context tokens kept in the exact window.")] = 64,
+    n_sink: Annotated[int, typer.Option("--n-sink", help="First context tokens kept in the exact window.")] = DecodeConfig.n_sink,
+    n_tail: Annotated[int, typer.Option("--n-tail", help="Last context tokens kept in the exact window.")] = DecodeConfig.n_tail,
     opt: Annotated[list[str] | None, typer.Option("--opt", help="Strategy option key=value (repeatable); strategy.key=value for one strategy only (duo.pattern=gates.tsv).")] = None,
     markdown: Annotated[bool, typer.Option("--markdown", help="Also print the tables as markdown.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No per-instance progress lines.")] = False,

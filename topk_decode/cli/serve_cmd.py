@@ -15,6 +15,7 @@ import typer
 
 from topk_decode.cli.common import (ThreadsOption, check_device, check_positive, console, parse_options, say_note,
                                      use_threads)
+from topk_decode.config import DecodeConfig
 from topk_decode.errors import TopkError
 from topk_decode.serve.schemas import MAX_BODY_MB
 from topk_decode.serve.worker import MAX_BATCH
@@ -27,10 +28,11 @@ def serve_command(
                                                      "id (its folder name), picked by a request's `model`.")],
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port (0: any free port, printed at start).")] = 8000,
-    k: Annotated[int, typer.Option("--k", "-k", help="Context tokens retrieved per query head and layer.")] = 256,
+    k: Annotated[int, typer.Option("--k", "-k", help="Context tokens retrieved per query head and layer.")] = DecodeConfig.k,
     strategy: Annotated[str, typer.Option(help="Selection strategy: auto (exact flat on short contexts, routed on "
-                                                "long ones), flat (exact top-k), routed, ...")] = "auto",
-    k_schedule: Annotated[str, typer.Option(help="uniform, or linear: k growing over layers at the same total.")] = "uniform",
+                                                "long ones), flat (exact top-k), routed, ...")] = DecodeConfig.strategy,
+    k_schedule: Annotated[str, typer.Option(help="uniform, or linear: k growing over layers at the same total.")
+                          ] = DecodeConfig.k_schedule,
     opt: Annotated[Optional[list[str]], typer.Option(help="Strategy option key=value, e.g. nprobe=32 (repeatable).")] = None,
     model_name: Annotated[Optional[list[str]], typer.Option(help="The model id clients pass, once per cache in order "
                                                                  "(default: each cache's folder name).")] = None,
@@ -43,10 +45,10 @@ def serve_command(
     model: Annotated[Optional[Path], typer.Option(help="Checkpoint dir (default: the one the cache records).")] = None,
     device: Annotated[Optional[str], typer.Option(help="cuda or cpu (default: cuda when available).")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU).")] = None,
-    n_sink: Annotated[int, typer.Option(help="First context tokens kept in the exact GPU window.")] = 4,
-    n_tail: Annotated[int, typer.Option(help="Last context tokens kept in the exact GPU window.")] = 64,
+    n_sink: Annotated[int, typer.Option(help="First context tokens kept in the exact GPU window.")] = DecodeConfig.n_sink,
+    n_tail: Annotated[int, typer.Option(help="Last context tokens kept in the exact GPU window.")] = DecodeConfig.n_tail,
     compile: Annotated[bool, typer.Option("--compile/--no-compile",
-                                          help="On CUDA, compile the one-token step.")] = True,
+                                          help="On CUDA, compile the one-token step.")] = DecodeConfig.compile,
     threads: ThreadsOption = None,
     api_key: Annotated[Optional[str], typer.Option(envvar=API_KEY_ENV, show_default=False,
                                                    help="Requests must send Authorization: Bearer KEY (all but "

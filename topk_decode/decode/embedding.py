@@ -2,7 +2,7 @@
 
 Llama-3-8B's input embedding is 1 GiB of bf16 (128K vocabulary × 4096), Qwen2.5-7B's 1 GiB too: under a
 16 GiB budget that is the memory routed's routing tables need to run on the GPU for every layer at 128K
-(index/routed_device.py; docs/BENCHMARKS.md run 14). A one-token step copies its row
+(index/routed/device.py; docs/BENCHMARKS.md run 14). A one-token step copies its row
 (8 KiB) to a device buffer before the step's graphs run (`stage`); other forwards look rows up on the
 CPU and copy them over (`forward`). Only untied embeddings move: a tied table is also the LM head,
 which the GPU reads in full every step.

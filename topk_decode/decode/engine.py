@@ -31,7 +31,7 @@ from topk_decode.decode.merge import chunk_window_attention
 from topk_decode.decode.sampling import Sampling
 from topk_decode.decode.window import Window
 from topk_decode.errors import StepCancelled, TopkError, TopkWarning
-from topk_decode.index import Selection, auto, get_strategy
+from topk_decode.index import DeviceStaged, FusedAttention, Selection, auto, get_strategy
 from topk_decode.index.threads import default_threads, omp_threads
 from topk_decode.model.blocks import ModelShape, attention_inputs, final_logits, rope
 from topk_decode.store.cache_dir import ContextKV
@@ -201,11 +201,12 @@ class TopKDecoder:
         k = self.config.k_for_layer(layer)
         t1 = time.perf_counter()
         # a strategy that computes the context part inside its search (routed's compiled path): one pass
-        sel = self.strategy.select_and_attend(layer, q_cpu, k, conv.strategy_state, o, mz, route=route)
-        fused = sel is not None
-        if route is not None and not fused:   # the device already merged its estimate: no second one
+        fused = isinstance(self.strategy, FusedAttention) and self.strategy.attends(layer, k, o)
+        if fused:
+            sel = self.strategy.select_and_attend(layer, q_cpu, k, conv.strategy_state, o, mz, route=route)
+        elif route is not None:   # the device already merged its estimate: no second one
             raise TopkError(f"internal: strategy {self.strategy.name} routed on the device but did not attend")
-        if not fused:
+        else:
             sel = self.strategy.select(layer, q_cpu, k, conv.strategy_state)
         t2 = time.perf_counter()
         if conv.observer is not None:
@@ -391,7 +392,8 @@ class TopKDecoder:
         if self._segments is not None and self._segments_k != ks:
             self._segments = None           # the device's routing budgets are fixed in the step: new segments
         if self._segments is None:
-            routes = self.strategy.device_routes(self.device, ks)
+            routes = (self.strategy.device_routes(self.device, ks)
+                      if isinstance(self.strategy, DeviceStaged) else None)
             self._segments = StepSegments(self.model, self.shape, self.device, capture=self._cuda, scale=self.scale,
                                           compile=self.config.compile, context_dtype=self.context.dtype,
                                           routes=routes)

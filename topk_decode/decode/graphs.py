@@ -49,7 +49,7 @@ class StepSegments:
         compile: with capture, compile `layer_boundary` with torch.compile (falls back to the plain
             function, with a warning, where compilation fails).
         context_dtype: dtype of the context part's output o (the cache values' dtype).
-        routes: the strategy's device part (`SelectionStrategy.device_routes`), or None: for the layers
+        routes: the strategy's device stage (`DeviceStaged.device_routes`, index/base.py `DeviceStage`), or None: for the layers
             it handles, each segment also ranks the context's clusters and sends the ranking to the host
             with the query, and merges the device's estimate of the unread clusters into the window part.
     """
@@ -184,7 +184,7 @@ class StepSegments:
                                               self.scale)                 # (H, 1, D), (H, 1)
         out_w, lse_w = out_w.view_as(self.win_out[l]), lse_w.view_as(self.win_lse[l])
         rest = self.routes.estimate_part(l) if routed else None
-        if rest is not None:   # the unread clusters: a third disjoint part of the softmax (routed_device.py)
+        if rest is not None:   # the unread clusters: a third disjoint part of the softmax (index/routed/device.py)
             out_w, lse_w = lse_merge(out_w, lse_w, rest[0].view_as(out_w), rest[1].view_as(lse_w))
         self.win_out[l].copy_(out_w)
         self.win_lse[l].copy_(lse_w)

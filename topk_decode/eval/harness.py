@@ -25,8 +25,10 @@ import torch
 from topk_decode.api import KVStore
 from topk_decode.config import DecodeConfig
 from topk_decode.errors import TopkError
-from topk_decode.eval.metrics import FidelityObserver, dense_reference, is_correct, teacher_forced
-from topk_decode.index import check_requested_strategy, get_strategy, split_options
+from topk_decode.eval.metrics import dense_reference, is_correct
+from topk_decode.eval.runs import (InstanceResult, LoadedModel, RunResult, method_name, resolve_k,  # noqa: F401 - re-exported
+                                 run_one, strategy_options)
+from topk_decode.index import check_requested_strategy, split_options
 from topk_decode.index.auto import AUTO
 from topk_decode.model.loading import eos_token_ids, load_model, load_tokenizer, model_fingerprint
 from topk_decode.prefill.build import build_cache, parse_dtype, pick_device
@@ -83,8 +85,8 @@ class EvalConfig:
     fidelity_steps: int = 8
     device: str | None = None
     dtype: str | None = None
-    n_sink: int = 4
-    n_tail: int = 64
+    n_sink: int = DecodeConfig.n_sink
+    n_tail: int = DecodeConfig.n_tail
     strategy_options: dict = field(default_factory=dict)
     chunk_size: int = 4096
     work_dir: str | None = None
@@ -133,92 +135,6 @@ def check_plain_options(cfg: EvalConfig) -> None:
     named = [s for s in cfg.strategies if s != AUTO]
     if named:
         split_options(named, {k: v for k, v in cfg.strategy_options.items() if "." not in k})
-
-
-def resolve_k(k: int | str, n_context: int) -> int:
-    """A budget for a context of n_context tokens: an int as is, "x%" as max(1, round(x/100 · n_context)).
-
-    Args:
-        k: a positive int, or a string "x%" with 0 < x ≤ 100.
-        n_context: the context's token count.
-    """
-    if isinstance(k, str) and k.strip().endswith("%"):
-        try:
-            frac = float(k.strip()[:-1]) / 100.0
-        except ValueError:
-            raise TopkError(f"k {k!r} is not a number or a percentage") from None
-        if not 0.0 < frac <= 1.0:
-            raise TopkError(f"k {k!r} must be a percentage in (0, 100]")
-        return max(1, round(frac * n_context))
-    if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
-        raise TopkError(f"k must be positive integers or percentages, got {k!r}")
-    return k
-
-
-def strategy_options(options: dict, strategy: str) -> dict:
-    """The options one strategy gets: plain keys, and "strategy.key" keys addressed to it (prefix dropped).
-
-    Args:
-        options: all strategy options of the run.
-        strategy: the strategy's name.
-    """
-    if strategy == AUTO:       # the decoder resolves it per context; its options go to what it resolves to
-        return {k.split(".", 1)[1]: v for k, v in options.items() if k.startswith(AUTO + ".")}
-    cls = get_strategy(strategy)
-    # plain keys go to the strategies that declare them (index.split_options checks that each belongs to one)
-    out = {k: v for k, v in options.items() if "." not in k and (cls.OPTIONS is None or k in cls.OPTIONS)}
-    out.update({k.split(".", 1)[1]: v for k, v in options.items() if k.startswith(strategy + ".")})
-    return cls.checked_options(out)
-
-
-@dataclass
-class RunResult:
-    """One strategy at one k on one instance. Fidelity means are over decode steps (None if unmeasured)."""
-
-    strategy: str
-    k: int
-    schedule: str
-    generated: str | None      # None in documents mode (fidelity only)
-    correct: bool | None
-    steps: int
-    agreement: float          # teacher-forced steps whose argmax equals the dense token / steps
-    kl_mean: float            # nats, mean over steps of KL(dense ‖ top-k) next-token distributions
-    kl_max: float
-    mass_recall: float | None
-    id_recall: float | None
-    output_rel_error: float | None
-    score_error: float | None       # max |strategy's score − exact q·k| over selected ids (should be ~0)
-    layer_mass_recall: list[float] | None = None
-    head_mass_recall: list[list[float]] | None = None   # (layers, query heads)
-    seconds: float = 0.0
-    k_label: str | None = None          # the budget as requested ("1%"), when it differs from k
-    same_as_dense: bool | None = None   # the generated tokens equal dense's, token for token
-    keys_read: float | None = None      # share of the searchable keys the strategy's searches read (routed)
-
-
-def method_name(strategy: str, schedule: str, k: int | str) -> str:
-    """How a run is labelled in tables: "flat@16", or "flat/linear@16" for a non-uniform schedule."""
-    return f"{strategy}@{k}" if schedule == "uniform" else f"{strategy}/{schedule}@{k}"
-
-
-@dataclass
-class InstanceResult:
-    """One seeded task instance: its dense reference and every (strategy, k) run."""
-
-    task: str                  # a task name, or "documents" (fidelity on the user's documents)
-    length: int
-    depth: float | None
-    seed: int | None
-    answer: str | None
-    layout: str                # "raw": [bos] + tokenize(context), as the tasks define; "template": chat prefix
-    n_context_tokens: int
-    n_prompt_tokens: int
-    dense_generated: str
-    dense_correct: bool | None
-    prefill_seconds: float
-    dense_seconds: float
-    runs: list[RunResult] = field(default_factory=list)
-    question: str | None = None     # real tasks: the question asked (several share one context)
 
 
 @dataclass
@@ -291,53 +207,7 @@ def _context_cache(inst, tokenizer, model_dir: Path, cfg: EvalConfig, tmp: Path)
     return cache, tokens, "raw" if tokens == expected else "template", seconds
 
 
-def _run_one(store: KVStore, strategy: str, schedule: str, k: int, prompt_ids: list[int], dense_tokens: list[int],
-             dense_logits: torch.Tensor, answer: str | None, answer_steps: int, observe: bool,
-             check: Callable[[str], bool] | None = None, k_label: str | None = None,
-             observe_steps: int | None = None) -> RunResult:
-    """Teacher-forced fidelity + free-running correctness of one (strategy, k).
-
-    `check` judges the decoded generation (default: `is_correct` against `answer`); `k_label` is
-    the budget as requested, e.g. "1%"; `observe_steps` limits the attention metrics to the first steps.
-    """
-    t0 = time.perf_counter()
-    store.set_k(k)
-    obs = FidelityObserver(store.decoder) if observe else None
-    tf = teacher_forced(store.decoder, prompt_ids, dense_tokens, dense_logits, obs, observe_steps)
-    n_ans = min(answer_steps, len(dense_tokens))
-    if answer is None:
-        gen = None   # fidelity only: no answer to check
-    elif all(tf.matches[:n_ans]):
-        # every step the answer needs chose the dense token from the same inputs: the free-running
-        # generation is the dense one, token for token
-        gen = dense_tokens[:answer_steps]
-    else:
-        gen = store.generate_ids(prompt_ids, answer_steps)
-    text = store.tokenizer.decode(gen, skip_special_tokens=True) if gen is not None else None
-    fid = obs.result() if obs is not None else None
-    correct = None if answer is None or text is None else (check(text) if check else is_correct(text, answer))
-    return RunResult(
-        strategy=strategy, k=k, schedule=schedule, generated=text,
-        correct=correct, steps=len(tf.matches), k_label=k_label,
-        same_as_dense=None if gen is None else list(gen) == list(dense_tokens[:answer_steps]),
-        agreement=sum(tf.matches) / max(len(tf.matches), 1), kl_mean=tf.kl_mean, kl_max=tf.kl_max,
-        mass_recall=fid.mass_recall if fid else None, id_recall=fid.id_recall if fid else None,
-        output_rel_error=fid.output_rel_error if fid else None, score_error=fid.score_error if fid else None,
-        layer_mass_recall=fid.layer_mass_recall if fid else None,
-        head_mass_recall=fid.head_mass_recall if fid else None, seconds=time.perf_counter() - t0)
-
-
-@dataclass
-class _Loaded:
-    """The model, tokenizer and eos ids every instance shares (loaded once)."""
-
-    model_dir: Path
-    model: object
-    tokenizer: object
-    eos: set[int]
-
-
-def _eval_instance(inst, seed: int, m: _Loaded, cfg: EvalConfig, log: Callable[[str], None]) -> InstanceResult:
+def _eval_instance(inst, seed: int, m: LoadedModel, cfg: EvalConfig, log: Callable[[str], None]) -> InstanceResult:
     """Prefill one task instance, run dense, then every strategy and k on it; the cache is deleted after."""
     with tempfile.TemporaryDirectory(prefix="topk-eval-", dir=cfg.work_dir) as tmp:
         cache, ctx_ids, layout, prefill_s = _context_cache(inst, m.tokenizer, m.model_dir, cfg, Path(tmp))
@@ -350,7 +220,7 @@ def _eval_instance(inst, seed: int, m: _Loaded, cfg: EvalConfig, log: Callable[[
         return _measure(cache, ctx_ids, prompt_ids, inst.answer, head, m, cfg, log)
 
 
-def _eval_documents(m: _Loaded, cfg: EvalConfig, log: Callable[[str], None]) -> InstanceResult:
+def _eval_documents(m: LoadedModel, cfg: EvalConfig, log: Callable[[str], None]) -> InstanceResult:
     """Fidelity only, on the user's documents and question, laid out as `topk prefill` / `topk chat` do."""
     from topk_decode.prefill.documents import PromptFormat
 
@@ -367,7 +237,7 @@ def _eval_documents(m: _Loaded, cfg: EvalConfig, log: Callable[[str], None]) -> 
         return _measure(cache, ckv.tokens, prompt_ids, None, head, m, cfg, log)
 
 
-def _measure(cache: Path, ctx_ids: list[int], prompt_ids: list[int], answer: str | None, head: dict, m: _Loaded,
+def _measure(cache: Path, ctx_ids: list[int], prompt_ids: list[int], answer: str | None, head: dict, m: LoadedModel,
              cfg: EvalConfig, log: Callable[[str], None]) -> InstanceResult:
     """Dense reference, then every strategy × schedule × k on one prefilled context."""
     tok = m.tokenizer
@@ -395,7 +265,7 @@ def _measure(cache: Path, ctx_ids: list[int], prompt_ids: list[int], answer: str
         for schedule in cfg.k_schedules:
             store.decoder.config.k_schedule = schedule
             for k, label in ks:
-                run = _run_one(store, strategy, schedule, k, prompt_ids, dense_tokens, dense_logits,
+                run = run_one(store, strategy, schedule, k, prompt_ids, dense_tokens, dense_logits,
                                answer, answer_steps, cfg.fidelity_steps > 0, k_label=label)
                 ir.runs.append(run)
                 mr = "-" if run.mass_recall is None else f"{run.mass_recall:.4f}"
@@ -435,7 +305,7 @@ def run_eval(cfg: EvalConfig, log: Callable[[str], None] | None = None,
     model = load_model(model_dir, device, parse_dtype(cfg.dtype))
     tokenizer = load_tokenizer(model_dir)
     eos = eos_token_ids(model, tokenizer)
-    loaded = _Loaded(model_dir, model, tokenizer, eos)
+    loaded = LoadedModel(model_dir, model, tokenizer, eos)
     result = EvalResult(config=asdict(cfg), environment=environment(model_dir, trained, device))
     if cfg.docs is not None:
         result.instances.append(_eval_documents(loaded, cfg, log))

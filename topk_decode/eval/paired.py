@@ -76,7 +76,7 @@ def paired_rows(instances: list[dict]) -> list[dict]:
         mass recall, id recall, KL and greedy agreement, keys_read (None where the strategy does not
         count it); the dense row first per length.
     """
-    from topk_decode.eval.harness import method_name
+    from topk_decode.eval.runs import method_name
 
     cells: dict[tuple, dict] = {}
     for inst in instances:

@@ -9,7 +9,7 @@ Per suite:
      against the HF model run over context + prompt from scratch;
   3. per strategy (its indices built once for all questions) × schedule × k: every question on a
      fresh conversation, teacher-forced for fidelity and free-running for the answer, through the
-     harness's `_run_one` (same metrics and observer as the demo tasks).
+     harness's `run_one` (same metrics and observer as the demo tasks).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 from topk_decode.api import KVStore
 from topk_decode.config import DecodeConfig
-from topk_decode.eval.harness import InstanceResult, _Loaded, _run_one, method_name, resolve_k, strategy_options
+from topk_decode.eval.runs import InstanceResult, LoadedModel, method_name, resolve_k, run_one, strategy_options
 from topk_decode.eval.realtext import RealSuite
 from topk_decode.prefill.build import build_cache
 from topk_decode.prefill.documents import PromptFormat
@@ -89,7 +89,7 @@ _DENSE_FILE = "dense_refs.pt"
 
 
 @contextlib.contextmanager
-def _suite_dir(suite: RealSuite, m: _Loaded, cfg) -> Iterator[tuple[str, bool]]:
+def _suite_dir(suite: RealSuite, m: LoadedModel, cfg) -> Iterator[tuple[str, bool]]:
     """Where a suite's cache lives: a temporary directory, or with `cfg.keep_dir` a kept one that later
     runs on the same (model, context, dtype) reuse, prefill and dense answers included.
 
@@ -122,7 +122,7 @@ def _means(runs: list) -> str:
             f"agreement {mean([r.agreement for r in runs]):.3f}, {sum(r.seconds for r in runs):.0f} s")
 
 
-def eval_suite(suite: RealSuite, m: _Loaded, cfg, log: Callable[[str], None],
+def eval_suite(suite: RealSuite, m: LoadedModel, cfg, log: Callable[[str], None],
                checkpoint: Callable[[list[InstanceResult], dict], None] | None = None
                ) -> tuple[list[InstanceResult], dict]:
     """Prefill one suite, answer every question densely, then with every strategy × schedule × k.
@@ -201,7 +201,7 @@ def eval_suite(suite: RealSuite, m: _Loaded, cfg, log: Callable[[str], None],
                     if read_counter is not None:       # count this (schedule, k) alone
                         store.decoder.strategy.stats.extra.update(keys_read=0, keys_searchable=0)
                     for (q, prompt_ids, d_tokens, d_logits), ir in zip(refs, results):
-                        run = _run_one(store, strategy, schedule, k, prompt_ids, d_tokens, d_logits, q.answer,
+                        run = run_one(store, strategy, schedule, k, prompt_ids, d_tokens, d_logits, q.answer,
                                        q.max_new_tokens, cfg.fidelity_steps > 0, check=q.check, k_label=label,
                                        observe_steps=cfg.fidelity_steps)
                         ir.runs.append(run)

@@ -8,7 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from topk_decode.errors import TopkError
-from topk_decode.eval.harness import method_name
+from topk_decode.eval.runs import method_name
 
 DENSE = "dense"
 

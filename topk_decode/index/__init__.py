@@ -15,13 +15,13 @@ from topk_decode.index.artifacts import artifact_dir, artifacts_complete
 # name → (module, class, keeps files in the cache: overrides `build_artifacts`; a test checks this flag
 # against the class, so `topk info` can tell ready strategies without importing them)
 _REGISTRY = {
-    "flat": ("topk_decode.index.flat", "FlatStrategy", False),
+    "flat": ("topk_decode.index.flat.strategy", "FlatStrategy", False),
     "ivf": ("topk_decode.index.ann", "IvfStrategy", True),
     "hnsw": ("topk_decode.index.ann", "HnswStrategy", True),
     "quest": ("topk_decode.index.quest", "QuestStrategy", True),
     "tokenselect": ("topk_decode.index.tokenselect", "TokenSelectStrategy", False),
     "duo": ("topk_decode.index.duo", "DuoStrategy", True),
-    "routed": ("topk_decode.index.routed", "RoutedStrategy", True),
+    "routed": ("topk_decode.index.routed.strategy", "RoutedStrategy", True),
 }
 
 
@@ -72,7 +72,7 @@ def get_strategy(name: str):
 
 def __getattr__(name: str):
     # The interface and flat's class, imported on first use like the strategies (they need torch).
-    if name in ("Selection", "SelectionStrategy", "exact_scores"):
+    if name in ("Selection", "SelectionStrategy", "FusedAttention", "DeviceStage", "DeviceStaged", "FusedAttention", "DeviceStage", "DeviceStaged", "exact_scores"):
         from topk_decode.index import base
 
         return getattr(base, name)
@@ -81,42 +81,49 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def split_options(names: list[str], options: dict | None) -> dict[str, dict]:
+def split_options(names: list[str], options: dict | None) -> dict:
     """Options given once for several strategies (`--strategy ivf,hnsw --opt nlist=64`), split per strategy.
 
     Every option must belong to at least one of the strategies (else TopkError with the valid names);
-    each strategy gets only its own, validated and converted (`SelectionStrategy.checked_options`).
+    each strategy gets only its own, parsed into its options dataclass (index/options.py).
 
     Args:
         names: strategy names.
         options: the options as given.
+    Returns:
+        strategy name → its parsed options (`SelectionStrategy.Options`).
     """
     options = dict(options or {})
     classes = [get_strategy(n) for n in names]
     if len(classes) == 1:
-        return {names[0]: classes[0].checked_options(options)}
-    known = set().union(*[set(c.OPTIONS or options) for c in classes])
+        return {names[0]: classes[0].parse_options(options)}
+    known = set().union(*[set(c.OPTIONS) for c in classes])
     unknown = sorted(set(options) - known)
     if unknown:
         raise TopkError(f"unknown option {unknown[0]!r} for strategies {', '.join(names)} "
                         f"(valid options: {', '.join(sorted(known)) or 'none'})")
-    return {n: c.checked_options({k: v for k, v in options.items() if c.OPTIONS is None or k in c.OPTIONS})
+    return {n: c.parse_options({k: v for k, v in options.items() if k in c.OPTIONS})
             for n, c in zip(names, classes)}
 
 
-def prepare_artifacts(ckv, names: list[str], options: dict | None = None, progress=None) -> None:
+def prepare_artifacts(ckv, names: list[str], options=None, progress=None) -> None:
     """Build and save in the cache directory what the named strategies need (`topk prefill --strategy`).
 
     Args:
         ckv: the opened cache (`topk_decode.store.open_cache`).
         names: strategy names.
-        options: strategy options (e.g. {"nlist": 1024}), split between the strategies (`split_options`).
+        options: strategy options (e.g. {"nlist": 1024}), split between the strategies (`split_options`), or
+            one strategy's parsed options.
         progress: callback(done, total).
     """
-    for name, opts in split_options(names, options).items():
+    from topk_decode.index.options import StrategyOptions
+
+    # one strategy's options already parsed (`split_options`' values) go to it as they are
+    parsed = {names[0]: options} if isinstance(options, StrategyOptions) and len(names) == 1 else None
+    for name, opts in (parsed or split_options(names, options)).items():
         get_strategy(name).build_artifacts(ckv, opts, progress)
 
 
-__all__ = ["prepare_artifacts", "split_options", "artifact_dir", "artifacts_complete", "Selection", "SelectionStrategy",
+__all__ = ["prepare_artifacts", "split_options", "artifact_dir", "artifacts_complete", "Selection", "SelectionStrategy", "FusedAttention", "DeviceStage", "DeviceStaged",
            "STRATEGIES", "StrategyRegistry", "check_requested_strategy", "check_strategy_name", "keeps_artifacts", "get_strategy", "exact_scores",
            "FlatStrategy"]

@@ -18,6 +18,7 @@ neutral on random-model keys, so it is on by default; spherical k-means gave mix
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,7 +35,8 @@ from topk_decode.index.artifacts import (
     write_file,
     writing,
 )
-from topk_decode.index.base import Selection, SelectionStrategy, as_bool, exact_scores, positive_int
+from topk_decode.index.base import Selection, SelectionStrategy, exact_scores
+from topk_decode.index.options import POSITIVE, StrategyOptions, option
 from topk_decode.index.threads import HeadPool, default_threads
 from topk_decode.store.cache_dir import ContextKV
 
@@ -44,22 +46,26 @@ _SQ_TYPES = {torch.float16: "QT_fp16", torch.bfloat16: "QT_bf16"}
 
 
 # ---- the shared Faiss strategy ---------------------------------------------------------------------
-class FaissAnnStrategy(SelectionStrategy):
-    """Common build/load/search of per-(layer, KV head) Faiss ANN indices (subclasses: ivf, hnsw).
+@dataclass(frozen=True)
+class AnnOptions(StrategyOptions):
+    """The options ivf and hnsw share."""
 
-    Options (both): center (subtract each head's mean key, default True), threads (parallel head
-    searches, default: CPU cores), mmap (map the index files instead of reading them into RAM,
-    default True). Subclasses add their own build and search options.
-    """
+    center: bool = option(True, "Subtract each head's mean key before indexing.", build=True)
+    threads: int | None = option(None, "Parallel head searches (default: CPU cores).", check=POSITIVE)
+    mmap: bool = option(True, "Map the index files instead of reading them into RAM.")
+
+
+class FaissAnnStrategy(SelectionStrategy):
+    """Common build/load/search of per-(layer, KV head) Faiss ANN indices (subclasses: ivf, hnsw)."""
 
     IO_FLAGS: int = 0
-    OPTIONS = {"center": bool, "threads": int, "mmap": bool}
+    Options = AnnOptions
 
     # ---- options ----
     @classmethod
-    def build_options(cls, ckv: ContextKV, options: dict) -> dict:
+    def build_options(cls, ckv: ContextKV, opts: AnnOptions) -> dict:
         """All build options, defaults filled in (recorded in done.json)."""
-        return {"center": as_bool(options.get("center", True))}
+        return opts.build_values()
 
     @classmethod
     def new_index(cls, d: int, n: int, dtype: torch.dtype, opts: dict) -> faiss.Index:
@@ -78,7 +84,7 @@ class FaissAnnStrategy(SelectionStrategy):
     @classmethod
     def build_artifacts(cls, ckv: ContextKV, options: dict | None = None,
                         progress: Callable[[int, int], None] | None = None) -> None:
-        opts = cls.build_options(ckv, cls.checked_options(options))
+        opts = cls.build_options(ckv, cls.parse_options(options))
         d = start_artifacts(ckv.path, cls.name)
         # Building (k-means, graph insertion) is parallel inside Faiss: undo the single-thread setting
         # an opened strategy may have left for its per-head searches; one thread per usable CPU, no more.
@@ -117,16 +123,16 @@ class FaissAnnStrategy(SelectionStrategy):
 
     # ---- open ----
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
-        wanted = {k: v for k, v in self.build_options(self.ckv, self.options).items() if k in self.options}
+        wanted = {k: v for k, v in self.build_options(self.ckv, self.options).items() if k in self.options.given}
         d = artifact_dir(self.ckv.path, self.name)
         self.built = ensure_artifacts(self.ckv, self.name, wanted,
                                       lambda: self.build_artifacts(self.ckv, self.options, progress))
         L, H = self.ckv.n_layers, self.ckv.n_kv_heads
         # mmap=False reads the indices into RAM (faster searches, RAM = artifact bytes).
-        flags = self.IO_FLAGS if as_bool(self.options.get("mmap", True)) else 0
+        flags = self.IO_FLAGS if self.options.mmap else 0
         self.indices = [[faiss.read_index(str(d / f"l{layer:03d}.h{h:02d}.faiss"), flags)
                          for h in range(H)] for layer in range(L)]
-        self.threads = positive_int(self.options, "threads", default_threads())
+        self.threads = self.options.threads or default_threads()
         self.pool = HeadPool(self.threads)  # parallel heads, each search single-threaded (threads.py)
         # The selector must outlive every search that uses it: keep it on the instance.
         self.selector = faiss.IDSelectorRange(self.lo, self.hi)
@@ -149,31 +155,31 @@ class FaissAnnStrategy(SelectionStrategy):
         return Selection(ids=ids, scores=scores)
 
 
-class IvfStrategy(FaissAnnStrategy):
-    """Inverted-file index: k-means coarse quantizer, scan the `nprobe` best lists.
+@dataclass(frozen=True)
+class IvfOptions(AnnOptions):
+    """ivf's options."""
 
-    Options:
-        nlist: number of clusters (build; default 4·√N, at most N/39 so k-means has data).
-        nprobe: clusters scanned per query (default max(1, nlist/8)).
-        center: subtract each head's mean key (build; default True).
-        spherical: spherical k-means for the centroids (build; default False: mixed results).
-        threads: parallel head searches.
-    """
+    nlist: int | None = option(None, "Number of clusters (default 4·√N, at most N/39 so k-means has data).",
+                               build=True, check=POSITIVE)
+    nprobe: int | None = option(None, "Clusters scanned per query (default max(1, nlist/8)).", check=POSITIVE)
+    spherical: bool = option(False, "Spherical k-means for the centroids (mixed results).", build=True)
+
+
+class IvfStrategy(FaissAnnStrategy):
+    """Inverted-file index: k-means coarse quantizer, scan the `nprobe` best lists (options: `IvfOptions`)."""
 
     name = "ivf"
-    OPTIONS = {**FaissAnnStrategy.OPTIONS, "nlist": int, "nprobe": int, "spherical": bool}
+    Options = IvfOptions
     # Zero-copy mapping of the lists: the old IO_FLAG_MMAP path was ~15× slower to search here.
     IO_FLAGS = faiss.IO_FLAG_MMAP_IFC
 
     @classmethod
-    def build_options(cls, ckv: ContextKV, options: dict) -> dict:
+    def build_options(cls, ckv: ContextKV, opts: IvfOptions) -> dict:
         n = ckv.n_tokens
-        default = max(1, min(int(4 * math.sqrt(n)), n // 39))
-        nlist = positive_int(options, "nlist", default)
+        nlist = opts.nlist or max(1, min(int(4 * math.sqrt(n)), n // 39))
         if nlist > n:
             raise TopkError(f"nlist={nlist} is more than the {n} context tokens")
-        return {"nlist": nlist, "center": as_bool(options.get("center", True)),
-                "spherical": as_bool(options.get("spherical", False))}
+        return {**opts.build_values(), "nlist": nlist}
 
     @classmethod
     def new_index(cls, d: int, n: int, dtype: torch.dtype, opts: dict) -> faiss.Index:
@@ -193,29 +199,29 @@ class IvfStrategy(FaissAnnStrategy):
 
     def search_params(self) -> faiss.SearchParameters:
         nlist = self.built["nlist"]
-        self.nprobe = min(positive_int(self.options, "nprobe", max(1, nlist // 8)), nlist)
+        self.nprobe = min(self.options.nprobe or max(1, nlist // 8), nlist)
         return faiss.SearchParametersIVF(nprobe=self.nprobe, sel=self.selector)
 
 
-class HnswStrategy(FaissAnnStrategy):
-    """Hierarchical navigable small-world graph over the keys (inner-product metric).
+@dataclass(frozen=True)
+class HnswOptions(AnnOptions):
+    """hnsw's options."""
 
-    Options:
-        M: graph degree (build; default 32).
-        efConstruction: build beam width (build; default 80).
-        efSearch: search beam width (default max(64, k); raised to k when smaller).
-        center: subtract each head's mean key (build; default True).
-        threads: parallel head searches.
-    """
+    M: int = option(32, "Graph degree.", build=True, check=POSITIVE)
+    efConstruction: int = option(80, "Build beam width.", build=True, check=POSITIVE)
+    efSearch: int = option(64, "Search beam width (raised to k when smaller).", check=POSITIVE)
+
+
+class HnswStrategy(FaissAnnStrategy):
+    """Hierarchical navigable small-world graph over the keys, inner-product metric (options: `HnswOptions`)."""
 
     name = "hnsw"
-    OPTIONS = {**FaissAnnStrategy.OPTIONS, "M": int, "efConstruction": int, "efSearch": int}
+    Options = HnswOptions
     IO_FLAGS = faiss.IO_FLAG_MMAP_IFC  # zero-copy mapping of the stored vectors and graph
 
     @classmethod
-    def build_options(cls, ckv: ContextKV, options: dict) -> dict:
-        return {"M": positive_int(options, "M", 32), "efConstruction": positive_int(options, "efConstruction", 80),
-                "center": as_bool(options.get("center", True))}
+    def build_options(cls, ckv: ContextKV, opts: HnswOptions) -> dict:
+        return opts.build_values()
 
     @classmethod
     def new_index(cls, d: int, n: int, dtype: torch.dtype, opts: dict) -> faiss.Index:
@@ -228,7 +234,7 @@ class HnswStrategy(FaissAnnStrategy):
         return index
 
     def search_params(self) -> faiss.SearchParameters:
-        self.ef_search = positive_int(self.options, "efSearch", 64)
+        self.ef_search = self.options.efSearch
         self._params_by_k: dict[int, faiss.SearchParameters] = {}
         return faiss.SearchParametersHNSW(efSearch=self.ef_search, sel=self.selector)
 

@@ -1,4 +1,7 @@
-"""The one interface every selection strategy implements.
+"""The interface of the selection strategies: `SelectionStrategy` (plain select, what every strategy implements)
+and two capabilities a strategy declares by subclassing them: `FusedAttention` (its search also computes the
+context part) and `DeviceStaged` (part of its search runs on the decode device inside the captured step). The
+decoder (decode/engine.py) checks the type, not a return value.
 
 Per decode step and layer, the decoder hands a strategy the step's queries grouped by KV head and
 asks: which context tokens should each query attend to, and with which exact scores q·k? A strategy
@@ -14,97 +17,23 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Protocol
 
+import numpy as np
 import torch
 
 from topk_decode.index.artifacts import artifact_dir, artifacts_complete  # noqa: F401 - re-exported
-from topk_decode.errors import TopkError
+from topk_decode.index.options import StrategyOptions
 from topk_decode.store.cache_dir import ContextKV
 
-_TYPE_WORDS = {int: "an integer", float: "a number", bool: "a boolean (true/false)", str: "a string"}
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+# What the compiled kernels (topk_decode.kernels) read: bf16 keys and values (what GPU prefills write), as their
+# uint16 bits; fp32 and fp16 caches take the strategies' torch paths.
+KERNEL_DTYPES = (torch.bfloat16,)
 
 
-def _coerce(value: Any, kind: type) -> Any:
-    """`value` as `kind` (CLI values arrive as str/int/float), or ValueError."""
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, int) and value in (0, 1):
-            return bool(value)
-        if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
-            return value.lower() in _TRUE
-    elif kind is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            return int(value.strip())
-    elif kind is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            return float(value.strip())
-    elif kind is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)   # e.g. pattern=2024.tsv stays a path even if it looked like a number
-        if isinstance(value, bool):
-            return str(value).lower()   # device_route=false: the CLI reads it as a boolean
-    raise ValueError(value)
-
-
-def as_bool(value: Any) -> bool:
-    """An option value from the CLI ("1", "true", "no", ...) or Python as a bool."""
-    if isinstance(value, str):
-        if value.lower() in ("1", "true", "yes", "on"):
-            return True
-        if value.lower() in ("0", "false", "no", "off"):
-            return False
-        raise TopkError(f"expected a boolean option value, got {value!r}")
-    return bool(value)
-
-
-def positive_int(options: dict, key: str, default: int) -> int:
-    """Read a positive integer option, raising TopkError on anything else."""
-    raw = options.get(key, default)
-    try:
-        value = int(raw)
-    except (TypeError, ValueError):
-        raise TopkError(f"option {key} must be a positive integer, got {raw!r}") from None
-    if value <= 0:
-        raise TopkError(f"option {key} must be a positive integer, got {raw!r}")
-    return value
-
-
-def one_of(key: str, value: Any, allowed: tuple[str, ...]) -> Any:
-    """value when it is one of `allowed`, else a TopkError naming them ("option k must be a, b or c, got 'x'")."""
-    if value not in allowed:
-        words = ", ".join(allowed[:-1]) + " or " + allowed[-1]
-        raise TopkError(f"option {key} must be {words}, got {value!r}")
-    return value
-
-
-def check_options(name: str, declared: dict[str, type], options: dict) -> dict:
-    """Validate strategy options against the names and types a strategy declares.
-
-    Args:
-        name: the strategy's name (for messages).
-        declared: option name → type (int, float, bool or str).
-        options: the given options.
-    Returns:
-        the options with each value converted to its declared type.
-    """
-    out = {}
-    for key, value in options.items():
-        if key not in declared:
-            valid = ", ".join(sorted(declared)) or "none"
-            raise TopkError(f"unknown option {key!r} for strategy {name} (valid options: {valid})")
-        kind = declared[key]
-        try:
-            out[key] = _coerce(value, kind)
-        except (ValueError, TypeError):
-            raise TopkError(f"option {key} of strategy {name} must be {_TYPE_WORDS[kind]}, got {value!r}") from None
-    return out
+def bf16_bits(t: torch.Tensor) -> np.ndarray:
+    """A bf16 tensor's storage as uint16, the kernels' view of it (no copy)."""
+    return t.view(torch.int16).numpy().view(np.uint16)
 
 
 @dataclass
@@ -161,9 +90,10 @@ class SelectionStrategy(ABC):
     """
 
     name: ClassVar[str] = ""
-    # Option name → type (int, float, bool or str); any other option is refused with the valid names
-    # (`check_options`). None: the strategy declares nothing and takes options unchecked.
-    OPTIONS: ClassVar[dict[str, type] | None] = None
+    # The strategy's options (index/options.py): a frozen dataclass, one field per option.
+    Options: ClassVar[type[StrategyOptions]] = StrategyOptions
+    # Option name → type, derived from `Options` (the registry's and the CLI's view: `split_options`).
+    OPTIONS: ClassVar[dict[str, type]] = {}
     # whether `select` may keep a reference to its query tensor after returning (a selection cache);
     # if not, the decoder hands it the reused buffer the query was copied into instead of a copy
     keeps_query: ClassVar[bool] = True
@@ -172,25 +102,33 @@ class SelectionStrategy(ABC):
     # decoder then searches concurrent conversations' queries in one call (decode/engine.py forward_batch)
     rows_independent: ClassVar[bool] = False
 
-    def __init__(self, ckv: ContextKV, lo: int, hi: int, options: dict | None = None) -> None:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.OPTIONS = cls.Options.types()
+
+    def __init__(self, ckv: ContextKV, lo: int, hi: int, options: dict | StrategyOptions | None = None) -> None:
         self.ckv = ckv
         self.lo, self.hi = lo, hi
-        self.options = self.checked_options(options)
+        self.options = self.parse_options(options)
         self.stats = StrategyStats()
 
     @classmethod
+    def parse_options(cls, options: dict | StrategyOptions | None) -> StrategyOptions:
+        """`options` as the strategy's `Options`, every value converted and checked; TopkError otherwise."""
+        return cls.Options.parse(cls.name, options)
+
+    @classmethod
     def checked_options(cls, options: dict | None) -> dict:
-        """`options` validated against `OPTIONS` (names and types), values converted; TopkError otherwise."""
-        options = dict(options or {})
-        return options if cls.OPTIONS is None else check_options(cls.name, cls.OPTIONS, options)
+        """The given options validated and converted, as a plain dict (JSON-able: eval configs, reports)."""
+        return cls.parse_options(options).given_values()
 
     @property
     def n_searchable(self) -> int:
         """Number of searchable context tokens."""
         return max(0, self.hi - self.lo)
 
-    @classmethod
-    def build_artifacts(cls, ckv: ContextKV, options: dict | None = None,
+    @classmethod  # noqa: B027 - an optional hook: strategies without artifacts build nothing
+    def build_artifacts(cls, ckv: ContextKV, options: dict | StrategyOptions | None = None,
                         progress: Callable[[int, int], None] | None = None) -> None:
         """Build and save, under `artifact_dir(ckv.path, cls.name)`, what the strategy needs on disk.
 
@@ -200,7 +138,7 @@ class SelectionStrategy(ABC):
         every file's size and checksum: use the helpers of `topk_decode.index.artifacts`).
         """
 
-    def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
+    def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:  # noqa: B027 - an optional hook
         """Build or load whatever the strategy searches (called once, at open)."""
 
     def close(self) -> None:
@@ -223,30 +161,6 @@ class SelectionStrategy(ABC):
             k: token budget per query head for this layer.
             state: what `new_state()` returned for this conversation.
         """
-
-    def device_routes(self, device: torch.device, k_per_layer: list[int]) -> Any:
-        """A part of the search that runs on the decode device inside the captured one-token step
-        (index/routed_device.py's `DeviceRoutes` is the one there is), or None (the default).
-
-        Args:
-            device: the decode device; k_per_layer: each layer's k.
-        """
-        return None
-
-    def select_and_attend(self, layer: int, q: torch.Tensor, k: int, state: Any, o: torch.Tensor,
-                          mz: torch.Tensor, route: Any = None) -> Selection | None:
-        """`select` and the context part in one pass, for strategies that compute both together.
-
-        Returns None (the default) when the strategy does not: the decoder then calls `select` and
-        decode/context.py's `ContextAttention.attend`. A strategy that does writes what `attend` would
-        (estimate included) into o and mz and returns its selection (for observers and counts).
-
-        Args:
-            layer, q, k, state: as `select`.
-            o: (Hkv·Q, D) host tensor in the values' dtype; mz: (Hkv·Q, 2) float32 (ContextAttention.attend).
-            route: what this strategy's `device_routes` sent the host for this layer, or None.
-        """
-        return None
 
     def all_tokens(self, q: torch.Tensor, layer: int, heads: list[int] | None = None) -> Selection:
         """The whole searchable range with exact scores: what every strategy returns when k covers it.
@@ -286,3 +200,58 @@ def exact_scores(keys: torch.Tensor, q: torch.Tensor, ids: torch.Tensor) -> torc
     flat = ids.clamp(min=0) + torch.arange(hkv).view(hkv, 1, 1) * n
     k_sel = keys.reshape(hkv * n, d).index_select(0, flat.reshape(-1)).float().view(*ids.shape, d)
     return torch.einsum("hqd,hqkd->hqk", q, k_sel)
+
+
+class FusedAttention(ABC):
+    """Capability: the strategy computes the context part inside its search (routed's compiled path).
+
+    The decoder calls `select_and_attend` instead of `select` + decode/context.py's `ContextAttention.attend`
+    wherever `attends` says it applies; elsewhere it calls `select` as for any strategy.
+    """
+
+    @abstractmethod
+    def attends(self, layer: int, k: int, o: torch.Tensor) -> bool:
+        """Whether `select_and_attend` runs for this layer, budget and output buffer (dtype, layout)."""
+
+    @abstractmethod
+    def select_and_attend(self, layer: int, q: torch.Tensor, k: int, state: Any, o: torch.Tensor,
+                          mz: torch.Tensor, route: tuple[torch.Tensor, torch.Tensor] | None = None) -> Selection:
+        """`select` and the context part in one pass: writes what `ContextAttention.attend` would (estimate
+        included) into o and mz and returns the selection (for observers and counts).
+
+        Args:
+            layer, q, k, state: as `SelectionStrategy.select`.
+            o: (Hkv·Q, D) host tensor in the values' dtype; mz: (Hkv·Q, 2) float32 (ContextAttention.attend).
+            route: what this strategy's device stage sent the host for this layer (`DeviceStage.host_route`),
+                or None.
+        """
+
+
+class DeviceStage(Protocol):
+    """The part of a strategy's search that runs on the decode device inside the captured one-token step
+    (decode/graphs.py runs it; index/routed/device.py's `DeviceRoutes` is the one there is)."""
+
+    def handles(self, layer: int) -> bool:
+        """Whether this layer's stage runs on the device."""
+
+    def route(self, layer: int, q32: torch.Tensor) -> None:
+        """Run the layer's device stage for the step's float32 queries (inside the captured step)."""
+
+    def estimate_part(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's (out, lse) part computed on the device, merged by the step, or None."""
+
+    def host_route(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the host's `FusedAttention.select_and_attend` receives as `route` for this layer."""
+
+
+class DeviceStaged(ABC):
+    """Capability: part of the strategy's search can run on the decode device (`DeviceStage`)."""
+
+    @abstractmethod
+    def device_routes(self, device: torch.device, k_per_layer: list[int]) -> DeviceStage | None:
+        """The device stage for these layer budgets on `device`, or None where it does not apply there (the
+        device, the options or the budgets rule it out).
+
+        Args:
+            device: the decode device; k_per_layer: each layer's k (fixed in the captured step).
+        """

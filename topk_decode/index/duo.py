@@ -12,6 +12,7 @@ head has no index, no search and no CPU→GPU traffic: its slots come back as -1
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,6 +23,7 @@ import torch
 from topk_decode.errors import TopkError
 from topk_decode.index.artifacts import artifact_dir, read_done, start_artifacts, verify_done, write_done, writing
 from topk_decode.index.base import Selection
+from topk_decode.index.options import StrategyOptions, option
 from topk_decode.index.flat import FlatStrategy, add_in_blocks, new_flat_index
 from topk_decode.index.threads import HeadPool, default_threads
 
@@ -102,17 +104,24 @@ def retrieval_mask(gates: torch.Tensor, sparsity: float) -> torch.Tensor:
     return gates.double() >= threshold
 
 
-class DuoStrategy(FlatStrategy):
-    """Exact top-k for retrieval heads, nothing for streaming heads.
+@dataclass(frozen=True)
+class DuoOptions(StrategyOptions):
+    """duo's options."""
 
-    Options:
-        pattern: path of a `full_attention_heads.tsv` (default: the one in the cache's duo artifacts).
-        sparsity: fraction of KV heads that become streaming heads (default 0.5).
-        backend, threads: as for flat (the retrieval heads' search).
-    """
+    pattern: str | None = option(None, "Path of a `full_attention_heads.tsv` (DuoAttention's file or `topk "
+                                 "calibrate-duo` output); default: the one stored in the cache's duo artifacts.",
+                                 build=True)
+    sparsity: float = option(0.5, "Fraction of KV heads that become streaming heads.")
+    backend: str = option("faiss", "The retrieval heads' exact search: faiss or torch (as flat's).",
+                          check=("faiss", "torch"))
+    threads: int | None = option(None, "Parallel head searches (default: CPU cores).")
+
+
+class DuoStrategy(FlatStrategy):
+    """Exact top-k for retrieval heads, nothing for streaming heads (options: `DuoOptions`)."""
 
     name = "duo"
-    OPTIONS = {"pattern": str, "sparsity": float, "backend": str, "threads": int}
+    Options = DuoOptions
 
     @classmethod
     def build_artifacts(cls, ckv, options: dict | None = None,
@@ -124,7 +133,7 @@ class DuoStrategy(FlatStrategy):
             options: must hold `pattern=PATH` (DuoAttention's file or `topk calibrate-duo` output).
             progress: unused (copying a small file).
         """
-        src = cls.checked_options(options).get("pattern")
+        src = cls.parse_options(options).pattern
         if not src:
             raise TopkError("duo needs a head pattern: pass pattern=PATH (DuoAttention's full_attention_heads.tsv "
                             "or the output of `topk calibrate-duo`)")
@@ -135,7 +144,7 @@ class DuoStrategy(FlatStrategy):
             write_done(out, [out / PATTERN_FILE], {"pattern": str(src)}, ckv.cache_id)
 
     def _pattern_path(self) -> Path:
-        given = self.options.get("pattern")
+        given = self.options.pattern
         if given:
             return Path(given)
         d = artifact_dir(self.ckv.path, self.name)
@@ -146,10 +155,7 @@ class DuoStrategy(FlatStrategy):
                         "full_attention_heads.tsv or `topk calibrate-duo` output)")
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
-        try:
-            sparsity = float(self.options.get("sparsity", 0.5))
-        except (TypeError, ValueError):
-            raise TopkError(f"duo sparsity must be a number, got {self.options.get('sparsity')!r}") from None
+        sparsity = self.options.sparsity
         self.gates = parse_pattern(self._pattern_path(), self.ckv.n_layers, self.ckv.n_kv_heads)
         self.retrieval = retrieval_mask(self.gates, sparsity)                # (L, Hkv) bool
         self.retrieval_heads = [torch.nonzero(r).flatten().tolist() for r in self.retrieval]
@@ -157,10 +163,8 @@ class DuoStrategy(FlatStrategy):
         self.stats.extra.update(streaming_heads=0, pattern_streaming=n_stream,
                                 pattern_retrieval=int(self.retrieval.sum()))
         # Flat's search machinery (backend, per-head thread pool) without its all-heads index build.
-        self.backend = self.options.get("backend", "faiss")
-        if self.backend not in ("faiss", "torch"):
-            raise TopkError(f"unknown duo backend {self.backend!r} (use faiss or torch)")
-        self.threads = int(self.options.get("threads") or default_threads())
+        self.backend = self.options.backend
+        self.threads = self.options.threads or default_threads()
         self.pool = HeadPool(self.threads)  # parallel heads, each search single-threaded (threads.py)
         # Indices only for retrieval heads: a streaming head's memory-mapped keys are never read.
         self.head_index: dict[tuple[int, int], faiss.Index] = {}

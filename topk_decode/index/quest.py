@@ -13,12 +13,12 @@ the retrieved set never overlaps the decoder's window.
 from __future__ import annotations
 
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from topk_decode.errors import TopkError
 from topk_decode.index.artifacts import (
     artifact_dir,
     ensure_artifacts,
@@ -27,7 +27,8 @@ from topk_decode.index.artifacts import (
     write_file,
     writing,
 )
-from topk_decode.index.base import Selection, SelectionStrategy, exact_scores, positive_int
+from topk_decode.index.base import Selection, SelectionStrategy, exact_scores
+from topk_decode.index.options import NON_NEGATIVE, POSITIVE, StrategyOptions, option
 from topk_decode.store.cache_dir import ContextKV
 from topk_decode.store.format import as_torch, dtype_name, numpy_storage
 
@@ -68,25 +69,24 @@ def page_scores(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor) -> torc
     return torch.bmm(q.clamp(min=0), maxs.float().transpose(1, 2)) + torch.bmm(q.clamp(max=0), mins.float().transpose(1, 2))
 
 
-class QuestStrategy(SelectionStrategy):
-    """Top pages by their key-bound score; every token of a chosen page is attended.
+@dataclass(frozen=True)
+class QuestOptions(StrategyOptions):
+    """quest's options."""
 
-    Options:
-        page_size: tokens per page (build; default 16).
-        dense_layers: the first layers attend to every token (default 2).
-    """
+    page_size: int = option(16, "Tokens per page.", build=True, check=POSITIVE)
+    dense_layers: int = option(2, "The first layers attend to every token.", check=NON_NEGATIVE)
+
+
+class QuestStrategy(SelectionStrategy):
+    """Top pages by their key-bound score; every token of a chosen page is attended (options: `QuestOptions`)."""
 
     name = "quest"
-    OPTIONS = {"page_size": int, "dense_layers": int}
-
-    @classmethod
-    def _build_options(cls, options: dict) -> dict:
-        return {"page_size": positive_int(options, "page_size", 16)}
+    Options = QuestOptions
 
     @classmethod
     def build_artifacts(cls, ckv: ContextKV, options: dict | None = None,
                         progress: Callable[[int, int], None] | None = None) -> None:
-        opts = cls._build_options(cls.checked_options(options))
+        opts = cls.parse_options(options).build_values()
         d = start_artifacts(ckv.path, cls.name)
         files = []
         with writing(d, cls.name):
@@ -101,14 +101,10 @@ class QuestStrategy(SelectionStrategy):
             write_done(d, files, {"options": dict(opts, dtype=dtype_name(ckv.dtype))}, ckv.cache_id)
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
-        wanted = {k: v for k, v in self._build_options(self.options).items() if k in self.options}
-        built = ensure_artifacts(self.ckv, self.name, wanted,
+        built = ensure_artifacts(self.ckv, self.name, self.options.given_build_values(),
                                  lambda: self.build_artifacts(self.ckv, self.options, progress))
         self.page_size = int(built["page_size"])
-        raw = self.options.get("dense_layers", 2)
-        if not str(raw).isdigit():
-            raise TopkError(f"option dense_layers must be an integer ≥ 0, got {raw!r}")
-        self.dense_layers = int(raw)
+        self.dense_layers = self.options.dense_layers
         d = artifact_dir(self.ckv.path, self.name)
         n_pages = -(-self.ckv.n_tokens // self.page_size)
         shape = (self.ckv.n_kv_heads, n_pages, self.ckv.head_dim)

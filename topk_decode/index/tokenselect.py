@@ -15,8 +15,8 @@ from typing import Any, Callable
 
 import torch
 
-from topk_decode.errors import TopkError
 from topk_decode.index.base import Selection, SelectionStrategy, exact_scores
+from topk_decode.index.options import StrategyOptions, option
 
 
 def soft_vote(scores: torch.Tensor, scale: float) -> torch.Tensor:
@@ -60,22 +60,22 @@ class SelectionCache:
     last_ids: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
-class TokenSelectStrategy(SelectionStrategy):
-    """Layer-shared top-k by soft vote, with a similarity-gated selection cache.
+@dataclass(frozen=True)
+class TokenSelectOptions(StrategyOptions):
+    """tokenselect's options."""
 
-    Options:
-        threshold: cosine similarity above which the last selection is reused (default 0.9;
-            a value above 1 disables the cache).
-    """
+    threshold: float = option(0.9, "Cosine similarity above which the last selection is reused (a value above 1 "
+                              "disables the cache).")
+
+
+class TokenSelectStrategy(SelectionStrategy):
+    """Layer-shared top-k by soft vote, with a similarity-gated selection cache (options: `TokenSelectOptions`)."""
 
     name = "tokenselect"
-    OPTIONS = {"threshold": float}
+    Options = TokenSelectOptions
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
-        try:
-            self.threshold = float(self.options.get("threshold", 0.9))
-        except (TypeError, ValueError):
-            raise TopkError(f"option threshold must be a number, got {self.options.get('threshold')!r}") from None
+        self.threshold = self.options.threshold
         self.scale = self.ckv.head_dim ** -0.5
 
     def new_state(self) -> SelectionCache:

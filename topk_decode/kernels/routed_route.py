@@ -1,18 +1,20 @@
 """routed's compiled path with routing on the CPU (no device tables, or `device_route=false`): per layer, one
 call (`search_layer_par`) routes each KV head's query against its centroids over ranges of clusters in
 parallel (`route_chunk`), then runs the rest of each head (`finish_head`): cluster choice, the estimate of
-the unread clusters (`_unread`), and routed_kernel.py's scan, top-k and context part. The Python side is
-routed_compiled.py `search_layer`.
+the unread clusters (`_unread`), and kernels/routed_scan.py's scan, top-k and context part. The Python side is
+index/routed/compiled.py `search_layer`.
 """
 
 from __future__ import annotations
 
 import math
 
+from typing import NamedTuple
+
 import numpy as np
 
-from topk_decode.index.compiled import cycles, jit, pjit, prange
-from topk_decode.index.routed_kernel import _dot_queries, _exp_into, _read_clusters, _widen
+from topk_decode.kernels.jit import cycles, jit, pjit, prange
+from topk_decode.kernels.routed_scan import dot_queries, exp_into, read_clusters, widen
 
 
 @jit
@@ -28,8 +30,8 @@ def route_chunk(qh, cent, bias, scale, logit, e, mx, z):
     wf = widened.view(np.float32)
     dots = np.empty(Q, dtype=np.float32)
     for c in range(Cj):
-        _widen(cent[c], widened)
-        _dot_queries(qh, wf, dots)
+        widen(cent[c], widened)
+        dot_queries(qh, wf, dots)
         for i in range(Q):
             logit[c, i] = dots[i] * scale + bias[c]
     shifted = np.empty(Cj, dtype=np.float32)
@@ -46,7 +48,7 @@ def route_chunk(qh, cent, bias, scale, logit, e, mx, z):
             continue
         for c in range(Cj):
             shifted[c] = logit[c, i] - m
-        _exp_into(shifted, ex, bits)
+        exp_into(shifted, ex, bits)
         total = np.float32(0.0)
         for c in range(Cj):
             e[c, i] = ex[c]
@@ -95,7 +97,7 @@ def _cluster_order(logit, lz, offsets, budget, n):
 
 @jit
 def _unread(e, size_factor, vmeans, order, taken, bounds, factor, mxs, rest_o, rest_lse):
-    """The unread clusters' estimate (estimate.py `unread_part`): lse = logsumexp_c(s·q·μ_c + log n_c),
+    """The unread clusters' estimate (index/routed/estimate.py `unread_part`): lse = logsumexp_c(s·q·μ_c + log n_c),
     out = Σ_c p_c·v̄_c over the clusters not read.
 
     Reuses routing's exponentials: exp(s·q·μ_c + log n_c − mxs) = e[c, i]·size_factor[c]·factor[p, i]
@@ -119,7 +121,7 @@ def _unread(e, size_factor, vmeans, order, taken, bounds, factor, mxs, rest_o, r
             for i in range(Q):
                 w[i] = e[c, i] * size_factor[c] * factor[p, i]
                 z[i] += w[i]
-            _widen(vmeans[c], widened)
+            widen(vmeans[c], widened)
             for i in range(Q):
                 for j in range(d):
                     rest_o[i, j] += w[i] * vf[j]
@@ -143,7 +145,7 @@ def finish_head(keys, pos, offsets, size_factor, vmeans, qh, budget, k, scale, e
     Args:
         keys: (N, D) the head's cluster-contiguous bf16 keys as their uint16 bits.
         pos: (N,) int32 original positions, −1 for rows never returned (sinks, tail): one array read per row,
-            not positions and flags (docs/BENCHMARKS.md run 16).
+            not positions and flags (docs/BENCHMARKS.md "segmented k-means, Qwen2.5-7B at 1M, one position array, huge pages").
         offsets: (C + 1,) int64 cluster c = rows [offsets[c], offsets[c+1]).
         size_factor: (C,) float32 n_c·exp(−bias_c), 0 without searchable keys; vmeans: (C, D) bf16 mean
             values as uint16 (both for the estimate only).
@@ -175,19 +177,44 @@ def finish_head(keys, pos, offsets, size_factor, vmeans, qh, budget, k, scale, e
     order, taken, m = _cluster_order(logit, lz, offsets, budget, keys.shape[0])
     if estimate:
         _unread(e, size_factor, vmeans, order, taken, bounds, factor, mxs, rest_o, rest_lse)
-    _read_clusters(keys, pos, offsets, order, taken, m, qh, scale, vals, values_by_row, rest_o, rest_lse,
+    read_clusters(keys, pos, offsets, order, taken, m, qh, scale, vals, values_by_row, rest_o, rest_lse,
                    estimate, attend, ids_out, sc_out, o_out, mz_out)
     return m
 
 
+class RouteBuffers(NamedTuple):
+    """Routing's buffers for one layer: logit, e (Hkv, C, Q) float32 the logits and their exponentials; bounds
+    (J + 1,) int64 the routing tasks' cluster ranges; mx, z (Hkv, J, Q) float32 each range's maxima and sums."""
+
+    logit: np.ndarray
+    e: np.ndarray
+    bounds: np.ndarray
+    mx: np.ndarray
+    z: np.ndarray
+
+
+class RestOut(NamedTuple):
+    """The unread clusters' estimate: out (Hkv, Q, D) float32, lse (Hkv, Q) float32 (−inf: nothing left out)."""
+
+    out: np.ndarray
+    lse: np.ndarray
+
+
 @pjit
-def search_layer_par(keys, pos, offsets, size_factor, vmeans, q, cent, bias, budget, k, scale, estimate,
-                     vals, values_by_row, attend, logit, e, bounds, mx_p, z_p, ids, scores, rest_o, rest_lse, o, mz,
-                     read, clock):
+def search_layer_par(a, q, budget, k, scale, estimate, attend, route, out, rest, heads):
     """One layer, every KV head: routing over (head, cluster range) tasks, then `finish_head` per head, each
-    round on numba's threads. Arrays are the per-head arguments of `route_chunk` / `finish_head` with a
-    leading (Hkv,) axis; read (Hkv,) int64 receives each head's keys read, clock (Hkv, 2) int64 the `cycles`
-    at which its `finish_head` started and ended."""
+    round on numba's threads.
+
+    Args: a: `LayerArrays`; q (Hkv, Q, D) float32; budget, k, scale, estimate: as `finish_head`; attend: also
+        write the context part into out.o / out.mz; route: `RouteBuffers`; out: `LayerOut`; rest: `RestOut`;
+        heads: `HeadClock` (read and the `cycles` at which each head's `finish_head` started and ended).
+    """
+    # unpacked outside the parallel loops (kernels/routed_scan.py `scan_layer_par` says why)
+    keys, pos, offsets, cent, bias, size_factor, vmeans, vals, values_by_row = a
+    logit, e, bounds, mx_p, z_p = route
+    ids, scores, o, mz = out
+    rest_o, rest_lse = rest
+    read, clock = heads
     hkv = keys.shape[0]
     J = bounds.shape[0] - 1
     for t in prange(hkv * J):

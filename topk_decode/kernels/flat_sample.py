@@ -1,17 +1,17 @@
-"""The cut that flat's numba scan starts from (flat_kernel.py): per KV head and query, a guess of the score
+"""The cut that flat's numba scan starts from (kernels/flat_scan.py): per KV head and query, a guess of the score
 that about SURVIVORS_PER_K·k of the head's rows reach, from an evenly strided sample of its rows.
 
 A guess, not a bound: flat_kernel.search checks that at least k rows got through and scans a head again
 without it where not. Sampling the whole head rather than each block lets each of B blocks keep about
-2·k/B rows instead of 2·k (docs/BENCHMARKS.md run 20).
+2·k/B rows instead of 2·k (docs/BENCHMARKS.md "flat's numba scan at 61–74 % of the DRAM floor").
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from topk_decode.index.compiled import jit, pjit, prange, prefetch_row
-from topk_decode.index.dots import GROUP as _QGROUP, dot4 as _dot4
+from topk_decode.kernels.jit import jit, pjit, prange, prefetch_row
+from topk_decode.kernels.dots import GROUP, dot4
 
 # The sample's cut is its _SAMPLE_RANK-th largest score, with the stride that aims it at SURVIVORS_PER_K·k
 # rows of the head. Two, not one: a guess that lets fewer than k rows through costs the head a second pass
@@ -37,8 +37,8 @@ def _sample_rows(keys, qp, s, stride, r0, r1, sc):
     for r in range(r0, r1):
         if r + _SAMPLE_AHEAD < r1:                    # rows far apart: no hardware prefetcher follows them
             prefetch_row(keys, s + (r + _SAMPLE_AHEAD) * stride)
-        for i in range(0, qp.shape[0], _QGROUP):
-            sc[i, r], sc[i + 1, r], sc[i + 2, r], sc[i + 3, r] = _dot4(keys, s + r * stride, qp, i)
+        for i in range(0, qp.shape[0], GROUP):
+            sc[i, r], sc[i + 1, r], sc[i + 2, r], sc[i + 3, r] = dot4(keys, s + r * stride, qp, i)
 
 
 @pjit
@@ -72,7 +72,7 @@ def head_cuts(keys: np.ndarray, q: np.ndarray, lo: int, hi: int, k: int, workers
     stride, ns, rank = sample_plan(hi - lo, k)
     if ns == 0:
         return spec
-    qn = -(-Q // _QGROUP) * _QGROUP
+    qn = -(-Q // GROUP) * GROUP
     qp = np.zeros((hkv, qn, q.shape[2]), dtype=q.dtype)              # (Hkv, Qp, D) padded
     qp[:, :Q] = q
     sc = np.empty((hkv, qn, ns), dtype=np.float32)                   # (Hkv, Qp, ns) the samples' scores

@@ -6,7 +6,7 @@ share a large common component that queries do not, docs/STRATEGIES.md "centring
 than spherical or inner-product k-means because routing scores a cluster by q·c with c the *mean* of its
 raw keys: q·c is then exactly the mean score of the cluster's keys, and the spread (mean squared
 distance to c, stored too) completes a second-order estimate of the cluster's attention mass
-(routed.py). Inner-product k-means would let centroids grow without bound; spherical k-means ignores the
+(index/routed/strategy.py). Inner-product k-means would let centroids grow without bound; spherical k-means ignores the
 key norms that the scores depend on.
 
 The layout of one layer: keys (and optionally values) permuted so that each cluster's rows are one

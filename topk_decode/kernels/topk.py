@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from topk_decode.index.compiled import jit
+from topk_decode.kernels.jit import jit
 
 # the histogram's bucket of −inf: no finite float maps to it (the most negative finite floats map to 4–7)
 _NEG_INF_BUCKET = 3

@@ -1,7 +1,7 @@
 """routed's clustered layout on disk: built once per cache, memory-mapped at open.
 
 Per layer, `artifact_dir(cache, "routed")` holds the cluster-contiguous keys (and values), their
-original positions, the cluster offsets, centroids, spreads and mean values (cluster.py builds them),
+original positions, the cluster offsets, centroids, spreads and mean values (index/routed/cluster.py builds them),
 one file per array and layer (`keys.000.bin`, ...), checksummed in `done.json` (artifacts.py). The
 permuted keys and values are memory-mapped, the small per-cluster arrays read into RAM.
 """
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from topk_decode.index.artifacts import artifact_dir, start_artifacts, write_done, write_file, writing
-from topk_decode.index.cluster import KMeansConfig, LayerLayout, build_layer, kmeans_device
+from topk_decode.index.routed.cluster import KMeansConfig, LayerLayout, build_layer, kmeans_device
 from topk_decode.store import huge_pages
 from topk_decode.store.cache_dir import ContextKV
 from topk_decode.store.format import as_torch, dtype_name, numpy_storage
@@ -27,7 +27,7 @@ def on_disk(ckv: ContextKV) -> bool:
 
 
 def layer_layouts(ckv: ContextKV, opts: dict, progress: Callable[[int, int], None] | None) -> Iterator[LayerLayout]:
-    """Each layer's clustered layout, built in turn (k-means on the GPU when there is one, cluster.py).
+    """Each layer's clustered layout, built in turn (k-means on the GPU when there is one, index/routed/cluster.py).
 
     Args:
         ckv: the context; opts: routed's build options (cluster_size, iters, store_values, segment);

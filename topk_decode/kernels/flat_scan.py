@@ -1,17 +1,17 @@
 """flat's exact scan as compiled functions (numba): `flat --opt backend=numba`, and `auto`'s choice for long
-bf16 contexts (flat.py).
+bf16 contexts (index/flat/strategy.py; the Python side: index/flat/compiled.py).
 
 The torch backend scores all keys in bf16 with one batched matmul, then selects candidates and
-rescores them in fp32 (flat.py `_half_scan`): several passes over (Hkv, Q, N) score buffers, and a
+rescores them in fp32 (index/flat/strategy.py `half_scan`): several passes over (Hkv, Q, N) score buffers, and a
 matmul whose CPU kernel reads the keys well below the DRAM bandwidth when Q is 4-7 rows. Here each
 task (one KV head × one contiguous block of keys) reads its block once: each bf16 row is dotted with
-all of the head's queries, four at a time, with fp32 sums (`_dot4`: AVX512-BF16 dot products for
-bf16-exact queries where the CPU has them, else the row widened exactly to fp32; dots.py), and its
+all of the head's queries, four at a time, with fp32 sums (`dot4`: AVX512-BF16 dot products for
+bf16-exact queries where the CPU has them, else the row widened exactly to fp32; kernels/dots.py), and its
 scores are compared with the queries' cuts at once (`_score_hits`): almost every key costs its dot
 products, four compares and a branch that is rarely taken.
 
 The cuts. Before the scan, a strided sample of each head's whole range guesses the score that about 2·k
-of the head's rows reach (flat_sample.py, one per query); a block keeps only rows at or above it, about
+of the head's rows reach (kernels/flat_sample.py, one per query); a block keeps only rows at or above it, about
 2·k/B of its rows for B blocks, instead of the kb·(1 + ln(m/kb)) that a running cut lets in from −inf.
 A guess is not a bound: `search` checks that at least k of the head's rows got through and scans that
 head again without it where not (exact either way). Each task also keeps its own k-th best so far and
@@ -19,7 +19,7 @@ reads a cut that the head's other blocks publish (`bar`), both lower bounds of t
 Rows are prefetched ahead of the dot products, so that reading the next rows overlaps the arithmetic. A
 last pass merges each (head, query)'s block candidates into the exact top-k. Each pass is one numba
 parallel call (`prange`): a Python thread pool's start alone cost ~2 ms per layer on the 16-core host
-(docs/BENCHMARKS.md run 18); this layout is run 20's.
+(docs/BENCHMARKS.md "flat's numba scan against the DRAM floor"); this layout is that section's.
 
 Result: the top k by (exact fp32 score descending, position ascending): ties at the k-th score go to
 the lower positions, independent of thread timing. The k ids are returned in no particular order.
@@ -29,24 +29,40 @@ summation order differs from torch's matmul (~1e-6 relative).
 
 from __future__ import annotations
 
-import time
+from typing import NamedTuple
 
 import numpy as np
-import torch
 
-from topk_decode.index import compiled, dots
-from topk_decode.index.compiled import bits, jit, pjit, prange, prefetch_row
-from topk_decode.index.dots import GROUP as _QGROUP, dot4 as _dot4, score_rows4
-from topk_decode.index.flat_sample import SURVIVORS_PER_K, head_cuts
+from topk_decode.kernels.jit import jit, pjit, prange, prefetch_row
+from topk_decode.kernels.dots import GROUP, dot4, score_rows4
+from topk_decode.kernels.flat_sample import SURVIVORS_PER_K
 
-# Tasks per pool worker when the block size is left to `search`: few, long tasks keep each running
-# threshold close to the final k-th score (fewer insertions and compactions, fewer candidates to
-# merge); two rather than one so that a worker delayed by other work does not hold up the whole layer.
-TASKS_PER_WORKER = 2
-MIN_BLOCK = 1 << 12   # keys per task at least (1 MiB at D=128): smaller tasks only add setup and merging
+class Tasks(NamedTuple):
+    """(T,) int64 each: a task's KV head, its rows [start, end) and the candidate slot it writes."""
+
+    head: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    slot: np.ndarray
+
+
+class Cuts(NamedTuple):
+    """(Hkv, Q) float32 each: the cuts the blocks publish (`bar`) and the sampled ones (`spec`, −inf: none)."""
+
+    bar: np.ndarray
+    spec: np.ndarray
+
+
+class Candidates(NamedTuple):
+    """ids int64 and scores float32 of the same shape: per task slot (slots, Q, kb), or the result (Hkv, Q, k)."""
+
+    ids: np.ndarray
+    scores: np.ndarray
+
+
 _CHUNK = 64    # rows scored between two refreshes of the cuts (the other blocks' published ones)
 # Rows prefetched ahead of the dot products: the hardware prefetcher alone left a task's reads and its
-# arithmetic one after the other (docs/BENCHMARKS.md run 18).
+# arithmetic one after the other (docs/BENCHMARKS.md "flat's numba scan against the DRAM floor").
 AHEAD = 16
 
 
@@ -87,19 +103,19 @@ def _score_hits(keys, qp, t0, t1, ahead, e, cutv, sc, rows):
     or not the row is kept (cheaper than a branch around the stores). One group of queries (G ≤ 4, e.g.
     Llama-3-8B) has its own loop (`dots.score_rows4`: for bf16 queries written in IR, the queries held in
     registers for all rows): the general one's index arithmetic and loop over groups cost about half as
-    much as the dot products on the dev box (docs/BENCHMARKS.md run 20).
+    much as the dot products on the dev box (docs/BENCHMARKS.md "flat's numba scan at 61–74 % of the DRAM floor").
     """
     qn = qp.shape[0]
     nh = 0
-    if qn == _QGROUP:
+    if qn == GROUP:
         return score_rows4(keys, qp, t0, t1, ahead, e, cutv, sc, rows)
     for t in range(t0, t1):
         if t + ahead < e:
             prefetch_row(keys, t + ahead)
         hit = False
         o = nh * qn
-        for i in range(0, qn, _QGROUP):
-            a0, a1, a2, a3 = _dot4(keys, t, qp, i)
+        for i in range(0, qn, GROUP):
+            a0, a1, a2, a3 = dot4(keys, t, qp, i)
             sc[o + i] = a0
             sc[o + i + 1] = a1
             sc[o + i + 2] = a2
@@ -155,12 +171,12 @@ def _block_pass(keys, qp, Q, s, e, kb, publish, bar, spec, cs, cr, cnt, thr, ahe
 
 @jit
 def _padded_copy(q):
-    """(Qp, D) a copy of the (Q, D) queries, zero rows padding the last group of _QGROUP, 64-byte aligned.
+    """(Qp, D) a copy of the (Q, D) queries, zero rows padding the last group of GROUP, 64-byte aligned.
 
     Aligned: a 512-bit load that straddles two cache lines costs two (16 of them per key). The task's own
-    copy: one padded array shared by all tasks scanned slower (docs/BENCHMARKS.md run 19)."""
+    copy: one padded array shared by all tasks scanned slower (docs/BENCHMARKS.md "flat's numba scan with bf16 dot products")."""
     Q, d = q.shape
-    qn = (Q + _QGROUP - 1) // _QGROUP * _QGROUP
+    qn = (Q + GROUP - 1) // GROUP * GROUP
     pad = 64 // q.itemsize
     buf = np.zeros(qn * d + pad, dtype=q.dtype)
     off = ((64 - buf.ctypes.data % 64) % 64) // q.itemsize
@@ -176,7 +192,7 @@ def _block_topk(keys, q, s, e, k, bar, spec, ids_out, sc_out, ahead):
     """One task: the top-kb of rows [s, e) of one head's keys for each of its queries, among the rows that
     reach the head's sampled cut.
 
-    The cut (flat_sample.py, over the whole head, in `search`) lets about 2·k of the head's rows through,
+    The cut (kernels/flat_sample.py, over the whole head, in `search`) lets about 2·k of the head's rows through,
     about 2·k/B of each of its B blocks, instead of the kb·(1 + ln(m/kb)) that a running cut lets in from
     −inf; `search` checks afterwards that at least k of the head's rows got through, and rescans the head
     without the guess where not (exact either way).
@@ -216,15 +232,19 @@ def _block_topk(keys, q, s, e, k, bar, spec, ids_out, sc_out, ahead):
 
 
 @pjit
-def _scan_par(keys, q, task_h, task_s, task_e, task_o, workers, k, bar, spec, ids_out, sc_out, ahead):
+def scan_par(keys, q, tasks, workers, k, cuts, out, ahead):
     """Every task, split over `workers` numba threads: worker w takes tasks w, w + workers, ...
 
     Args:
         keys: (Hkv, N, D) uint16 bits; q: (Hkv, Q, D) float32 (or bf16 bits).
-        task_h, task_s, task_e, task_o: (T,) int64 head, rows [s, e) and output slot of each task.
-        workers: threads; k: results per query; bar: (Hkv, Q) float32 shared cuts; spec: (Hkv, Q) sampled
-        cuts; ids_out, sc_out: (slots, Q, kb) per-task candidates; ahead: rows prefetched ahead.
+        tasks: `Tasks`; workers: threads; k: results per query; cuts: `Cuts`; out: `Candidates` (one slot per
+            task); ahead: rows prefetched ahead.
     """
+    # unpacked outside the parallel loop: numba 0.68 drops writes made through a tuple's array field inside a
+    # prange body (tests/test_flat_kernel.py checks the results)
+    task_h, task_s, task_e, task_o = tasks
+    bar, spec = cuts
+    ids_out, sc_out = out
     for w in prange(workers):
         for t in range(w, task_h.shape[0], workers):
             h, o = task_h[t], task_o[t]
@@ -232,7 +252,7 @@ def _scan_par(keys, q, task_h, task_s, task_e, task_o, workers, k, bar, spec, id
 
 
 @jit
-def _short_heads(ids, spec, need):
+def short_heads(ids, spec, need):
     """Which heads' sampled cuts let fewer than `need` rows through for some query: (Hkv,) bool.
 
     Args:
@@ -284,107 +304,13 @@ def _merge_query(ids_in, sc_in, i, low, k, ids_out, sc_out):
 
 
 @pjit
-def _merge_par(ids_in, sc_in, bar, k, ids_out, sc_out):
+def merge_par(cands, bar, k, out):
     """`_merge_query` of every (head, query) in parallel, on the scan's threads (a pass per head would leave
-    half of them idle at 8 KV heads): ids_in, sc_in (Hkv, B, Q, kb); bar (Hkv, Q); outs (Hkv, Q, k)."""
+    half of them idle at 8 KV heads): cands `Candidates` (Hkv, B, Q, kb); bar (Hkv, Q); out `Candidates`
+    (Hkv, Q, k)."""
+    ids_in, sc_in = cands
+    ids_out, sc_out = out
     Q = bar.shape[1]
     for w in prange(bar.shape[0] * Q):
         h, i = w // Q, w % Q
         _merge_query(ids_in[h], sc_in[h], i, bar[h, i], k, ids_out[h, i], sc_out[h, i])
-
-
-def warm_up(head_dim: int = 2) -> None:
-    """Compile the kernels now (seconds on a first run without numba's disk cache), not inside a step:
-    the fp32 path, and the bf16 one where it is available for rows of `head_dim`. 2,048 rows and k = 256:
-    the smallest search that samples its cut (`flat_sample.sample_plan`)."""
-    search(torch.zeros((1, 2048, 2), dtype=torch.bfloat16), torch.zeros((1, 1, 2)), 256, 0, 2048, 1, dot="fp32")
-    if dots.bf16_available(head_dim):   # the fp32 path's types do not depend on D; the bf16 one needs D % 32 == 0
-        keys = torch.zeros((1, 2048, head_dim), dtype=torch.bfloat16)
-        search(keys, torch.zeros((1, 1, head_dim)), 256, 0, 2048, 1, dot="bf16")
-
-
-def bf16_dot_applies(keys: torch.Tensor, q: torch.Tensor) -> bool:
-    """Whether `search` scores these (Hkv, N, D) keys and (Hkv, Q, D) float32 queries with the hardware bf16
-    dot product: it is available here, the key rows are contiguous and every query is bf16-exact (the
-    decoder's are)."""
-    return (dots.bf16_available(q.shape[-1]) and keys.stride(-1) == 1
-            and torch.equal(q.to(torch.bfloat16).float(), q))
-
-
-def task_block(m: int, hkv: int, workers: int) -> int:
-    """Keys per task so that each worker gets about TASKS_PER_WORKER tasks of equal size.
-
-    Args:
-        m: searchable keys per head; hkv: KV heads; workers: threads.
-    """
-    chunks = max(1, -(-workers * TASKS_PER_WORKER // hkv))          # tasks per head
-    return max(MIN_BLOCK, -(-m // chunks))
-
-
-def search(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, threads: int = 1,
-           block: int | None = None, ahead: int = AHEAD, dot: str = "auto",
-           parts: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact top-k of every query over keys[:, lo:hi], (head, block) tasks in parallel on numba's threads.
-
-    Args:
-        keys: (Hkv, N, D) bf16 keys (KEY_DTYPES), e.g. a memory map; q: (Hkv, Q, D) float32 queries.
-        k: results per query; lo, hi: the searchable rows [lo, hi).
-        threads: numba threads to use; block: keys per task (None: `task_block`).
-        ahead: rows prefetched ahead of the dot products (a tuning knob: docs/BENCHMARKS.md run 18).
-        dot: "bf16" scores with the hardware bf16 dot product (dots.py; the queries are rounded to bf16),
-            "fp32" widens the keys and runs FMAs; "auto": bf16 where `bf16_dot_applies` (the same scores as
-            fp32 up to summation order), else fp32.
-        parts: if given, seconds spent in each pass are added to it ("cuts", "scan", "rescan", "merge",
-            "total"; scripts/flat_search_parts.py).
-    Returns:
-        ids (Hkv, Q, k) int64 positions in [lo, hi) (−1 in empty slots: only where k > hi − lo), scores
-        (Hkv, Q, k) float32 exact q·k (0 in empty slots); in no particular order within a query.
-    """
-    t0 = time.perf_counter()
-    hkv, n, _ = keys.shape
-    Q = q.shape[1]
-    lo, hi = max(0, lo), min(n, hi)
-    ids = torch.full((hkv, Q, k), -1, dtype=torch.int64)
-    scores = torch.zeros((hkv, Q, k), dtype=torch.float32)
-    if hi <= lo or k <= 0:
-        return ids, scores
-    threads = max(1, threads)
-    block = block or task_block(hi - lo, hkv, threads)
-    starts = np.arange(lo, hi, block, dtype=np.int64)
-    nb = len(starts)
-    kb = min(k, block, hi - lo)
-    task_h = np.repeat(np.arange(hkv, dtype=np.int64), nb)          # (T,) head-major: a head's blocks in order
-    task_s = np.tile(starts, hkv)
-    task_e = np.minimum(task_s + block, hi)
-    if dot == "auto":
-        dot = "bf16" if bf16_dot_applies(keys, q) else "fp32"
-    q_np = bits(q.to(torch.bfloat16).contiguous()) if dot == "bf16" else q.contiguous().numpy()
-    kbits = bits(keys)
-    workers = min(threads, len(task_h))
-    compiled.set_threads(workers)
-    t1 = time.perf_counter()
-    spec = head_cuts(kbits, q_np, lo, hi, k, workers)               # (Hkv, Q) sampled cuts, −inf: none
-    t2 = time.perf_counter()
-    bar = np.full((hkv, Q), -np.inf, dtype=np.float32)               # (Hkv, Q) shared cuts
-    cand_i = np.empty((hkv * nb, Q, kb), dtype=np.int64)             # (T, Q, kb)
-    cand_s = np.empty((hkv * nb, Q, kb), dtype=np.float32)
-    task_o = np.arange(len(task_h), dtype=np.int64)
-    _scan_par(kbits, q_np, task_h, task_s, task_e, task_o, workers, k, bar, spec, cand_i, cand_s, ahead)
-    t3 = time.perf_counter()
-    short = _short_heads(cand_i.reshape(hkv, nb, Q, kb), spec, min(k, hi - lo))
-    if short.any():   # a guess let too few rows through (rare on real keys): those heads again, without one
-        spec[short] = -np.inf
-        again = np.flatnonzero(np.repeat(short, nb))
-        compiled.set_threads(min(threads, len(again)))
-        _scan_par(kbits, q_np, task_h[again], task_s[again], task_e[again], again, min(threads, len(again)), k,
-                  bar, spec, cand_i, cand_s, ahead)
-        compiled.set_threads(workers)
-    t4 = time.perf_counter()
-    _merge_par(cand_i.reshape(hkv, nb, Q, kb), cand_s.reshape(hkv, nb, Q, kb), bar, k, ids.numpy(),
-               scores.numpy())
-    if parts is not None:
-        t5 = time.perf_counter()
-        for name, dt in (("cuts", t2 - t1), ("scan", t3 - t2), ("rescan", t4 - t3), ("merge", t5 - t4),
-                         ("total", t5 - t0)):
-            parts[name] = parts.get(name, 0.0) + dt
-    return ids, scores

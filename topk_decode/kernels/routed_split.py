@@ -2,7 +2,7 @@
 
 `scan_layer_par` gives each KV head one task: Llama-3-8B's 8 heads use 8 of a 16-core host's threads
 (Qwen2.5-7B's 4 heads use 4), and the layer waits for its slowest head. Here one call runs the layer in
-rounds over the whole team (docs/BENCHMARKS.md run 15):
+rounds over the whole team (docs/BENCHMARKS.md "prefetching, and the heads' work split over the whole team"):
 
     rows:    per head, the layout rows of its chosen clusters, in routing order (counted, then listed, over
              ranges of its clusters);
@@ -24,11 +24,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from topk_decode.index.compiled import cycles, jit, pjit, prange
-from topk_decode.index.dots import pad_queries
-from topk_decode.index.kernel_topk import top_k_one
-from topk_decode.index.routed_kernel import (_cluster_rows_into, _count_rows, _hit_rows, _round_bf16, _scan_range,
-                                             _slot_weights, _sum_values)
+from topk_decode.kernels.jit import cycles, jit, pjit, prange
+from topk_decode.kernels.dots import pad_queries
+from topk_decode.kernels.topk import top_k_one
+from topk_decode.kernels.routed_scan import (cluster_rows_into, count_rows, hit_rows, round_bf16, scan_range,
+                                             slot_weights, sum_values)
 
 
 class SplitScratch(NamedTuple):
@@ -74,61 +74,80 @@ def _pad_heads(q, qf, qb, use_b):
         use_b[h] = pad_queries(q[h], qf[h], qb[h])
 
 
+# What a split call reports, one record: keys read (all heads, the most in one head), slots filled, the pieces'
+# work (sum, most, span) in `cycles`, then the `cycles` at the call's start and at the end of each round.
+TALLY = np.dtype([("read", np.int64), ("most_read", np.int64), ("filled", np.int64), ("work", np.int64),
+                  ("slowest", np.int64), ("span", np.int64), ("start", np.int64), ("rows", np.int64),
+                  ("scan", np.int64), ("top_k", np.int64), ("values", np.int64), ("sums", np.int64)])
+ROUNDS = ("rows", "scan", "top_k", "values", "sums")   # TALLY's round stamps, in order
+
+
+def new_tally() -> np.ndarray:
+    """A (1,) TALLY record array for `split_layer_par` to fill."""
+    return np.zeros(1, TALLY)
+
+
 @jit
 def _tally_reads(starts, read, tally):
     """From each head's row counts per cluster range (starts[h, j + 1], j < J): starts[h, j] = the first row of
-    range j, read[h] = the head's rows; tally[0], tally[1] = the rows of all heads, the most in one head
-    (serial: see split_layer_par)."""
-    tally[0], tally[1] = 0, 0
+    range j, read[h] = the head's rows; tally's read and most_read (serial: see split_layer_par)."""
+    total, most = 0, 0
     for h in range(starts.shape[0]):
         starts[h, 0] = 0
         for j in range(1, starts.shape[1]):
             starts[h, j] += starts[h, j - 1]
         read[h] = starts[h, starts.shape[1] - 1]
-        tally[0] += read[h]
-        tally[1] = max(tally[1], read[h])
+        total += read[h]
+        most = max(most, read[h])
+    tally[0].read = total
+    tally[0].most_read = most
 
 
 @jit
 def _tally_work(filled, clock, tally):
-    """tally[2:6] = slots filled, the pieces' work summed and at most (`cycles`), and their span."""
-    tally[2] = 0
+    """tally's filled (slots), work and slowest (the pieces' `cycles` summed and at most) and span."""
+    n = 0
     for h in range(filled.shape[0]):
         for i in range(filled.shape[1]):
-            tally[2] += filled[h, i]
+            n += filled[h, i]
     first, last = clock[0, 0], clock[0, 1]
-    tally[3], tally[4] = 0, 0
+    work, slowest = 0, 0
     for p in range(clock.shape[0]):
-        tally[3] += clock[p, 1] - clock[p, 0]
-        tally[4] = max(tally[4], clock[p, 1] - clock[p, 0])
+        work += clock[p, 1] - clock[p, 0]
+        slowest = max(slowest, clock[p, 1] - clock[p, 0])
         first, last = min(first, clock[p, 0]), max(last, clock[p, 1])
-    tally[5] = last - first
-
-
-# tally of a split call: keys read (all heads, the most in one head), slots filled, the pieces' work (sum, most,
-# span) in `cycles`, then the `cycles` at the call's start and at the end of each round (rows … sums)
-TALLY = 12
+    tally[0].filled = n
+    tally[0].work = work
+    tally[0].slowest = slowest
+    tally[0].span = last - first
 
 
 @pjit
-def split_layer_par(keys, pos, offsets, order, take, q, qf, qb, k, scale, vals, values_by_row, pieces, rows,
-                    rpos, sc, w, part, ids, scores, o, o16, mz, tally):
-    """One device-routed layer (arguments as `scan_layer_par`, plus the `SplitScratch` buffers) in `pieces`
-    equal pieces per round. qf, qb: (Hkv, Qp, D) buffers for the queries padded to groups of four, as float32
-    and as bf16 bits (uint16 where the CPU has the bf16 dot product, else float32 and unused; dots.py). The
-    buffers must hold every head's rows: when some head needs more than they hold
-    (tally[1] says how many), nothing else is written and the caller retries with larger ones. tally (TALLY,)
-    int64 receives the call's counts and times, reduced here so that the Python side does no array work.
-    o16: (Hkv, Q, D) uint16 receives o rounded to bf16 as well (the decoder's part buffer: no conversion on
-    the Python side), or (0, Q, D): o only."""
+def split_layer_par(a, order, take, q, qf, qb, k, scale, pieces, buf, out, o16, tally):
+    """One device-routed layer (as `scan_layer_par`) in `pieces` equal pieces per round.
+
+    Args:
+        a: `LayerArrays`; order, take, q, k, scale: as `scan_layer_par`.
+        qf, qb: (Hkv, Qp, D) buffers for the queries padded to groups of four, as float32 and as bf16 bits
+            (uint16 where the CPU has the bf16 dot product, else float32 and unused; kernels/dots.py).
+        buf: `SplitScratch`; it must hold every head's rows: when some head needs more (tally's most_read says
+            how many), nothing else is written and the caller retries with a larger one.
+        out: `LayerOut`; o16: (Hkv, Q, D) uint16 receives o rounded to bf16 as well (the decoder's part buffer:
+            no conversion on the Python side), or (0, Q, D): o only.
+        tally: (1,) TALLY record array: the call's counts and times, reduced here so that the Python side does
+            no array work.
+    """
+    # unpacked outside the parallel loops (kernels/routed_scan.py `scan_layer_par` says why)
+    keys, pos, offsets, _, _, _, _, vals, values_by_row = a
+    rows, rpos, sc, w, part = buf
+    ids, scores, o, mz = out
     hkv, Q, d = q.shape
     cap = rows.shape[1]
     # np.empty, not np.zeros, and the reductions in `_tally_reads` / `_tally_work`: in a parallel function
     # numba turns each array expression (a fill, a sum) into a parallel region of its own, a fork and join of
-    # the team each (docs/BENCHMARKS.md run 16). Every element of these is written by the rounds.
+    # the team each (docs/BENCHMARKS.md "segmented k-means, Qwen2.5-7B at 1M, one position array, huge pages"). Every element of these is written by the rounds.
     read, filled, clock = np.empty(hkv, np.int64), np.empty((hkv, Q), np.int64), np.empty((pieces, 2), np.int64)
-    phases = tally[6:]
-    phases[0] = cycles()
+    tally[0].start = cycles()
     use_b = np.empty(hkv, np.bool_)
     _pad_heads(q, qf, qb, use_b)
     # the rows round: with fewer KV heads than threads (Qwen2.5-7B: 4 heads of ~10,000 chosen clusters at 1M),
@@ -139,25 +158,25 @@ def split_layer_par(keys, pos, offsets, order, take, q, qf, qb, k, scale, vals, 
     for t in prange(hkv * J):
         h, j = t // J, t % J
         t0, t1 = take[h] * j // J, take[h] * (j + 1) // J
-        starts[h, j + 1] = _count_rows(offsets[h], order[h], t1, t0)
+        starts[h, j + 1] = count_rows(offsets[h], order[h], t1, t0)
         if J == 1 and starts[h, 1] <= cap:
-            _cluster_rows_into(offsets[h], order[h], t1, rows[h])
+            cluster_rows_into(offsets[h], order[h], t1, rows[h])
     _tally_reads(starts, read, tally)
-    if tally[1] > cap:
+    if tally[0].most_read > cap:
         return
     if J > 1:
         for t in prange(hkv * J):
             h, j = t // J, t % J
-            _cluster_rows_into(offsets[h], order[h], take[h] * (j + 1) // J, rows[h], take[h] * j // J, starts[h, j])
-    phases[1] = cycles()
+            cluster_rows_into(offsets[h], order[h], take[h] * (j + 1) // J, rows[h], take[h] * j // J, starts[h, j])
+    tally[0].rows = cycles()
     seg = _pieces(read, pieces)
     for p in prange(pieces):
         clock[p, 0] = cycles()
         for h in range(hkv):
             r0, r1 = seg[p, h, 0], seg[p, h, 1]
             if r1 > r0:
-                _scan_range(keys[h], pos[h], rows[h], r0, r1, qf[h], qb[h], use_b[h], rpos[h], sc[h])
-    phases[2] = cycles()
+                scan_range(keys[h], pos[h], rows[h], r0, r1, qf[h], qb[h], use_b[h], rpos[h], sc[h])
+    tally[0].scan = cycles()
     ms, zs = np.empty((hkv, Q), np.float32), np.empty((hkv, Q), np.float32)
     K = ids.shape[2]
     for t in prange(hkv * Q):
@@ -166,21 +185,21 @@ def split_layer_par(keys, pos, offsets, order, take, q, qf, qb, k, scale, vals, 
         cols = np.empty(K, np.int64)
         filled[h, i] = top_k_one(sc[h, i, :n], rpos[h, :n], ids[h, i], scores[h, i], cols, np.empty(2048, np.int64))
         # zeroed by the task that scatters into it (its lines then sit in this core's cache, not in the scan
-        # pieces' caches); no measurable change on the host either way (docs/BENCHMARKS.md run 16)
+        # pieces' caches); no measurable change on the host either way (docs/BENCHMARKS.md "segmented k-means, Qwen2.5-7B at 1M, one position array, huge pages")
         w[h, i, :n] = 0.0
-        ms[h, i], zs[h, i] = _slot_weights(scores[h, i], cols, scale, w[h, i], np.empty(K, np.float32),
+        ms[h, i], zs[h, i] = slot_weights(scores[h, i], cols, scale, w[h, i], np.empty(K, np.float32),
                                            np.empty(K, np.float32), np.empty(K, np.int32))
-    phases[3] = cycles()
+    tally[0].top_k = cycles()
     for p in prange(pieces):   # the same row ranges as the scan: each piece sums the rows it scanned that were chosen
         hits = np.empty(cap, np.int64)
         for h in range(hkv):
             r0, r1 = seg[p, h, 0], seg[p, h, 1]
             if r1 > r0:
                 part[p, h] = 0.0
-                n_hit = _hit_rows(w[h].T, r0, r1, hits)
-                _sum_values(vals[h], rows[h] if values_by_row else rpos[h], hits, 0, n_hit, w[h].T, part[p, h])
+                n_hit = hit_rows(w[h].T, r0, r1, hits)
+                sum_values(vals[h], rows[h] if values_by_row else rpos[h], hits, 0, n_hit, w[h].T, part[p, h])
         clock[p, 1] = cycles()
-    phases[4] = cycles()
+    tally[0].values = cycles()
     for h in prange(hkv):
         o[h] = 0.0
         for p in range(pieces):
@@ -192,6 +211,6 @@ def split_layer_par(keys, pos, offsets, order, take, q, qf, qb, k, scale, vals, 
             mz[h, i, 0] = ms[h, i]
             mz[h, i, 1] = zs[h, i]
             if o16.shape[0] > 0:
-                _round_bf16(o[h, i], o16[h, i])
-    phases[5] = cycles()
+                round_bf16(o[h, i], o16[h, i])
+    tally[0].sums = cycles()
     _tally_work(filled, clock, tally)

@@ -1,8 +1,8 @@
 """routed's torch path: routing, the scan and the estimate as tensor ops (`kernel=torch`, or where numba is missing).
 
-`TorchPath` holds the methods; `RoutedStrategy` (routed.py) mixes it in and sets what they read in its
+`TorchPath` holds the methods; `RoutedStrategy` (index/routed/strategy.py) mixes it in and sets what they read in its
 `prepare`: the layouts, the fp32 centroids `_cent_t`, the routing bias and spread, the clusters' sizes and
-first rows, the padding rows and `_outside`, `_stats` and `_vmeans`. The compiled path (routed_kernel.py)
+first rows, the padding rows and `_outside`, `_stats` and `_vmeans`. The compiled path (kernels/routed_scan.py)
 gives the same selection and estimate (tests/test_routed_kernel.py).
 """
 
@@ -13,13 +13,7 @@ from typing import NamedTuple
 import torch
 
 from topk_decode.index.base import RestPart, Selection
-from topk_decode.index.estimate import combine, read_rest_part, unread_part
-
-# Threads of the routing ops (None: all). One thread was tried (its ~20 ops are small, as the context
-# part's, decode/context.py) and lost on the 16-core host: re-waking the pool for the scan after it
-# costs more, and the centroid product is not small at 1M (docs/BENCHMARKS.md).
-_SMALL_OP_THREADS: int | None = None
-
+from topk_decode.index.routed.estimate import combine, read_rest_part, unread_part
 
 class Route(NamedTuple):
     """What routing chose for one layer and step (`RoutedStrategy.route`).
@@ -94,14 +88,8 @@ class TorchPath:
         estimate of what it leaves out (`_rest`)."""
         lay = self.layouts[layer]
         hkv, Q, D = q.shape
-        threads = torch.get_num_threads()
-        if _SMALL_OP_THREADS:
-            torch.set_num_threads(min(threads, _SMALL_OP_THREADS))
-        try:
-            route = self.route(layer, q, budget)
-            rows, valid = route.rows, route.valid                               # (Hkv, Mmax)
-        finally:
-            torch.set_num_threads(threads)
+        route = self.route(layer, q, budget)
+        rows, valid = route.rows, route.valid                                   # (Hkv, Mmax)
         m_max = rows.shape[1]
         k_low, k32, scores = self._buffers(hkv * m_max, Q, D, lay.keys.dtype)
         torch.index_select(lay.keys.reshape(-1, D), 0, rows.view(-1), out=k_low)   # (Hkv·Mmax, D) contiguous runs
@@ -125,7 +113,7 @@ class TorchPath:
         return Selection(ids=ids, scores=scores, no_empty_slots=no_empty_slots, rest=rest)
 
     def _rest(self, layer: int, route: Route, scores_read: torch.Tensor, top: torch.Tensor) -> RestPart:
-        """The estimate of what the selection leaves out (index/estimate.py): unread clusters and/or read
+        """The estimate of what the selection leaves out (index/routed/estimate.py): unread clusters and/or read
         keys outside the top-k, as one part for the context part's merge.
 
         Args:

@@ -1,37 +1,37 @@
-"""flat: exact maximum-inner-product search, one Faiss index per (layer, KV head).
+"""flat: exact maximum-inner-product search over the whole searchable range: recall 1.0 by construction.
 
-The keys are added in the precision they were stored in (fp32 → IndexFlatIP; fp16 / bf16 →
-IndexScalarQuantizer QT_fp16 / QT_bf16, which decodes them exactly), so the returned scores are the
-exact fp32 inner products of the stored keys: recall 1.0 by construction. Two backends scan the
-memory-mapped keys directly (no second copy of the keys in RAM, nothing built at open). `torch` scores
+Two backends scan the memory-mapped keys directly (no second copy of the keys in RAM, nothing built at open). `torch` scores
 all KV heads in one batched matmul, in the keys' own half precision, then rescores the candidates
-exactly in fp32 with a certificate that the result is the exact top-k (see `_half_scan`). `numba` (bf16
+exactly in fp32 with a certificate that the result is the exact top-k (see `half_scan`). `numba` (bf16
 keys) runs compiled (head, block of keys) tasks that score every key exactly once and keep it only if it
-reaches its query's cut (flat_kernel.py): about twice torch's speed on the GPU host. The default, `auto`,
-takes numba for long bf16 contexts where numba is installed, torch otherwise (docs/STRATEGIES.md "flat's
-default backend"). `backend=faiss` stays available; Faiss is imported only when it is used.
+reaches its query's cut (topk_decode/kernels/flat_scan.py): about twice torch's speed on the GPU host. The default, `auto`,
+takes numba for long bf16 contexts, torch otherwise (docs/STRATEGIES.md "flat's
+default backend"). `backend=faiss` stays available: one Faiss index per (layer, KV head), the keys added in
+the precision they were stored in (fp32 → IndexFlatIP; fp16 / bf16 → IndexScalarQuantizer QT_fp16 / QT_bf16,
+which decodes them exactly); Faiss is imported only when it is used.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
 
-from topk_decode.index.base import Selection, SelectionStrategy
-from topk_decode.index.select_topk import topk_by_threshold
+from topk_decode.errors import TopkError
+from topk_decode.index.base import KERNEL_DTYPES, Selection, SelectionStrategy
+from topk_decode.index.options import StrategyOptions, option
+from topk_decode.index.flat.select_topk import topk_by_threshold
 from topk_decode.index.threads import HeadPool, default_threads
+from topk_decode.store.format import dtype_name
 
-# auto: numba where it can run and the context is long enough to repay its first-run compile (~30 s on 2
-# cores, cached on disk after), torch otherwise (docs/STRATEGIES.md "flat's default backend")
-DEFAULT_BACKEND = "auto"
-BACKENDS = ("auto", "torch", "numba", "faiss")
+if TYPE_CHECKING:
+    import faiss
+
+# auto takes numba where the context is long enough to repay its first-run compile (~30 s on 2 cores, cached on
+# disk after), torch otherwise (docs/STRATEGIES.md "flat's default backend")
 NUMBA_MIN_KEYS = 1 << 15
-# Scoring kernel of the torch backend: on the 16-core GPU host one batched matmul reads the keys much
-# closer to the DRAM bandwidth than the threaded blocks (docs/BENCHMARKS.md, "Scan bandwidth").
-DEFAULT_SCAN = "bmm"
-_SCAN_BLOCK = 1 << 14   # keys per task: 4 MiB of bf16 keys at D=128, a (Q, block) output that stays in cache
 _SQ_TYPES = {torch.float16: "QT_fp16", torch.bfloat16: "QT_bf16"}
 _TORCH_BLOCK = 1 << 16  # keys per matmul block: bounds the fp32 temporary to ~32 MiB per head at D=128
 
@@ -52,51 +52,42 @@ def add_in_blocks(index: "faiss.Index", keys: torch.Tensor, block: int = 1 << 18
         index.add(np.ascontiguousarray(keys[s:s + block].float().numpy()))
 
 
-class FlatStrategy(SelectionStrategy):
-    """Exact top-k per query head.
+@dataclass(frozen=True)
+class FlatOptions(StrategyOptions):
+    """flat's options (all search options: flat builds nothing)."""
 
-    Options:
-        backend: "auto" (default: numba for bf16 keys when numba is installed and at least NUMBA_MIN_KEYS
-            keys are searchable, else torch), "torch" (zero-copy batched matmul of the memory map and an exact
-            rescoring), "numba" (flat_kernel.py: compiled exact scan of the memory map in (head, block of keys)
-            tasks on the strategy's threads, a cut per query, then a merge of the blocks' candidates; bf16
-            keys only, needs numba) or "faiss" (indices copied into RAM at open). All are exact.
-        threads: parallel head searches, or the numba backend's worker threads (default: CPU cores).
-        scan: torch backend's scoring kernel: "bmm" (default: one batched matmul q·Kᵀ), "kq" (K·qᵀ, the
-            keys as the tall operand, then a transpose of the scores) or "blocks" (threads over (head,
-            block of keys), each a single-threaded bf16 matmul over a cache-sized block).
-    """
+    backend: str = option("auto", "auto (numba for bf16 keys when at least NUMBA_MIN_KEYS keys are searchable, else "
+                          "torch), torch (a batched half-precision matmul of the memory map and an exact rescoring), "
+                          "numba (compiled exact scan in (head, block of keys) tasks, index/flat/compiled.py; bf16 keys "
+                          "only) or faiss (indices copied into RAM at open). All are exact.",
+                          check=("auto", "torch", "numba", "faiss"))
+    threads: int | None = option(None, "Parallel head searches, or the numba backend's threads (default: CPU cores).")
+
+
+class FlatStrategy(SelectionStrategy):
+    """Exact top-k per query head (options: `FlatOptions`)."""
 
     name = "flat"
-    OPTIONS = {"backend": str, "threads": int, "scan": str}
+    Options = FlatOptions
     keeps_query = False
     rows_independent = True   # exact top-k per query row: one scan serves several conversations' rows
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
-        self.backend = self.options.get("backend", DEFAULT_BACKEND)
-        if self.backend not in BACKENDS:
-            from topk_decode.errors import TopkError
-
-            raise TopkError(f"unknown flat backend {self.backend!r} (use auto, torch, numba or faiss)")
+        self.backend = self.options.backend
         if self.backend == "auto":
             self.backend = auto_backend(self.ckv.dtype, self.n_searchable)
         if self.backend == "numba":
             _check_numba(self.ckv.dtype)
-        self.threads = int(self.options.get("threads") or default_threads())
-        self.scan = self.options.get("scan", DEFAULT_SCAN)
-        if self.scan not in ("blocks", "bmm", "kq"):
-            from topk_decode.errors import TopkError
-
-            raise TopkError(f"unknown flat scan {self.scan!r} (use bmm, kq or blocks)")
+        self.threads = self.options.threads or default_threads()
         self._buffers: dict = {}
         # Per-head searches in parallel, each single-threaded on the pool's own workers (threads.py);
         # the torch backend's batched scan runs on the caller's thread with all its threads.
         self.pool = HeadPool(self.threads)
         self.indices: list = []
         if self.backend == "numba":
-            from topk_decode.index import flat_kernel
+            from topk_decode.index.flat import compiled   # numba: imported where the backend runs
 
-            flat_kernel.warm_up(self.ckv.head_dim)   # compile (or load numba's disk cache) at open, not inside the first step
+            compiled.warm_up(self.ckv.head_dim)   # compile (or load numba's disk cache) at open, not inside the first step
         if self.backend != "faiss" or self.n_searchable == 0:
             return
         L, H = self.ckv.n_layers, self.ckv.n_kv_heads
@@ -120,9 +111,9 @@ class FlatStrategy(SelectionStrategy):
         if self.backend == "torch":
             return self._torch_select(layer, q, k)
         if self.backend == "numba":
-            from topk_decode.index import flat_kernel
+            from topk_decode.index.flat import compiled
 
-            ids, scores = flat_kernel.search(self.ckv.keys[layer], q, k, self.lo, self.hi, self.threads)
+            ids, scores = compiled.search(self.ckv.keys[layer], q, k, self.lo, self.hi, self.threads)
             # k < hi − lo here: a slot stays empty only if fewer than k keys score above −inf (inf/nan keys)
             return Selection(ids=ids, scores=scores, no_empty_slots=not bool((ids < 0).any()))
         qn = q.numpy()
@@ -141,9 +132,8 @@ class FlatStrategy(SelectionStrategy):
             # Reused buffers only for one-token steps (Q = G): prompt chunks vary in length, and a kept
             # (Hkv, Q, N) buffer per length would pile up.
             buffers = self._buffers if q.shape[1] <= 64 else None
-            pool = self.pool if self.scan == "blocks" else None
-            return _half_scan(keys, q, k, self.lo, self.hi, self.stats, buffers, pool, self.scan == "kq")
-        scores, ids = _fp32_scan(keys, q, k, self.lo, self.hi)
+            return half_scan(keys, q, k, self.lo, self.hi, self.stats, buffers)
+        scores, ids = fp32_scan(keys, q, k, self.lo, self.hi)
         return Selection(ids=ids, scores=scores, no_empty_slots=True)
 
     def torch_search(self, layer: int, h: int, q: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -157,37 +147,26 @@ class FlatStrategy(SelectionStrategy):
         keys = self.ckv.keys[layer][h:h + 1]                                 # (1, N, D)
         q1 = q[None]                                                         # (1, Q, D)
         if keys.dtype in (torch.float16, torch.bfloat16) and torch.equal(q1.to(keys.dtype).float(), q1):
-            sel = _half_scan(keys, q1, k, self.lo, self.hi, self.stats)
+            sel = half_scan(keys, q1, k, self.lo, self.hi, self.stats)
             scores, ids = sel.scores, sel.ids
         else:
-            scores, ids = _fp32_scan(keys, q1, k, self.lo, self.hi)
+            scores, ids = fp32_scan(keys, q1, k, self.lo, self.hi)
         return scores[0].numpy(), (ids[0] - self.lo).numpy()
 
 
 def auto_backend(dtype: torch.dtype, n_searchable: int) -> str:
-    """The backend `auto` stands for: numba for bf16 keys when numba is importable and at least
-    NUMBA_MIN_KEYS keys are searchable, torch otherwise."""
-    from topk_decode.index import compiled
-
-    if compiled.available() and dtype in compiled.KEY_DTYPES and n_searchable >= NUMBA_MIN_KEYS:
-        return "numba"
-    return "torch"
+    """The backend `auto` stands for: numba for bf16 keys when at least NUMBA_MIN_KEYS keys are searchable,
+    torch otherwise."""
+    return "numba" if dtype in KERNEL_DTYPES and n_searchable >= NUMBA_MIN_KEYS else "torch"
 
 
 def _check_numba(dtype: torch.dtype) -> None:
-    """Refuse backend=numba, with a one-line TopkError, where it cannot run (no numba, keys not bf16)."""
-    from topk_decode.errors import TopkError
-    from topk_decode.index import compiled
-    from topk_decode.store.format import dtype_name
-
-    if not compiled.available():
-        raise TopkError("flat: backend=numba needs numba (pip install numba)")
-    if dtype not in compiled.KEY_DTYPES:
-        raise TopkError(f"flat: backend=numba reads bf16 keys, these are {dtype_name(dtype)} "
-                        "(use backend=torch)")
+    """Refuse backend=numba, with a one-line TopkError, where it cannot run (keys not bf16)."""
+    if dtype not in KERNEL_DTYPES:
+        raise TopkError(f"flat: backend=numba reads bf16 keys, these are {dtype_name(dtype)} (use backend=torch)")
 
 
-def _fp32_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+def fp32_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocked exact fp32 scan of keys[:, lo:hi] for all heads: (Hkv, Q, k) scores and absolute ids."""
     best_s = best_i = None
     for s in range(lo, hi, _TORCH_BLOCK):
@@ -203,38 +182,15 @@ def _fp32_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int) ->
 
 # The sampled-threshold top-k wins on few cores but its ~20 small serial ops lose to torch's
 # row-parallel topk on many (docs/BENCHMARKS.md, "Search floor on the 16-core host").
-_THRESHOLD_MAX_THREADS = 4
+THRESHOLD_MAX_THREADS = 4
 
 # bf16 keeps 8 significant bits: a half-precision score is within 2^-8 relative of the fp32 one
 # (fp32 accumulation, one rounding). 2^-7 also covers fp32 summation-order differences.
 _HALF_REL_ERR = 2.0 ** -7
 
 
-def _scan_blocks(qh: torch.Tensor, keys: torch.Tensor, out: torch.Tensor, pool: HeadPool) -> None:
-    """out = qh @ keysᵀ per head, computed as (head, block) tasks on `pool`, torch single-threaded in each.
-
-    One batched matmul with Q = 4 query rows is a matrix-vector product: torch's CPU kernel then reads
-    the keys well below the memory bandwidth; independent block tasks keep every core streaming.
-
-    Args:
-        qh: (Hkv, Q, D) queries in the keys' dtype; keys: (Hkv, N, D); out: (Hkv, Q, N) in the keys' dtype.
-        pool: the worker threads.
-    """
-    hkv, n, _ = keys.shape
-    inference = torch.is_inference_mode_enabled()   # worker threads do not inherit it
-
-    def one(task: tuple[int, int]) -> None:
-        h, s = task
-        e = min(s + _SCAN_BLOCK, n)
-        with torch.inference_mode(inference):
-            out[h, :, s:e] = torch.mm(qh[h], keys[h, s:e].t())               # (Q, block)
-
-    # HeadPool's workers run torch on one OpenMP thread each (threads.py): the tasks are the parallelism
-    pool.map(one, [(h, s) for h in range(hkv) for s in range(0, n, _SCAN_BLOCK)])
-
-
-def _half_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, stats,
-               buffers: dict | None = None, pool: HeadPool | None = None, kq: bool = False) -> Selection:
+def half_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, stats,
+              buffers: dict | None = None) -> Selection:
     """Exact top-k through a half-precision scan: no fp32 copy of the keys is ever made.
 
     1. scores in the keys' dtype with one batched matmul over the memory map (fp32 accumulation);
@@ -248,8 +204,6 @@ def _half_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, st
         k: results per query; lo, hi: the searchable range.
         stats: the strategy's StrategyStats (counts fp32 rescans).
         buffers: reusable score buffers keyed by shape (no 8-64 MiB allocation per layer and step).
-        pool: when given, the half-precision scores are computed by `_scan_blocks` on it.
-        kq: compute them as keys @ qᵀ (keys the tall operand, (Hkv, N, Q)) and transpose the scores.
     """
     hkv, n, d = keys.shape
     Q, M = q.shape[1], hi - lo
@@ -260,23 +214,16 @@ def _half_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, st
         approx = buffers.get((hkv, Q, n, keys.dtype))
         if approx is None:
             approx = buffers[(hkv, Q, n, keys.dtype)] = torch.empty((hkv, Q, n), dtype=keys.dtype)
-        if pool is not None:
-            _scan_blocks(q.to(keys.dtype), keys, approx, pool)
-        elif kq:
-            tall = buffers.get(("kq", hkv, Q, n, keys.dtype))
-            if tall is None:
-                tall = buffers[("kq", hkv, Q, n, keys.dtype)] = torch.empty((hkv, n, Q), dtype=keys.dtype)
-            torch.bmm(keys, q.to(keys.dtype).transpose(1, 2), out=tall)     # (Hkv, N, Q) half
-            approx.copy_(tall.transpose(1, 2))
-        else:
-            torch.bmm(q.to(keys.dtype), keys.transpose(1, 2), out=approx)  # (Hkv, Q, N) half
+        # one batched matmul q·Kᵀ: on the 16-core host K·qᵀ and threaded blocks lost to it (docs/STRATEGIES.md
+        # "flat's default backend")
+        torch.bmm(q.to(keys.dtype), keys.transpose(1, 2), out=approx)      # (Hkv, Q, N) half
     else:
         approx = torch.bmm(q.to(keys.dtype), keys.transpose(1, 2))
     approx[..., :lo] = float("-inf")
     approx[..., hi:] = float("-inf")
-    # Exact candidates without a full topk over N (cheaper on few cores: _THRESHOLD_MAX_THREADS); unsorted:
+    # Exact candidates without a full topk over N (cheaper on few cores: THRESHOLD_MAX_THREADS); unsorted:
     # only their minimum (the certificate's c) and the set matter.
-    if torch.get_num_threads() <= _THRESHOLD_MAX_THREADS:
+    if torch.get_num_threads() <= THRESHOLD_MAX_THREADS:
         cand_s, cand_i = topk_by_threshold(approx, kc, sorted=False, counters=stats.extra, buffers=buffers)
     else:
         cand_s, cand_i = approx.topk(kc, dim=-1, sorted=False)
@@ -299,7 +246,7 @@ def _half_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, st
         bound = torch.where(c >= 0, c / (1 - _HALF_REL_ERR), c / (1 + _HALF_REL_ERR))
         bad = (scores[..., -1] < bound).nonzero().tolist()
         for h, i in bad:
-            s, ix = _fp32_scan(keys[h:h + 1], q[h:h + 1, i:i + 1], k, lo, hi)
+            s, ix = fp32_scan(keys[h:h + 1], q[h:h + 1, i:i + 1], k, lo, hi)
             scores[h, i], ids[h, i] = s[0, 0], ix[0, 0]
         stats.extra["fp32_rescans"] = stats.extra.get("fp32_rescans", 0) + len(bad)
     return Selection(ids=ids, scores=scores, no_empty_slots=True)     # k < M here: every slot holds a token

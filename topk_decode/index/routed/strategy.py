@@ -1,8 +1,8 @@
 """routed: read only the clusters a query routes to, then take the exact top-k of what was read.
 
 Built once per cache (`topk prefill --strategy routed`, or on first open): per (layer, KV head) the keys
-are clustered into clusters of ~`cluster_size` tokens and stored cluster-contiguously (cluster.py, on
-disk by routed_layout.py).
+are clustered into clusters of ~`cluster_size` tokens and stored cluster-contiguously (index/routed/cluster.py, on
+disk by index/routed/layout.py).
 Per step and layer, for each KV head:
 
 1. routing (CPU): each of its G·T queries estimates the share of its attention mass in every cluster c
@@ -18,7 +18,7 @@ Per step and layer, for each KV head:
    values by id; the permuted values in the layout are not used by it yet, see docs/STRATEGIES.md).
 
 With `estimate` (and `estimate_read`) the selection also carries an estimate of the attention over what
-it left out (index/estimate.py), which the context part merges by log-sum-exp (decode/context.py).
+it left out (index/routed/estimate.py), which the context part merges by log-sum-exp (decode/context.py).
 
 When the budget covers the searchable range (k ≥ hi − lo, or `probe_fraction` = 1) the result is the
 exact top-k, as flat's (and the estimate is empty).
@@ -28,19 +28,22 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from topk_decode.errors import TopkError
-from topk_decode.index import compiled, routed_compiled
 from topk_decode.index.artifacts import ensure_artifacts, recorded_options
-from topk_decode.index.base import RestPart, Selection, SelectionStrategy, as_bool, one_of, positive_int
-from topk_decode.index.estimate import searchable_stats
-from topk_decode.index.routed_device import TABLE_KINDS, DeviceRoutes
-from topk_decode.index.routed_layout import layer_layouts, load_layouts, on_disk, to_huge_pages, write_layouts
-from topk_decode.index.routed_torch import TorchPath
+from topk_decode.index.base import (KERNEL_DTYPES, DeviceStaged, FusedAttention, RestPart, Selection, SelectionStrategy,
+                                    bf16_bits)
+from topk_decode.index.options import FRACTION, POSITIVE, StrategyOptions, option
+from topk_decode.index.routed import compiled as routed_compiled
+from topk_decode.index.routed.device import TABLE_KINDS, DeviceRoutes
+from topk_decode.index.routed.estimate import searchable_stats
+from topk_decode.index.routed.layout import layer_layouts, load_layouts, on_disk, to_huge_pages, write_layouts
+from topk_decode.index.routed.torch_path import TorchPath
 from topk_decode.index.threads import default_threads
 from topk_decode.store import huge_pages
 from topk_decode.store.cache_dir import ContextKV
@@ -52,120 +55,80 @@ _MIN_READ_PER_K = 2
 _ROUND_KEYS = tuple(name + "_s" for name in routed_compiled.SPLIT_ROUNDS)
 
 
-def _fraction(options: dict, key: str, default: float) -> float:
-    raw = options.get(key, default)
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        raise TopkError(f"option {key} must be a number in (0, 1], got {raw!r}") from None
-    if not 0 < value <= 1:
-        raise TopkError(f"option {key} must be a number in (0, 1], got {raw!r}")
-    return value
+@dataclass(frozen=True)
+class RoutedOptions(StrategyOptions):
+    """routed's options. Build options are recorded in done.json; a different value rebuilds the layout."""
+
+    cluster_size: int = option(16, "Target tokens per cluster. On real keys 16 routes better than 32 at the same keys "
+                               "read (0.97 of flat's mass on Qwen2.5-Coder-1.5B at 16K, 32: 0.95); the centroids and "
+                               "value means read every step grow as 1/S (docs/STRATEGIES.md).", build=True, check=POSITIVE)
+    iters: int = option(6, "Lloyd iterations of k-means (on a CPU also bounded by time, index/routed/cluster.py).",
+                        build=True, check=POSITIVE)
+    store_values: bool = option(True, "Also store the values cluster-contiguously (the compiled context part reads "
+                                "them next to their keys).", build=True)
+    segment: int = option(65536, "Tokens clustered together: longer contexts are clustered segment by segment, which "
+                          "bounds k-means' cost per key (a value ≥ the context clusters it whole).", build=True,
+                          check=POSITIVE)
+    probe_fraction: float = option(0.04, "Share of a KV head's searchable keys read per step (with the last "
+                                   "cluster's overshoot at most ~5 %).", check=FRACTION)
+    spread: bool = option(False, "Include the clusters' spread in the mass estimate (neutral to slightly worse on "
+                          "real keys, docs/STRATEGIES.md; torch path only).")
+    sizes: bool = option(False, "Include log n_c (the cluster's size) in the estimate (clusters ranked by s·q·μ_c "
+                         "alone, as IVF probes, had the higher id recall at the same mass on real keys).")
+    estimate: bool = option(True, "Add RetroInfer's estimate of the unread clusters' attention, n_c·exp(s·q·μ_c) with "
+                            "the cluster's mean value, as a third part of the softmax (index/routed/estimate.py; it "
+                            "lowered KL and raised agreement on every real model measured, docs/STRATEGIES.md).")
+    estimate_read: bool = option(False, "Add the read keys outside the top-k too (exact weights, cluster-mean "
+                                 "values; torch path only).")
+    kernel: str = option("auto", "auto (numba where it applies, else torch), numba (index/routed/compiled.py: each "
+                         "layer one compiled call over all KV heads, which also computes the context part; bf16 keys "
+                         "and values, neither spread nor estimate_read) or torch (index/routed/torch_path.py, the "
+                         "exact reference). Both give the same selection and estimate (tests/test_routed_kernel.py).",
+                         check=("auto", "torch", "numba"))
+    device_route: str = option("auto", "auto (on a CUDA decode device, for the layers whose tables fit), true (also on "
+                               "a CPU decode device: the tests' way in) or false. Routing and the estimate then run "
+                               "inside the captured one-token step on the device (index/routed/device.py) and the CPU "
+                               "only scans the chosen clusters (compiled path only).", check=("auto", "true", "false"))
+    device_tables: str = option("auto", "Precision of the device's routing tables: auto (the first of keys, "
+                                "fp8-values, fp8 that holds every layer beside the step), keys, fp8-values or fp8 "
+                                "(index/routed/device.py).", check=("auto", *TABLE_KINDS))
+    hugepages: bool = option(True, "The compiled path reads the layout from copies backed by transparent huge pages "
+                             "(store/huge_pages.py): always for a layout in RAM, for a memory-mapped one when it fits "
+                             "in half the available memory. Scattered cluster reads otherwise miss the TLB on almost "
+                             "every cluster (docs/BENCHMARKS.md 'segmented k-means, Qwen2.5-7B at 1M, one position "
+                             "array, huge pages').")
 
 
-class RoutedStrategy(TorchPath, SelectionStrategy):
-    """Clustered keys, mass-estimate routing, exact top-k over the routed clusters.
-
-    Build options (recorded in done.json; a different value rebuilds):
-        cluster_size: target tokens per cluster (default 16: on real keys it routes better than 32 at the
-            same keys read and kept 0.97 of flat's mass on Qwen2.5-Coder-1.5B at 16K where 32 kept 0.95;
-            the centroids and value means read every step grow as 1/S; docs/STRATEGIES.md).
-        iters: Lloyd iterations of k-means (default 6; on a CPU also bounded by time, cluster.py).
-        store_values: also store the values cluster-contiguously (default True; not read by the
-            context part yet).
-        segment: tokens clustered together (default 65,536): longer contexts are clustered segment by
-            segment, which bounds k-means' cost per key (cluster.py; a value ≥ the context clusters it whole).
-    Search options:
-        probe_fraction: share of a KV head's searchable keys read per step (default 0.04, so that
-            with the last cluster's overshoot at most ~5 % are read).
-        spread: include the clusters' spread in the mass estimate (default False: neutral to slightly
-            worse on real keys, docs/STRATEGIES.md).
-        sizes: include log n_c (the cluster's size) in the estimate (default False: clusters ranked by
-            s·q·μ_c alone, as IVF probes, had the higher id recall at the same mass on real keys).
-        estimate: add RetroInfer's estimate of the unread clusters' attention, n_c·exp(s·q·μ_c) with
-            the cluster's mean value, as a third part of the softmax (index/estimate.py; default True: it
-            lowered KL and raised agreement on every real model measured, docs/STRATEGIES.md).
-        estimate_read: add the read keys outside the top-k too (exact weights, cluster-mean values;
-            default False).
-        kernel: "auto" (default: "numba" where it applies, else "torch"), "numba" or "torch". numba
-            (routed_kernel.py, driven by routed_compiled.py) runs each KV head's whole layer as compiled
-            functions on numba's threads (one call per layer), and in the decoder computes the context part too
-            (`select_and_attend`); it needs
-            numba and bf16 keys and values, and implements neither `spread` nor `estimate_read`. torch is
-            the tensor ops of routed_torch.py. Both give the same selection and estimate (tests/test_routed_kernel.py).
-        device_route: "auto" (default: on a CUDA decode device, for the layers whose tables fit), "true"
-            (also on a CPU decode device: the tests' way in) or "false". Routing and the estimate then run
-            inside the captured step on the device (routed_device.py), and the CPU only scans the chosen
-            clusters (compiled path only; one-token steps only, prompts route on the CPU).
-        device_tables: the precision of the device's routing tables: "auto" (default: the first of keys,
-            fp8-values, fp8 that holds every layer beside the step), "keys" (centroids and mean values in the
-            keys' dtype), "fp8-values" (float8 mean values) or "fp8" (float8 centroids too; routed_device.py).
-        split: device-routed layers cut all heads' scan and value sums into equal pieces, one per thread of
-            the team (routed_split.py; default True), rather than one task per KV head (`scan_layer_par`).
-        hugepages: the compiled path reads the layout's keys, values and offsets from copies in memory backed
-            by transparent huge pages (store/huge_pages.py; default True): always for a layout in RAM (each
-            copy replaces its original), for a memory-mapped one when it fits in half the available memory
-            (it is then read whole at open). Scattered cluster reads otherwise miss the TLB on almost every
-            cluster (docs/BENCHMARKS.md run 16).
-    """
+class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged):
+    """Clustered keys, mass-estimate routing, exact top-k over the routed clusters (options: `RoutedOptions`)."""
 
     name = "routed"
     keeps_query = False
-    BUILD_DEFAULTS = {"cluster_size": 16, "iters": 6, "store_values": True, "segment": 65536}
-    SEARCH_DEFAULTS = {"probe_fraction": 0.04, "spread": False, "sizes": False, "estimate": True,
-                       "estimate_read": False, "kernel": "auto", "device_route": "auto",
-                       "device_tables": "auto", "split": True, "hugepages": True}
-    OPTIONS = {"cluster_size": int, "iters": int, "store_values": bool, "segment": int, "probe_fraction": float,
-               "spread": bool, "sizes": bool, "estimate": bool, "estimate_read": bool, "kernel": str,
-               "device_route": str, "device_tables": str, "split": bool, "hugepages": bool}
-
-    # ---- options / build -------------------------------------------------------------------------
-    @classmethod
-    def build_options(cls, options: dict) -> dict:
-        """Validated build options (defaults filled in)."""
-        return {"cluster_size": positive_int(options, "cluster_size", cls.BUILD_DEFAULTS["cluster_size"]),
-                "iters": positive_int(options, "iters", cls.BUILD_DEFAULTS["iters"]),
-                "store_values": as_bool(options.get("store_values", cls.BUILD_DEFAULTS["store_values"])),
-                "segment": positive_int(options, "segment", cls.BUILD_DEFAULTS["segment"])}
+    Options = RoutedOptions
 
     @classmethod
-    def checked_options(cls, options: dict | None) -> dict:
-        """Names and types checked (`SelectionStrategy.checked_options`), and the build values too, so that
-        `topk prefill --strategy routed --opt segment=0` fails before the prefill, not after it."""
-        checked = super().checked_options(options)
-        cls.build_options(checked)
-        return checked
-
-    @classmethod
-    def build_artifacts(cls, ckv: ContextKV, options: dict | None = None,
+    def build_artifacts(cls, ckv: ContextKV, options: dict | RoutedOptions | None = None,
                         progress: Callable[[int, int], None] | None = None) -> None:
-        write_layouts(ckv, cls.name, cls.build_options(cls.checked_options(options)), progress)
+        write_layouts(ckv, cls.name, cls.parse_options(options).build_values(), progress)
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
         o = self.options
-        self.probe_fraction = _fraction(o, "probe_fraction", self.SEARCH_DEFAULTS["probe_fraction"])
-        self.use_spread = as_bool(o.get("spread", self.SEARCH_DEFAULTS["spread"]))
-        use_sizes = as_bool(o.get("sizes", self.SEARCH_DEFAULTS["sizes"]))
-        self.estimate = as_bool(o.get("estimate", self.SEARCH_DEFAULTS["estimate"]))
-        self.estimate_read = as_bool(o.get("estimate_read", self.SEARCH_DEFAULTS["estimate_read"]))
-        self.kernel = self._use_kernel(o.get("kernel", self.SEARCH_DEFAULTS["kernel"]))   # refused before any build
-        route, tables = (str(o.get(key, self.SEARCH_DEFAULTS[key])).lower() for key in ("device_route", "device_tables"))
-        self.device_route = one_of("device_route", route, ("auto", "true", "false"))
-        self.device_tables = one_of("device_tables", tables, ("auto", *TABLE_KINDS))
-        self.split = as_bool(o.get("split", self.SEARCH_DEFAULTS["split"]))
-        self.hugepages = as_bool(o.get("hugepages", self.SEARCH_DEFAULTS["hugepages"]))
-        opts = self.build_options(o)
+        self.probe_fraction = o.probe_fraction
+        self.use_spread, use_sizes = o.spread, o.sizes
+        self.estimate, self.estimate_read = o.estimate, o.estimate_read
+        self.kernel = self._use_kernel(o.kernel)   # refused before any build
+        self.device_route, self.device_tables, self.hugepages = o.device_route, o.device_tables, o.hugepages
         if not on_disk(self.ckv):
-            self.layouts = list(layer_layouts(self.ckv, opts, progress))
+            self.layouts = list(layer_layouts(self.ckv, o.build_values(), progress))
         else:
-            wanted = {k: v for k, v in opts.items() if k in o}
+            wanted = o.given_build_values()
             if self.estimate or self.estimate_read:
                 wanted["value_means"] = True       # layouts built before the estimate lack them: rebuild
             def build() -> None:
                 # a rebuild for the value means alone keeps the build options recorded before
                 old = recorded_options(self.ckv.path, self.name) or {}
-                kept = {k: v for k, v in old.items() if k in self.BUILD_DEFAULTS} if old.get("dtype") else {}
-                self.build_artifacts(self.ckv, {**kept, **o}, progress)
+                kept = {k: v for k, v in old.items() if k in o.build_values()} if old.get("dtype") else {}
+                self.build_artifacts(self.ckv, {**kept, **o.given_values()}, progress)
 
             self.layouts = load_layouts(self.ckv, self.name, ensure_artifacts(self.ckv, self.name, wanted, build))
         self.scale = 1.0 / math.sqrt(self.ckv.head_dim)
@@ -175,7 +138,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy):
         # instead of two compares of the positions.
         self._outside = [((lay.pos < self.lo) | (lay.pos >= self.hi)).reshape(-1) for lay in self.layouts]
         # Cluster statistics over the searchable keys only (the window attends to sinks and tail exactly):
-        # routing ranks and the estimate sums what the strategy may return (index/estimate.py).
+        # routing ranks and the estimate sums what the strategy may return (index/routed/estimate.py).
         self._stats = [searchable_stats(lay, out, self.ckv.values[i])
                        for i, (lay, out) in enumerate(zip(self.layouts, self._outside))]
         if (self.estimate or self.estimate_read) and any(st.value_means is None for st in self._stats):
@@ -198,7 +161,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy):
         # Padding reads an outside row of its head when there is one (then the flag alone masks padding
         # too), else the head's first row, masked by `valid`.
         self._pad_rows = []
-        for lay, out in zip(self.layouts, self._outside):
+        for out in self._outside:
             has = out.view(hkv, n).any(1)
             first = out.view(hkv, n).to(torch.uint8).argmax(1)                  # first outside row per head
             self._pad_rows.append((self._row_base[:, 0] + first).view(hkv, 1) if bool(has.all()) else None)
@@ -215,11 +178,9 @@ class RoutedStrategy(TorchPath, SelectionStrategy):
                                 span_s=0.0)
 
     def _use_kernel(self, choice: str) -> bool:
-        """Whether routed_kernel.py's compiled path runs (the `kernel` option; "auto": wherever it applies)."""
-        one_of("kernel", choice, ("auto", "torch", "numba"))
-        why = ("numba is not installed (pip install numba)" if not compiled.available() else
-               f"it reads bf16 keys and values, these are {dtype_name(self.ckv.dtype)}"
-               if self.ckv.dtype not in compiled.KEY_DTYPES else
+        """Whether the compiled path (index/routed/compiled.py) runs (the `kernel` option; "auto": wherever it applies)."""
+        why = (f"it reads bf16 keys and values, these are {dtype_name(self.ckv.dtype)}"
+               if self.ckv.dtype not in KERNEL_DTYPES else
                "it does not implement spread=true" if self.use_spread else
                "it does not implement estimate_read=true" if self.estimate_read else None)
         if choice == "numba" and why:
@@ -236,11 +197,11 @@ class RoutedStrategy(TorchPath, SelectionStrategy):
         # n_c·exp(−bias_c): turns routing's exp(s·q·μ_c + bias_c − max) into the estimate's weights
         size_factor = torch.where(torch.isinf(bias), 0.0, (st.log_n[:, 0] - bias).exp())
         return routed_compiled.LayerArrays(
-            keys=compiled.bits(lay.keys), pos=self._positions(layer),
-            offsets=lay.offsets.numpy(), cent=compiled.bits(st.centroids.contiguous()),
+            keys=bf16_bits(lay.keys), pos=self._positions(layer),
+            offsets=lay.offsets.numpy(), cent=bf16_bits(st.centroids.contiguous()),
             bias=bias.numpy(), size_factor=size_factor.numpy(),
-            vmeans=compiled.bits(vmeans.contiguous()),
-            vals=compiled.bits(lay.values if by_row else self.ckv.values[layer]), values_by_row=by_row)
+            vmeans=bf16_bits(vmeans.contiguous()),
+            vals=bf16_bits(lay.values if by_row else self.ckv.values[layer]), values_by_row=by_row)
 
     def _positions(self, layer: int) -> np.ndarray:
         """The kernels' int32 positions of a layer (−1 outside the searchable range), in huge pages with the
@@ -287,7 +248,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy):
                          filled=res.filled)
 
     def device_routes(self, device: torch.device, k_per_layer: list[int]) -> DeviceRoutes | None:
-        """Routing and the estimate on the decode device for the layers whose tables fit (routed_device.py),
+        """Routing and the estimate on the decode device for the layers whose tables fit (index/routed/device.py),
         or None where the option, the device or the compiled path rules it out.
 
         Args:
@@ -300,15 +261,17 @@ class RoutedStrategy(TorchPath, SelectionStrategy):
                               self.ckv.n_tokens, self.scale, self.estimate, device, values=self.device_tables)
         return routes if routes.layers_on_device() else None
 
-    def select_and_attend(self, layer: int, q: torch.Tensor, k: int, state: Any, o: torch.Tensor,
-                          mz: torch.Tensor, route: tuple[torch.Tensor, torch.Tensor] | None = None) -> Selection | None:
-        """The compiled path computes the context part inside each head's search (routed_kernel.py).
+    def attends(self, layer: int, k: int, o: torch.Tensor) -> bool:
+        """The compiled path attends (bf16 values) wherever k leaves something to search."""
+        return self.kernel and k < self.n_searchable and o.dtype in KERNEL_DTYPES
 
-        Args: as `SelectionStrategy.select_and_attend`; route: the device's ranking of this layer's
+    def select_and_attend(self, layer: int, q: torch.Tensor, k: int, state: Any, o: torch.Tensor,
+                          mz: torch.Tensor, route: tuple[torch.Tensor, torch.Tensor] | None = None) -> Selection:
+        """The compiled path computes the context part inside each head's search (kernels/routed_scan.py).
+
+        Args: as `FusedAttention.select_and_attend`; route: the device's ranking of this layer's
             clusters (`DeviceRoutes.host_route`): then only the scan, top-k and context part run here.
         """
-        if not self.kernel or k >= self.n_searchable or o.dtype not in compiled.KEY_DTYPES:
-            return None
         self.stats.searches += 1
         hkv, Q, D = q.shape
         o32 = routed_compiled.reused_buffer(self._split_scratch, "o32", (hkv, Q, D), np.float32)
@@ -316,15 +279,12 @@ class RoutedStrategy(TorchPath, SelectionStrategy):
         t = time.perf_counter()
         if route is None:
             sel = self._compiled(layer, q, k, self._budget(k), o32, mz_np)
-        elif self.split:   # o16: the kernel rounds o to bf16 into the decoder's buffer itself
+        else:   # o16: the kernel rounds o to bf16 into the decoder's buffer itself
             sel = self._kernel_selection(routed_compiled.split_layer(self._kernel_in[layer], q, route[0], route[1], k,
                                                                      self.scale, self.threads, o32, mz_np,
                                                                      self._split_scratch, o16))
-        else:
-            sel = self._kernel_selection(routed_compiled.scan_layer(self._kernel_in[layer], q, route[0], route[1], k,
-                                                                    self.scale, self.threads, o32, mz_np))
         self.stats.extra["kernel_s"] += time.perf_counter() - t   # the compiled call (bench: kernel_ms)
-        if o16 is None or route is None or not self.split:
+        if o16 is None or route is None:
             o.copy_(torch.from_numpy(o32).view(hkv * Q, D))       # fp32 → the values' dtype, rounded once
         if not mz.is_contiguous():                                # mz_np is a buffer of our own
             mz.copy_(torch.from_numpy(mz_np).view(hkv * Q, 2))
@@ -334,13 +294,13 @@ class RoutedStrategy(TorchPath, SelectionStrategy):
         """Numpy views of the decoder's part buffers for the compiled calls: o's bf16 bits (Hkv, Q, D) uint16
         (None where o is not contiguous) and mz (Hkv, Q, 2), or a fresh array where mz is not contiguous.
         Kept per buffer: the decoder passes the same per-layer buffers every step, and making the views costs
-        about what a small layer's compiled call does (docs/BENCHMARKS.md run 17)."""
+        about what a small layer's compiled call does (docs/BENCHMARKS.md "huge pages over a whole step, a faster top-k, less Python per layer")."""
         views = self._split_scratch.setdefault("views", {})
         hit = views.get((id(o), id(mz)))
         if hit is not None and hit[0] is o and hit[1] is mz and hit[3].shape[:2] == shape[:2]:
             return hit[2], hit[3]
         hkv, Q, D = shape
-        o16 = compiled.bits(o).reshape(hkv, Q, D) if o.is_contiguous() else None
+        o16 = bf16_bits(o).reshape(hkv, Q, D) if o.is_contiguous() else None
         mz_np = mz.numpy().reshape(hkv, Q, 2) if mz.is_contiguous() else np.empty((hkv, Q, 2), np.float32)
         if len(views) > 4 * self.ckv.n_layers:     # the eager path's buffers are new every call
             views.clear()

@@ -2,15 +2,15 @@
 
 On the CPU, routing reads every centroid and the estimate every cluster's mean value at every step and
 layer: at 128K tokens and clusters of 16 that is 4 MB per KV head, three times the keys the scan reads,
-and it dominated the step on the GPU host (docs/BENCHMARKS.md run 14). On the GPU
+and it dominated the step on the GPU host (docs/BENCHMARKS.md "routing on the device"). On the GPU
 the same arithmetic is a few microseconds of a kernel. So, for the layers whose tables fit the device:
 
 - per layer, the step's segment (decode/graphs.py) scores the query against the centroids, ranks the
   clusters exactly as the CPU path does (a cluster's priority is the largest share of attention any of
   the head's queries gives it), and copies the ranked cluster ids and how many of them fit the budget
   to pinned host memory (`route`); the CPU then scans only those clusters' keys, takes the exact top-k
-  and computes the context part (routed_kernel.py `scan_head`);
-- while the CPU scans, the device computes the estimate of the clusters not read (index/estimate.py
+  and computes the context part (kernels/routed_scan.py `scan_head`);
+- while the CPU scans, the device computes the estimate of the clusters not read (index/routed/estimate.py
   `unread_part`, the same function the torch path calls) and merges it into the window part by
   log-sum-exp (`estimate`): a third disjoint part of the same softmax, so the merge stays exact.
 
@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from topk_decode.index.estimate import unread_part
+from topk_decode.index.routed.estimate import unread_part
 
 # Free device memory kept beside the tables for the step itself (its graphs' temporaries, the window).
 DEFAULT_RESERVE = 384 << 20
@@ -171,7 +171,7 @@ class DeviceRoutes:
         """
         t = self.tables[layer]
         q = q32 if t.cscale is None else q32 * t.cscale          # float8 centroids: their scale moves to q
-        base = self._bmm(q, t.cent.transpose(1, 2)).mul_(self.scale)            # (Hkv, G, C) s·q·μ_c
+        base = self.bmm(q, t.cent.transpose(1, 2)).mul_(self.scale)            # (Hkv, G, C) s·q·μ_c
         logit = base + t.bias
         share = logit - torch.logsumexp(logit, dim=-1, keepdim=True)
         order = share.amax(1).topk(t.width, dim=-1, sorted=True).indices          # (Hkv, W) by priority
@@ -193,12 +193,12 @@ class DeviceRoutes:
         read = torch.zeros(base.shape[0], base.shape[2], dtype=torch.bool, device=base.device)
         read.scatter_(1, order, taken)                                            # (Hkv, C)
         def p_times_means(p: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
-            out = self._bmm(p, means)                                              # (Hkv, G, D)
+            out = self.bmm(p, means)                                              # (Hkv, G, D)
             return out if t.vscale is None else out.mul_(t.vscale)
         rest = unread_part(base + t.log_n, read, t.vmeans, bmm=p_times_means)
         return rest.out, rest.lse
 
-    def _bmm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def bmm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """a (B, M, K) float32 × b (B, K, N) stored in bf16 or float8 → (B, M, N) float32."""
         if self._bf16_bmm:
             b = b if b.dtype == torch.bfloat16 else b.to(torch.bfloat16)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from topk_decode.index.base import RestPart
-from topk_decode.index.cluster import LayerLayout
+from topk_decode.index.routed.cluster import LayerLayout
 
 
 @dataclass
@@ -82,7 +82,7 @@ def unread_part(logit: torch.Tensor, read: torch.Tensor, value_means: torch.Tens
         logit: (Hkv, Q, C) float32 log n_c + s·q·μ_c per query (−inf for clusters without searchable keys).
         read: (Hkv, C) bool, the clusters the head read (their keys are accounted exactly).
         value_means: (Hkv, C, D) float32 v̄_c.
-        bmm: the batched product p·v̄ (routed_device.py passes one that reads stored low-precision means).
+        bmm: the batched product p·v̄ (index/routed/device.py passes one that reads stored low-precision means).
     """
     logit = logit.masked_fill(read[:, None, :], float("-inf"))
     lse = torch.logsumexp(logit, dim=-1)                                        # (Hkv, Q)

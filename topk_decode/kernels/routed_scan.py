@@ -1,19 +1,19 @@
-"""routed's compiled path: one KV head's layer as numba functions (the Python side: routed_compiled.py).
+"""routed's compiled path: one KV head's layer as numba functions (the Python side: index/routed/compiled.py).
 
-The torch path (routed_torch.py `route` + `select`, then decode/context.py) is ~40 small tensor ops per
+The torch path (index/routed/torch_path.py `route` + `select`, then decode/context.py) is ~40 small tensor ops per
 layer; on a many-core host each is a parallel region of its own, and together they cost several times what
 the few MB they read take (docs/BENCHMARKS.md, "Where routed's step goes"). Here a KV head's layer runs as
 compiled functions that release the GIL, on numba's threads: routing against the centroids and the
-estimate of the unread clusters (routed_cpu_route.py, or on the decode device: routed_device.py), then
-what this module holds — the exact fp32 scan of the chosen clusters' keys, the top-k (kernel_topk.py) and
-(in the decoder) the context part itself (`scan_head`; routed_split.py cuts the same work into pieces for
+estimate of the unread clusters (kernels/routed_route.py, or on the decode device: index/routed/device.py), then
+what this module holds — the exact fp32 scan of the chosen clusters' keys, the top-k (kernels/topk.py) and
+(in the decoder) the context part itself (`scan_head`; kernels/routed_split.py cuts the same work into pieces for
 the whole team). With the context part inside, a decode step runs no parallel torch op on the CPU, so
 torch's OpenMP workers (which spin after each parallel region) no longer compete with the search for the
-cores (docs/BENCHMARKS.md, run 12).
+cores (docs/BENCHMARKS.md "the decode buffer-ownership refactor").
 
 Same rules as the torch path: a cluster's priority is the largest share of attention mass any of the
 head's queries gives it (softmax over s·q·μ_c + bias_c), clusters are read in that order until `budget`
-keys are read, sinks/tail rows are never returned; the estimate is index/estimate.py's `unread_part`, the
+keys are read, sinks/tail rows are never returned; the estimate is index/routed/estimate.py's `unread_part`, the
 context part decode/context.py's, merged with the estimate as `merge_rest` does. Scores are exact fp32 dot
 products (bf16 keys widen exactly; only the summation order differs from torch's matmul). The context
 part weighs the values with fp32 weights (the torch path rounds them to the values' dtype first, as a
@@ -23,15 +23,53 @@ flash kernel does): within bf16 rounding of each other (tests/test_routed_kernel
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
-from topk_decode.index.compiled import cycles, jit, pjit, prange, prefetch_row
-from topk_decode.index.dots import GROUP, dot4, pad_queries
-from topk_decode.index.kernel_topk import top_k_rows
+from topk_decode.kernels.jit import cycles, jit, pjit, prange, prefetch_row
+from topk_decode.kernels.dots import GROUP, dot4, pad_queries
+from topk_decode.kernels.topk import top_k_rows
+
+
+class LayerArrays(NamedTuple):
+    """One layer's arrays as the per-layer calls read them (numpy views of the strategy's tensors, no copies).
+
+    keys: (Hkv, N, D) uint16 bf16 bits, cluster-contiguous; pos: (Hkv, N) int32 positions, −1 outside the searchable
+    range; offsets: (Hkv, C + 1) int64; cent: (Hkv, C, D) uint16 (bf16) centroids; bias, size_factor: (Hkv, C)
+    float32 (`finish_head`); vmeans: (Hkv, C, D) uint16 (bf16) mean values, or (Hkv, 1, D) zeros; vals: (Hkv, N, D)
+    uint16 values, by layout row when values_by_row, else by position.
+    """
+
+    keys: np.ndarray
+    pos: np.ndarray
+    offsets: np.ndarray
+    cent: np.ndarray
+    bias: np.ndarray
+    size_factor: np.ndarray
+    vmeans: np.ndarray
+    vals: np.ndarray
+    values_by_row: bool
+
+
+class LayerOut(NamedTuple):
+    """What a per-layer call writes: ids (Hkv, Q, K) int64 (−1 in empty slots), scores (Hkv, Q, K) float32, the
+    context part's o (Hkv, Q, D) float32 and mz (Hkv, Q, 2) float32 (m, z)."""
+
+    ids: np.ndarray
+    scores: np.ndarray
+    o: np.ndarray
+    mz: np.ndarray
+
+
+class HeadClock(NamedTuple):
+    """Per KV head: read (Hkv,) int64 keys read, clock (Hkv, 2) int64 the `cycles` at its work's start and end."""
+
+    read: np.ndarray
+    clock: np.ndarray
 
 @jit
-def _exp_into(x, out, bits):
+def exp_into(x, out, bits):
     """out = exp(x) elementwise (float32), as a loop the compiler vectorizes (math.exp stays scalar).
 
     Cephes' expf: 2^k · p(r) with r = x − k·ln 2, |r| ≤ ln 2 / 2, degree-5 polynomial; relative error
@@ -55,7 +93,7 @@ def _exp_into(x, out, bits):
 
 
 @jit
-def _widen(row, widened):
+def widen(row, widened):
     """widened (D,) uint32 = a bf16 row's bits shifted into fp32 position: viewed as float32 it is the row,
     exactly (the callers make the float32 view once, outside their loops)."""
     for j in range(row.shape[0]):
@@ -63,7 +101,7 @@ def _widen(row, widened):
 
 
 @jit
-def _round_bf16(x, out):
+def round_bf16(x, out):
     """out (D,) uint16 = x (D,) float32 rounded to bf16 bits, to nearest even as torch rounds (NaN → 0x7FC0)."""
     bits = x.view(np.uint32)
     for j in range(x.shape[0]):
@@ -75,7 +113,7 @@ def _round_bf16(x, out):
 
 
 @jit
-def _dot_queries(qh, x, out):
+def dot_queries(qh, x, out):
     """out[i] = q_i·x for every query (Q, D) against one fp32 row x (D,)."""
     for i in range(qh.shape[0]):
         acc = np.float32(0.0)
@@ -85,7 +123,7 @@ def _dot_queries(qh, x, out):
 
 
 # Rows ahead of the scan whose cache lines are requested: the clusters read are small and scattered, so
-# without it each row is a serial DRAM miss; 16 rows keep ~70 lines in flight (docs/BENCHMARKS.md run 15).
+# without it each row is a serial DRAM miss; 16 rows keep ~70 lines in flight (docs/BENCHMARKS.md "prefetching, and the heads' work split over the whole team").
 _AHEAD = 16
 
 
@@ -93,12 +131,12 @@ _AHEAD = 16
 def _cluster_rows(offsets, order, taken, m):
     """The layout rows of the first `taken` clusters of `order`, in that order: (m,) int64."""
     rows = np.empty(m, dtype=np.int64)
-    _cluster_rows_into(offsets, order, taken, rows)
+    cluster_rows_into(offsets, order, taken, rows)
     return rows
 
 
 @jit
-def _count_rows(offsets, order, taken, t0=0):
+def count_rows(offsets, order, taken, t0=0):
     """Rows in clusters order[t0:taken] (by default the first `taken`)."""
     m = 0
     for t in range(t0, taken):
@@ -107,7 +145,7 @@ def _count_rows(offsets, order, taken, t0=0):
 
 
 @jit
-def _cluster_rows_into(offsets, order, taken, rows, t0=0, r=0):
+def cluster_rows_into(offsets, order, taken, rows, t0=0, r=0):
     """Write the layout rows of clusters order[t0:taken] (by default the first `taken`) into rows from index r on,
     in that order."""
     for t in range(t0, taken):
@@ -129,16 +167,16 @@ def _scan(keys, pos, rows, qh):
     rpos = np.empty(m, dtype=np.int64)
     qf = np.empty(((Q + GROUP - 1) // GROUP * GROUP, d), dtype=np.float32)   # (Qp, D) padded queries
     pad_queries(qh, qf, qf)
-    _scan_range(keys, pos, rows, 0, m, qf, qf, False, rpos, scores)
+    scan_range(keys, pos, rows, 0, m, qf, qf, False, rpos, scores)
     return rpos, scores
 
 
 @jit
-def _scan_range(keys, pos, rows, r0, r1, qf, qb, use_b, rpos, scores):
+def scan_range(keys, pos, rows, r0, r1, qf, qb, use_b, rpos, scores):
     """`_scan` of rows[r0:r1] into rpos[r0:r1] and scores[:, r0:r1] (Q = scores.shape[0] queries).
 
     qf: (Qp, D) float32 queries padded to groups of GROUP (`dots.pad_queries`); qb: the same as bf16 bits,
-    used instead where `use_b` (the hardware bf16 dot product, dots.py; same scores up to summation order)."""
+    used instead where `use_b` (the hardware bf16 dot product, kernels/dots.py; same scores up to summation order)."""
     Q = scores.shape[0]
     for r in range(r0, min(r0 + _AHEAD, r1)):
         prefetch_row(keys, rows[r])
@@ -168,7 +206,7 @@ def _scan_range(keys, pos, rows, r0, r1, qf, qb, use_b, rpos, scores):
 
 
 @jit
-def _slot_weights(sc, cols, scale, w, shifted, ex, bits):
+def slot_weights(sc, cols, scale, w, shifted, ex, bits):
     """One query's softmax weights exp(s·a − m) of its filled slots, written at their scan columns w[cols[t]].
 
     sc, cols: (K,) the slots' scores and scan columns (−1 empty); w: (m,) this query's column of the weights.
@@ -182,7 +220,7 @@ def _slot_weights(sc, cols, scale, w, shifted, ex, bits):
         return np.float32(0.0), np.float32(0.0)
     for t in range(K):
         shifted[t] = sc[t] * scale - mx
-    _exp_into(shifted, ex, bits)
+    exp_into(shifted, ex, bits)
     z = np.float32(0.0)
     for t in range(K):
         if cols[t] >= 0:
@@ -192,7 +230,7 @@ def _slot_weights(sc, cols, scale, w, shifted, ex, bits):
 
 
 @jit
-def _hit_rows(w, r0, r1, hits):
+def hit_rows(w, r0, r1, hits):
     """Write the scan columns r0 ≤ r < r1 some query weighs (w[r] ≠ 0, w: (≥ r1, Q)) into hits, in scan order;
     returns how many."""
     n_hit = 0
@@ -207,7 +245,7 @@ def _hit_rows(w, r0, r1, hits):
 
 
 @jit
-def _sum_values(vals, src, hits, x0, x1, w, out):
+def sum_values(vals, src, hits, x0, x1, w, out):
     """out (Q, D) += Σ_r w[r, i]·v_r over the scan columns r of hits[x0:x1] (value row src[r]): each value row is
     read once for all the queries that weigh it, in scan order (cluster runs), prefetched ahead."""
     Q, d = out.shape
@@ -219,7 +257,7 @@ def _sum_values(vals, src, hits, x0, x1, w, out):
         if x + _AHEAD < x1:
             prefetch_row(vals, src[hits[x + _AHEAD]])
         r = hits[x]
-        _widen(vals[src[r]], widened)
+        widen(vals[src[r]], widened)
         for i in range(Q):
             wi = w[r, i]
             if wi != 0.0:
@@ -245,11 +283,11 @@ def _attend(vals, src, cols, sc, scale, rest_o, rest_lse, with_rest, o_out, mz_o
     ms, zs = np.zeros(Q, np.float32), np.zeros(Q, np.float32)
     shifted, ex, bits = np.empty(K, np.float32), np.empty(K, np.float32), np.empty(K, np.int32)
     for i in range(Q):
-        ms[i], zs[i] = _slot_weights(sc[i], cols[i], scale, w[:, i], shifted, ex, bits)
+        ms[i], zs[i] = slot_weights(sc[i], cols[i], scale, w[:, i], shifted, ex, bits)
     hits = np.empty(m, dtype=np.int64)
-    n_hit = _hit_rows(w, 0, m, hits)
+    n_hit = hit_rows(w, 0, m, hits)
     o_out[:, :] = 0.0
-    _sum_values(vals, src, hits, 0, n_hit, w, o_out)
+    sum_values(vals, src, hits, 0, n_hit, w, o_out)
     for i in range(Q):
         m_i, z = ms[i], zs[i]
         if with_rest and rest_lse[i] > -np.inf:
@@ -265,7 +303,7 @@ def _attend(vals, src, cols, sc, scale, rest_o, rest_lse, with_rest, o_out, mz_o
 
 
 @jit
-def _read_clusters(keys, pos, offsets, order, taken, m, qh, scale, vals, values_by_row, rest_o, rest_lse,
+def read_clusters(keys, pos, offsets, order, taken, m, qh, scale, vals, values_by_row, rest_o, rest_lse,
                    with_rest, attend, ids_out, sc_out, o_out, mz_out):
     """What a head does once its clusters are chosen: the exact scan of the first `taken` of `order` (m rows),
     each query's top-k into ids_out / sc_out, and with `attend` the context part (merged with rest_o /
@@ -282,25 +320,31 @@ def _read_clusters(keys, pos, offsets, order, taken, m, qh, scale, vals, values_
 @jit
 def scan_head(keys, pos, offsets, order, taken, qh, k, scale, vals, values_by_row, ids_out, sc_out,
               o_out, mz_out):
-    """One KV head whose clusters were chosen elsewhere (routed_device.py, on the decode device): scan the
+    """One KV head whose clusters were chosen elsewhere (index/routed/device.py, on the decode device): scan the
     first `taken` clusters of `order`, top-k, context part (without an estimate: the device merges its
     own). Returns the keys read.
 
     Args: as `finish_head`; order: (W,) int32 clusters by priority; taken: how many of them to read.
     """
-    m = _count_rows(offsets, order, taken)
+    m = count_rows(offsets, order, taken)
     no_rest_o, no_rest_lse = np.zeros((1, o_out.shape[1]), np.float32), np.zeros(1, np.float32)
-    _read_clusters(keys, pos, offsets, order, taken, m, qh, scale, vals, values_by_row, no_rest_o,
+    read_clusters(keys, pos, offsets, order, taken, m, qh, scale, vals, values_by_row, no_rest_o,
                    no_rest_lse, False, True, ids_out, sc_out, o_out, mz_out)
     return m
 
 
 @pjit
-def scan_layer_par(keys, pos, offsets, order, take, q, k, scale, vals, values_by_row, ids, scores, o, mz,
-                   read, clock):
-    """One layer routed elsewhere, every KV head on numba's threads: `scan_head` per head (arguments with a
-    leading (Hkv,) axis; take (Hkv,) int32; read (Hkv,) int64 receives each head's keys read, clock (Hkv, 2)
-    int64 the `cycles` at which it started and ended)."""
+def scan_layer_par(a, order, take, q, k, scale, out, heads):
+    """One layer routed elsewhere, every KV head on numba's threads: `scan_head` per head.
+
+    Args: a: `LayerArrays`; order (Hkv, W) int32 clusters by priority, take (Hkv,) int32 how many to read;
+        q (Hkv, Q, D) float32; out: `LayerOut`; heads: `HeadClock`.
+    """
+    # the named tuples unpacked here, outside the parallel loops: numba 0.68 drops writes made through a
+    # tuple's array field inside a prange body (tests/test_routed_kernel.py checks the results)
+    keys, pos, offsets, _, _, _, _, vals, values_by_row = a
+    ids, scores, o, mz = out
+    read, clock = heads
     for h in prange(keys.shape[0]):
         clock[h, 0] = cycles()
         read[h] = scan_head(keys[h], pos[h], offsets[h], order[h], take[h], q[h], k, scale, vals[h],

@@ -1,12 +1,13 @@
 """routed's compiled path, the Python side: one layer's arrays in, one compiled call per layer out.
 
-The compiled functions are in routed_cpu_route.py, routed_kernel.py and routed_split.py. With routing on
+The compiled functions are in kernels/routed_route.py, kernels/routed_scan.py and kernels/routed_split.py. With routing on
 the CPU, one call per layer (`search_layer_par`) runs two parallel rounds on numba's threads:
 - routing, over (KV head, range of clusters): logits and their exponentials (`route_chunk`);
 - the rest of each head (`finish_head`): cluster choice, scan, top-k, the estimate, the context part.
 Splitting routing over ranges gives every thread work when the KV heads are fewer than the cores. When
-the decode device routes (routed_device.py), `split_layer_par` cuts the scan, top-k and context part into
-pieces for the whole team (`split_layer`), or `scan_layer_par` runs `scan_head` per head (`split=false`).
+the decode device routes (index/routed/device.py), `split_layer_par` cuts the scan, top-k and context part into
+pieces for the whole team (`split_layer`). `scan_layer` (one task per KV head, `scan_head`) is the split's
+reference in the tests: in decoding it lost to the split (docs/BENCHMARKS.md "prefetching, and the heads' work split over the whole team").
 """
 
 from __future__ import annotations
@@ -16,12 +17,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from topk_decode.index import compiled
-from topk_decode.index.dots import GROUP, bf16_available
-from topk_decode.index.routed_cpu_route import search_layer_par
-from topk_decode.index.routed_kernel import scan_layer_par
-from topk_decode.index.routed_split import (TALLY, SplitScratch, new_scratch,  # noqa: F401 - new_scratch re-exported
-                                            split_layer_par)
+from topk_decode.kernels import jit
+from topk_decode.kernels.dots import GROUP, bf16_available
+from topk_decode.kernels.routed_route import RestOut, RouteBuffers, search_layer_par
+from topk_decode.kernels.routed_scan import HeadClock, LayerArrays, LayerOut, scan_layer_par
+from topk_decode.kernels.routed_split import ROUNDS, SplitScratch, new_scratch, new_tally, split_layer_par
 
 # The smallest cluster range of one routing task: below it a task's fixed cost rivals its work.
 _MIN_CLUSTERS_PER_TASK = 1024
@@ -29,36 +29,13 @@ _MIN_CLUSTERS_PER_TASK = 1024
 
 def warm_up(arrays: "LayerArrays") -> None:
     """Compile the per-layer calls for these arrays' types now (seconds on a first run without numba's disk
-    cache), not inside a decode step: a search of one query with k = 1, then a scan of one cluster, per head
-    and split."""
+    cache), not inside a decode step: a search of one query with k = 1, then a split scan of one cluster."""
     hkv, d = arrays.keys.shape[0], arrays.keys.shape[2]
     q = torch.zeros(hkv, 1, d)
     o, mz = np.empty((hkv, 1, d), np.float32), np.empty((hkv, 1, 2), np.float32)
     search_layer(arrays, q, 1, 1, 1.0, True, 1, o, mz)
     order, take = torch.zeros(hkv, 1, dtype=torch.int32), torch.ones(hkv, dtype=torch.int32)
-    scan_layer(arrays, q, order, take, 1, 1.0, 1, o, mz)
     split_layer(arrays, q, order, take, 1, 1.0, 2, o, mz, {})
-
-
-class LayerArrays(NamedTuple):
-    """One layer's arrays as the kernel reads them (numpy views of the strategy's tensors, no copies).
-
-    keys: (Hkv, N, D) uint16; pos: (Hkv, N) int32 positions, −1 outside the searchable range (`kernel_positions`);
-    offsets: (Hkv, C + 1) int64;
-    cent: (Hkv, C, D) uint16 (bf16); bias, size_factor: (Hkv, C) float32 (`finish_head`); vmeans: (Hkv, C, D)
-    uint16 (bf16) or (Hkv, 1, D) zeros;
-    vals: (Hkv, N, D) uint16 values (by layout row when values_by_row, else by position) or None.
-    """
-
-    keys: np.ndarray
-    pos: np.ndarray
-    offsets: np.ndarray
-    cent: np.ndarray
-    bias: np.ndarray
-    size_factor: np.ndarray
-    vmeans: np.ndarray
-    vals: np.ndarray | None
-    values_by_row: bool
 
 
 def kernel_positions(pos: torch.Tensor, outside: torch.Tensor) -> np.ndarray:
@@ -84,15 +61,15 @@ class LayerResult(NamedTuple):
     times: "HeadTimes"
 
 
-# the parts of a split call (routed_split.py), as HeadTimes.rounds times them: from the Python side's call to the
+# the parts of a split call (kernels/routed_split.py), as HeadTimes.rounds times them: from the Python side's call to the
 # compiled function's start, its rounds, and from their end back to the Python side
-SPLIT_ROUNDS = ("enter", "rows", "scan", "top_k", "values", "sums", "exit")
+SPLIT_ROUNDS = ("enter", *ROUNDS, "exit")
 
 
 class HeadTimes(NamedTuple):
     """Seconds inside one compiled call: the mean and the slowest head's own work, and the span from the
     first head's start to the last one's end (the call's time beyond the span is starting and joining
-    the threads; beyond the slowest head, heads that started late). A split call (routed_split.py) times
+    the threads; beyond the slowest head, heads that started late). A split call (kernels/routed_split.py) times
     its pieces instead of heads, and its parts (`SPLIT_ROUNDS`: entry, the rounds, exit) as `rounds`."""
 
     mean: float
@@ -101,9 +78,9 @@ class HeadTimes(NamedTuple):
     rounds: tuple = ()
 
 
-def _head_times(clock: np.ndarray) -> HeadTimes:
+def head_times(clock: np.ndarray) -> HeadTimes:
     """HeadTimes of a call's clock (Hkv, 2) `cycles` (start, end) per head."""
-    rate = compiled.cycles_per_second()
+    rate = jit.cycles_per_second()
     work = clock[:, 1] - clock[:, 0]
     return HeadTimes(float(work.mean()) / rate, float(work.max()) / rate,
                      float(clock[:, 1].max() - clock[:, 0].min()) / rate)
@@ -113,7 +90,7 @@ def team_size(cores: int) -> int:
     """Threads of the per-layer call on a host with `cores` cores: one fewer than the cores, and (at the
     call) no more than its tasks. Every team member waits at the region's end, so one descheduled member
     stalls the layer for an OS time slice; a team of every core did, while the GPU ran the step
-    (docs/BENCHMARKS.md run 14)."""
+    (docs/BENCHMARKS.md "routing on the device")."""
     return max(1, cores - 1)
 
 
@@ -152,7 +129,6 @@ def search_layer(arrays: LayerArrays, q: torch.Tensor, budget: int, k: int, scal
     attend = o is not None
     if not attend:
         o, mz = np.empty((hkv, Q, d), np.float32), np.empty((hkv, Q, 2), np.float32)
-    vals = a.vals if a.vals is not None else a.keys          # unread unless attend
     # Routing tasks per head: enough for every thread (Qwen2.5-7B has 4 KV heads for 16 cores), each over
     # at least _MIN_CLUSTERS_PER_TASK clusters.
     J = max(1, min(-(-threads // hkv), C // _MIN_CLUSTERS_PER_TASK))
@@ -160,17 +136,17 @@ def search_layer(arrays: LayerArrays, q: torch.Tensor, budget: int, k: int, scal
     logit, e = (reused_buffer(scratch, name, (hkv, C, Q), np.float32) for name in ("logit", "e"))
     mx_p, z_p = (reused_buffer(scratch, name, (hkv, J, Q), np.float32) for name in ("mx", "z"))
     read, clock = np.zeros(hkv, dtype=np.int64), np.zeros((hkv, 2), dtype=np.int64)
-    compiled.set_threads(min(threads, hkv * J))      # no idle team members (see `team_size`)
-    search_layer_par(a.keys, a.pos, a.offsets, a.size_factor, a.vmeans, qn, a.cent, a.bias, budget, k, s,
-                     estimate, vals, a.values_by_row, attend, logit, e, bounds, mx_p, z_p, ids, scores, rest_o,
-                     rest_lse, o, mz, read, clock)
+    jit.set_threads(min(threads, hkv * J))      # no idle team members (see `team_size`)
+    search_layer_par(a, qn, budget, k, s, estimate, attend, RouteBuffers(logit, e, bounds, mx_p, z_p),
+                     LayerOut(ids, scores, o, mz), RestOut(rest_o, rest_lse), HeadClock(read, clock))
     return LayerResult(torch.from_numpy(ids), torch.from_numpy(scores), torch.from_numpy(rest_o),
-                       torch.from_numpy(rest_lse), int(read.sum()), int(np.count_nonzero(ids >= 0)), _head_times(clock))
+                       torch.from_numpy(rest_lse), int(read.sum()), int(np.count_nonzero(ids >= 0)), head_times(clock))
 
 
 def scan_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take: torch.Tensor, k: int,
                scale: float, threads: int, o: np.ndarray, mz: np.ndarray) -> LayerResult:
-    """One layer routed on the device (index/routed_device.py): every KV head scans its chosen clusters,
+    """One layer routed on the device (index/routed/device.py), one task per KV head (the split's reference in the
+    tests; `split_layer` decodes): every KV head scans its chosen clusters,
     takes the top-k and writes the context part, in parallel. No estimate here (the device
     merges its own), so the result's rest is empty.
 
@@ -186,51 +162,49 @@ def scan_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take: 
     order_n, take_n = order.numpy(), take.numpy()
     ids = np.empty((hkv, Q, k), dtype=np.int64)
     scores = np.empty((hkv, Q, k), dtype=np.float32)
-    vals = a.vals if a.vals is not None else a.keys
     read, clock = np.zeros(hkv, dtype=np.int64), np.zeros((hkv, 2), dtype=np.int64)
-    compiled.set_threads(min(threads, hkv))
-    scan_layer_par(a.keys, a.pos, a.offsets, order_n, take_n, qn, k, s, vals, a.values_by_row, ids, scores,
-                   o, mz, read, clock)
+    jit.set_threads(min(threads, hkv))
+    scan_layer_par(a, order_n, take_n, qn, k, s, LayerOut(ids, scores, o, mz), HeadClock(read, clock))
     return LayerResult(torch.from_numpy(ids), torch.from_numpy(scores), torch.zeros(hkv, Q, d),
                        torch.full((hkv, Q), -float("inf")), int(read.sum()), int(np.count_nonzero(ids >= 0)),
-                       _head_times(clock))
+                       head_times(clock))
 
 
 def split_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take: torch.Tensor, k: int,
                 scale: float, threads: int, o: np.ndarray, mz: np.ndarray, scratch: dict,
                 o_bf16: np.ndarray | None = None) -> LayerResult:
-    """`scan_layer` with the heads' work cut into `threads` equal pieces per round (routed_split.py), so every
+    """`scan_layer` with the heads' work cut into `threads` equal pieces per round (kernels/routed_split.py), so every
     thread of the team has work however few the KV heads are.
 
     Args: as `scan_layer`; scratch: the caller's dict, which keeps the buffers (grown when a layer needs more
         rows than they hold) across layers and steps; o_bf16: (Hkv, Q, D) uint16 that receives o rounded to
         bf16 too (the decoder's part buffer), or None.
     """
-    # Called once per layer and step: its Python side is on the critical path (docs/BENCHMARKS.md run 17)
+    # Called once per layer and step: its Python side is on the critical path (docs/BENCHMARKS.md "huge pages over a whole step, a faster top-k, less Python per layer")
     hkv, Q, d = q.shape
     qn = q.numpy() if q.is_contiguous() else q.contiguous().numpy()
     ids = np.empty((hkv, Q, k), dtype=np.int64)
     scores = np.empty((hkv, Q, k), dtype=np.float32)
-    vals = arrays.vals if arrays.vals is not None else arrays.keys
-    tally = reused_buffer(scratch, "tally", (TALLY,), np.int64)
+    tally = scratch.get("tally")
+    if tally is None:
+        tally = scratch["tally"] = new_tally()
     if o_bf16 is None:
         o_bf16 = reused_buffer(scratch, "no_bf16", (0, Q, d), np.uint16)
     qp = (Q + GROUP - 1) // GROUP * GROUP
     qf = reused_buffer(scratch, "qf", (hkv, qp, d), np.float32)
-    # bf16 bits where the CPU scores with bf16 dot products (dots.py); a float32 buffer tells the kernel it cannot
+    # bf16 bits where the CPU scores with bf16 dot products (kernels/dots.py); a float32 buffer tells the kernel it cannot
     bf16 = bf16_available(d) and arrays.keys.strides[2] == 2
     qb = reused_buffer(scratch, "qb" if bf16 else "qf_b", (hkv, qp, d), np.uint16 if bf16 else np.float32)
-    compiled.set_threads(threads)
+    jit.set_threads(threads)
     for _ in range(2):
-        c_in = compiled.now()
+        c_in = jit.now()
         buf: SplitScratch | None = scratch.get("split")
         if buf is None or buf.part.shape[:2] != (threads, hkv) or buf.scores.shape[1] != Q:
             buf = scratch["split"] = new_scratch(hkv, Q, d, 0, threads)
-        split_layer_par(arrays.keys, arrays.pos, arrays.offsets, order.numpy(), take.numpy(), qn, qf, qb, k,
-                        np.float32(scale), vals, arrays.values_by_row, threads, *buf, ids, scores, o, o_bf16, mz,
-                        tally)
-        c_out = compiled.now()
-        need = int(tally[1])
+        split_layer_par(arrays, order.numpy(), take.numpy(), qn, qf, qb, k, np.float32(scale), threads, buf,
+                        LayerOut(ids, scores, o, mz), o_bf16, tally)
+        c_out = jit.now()
+        need = int(tally[0]["most_read"])
         if need <= buf.rows.shape[1]:
             break
         # too few rows for this layer (the first call, or a layer reading more): grow with a margin, again
@@ -238,8 +212,8 @@ def split_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take:
     no_rest = scratch.get("no_rest")
     if no_rest is None or no_rest[0].shape != (hkv, Q, d):
         no_rest = scratch["no_rest"] = (torch.zeros(hkv, Q, d), torch.full((hkv, Q), -float("inf")))
-    t, rate = tally.tolist(), compiled.cycles_per_second()
-    marks = (c_in, *t[6:], c_out)
-    times = HeadTimes(t[3] / threads / rate, t[4] / rate, t[5] / rate,
+    t, rate = tally[0], jit.cycles_per_second()
+    marks = (c_in, int(t["start"]), *(int(t[name]) for name in ROUNDS), c_out)
+    times = HeadTimes(int(t["work"]) / threads / rate, int(t["slowest"]) / rate, int(t["span"]) / rate,
                       tuple([(b - a) / rate for a, b in zip(marks, marks[1:])]))
-    return LayerResult(torch.from_numpy(ids), torch.from_numpy(scores), *no_rest, t[0], t[2], times)
+    return LayerResult(torch.from_numpy(ids), torch.from_numpy(scores), *no_rest, int(t["read"]), int(t["filled"]), times)
