@@ -137,7 +137,11 @@ class DecodeWorker:
         if max_batch > 1:        # one batcher per loaded model: its caches' steps go through it together
             models: dict[int, list] = {}
             for store in self.stores.values():
-                models.setdefault(id(store.model), []).append(store.decoder)
+                # Only a strategy whose rows are independent (flat: one scan serves every conversation) gains from
+                # a batched step; routed's batched step searched once per conversation, eagerly, and ran at a
+                # quarter of the serial steps' tokens/s on the GPU host (docs/SERVE.md "Batched decoding").
+                if store.decoder.strategy.rows_independent:
+                    models.setdefault(id(store.model), []).append(store.decoder)
             for decoders in models.values():
                 batcher = StepBatcher(max_batch)
                 batcher.attach(decoders)
