@@ -228,3 +228,24 @@ def test_topk_serve_with_a_cache_given_twice_is_one_error_line(caches):
     assert result.exit_code == 2
     assert result.stderr.strip() == f"error: the cache {caches['docs'].resolve()} is given twice"
 
+
+
+def test_only_caches_whose_rows_are_independent_are_batched(caches, stores):
+    """flat's batched step shares its scan; routed's was slower than its serial steps on the GPU host, so a routed
+    cache keeps its own steps even when it shares the model with a batched flat cache."""
+    from topk_decode.api import KVStore
+    from topk_decode.serve.worker import DecodeWorker
+
+    routed = KVStore.open(caches["travel"], strategy="routed", device=DEVICE, dtype="fp32", share_model=stores["docs"])
+    served = stores["docs"].decoder.batcher            # the live server's, put back after
+    try:
+        assert stores["docs"].decoder.strategy.rows_independent and not routed.decoder.strategy.rows_independent
+        worker = DecodeWorker({"docs": stores["docs"], "routed": routed}, max_batch=4)
+        try:
+            assert len(worker.batchers) == 1
+            assert stores["docs"].decoder.batcher is worker.batchers[0] and routed.decoder.batcher is None
+        finally:
+            worker.close()
+    finally:
+        stores["docs"].decoder.batcher = served
+        routed.close()
