@@ -37,14 +37,21 @@ def write(folder: Path, names: list[str]) -> Path:
 def diff(a: Path, b: Path) -> str:
     ca, cb = open_cache(a), open_cache(b)
     assert ca.tokens == cb.tokens
-    kv = max(max((ca.keys[i].float() - cb.keys[i].float()).abs().max().item(),
-                 (ca.values[i].float() - cb.values[i].float()).abs().max().item()) for i in range(ca.n_layers))
+    kv = max(
+        max(
+            (ca.keys[i].float() - cb.keys[i].float()).abs().max().item(),
+            (ca.values[i].float() - cb.values[i].float()).abs().max().item(),
+        )
+        for i in range(ca.n_layers)
+    )
     scale = max(ca.keys[i].float().abs().max().item() for i in range(ca.n_layers))
     la = torch.from_numpy(__import__("numpy").fromfile(a / "last_logits.f32", dtype="float32"))
     lb = torch.from_numpy(__import__("numpy").fromfile(b / "last_logits.f32", dtype="float32"))
     same = all(ca.manifest["files"][f] == cb.manifest["files"][f] for f in ca.manifest["files"])
-    return (f"{ca.n_tokens} tokens: byte-identical {same}; max |ΔKV| {kv:.3g} (max |key| {scale:.3g}); "
-            f"max |Δlogits| {(la - lb).abs().max().item():.3g}; same next token {int(la.argmax()) == int(lb.argmax())}")
+    return (
+        f"{ca.n_tokens} tokens: byte-identical {same}; max |ΔKV| {kv:.3g} (max |key| {scale:.3g}); "
+        f"max |Δlogits| {(la - lb).abs().max().item():.3g}; same next token {int(la.argmax()) == int(lb.argmax())}"
+    )
 
 
 def main() -> None:

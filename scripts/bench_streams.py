@@ -59,10 +59,10 @@ def run_streams(decoder, vocab: int, streams: int, tokens: int, batch: bool) -> 
 
     convs = [decoder.new_conversation() for _ in range(streams)]
     first = []
-    for i, conv in enumerate(convs):   # distinct prompts, run alone and untimed
+    for i, conv in enumerate(convs):  # distinct prompts, run alone and untimed
         prompt = [(7 + 13 * i + j) % vocab for j in range(8 + 3 * i)]
         first.append(int(torch.argmax(decoder.forward(prompt, conv))))
-    for i, conv in enumerate(convs):   # one untimed step each (first-step costs: graphs, compile, caches)
+    for i, conv in enumerate(convs):  # one untimed step each (first-step costs: graphs, compile, caches)
         first[i] = int(torch.argmax(decoder.forward([first[i]], conv)))
     batcher = StepBatcher(max_batch=streams) if batch and streams > 1 else None
     if batcher is not None:
@@ -90,10 +90,15 @@ def run_streams(decoder, vocab: int, streams: int, tokens: int, batch: bool) -> 
     decoder.batcher = None
     s = [c.stats.summary() for c in convs]
     mean = {k: round(sum(x[k] for x in s) / streams, 2) for k in ("ms_per_step", "search_ms", "context_ms")}
-    return {"streams": streams, "batching": batcher is not None, "tokens_per_s": round(streams * tokens / wall, 2),
-            "per_stream_tokens_per_s": round(tokens / wall, 2),
-            "mean_batch": round(batcher.stepped / batcher.batches, 2) if batcher is not None else 1.0,
-            "conversation_step_ms": mean, "wall_s": round(wall, 2)}
+    return {
+        "streams": streams,
+        "batching": batcher is not None,
+        "tokens_per_s": round(streams * tokens / wall, 2),
+        "per_stream_tokens_per_s": round(tokens / wall, 2),
+        "mean_batch": round(batcher.stepped / batcher.batches, 2) if batcher is not None else 1.0,
+        "conversation_step_ms": mean,
+        "wall_s": round(wall, 2),
+    }
 
 
 def main() -> None:
@@ -111,12 +116,19 @@ def main() -> None:
     p.add_argument("--no-batch", action="store_true", help="also time each stream count without batching")
     args = p.parse_args()
     decoder, vocab, what = open_decoder(args)
-    env = {"what": what, "strategy": decoder.config.strategy, "k": args.k, "device": str(decoder.device),
-           "host": platform.node(), "cpus": torch.get_num_threads(), "time": time.strftime("%Y-%m-%d %H:%M")}
+    env = {
+        "what": what,
+        "strategy": decoder.config.strategy,
+        "k": args.k,
+        "device": str(decoder.device),
+        "host": platform.node(),
+        "cpus": torch.get_num_threads(),
+        "time": time.strftime("%Y-%m-%d %H:%M"),
+    }
     print(json.dumps(env), flush=True)
     base = None
     for n in [int(x) for x in args.streams.split(",")]:
-        for batch in ([True, False] if args.no_batch and n > 1 else [True]):
+        for batch in [True, False] if args.no_batch and n > 1 else [True]:
             row = run_streams(decoder, vocab, n, args.tokens, batch)
             base = base or row["tokens_per_s"]
             row["speedup"] = round(row["tokens_per_s"] / base, 2)

@@ -20,10 +20,10 @@ from topk_decode.eval import tasks as T  # noqa: E402
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 
 
-
 # =============================================================================================
 # Tokenizer
 # =============================================================================================
+
 
 def build_tokenizer(out: Path, bpe_vocab: int = 2000, seed: int = 0) -> None:
     """Byte-level BPE trained on generated text, plus one token per three-digit value.
@@ -43,7 +43,7 @@ def build_tokenizer(out: Path, bpe_vocab: int = 2000, seed: int = 0) -> None:
         texts.append("".join(g.sentence(rng) for _ in range(20)))
     keys = [f"{a}-{b}" for a in T.ADJECTIVES for b in T.ANIMALS]
     for i in range(0, len(keys), 4):
-        chunk = keys[i:i + 4]
+        chunk = keys[i : i + 4]
         texts.append("".join(T.magic_fact(k, "") + T.magic_question(k) for k in chunk))
         texts.append("".join(T.multi_value_fact(k, "") + T.multi_value_question(k) for k in chunk))
         texts.append("".join(T.vt_fact(k, "") + T.vt_question(k) + ", which equals" for k in chunk))
@@ -53,9 +53,12 @@ def build_tokenizer(out: Path, bpe_vocab: int = 2000, seed: int = 0) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=bpe_vocab, special_tokens=[BOS, EOS, PAD],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=bpe_vocab,
+        special_tokens=[BOS, EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer)
 
     d = json.loads(tok.to_str())
@@ -81,10 +84,12 @@ def build_tokenizer(out: Path, bpe_vocab: int = 2000, seed: int = 0) -> None:
     tok = Tokenizer.from_str(json.dumps(d))
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)])
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)]
+    )
 
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS,
-                                   pad_token=PAD, model_max_length=65536)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, model_max_length=65536
+    )
     out.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(out))
     # Sanity: values are single tokens and decode back.
@@ -97,6 +102,7 @@ def build_tokenizer(out: Path, bpe_vocab: int = 2000, seed: int = 0) -> None:
 def load_fast_tokenizer(tok_dir: Path):
     """The raw ``tokenizers.Tokenizer`` of a saved tokenizer directory."""
     from tokenizers import Tokenizer
+
     return Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
 
 
@@ -104,23 +110,35 @@ def load_fast_tokenizer(tok_dir: Path):
 # Model
 # =============================================================================================
 
+
 def make_config(vocab_size: int, bos_id: int, eos_id: int, pad_id: int, a: argparse.Namespace):
     """The LlamaConfig of the demo model."""
     from transformers import LlamaConfig
+
     return LlamaConfig(
-        vocab_size=vocab_size, hidden_size=a.hidden, intermediate_size=a.ffn,
-        num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+        vocab_size=vocab_size,
+        hidden_size=a.hidden,
+        intermediate_size=a.ffn,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
         max_position_embeddings=65536,
         rope_parameters={"rope_type": "default", "rope_theta": float(a.rope_theta)},
-        rms_norm_eps=1e-5, tie_word_embeddings=True, hidden_act="silu",
-        bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id,
-        attention_dropout=0.0, initializer_range=0.02,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        hidden_act="silu",
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        attention_dropout=0.0,
+        initializer_range=0.02,
     )
 
 
 # =============================================================================================
 # Training data (runs in worker processes)
 # =============================================================================================
+
 
 class SequenceBuilder:
     """Builds training sequences of an exact token length with per-token loss weights.
@@ -159,12 +177,11 @@ class SequenceBuilder:
         self.stream = np.asarray(ids, dtype=np.int32)
 
     def enc(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.asarray(e.ids, dtype=np.int32)
-                for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+        return [np.asarray(e.ids, dtype=np.int32) for e in self.tok.encode_batch(texts, add_special_tokens=False)]
 
     def filler(self, n: int) -> np.ndarray:
         s = self.rng.randrange(0, len(self.stream) - n - 1)
-        return self.stream[s:s + n]
+        return self.stream[s : s + n]
 
     def build(self, L: int, dense: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """One sequence of exactly ``L`` tokens: (ids, loss weights).
@@ -190,27 +207,31 @@ class SequenceBuilder:
         for i, (k, v) in enumerate(zip(magic_keys, values)):
             reps = 1 + (r.random() < 0.5) + (r.random() < 0.25) + (dense and r.random() < 0.5)
             for j in range(reps):
-                items.append(dict(group=gid, text=T.magic_fact(k, v), kind="magic",
-                                  protected=(i in asked and j == 0)))
+                items.append(dict(group=gid, text=T.magic_fact(k, v), kind="magic", protected=(i in asked and j == 0)))
             gid += 1
             if i in asked:
                 qa.append(("single_needle", k, str(v)))
         if L >= 1024 and r.random() < 0.5:  # multi-value group (asked)
             mk = rest[0]
-            mvals = values[n_magic:n_magic + r.randint(2, T.MULTI_VALUE_COUNT)]
+            mvals = values[n_magic : n_magic + r.randint(2, T.MULTI_VALUE_COUNT)]
             for v in mvals:
-                items.append(dict(group=-1, text=T.multi_value_fact(mk, v), kind="mv",
-                                  protected=True, value=str(v)))
+                items.append(dict(group=-1, text=T.multi_value_fact(mk, v), kind="mv", protected=True, value=str(v)))
             qa.append(("multi_value", mk, "MV"))
         if L >= 1024 and r.random() < 0.3:  # two variable-tracking chains, first one asked
             n = r.randint(2, T.VT_CHAIN)
-            c1, c2 = rest[1:1 + n], rest[1 + T.VT_CHAIN:1 + T.VT_CHAIN + n]
+            c1, c2 = rest[1 : 1 + n], rest[1 + T.VT_CHAIN : 1 + T.VT_CHAIN + n]
             for ci, (chain, val) in enumerate(((c1, values[-1]), (c2, values[-2]))):
                 for i, var in enumerate(chain):
                     reps = 1 + (r.random() < 0.3)
                     for j in range(reps):
-                        items.append(dict(group=gid, text=T.vt_fact(var, val if i == 0 else chain[i - 1]),
-                                          kind="vt", protected=(ci == 0 and j == 0)))
+                        items.append(
+                            dict(
+                                group=gid,
+                                text=T.vt_fact(var, val if i == 0 else chain[i - 1]),
+                                kind="vt",
+                                protected=(ci == 0 and j == 0),
+                            )
+                        )
                     gid += 1
             qa.append(("variable_tracking", c1[-1], T.vt_answer(c1, values[-1])))
         r.shuffle(qa)
@@ -224,27 +245,39 @@ class SequenceBuilder:
             elif it["kind"] == "vt":
                 # everything after "equals" (a number or a variable name), not the final "."
                 k = int(np.nonzero(e == self.equals_id)[0][0])
-                sup[k + 1:-1] = 1.0
+                sup[k + 1 : -1] = 1.0
             it["sup"] = sup
         # document separators as `topk prefill` writes them (no loss)
         if r.random() < 0.3:
             g = T.grammar()
             for _ in range(r.randint(1, 4)):
                 name = f"{r.choice(g.nouns)}_{r.randint(1, 99)}.{r.choice(('txt', 'md'))}"
-                items.append(dict(group=-4, ids=self.enc([f"\n\n### Document: {name}\n\n"])[0],
-                                  kind="header", protected=False, sup=None))
+                items.append(
+                    dict(
+                        group=-4,
+                        ids=self.enc([f"\n\n### Document: {name}\n\n"])[0],
+                        kind="header",
+                        protected=False,
+                        sup=None,
+                    )
+                )
         # copy segments (loss on the repeat)
         if r.random() < 0.8:
             for _ in range(r.randint(1, 3 if L <= 2048 else 6)):
                 n = r.randint(8, 48)
-                seg = (self.filler(n) if r.random() < 0.5
-                       else self.nrng.integers(3, self.vocab, size=n, dtype=np.int32))
+                seg = self.filler(n) if r.random() < 0.5 else self.nrng.integers(3, self.vocab, size=n, dtype=np.int32)
                 sup = np.full(n, 0.5, dtype=np.float32)
                 sup[0] = 0.0
                 if r.random() < 0.5:  # immediate repeat: one item, weights fixed
-                    items.append(dict(group=-3, ids=np.concatenate([seg, seg]), kind="copy",
-                                      protected=False,
-                                      sup=np.concatenate([np.zeros(n, np.float32), sup])))
+                    items.append(
+                        dict(
+                            group=-3,
+                            ids=np.concatenate([seg, seg]),
+                            kind="copy",
+                            protected=False,
+                            sup=np.concatenate([np.zeros(n, np.float32), sup]),
+                        )
+                    )
                 else:  # repeat later: a recurring group of two
                     for _j in range(2):
                         items.append(dict(group=gid, ids=seg, kind="copy", protected=False, sup=sup))
@@ -259,8 +292,13 @@ class SequenceBuilder:
         for task, key, a_ in qa:
             a_ = ", ".join(mv_order) if a_ == "MV" else str(a_)
             if r.random() < 0.5:
-                qs.append({"single_needle": T.magic_question, "multi_value": T.multi_value_question,
-                           "variable_tracking": T.vt_question}[task](key))
+                qs.append(
+                    {
+                        "single_needle": T.magic_question,
+                        "multi_value": T.multi_value_question,
+                        "variable_tracking": T.vt_question,
+                    }[task](key)
+                )
                 pre.append("")
             else:
                 question, prefix = T.chat_query(task, key)
@@ -269,7 +307,7 @@ class SequenceBuilder:
             ans.append(" " + a_ + ".")
         e = self.enc(qs + pre + ans)
         n_ = len(qs)
-        q_ids, p_ids, a_ids = e[:n_], e[n_:2 * n_], e[2 * n_:]
+        q_ids, p_ids, a_ids = e[:n_], e[n_ : 2 * n_], e[2 * n_ :]
         qa_len = sum(len(x) for x in e) + 1
         ctx_len = L - 1 - qa_len
         # drop unprotected items until items take at most 60% (dense: 85%) of the context

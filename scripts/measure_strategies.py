@@ -94,11 +94,13 @@ def _select(strat, routes, layer: int, q: torch.Tensor, k: int, state):
     return strat.select_and_attend(layer, q, k, state, o, mz, route=routes.host_route(layer))
 
 
-def recall_rows(cache: Path, steps_q: list[list[torch.Tensor]], budgets: list[int], n_sink: int, n_tail: int) -> list[dict]:
+def recall_rows(
+    cache: Path, steps_q: list[list[torch.Tensor]], budgets: list[int], n_sink: int, n_tail: int
+) -> list[dict]:
     """Replay recorded queries through every configuration and budget."""
     ckv = open_cache(cache)
     lo, hi = n_sink, ckv.n_tokens - n_tail
-    scale = ckv.head_dim ** -0.5
+    scale = ckv.head_dim**-0.5
     exact = []  # per step, per layer: (scores (Hkv,Q,M), probs)
     for qs in steps_q:
         row = []
@@ -114,8 +116,11 @@ def recall_rows(cache: Path, steps_q: list[list[torch.Tensor]], budgets: list[in
                 continue
             id_rec, mass, times = [], [], []
             # routed with device_route=true: rank as the decode device does (its `device_tables` precision)
-            routes = strat.device_routes(torch.device("cpu"), [k] * ckv.n_layers) \
-                if options.get("device_route") == "true" else None
+            routes = (
+                strat.device_routes(torch.device("cpu"), [k] * ckv.n_layers)
+                if options.get("device_route") == "true"
+                else None
+            )
             state = strat.new_state()
             strat.stats.searches = strat.stats.reused = 0
             for qs, ex in zip(steps_q, exact):
@@ -123,19 +128,27 @@ def recall_rows(cache: Path, steps_q: list[list[torch.Tensor]], budgets: list[in
                 sels = [_select(strat, routes, layer, q, k, state) for layer, q in enumerate(qs)]
                 times.append(time.perf_counter() - t0)
                 for sel, (s, p) in zip(sels, ex):
-                    top = s.topk(k, dim=-1).indices + lo                           # (Hkv, Q, k)
+                    top = s.topk(k, dim=-1).indices + lo  # (Hkv, Q, k)
                     ids = sel.ids
                     valid = ids >= 0
-                    hit = (ids.unsqueeze(-1) == top.unsqueeze(-2)).any(-2)        # (Hkv, Q, k)
+                    hit = (ids.unsqueeze(-1) == top.unsqueeze(-2)).any(-2)  # (Hkv, Q, k)
                     id_rec.append(hit.float().mean().item())
                     kept = torch.where(valid, ids - lo, 0)
                     m = (p.gather(-1, kept) * valid).sum(-1)
                     mass.append(m.mean().item())
             reuse = strat.stats.reused / max(1, strat.stats.reused + strat.stats.searches)
-            rows.append({"config": label, "k": k, "id_recall": sum(id_rec) / len(id_rec),
-                         "mass_recall": sum(mass) / len(mass), "ms_per_step": 1e3 * sum(times) / len(times),
-                         "reuse_rate": reuse, "build_s": round(build_s, 2),
-                         "artifact_bytes": artifact_bytes(cache, name)})
+            rows.append(
+                {
+                    "config": label,
+                    "k": k,
+                    "id_recall": sum(id_rec) / len(id_rec),
+                    "mass_recall": sum(mass) / len(mass),
+                    "ms_per_step": 1e3 * sum(times) / len(times),
+                    "reuse_rate": reuse,
+                    "build_s": round(build_s, 2),
+                    "artifact_bytes": artifact_bytes(cache, name),
+                }
+            )
             print(json.dumps(rows[-1]))
     return rows
 
@@ -148,9 +161,19 @@ def random_model(out: Path, head_dim: int) -> Path:
 
     if not (out / "config.json").is_file():
         tok = load_tokenizer(default_model_dir()[0])
-        make_random_model(out, "llama", seed=0, tokenizer=tok, hidden_size=8 * head_dim, head_dim=head_dim,
-                          intermediate_size=16 * head_dim, num_hidden_layers=2, num_attention_heads=8,
-                          num_key_value_heads=2, max_position_embeddings=65536)
+        make_random_model(
+            out,
+            "llama",
+            seed=0,
+            tokenizer=tok,
+            hidden_size=8 * head_dim,
+            head_dim=head_dim,
+            intermediate_size=16 * head_dim,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            max_position_embeddings=65536,
+        )
     return out
 
 
@@ -174,8 +197,9 @@ def cmd_recall(args) -> None:
     cache = work / "cache"
     if not (cache / "manifest.json").is_file():
         t0 = time.perf_counter()
-        build_cache(work / "docs", cache, model_dir, chunk_size=1024, device="cpu", dtype=args.kv_dtype,
-                    allow_long_context=True)   # recall is measured on the keys, also past the model's positions
+        build_cache(
+            work / "docs", cache, model_dir, chunk_size=1024, device="cpu", dtype=args.kv_dtype, allow_long_context=True
+        )  # recall is measured on the keys, also past the model's positions
         print(f"prefill {time.perf_counter() - t0:.1f}s")
     question = tok(inst.question, add_special_tokens=False).input_ids
     steps_q, (_, generated) = record_queries(cache, question, args.steps)
@@ -183,9 +207,18 @@ def cmd_recall(args) -> None:
     print(f"dense answer {text!r}, expected {inst.answer!r}")
     ckv = open_cache(cache)
     rows = recall_rows(cache, steps_q, args.k, 4, 64)
-    result = {"model": str(model_dir), "trained": trained, "task": args.task, "n_tokens": ckv.n_tokens,
-              "shape": ckv.manifest["shape"], "kv_dtype": ckv.manifest["kv_dtype"], "steps": len(steps_q),
-              "dense_answer": text, "expected": inst.answer, "rows": rows}
+    result = {
+        "model": str(model_dir),
+        "trained": trained,
+        "task": args.task,
+        "n_tokens": ckv.n_tokens,
+        "shape": ckv.manifest["shape"],
+        "kv_dtype": ckv.manifest["kv_dtype"],
+        "steps": len(steps_q),
+        "dense_answer": text,
+        "expected": inst.answer,
+        "rows": rows,
+    }
     Path(args.out).write_text(json.dumps(result, indent=1))
 
 
@@ -201,17 +234,29 @@ def synthetic_cache(out: Path, n: int, layers: int, hkv: int, d: int, seed: int 
         keys = (torch.randn(hkv, n, d, generator=gen) + torch.randn(hkv, 1, d, generator=gen) * 2).bfloat16()
         w.write_layer(layer, keys, keys)
     w.write_tokens([0] * n)
-    w.commit({"model": {"path": "none", "fingerprint": "none"}, "kv_dtype": "bfloat16", "n_tokens": n,
-              "shape": {"n_layers": layers, "n_heads": hkv * 4, "n_kv_heads": hkv, "head_dim": d}, "documents": []})
+    w.commit(
+        {
+            "model": {"path": "none", "fingerprint": "none"},
+            "kv_dtype": "bfloat16",
+            "n_tokens": n,
+            "shape": {"n_layers": layers, "n_heads": hkv * 4, "n_kv_heads": hkv, "head_dim": d},
+            "documents": [],
+        }
+    )
     return out
 
 
 def cmd_speed(args) -> None:
     work = Path(args.work or tempfile.mkdtemp(prefix="speed-"))
-    speed_configs = [("flat faiss", "flat", {}), ("flat torch", "flat", {"backend": "torch"}),
-                     ("ivf nprobe=nlist/16", "ivf", {"nprobe_frac": 16}), ("ivf nprobe=nlist/8", "ivf", {"nprobe_frac": 8}),
-                     ("hnsw ef=64", "hnsw", {"efSearch": 64}), ("quest page=16", "quest", {"dense_layers": 0}),
-                     ("tokenselect no cache", "tokenselect", {"threshold": 2.0})]
+    speed_configs = [
+        ("flat faiss", "flat", {}),
+        ("flat torch", "flat", {"backend": "torch"}),
+        ("ivf nprobe=nlist/16", "ivf", {"nprobe_frac": 16}),
+        ("ivf nprobe=nlist/8", "ivf", {"nprobe_frac": 8}),
+        ("hnsw ef=64", "hnsw", {"efSearch": 64}),
+        ("quest page=16", "quest", {"dense_layers": 0}),
+        ("tokenselect no cache", "tokenselect", {"threshold": 2.0}),
+    ]
     rows = []
     for n in args.sizes:
         cache = synthetic_cache(work / f"c{n}", n, args.layers, args.kv_heads, args.head_dim)
@@ -226,11 +271,29 @@ def cmd_speed(args) -> None:
                     for layer in range(args.layers):
                         strat.select(layer, q[layer], k, strat.new_state())
                 ms = 1e3 * (time.perf_counter() - t0) / args.repeat / args.layers
-                rows.append({"n": n, "config": label, "k": k, "ms_per_layer": round(ms, 3),
-                             "build_s": round(build_s, 2), "artifact_bytes": artifact_bytes(cache, name)})
+                rows.append(
+                    {
+                        "n": n,
+                        "config": label,
+                        "k": k,
+                        "ms_per_layer": round(ms, 3),
+                        "build_s": round(build_s, 2),
+                        "artifact_bytes": artifact_bytes(cache, name),
+                    }
+                )
                 print(json.dumps(rows[-1]))
-    Path(args.out).write_text(json.dumps({"layers": args.layers, "kv_heads": args.kv_heads, "group": args.group,
-                                          "head_dim": args.head_dim, "rows": rows}, indent=1))
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "layers": args.layers,
+                "kv_heads": args.kv_heads,
+                "group": args.group,
+                "head_dim": args.head_dim,
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
 
 
 def cmd_offset(args) -> None:
@@ -244,16 +307,28 @@ def cmd_offset(args) -> None:
     keys = torch.randn(h, n, d, generator=gen) + torch.randn(h, 1, d, generator=gen) * 2
     w.write_layer(0, keys, keys)
     w.write_tokens([0] * n)
-    w.commit({"model": {"path": "none", "fingerprint": "none"}, "kv_dtype": "float32", "n_tokens": n,
-              "shape": {"n_layers": 1, "n_heads": 4 * h, "n_kv_heads": h, "head_dim": d}, "documents": []})
+    w.commit(
+        {
+            "model": {"path": "none", "fingerprint": "none"},
+            "kv_dtype": "float32",
+            "n_tokens": n,
+            "shape": {"n_layers": 1, "n_heads": 4 * h, "n_kv_heads": h, "head_dim": d},
+            "documents": [],
+        }
+    )
     ckv = open_cache(cache)
     q = torch.randn(h, 16, d, generator=gen)
     ref = open_strategy(ckv, "flat", {}, 0, n)[0].select(0, q, k).ids
     nlist = max(1, min(int(4 * math.sqrt(n)), n // 39))
     rows = []
-    for name, opts in [("ivf", dict(center=False, spherical=False)), ("ivf", dict(center=False, spherical=True)),
-                       ("ivf", dict(center=True, spherical=False)), ("ivf", dict(center=True, spherical=True)),
-                       ("hnsw", dict(center=False, efSearch=64)), ("hnsw", dict(center=True, efSearch=64))]:
+    for name, opts in [
+        ("ivf", dict(center=False, spherical=False)),
+        ("ivf", dict(center=False, spherical=True)),
+        ("ivf", dict(center=True, spherical=False)),
+        ("ivf", dict(center=True, spherical=True)),
+        ("hnsw", dict(center=False, efSearch=64)),
+        ("hnsw", dict(center=True, efSearch=64)),
+    ]:
         if name == "ivf":
             opts.update(nlist=nlist, nprobe=max(1, nlist // 8))
         ids = open_strategy(ckv, name, opts, 0, n)[0].select(0, q, k).ids
@@ -275,8 +350,12 @@ def main() -> None:
     r.add_argument("--steps", type=int, default=8, help="decode steps whose queries are replayed")
     r.add_argument("--k", type=int, nargs="+", default=[32, 128, 512])
     r.add_argument("--work", help="working directory (the cache is reused when present)")
-    r.add_argument("--kv-dtype", default=None, help="the cache's KV dtype, e.g. bf16 (routed's compiled path and "
-                   "device routing read bf16 only; default: build_cache's)")
+    r.add_argument(
+        "--kv-dtype",
+        default=None,
+        help="the cache's KV dtype, e.g. bf16 (routed's compiled path and "
+        "device routing read bf16 only; default: build_cache's)",
+    )
     r.add_argument("--out", default="recall.json")
     s = sub.add_parser("speed", help="search time per layer on synthetic bf16 keys")
     s.add_argument("--sizes", type=int, nargs="+", default=[16384, 65536])

@@ -52,8 +52,9 @@ def profile_prefill(model, n: int, chunk: int, out: Path, device) -> dict:
     res["ours_s"] = _timed(lambda: prefill_layers(model, tokens, lambda *a: None, chunk_size=chunk), device)
     res["modes"] = sorted(set(layerwise._MODES.values()))
     kept = []
-    res["ours_keep_s"] = _timed(lambda: prefill_layers(model, tokens, lambda l, k, v: kept.append((k, v)),
-                                                      chunk_size=chunk), device)
+    res["ours_keep_s"] = _timed(
+        lambda: prefill_layers(model, tokens, lambda l, k, v: kept.append((k, v)), chunk_size=chunk), device
+    )
     kept = None
     # one layer, phase by phase (CUDA events around each phase of every chunk)
     layer = model.model.layers[1]
@@ -89,8 +90,9 @@ def profile_prefill(model, n: int, chunk: int, out: Path, device) -> dict:
     kf = torch.randn((1, Hkv, n, D), dtype=torch.bfloat16, device=device)
     vf = torch.randn_like(kf)
     alt = {}
-    alt["sdpa_full_causal_gqa"] = _timed(lambda: torch.nn.functional.scaled_dot_product_attention(
-        qf, kf, vf, is_causal=True, enable_gqa=True), device)
+    alt["sdpa_full_causal_gqa"] = _timed(
+        lambda: torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, is_causal=True, enable_gqa=True), device
+    )
 
     def chunks(mode):
         for s in range(0, n, chunk):
@@ -99,6 +101,7 @@ def profile_prefill(model, n: int, chunk: int, out: Path, device) -> dict:
                 chunk_attention(qf[:, :, s:e], kf[:, :, :e], vf[:, :, :e])
             else:
                 layerwise._split_flash(qf[:, :, s:e], kf[:, :, :e], vf[:, :, :e], expand=mode == "expand")
+
     for mode in ("auto", "gqa", "expand"):
         try:
             chunks(mode)
@@ -117,8 +120,9 @@ def profile_prefill(model, n: int, chunk: int, out: Path, device) -> dict:
             o = chunk_attention(q, keys[:, :, :e], values[:, :, :e])
             hidden[s:e].copy_(finish_block(layer, x, o)[0], non_blocking=True)
         torch.cuda.synchronize(device)
-    (out / f"prefill_{n}_profile.txt").write_text(_table(prof, "self_cuda_time_total") + "\n\n" +
-                                                 _table(prof, "self_cpu_time_total", 15))
+    (out / f"prefill_{n}_profile.txt").write_text(
+        _table(prof, "self_cuda_time_total") + "\n\n" + _table(prof, "self_cpu_time_total", 15)
+    )
     return res
 
 
@@ -142,6 +146,7 @@ def _attention_variants(qf, kf, vf, device) -> dict:
             for s in range(0, n, T):
                 e = min(s + T, n)
                 layerwise._split_flash(qf[:, :, s:e], kf[:, :, :e], vf[:, :, :e], expand=False)
+
         run()
         out[f"chunked_gqa_{T}"] = _timed(run, device)
     # cuDNN in the same (prefix ⊕ diagonal) split, checked against split-flash on the last chunk
@@ -150,30 +155,36 @@ def _attention_variants(qf, kf, vf, device) -> dict:
 
         def split_cudnn(q, k, v):
             S = k.shape[2]
-            od, ld = _cudnn_lse(q, k[:, :, S - T:], v[:, :, S - T:], True)
+            od, ld = _cudnn_lse(q, k[:, :, S - T :], v[:, :, S - T :], True)
             if S == T:
                 return od
-            op, lp = _cudnn_lse(q, k[:, :, :S - T], v[:, :, :S - T], False)
+            op, lp = _cudnn_lse(q, k[:, :, : S - T], v[:, :, : S - T], False)
             lse = torch.logaddexp(lp, ld)
-            return (op.float() * torch.exp(lp - lse)[..., None] + od.float() * torch.exp(ld - lse)[..., None]).to(q.dtype)
+            return (op.float() * torch.exp(lp - lse)[..., None] + od.float() * torch.exp(ld - lse)[..., None]).to(
+                q.dtype
+            )
 
-        a = split_cudnn(qf[:, :, n - T:], kf, vf)
-        b = layerwise._split_flash(qf[:, :, n - T:], kf, vf, expand=False)
+        a = split_cudnn(qf[:, :, n - T :], kf, vf)
+        b = layerwise._split_flash(qf[:, :, n - T :], kf, vf, expand=False)
         out["cudnn_max_abs_diff_vs_flash"] = float((a.float() - b.float()).abs().max())
 
         def run_c():
             for s in range(0, n, T):
                 e = min(s + T, n)
                 split_cudnn(qf[:, :, s:e], kf[:, :, :e], vf[:, :, :e])
+
         out["chunked_cudnn_4096"] = _timed(run_c, device)
         out["cudnn_full_causal"] = _timed(lambda: _cudnn_lse(qf, kf, vf, True), device)
     except Exception as e:  # noqa: BLE001
         out["cudnn"] = f"error {type(e).__name__}: {e}"[:300]
     try:
         from torch.nn.attention import SDPBackend, sdpa_kernel
+
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-            out["sdpa_full_causal_flash_only"] = _timed(lambda: torch.nn.functional.scaled_dot_product_attention(
-                qf, kf, vf, is_causal=True, enable_gqa=True), device)
+            out["sdpa_full_causal_flash_only"] = _timed(
+                lambda: torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, is_causal=True, enable_gqa=True),
+                device,
+            )
     except Exception as e:  # noqa: BLE001
         out["sdpa_flash_only"] = f"error {type(e).__name__}: {e}"[:300]
     return out
@@ -218,10 +229,14 @@ def _floors(dec, conv, logits, steps: int, device) -> tuple[dict, torch.Tensor]:
             if l < L:
                 ev[l].record()
                 ev[l].synchronize()
+
     replay_all()
-    res = {"graphs": seg.graphs is not None, "compiled": seg.compiled,
-           "graphs_ms": 1e3 * min(_timed(replay_all, device) for _ in range(5)),
-           "graphs_sync_ms": 1e3 * min(_timed(replay_sync, device) for _ in range(5))}
+    res = {
+        "graphs": seg.graphs is not None,
+        "compiled": seg.compiled,
+        "graphs_ms": 1e3 * min(_timed(replay_all, device) for _ in range(5)),
+        "graphs_sync_ms": 1e3 * min(_timed(replay_sync, device) for _ in range(5)),
+    }
     real = dec._context_part
     dec._context_part = lambda *a: None
     res["step_without_cpu_part"], logits = _steps(dec, conv, logits, steps)
@@ -244,7 +259,7 @@ def profile_decode(model, n: int, k: int, steps: int, out: Path, device, variant
         settings = {"compile": True, "threads": threads, **_VARIANTS[name]}
         torch.set_num_threads(settings.pop("threads"))
         compile = settings.pop("compile")
-        if compile != dec.segments.compiled:       # a new capture, compiled or not (at the next step)
+        if compile != dec.segments.compiled:  # a new capture, compiled or not (at the next step)
             dec.reset_segments(compile=compile)
         key = name if name not in res["variants"] else f"{name}#{i}"
         res["variants"][key], logits = _steps(dec, conv, logits, steps)
@@ -263,8 +278,9 @@ def profile_decode(model, n: int, k: int, steps: int, out: Path, device, variant
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(2):
             logits = dec.forward([int(torch.argmax(logits))], conv)
-    (out / f"decode_{n}_profile.txt").write_text(_table(prof, "self_cpu_time_total", 30) + "\n\n" +
-                                                _table(prof, "self_cuda_time_total", 30))
+    (out / f"decode_{n}_profile.txt").write_text(
+        _table(prof, "self_cpu_time_total", 30) + "\n\n" + _table(prof, "self_cuda_time_total", 30)
+    )
     return res
 
 

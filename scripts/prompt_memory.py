@@ -27,8 +27,9 @@ from topk_decode.decode.engine import TopKDecoder
 
 def _decoder(a: argparse.Namespace) -> TopKDecoder:
     if a.cache:
-        return KVStore.open(a.cache, k=32, device="cpu", prompt_chunk=a.prompt_chunk,
-                            prompt_scratch_mib=a.scratch_mib).decoder
+        return KVStore.open(
+            a.cache, k=32, device="cpu", prompt_chunk=a.prompt_chunk, prompt_scratch_mib=a.scratch_mib
+        ).decoder
     from topk_decode.bench.synthetic import synthetic_kv
     from topk_decode.demo import default_model_dir
     from topk_decode.model.loading import load_model
@@ -36,8 +37,9 @@ def _decoder(a: argparse.Namespace) -> TopKDecoder:
     model = load_model(default_model_dir()[0], "cpu")
     c = model.config
     ckv = synthetic_kv(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, a.synthetic, torch.bfloat16)
-    cfg = DecodeConfig(k=32, strategy_options={"backend": "torch"}, prompt_chunk=a.prompt_chunk,
-                       prompt_scratch_mib=a.scratch_mib)
+    cfg = DecodeConfig(
+        k=32, strategy_options={"backend": "torch"}, prompt_chunk=a.prompt_chunk, prompt_scratch_mib=a.scratch_mib
+    )
     return TopKDecoder(model, ckv, cfg)
 
 
@@ -51,16 +53,18 @@ def main() -> None:
     a = ap.parse_args()
     if not a.cache and not a.synthetic:
         ap.error("give a cache directory or --synthetic N")
-    warnings.simplefilter("ignore")   # positions past the demo model's: expected here
+    warnings.simplefilter("ignore")  # positions past the demo model's: expected here
     dec = _decoder(a)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
     ids = [(7 * i) % 500 + 10 for i in range(a.tokens)]
     t = time.perf_counter()
     dec.forward(ids, dec.new_conversation())
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
-    print(f"tokens {a.tokens}  prompt_chunk {a.prompt_chunk}  scratch {a.scratch_mib} MiB  "
-          f"chunk used {dec.prompt_chunk_tokens()}  peak RSS before {before} MiB, after {after} MiB  "
-          f"({time.perf_counter() - t:.1f} s)")
+    print(
+        f"tokens {a.tokens}  prompt_chunk {a.prompt_chunk}  scratch {a.scratch_mib} MiB  "
+        f"chunk used {dec.prompt_chunk_tokens()}  peak RSS before {before} MiB, after {after} MiB  "
+        f"({time.perf_counter() - t:.1f} s)"
+    )
 
 
 if __name__ == "__main__":

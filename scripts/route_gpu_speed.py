@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's package, not an installed one
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, not an installed one
 from topk_decode.index.routed.device import DeviceRoutes
 
 
@@ -60,9 +60,11 @@ def main() -> None:
     hkv, G, D = a.kv_heads, a.group, a.head_dim
     C = math.ceil(a.n / a.cluster_size)
     gen = torch.Generator().manual_seed(0)
-    stats = SimpleNamespace(centroids=torch.randn(hkv, C, D, generator=gen).bfloat16(),
-                            value_means=torch.randn(hkv, C, D, generator=gen).bfloat16(),
-                            log_n=torch.full((hkv, 1, C), math.log(a.cluster_size)))
+    stats = SimpleNamespace(
+        centroids=torch.randn(hkv, C, D, generator=gen).bfloat16(),
+        value_means=torch.randn(hkv, C, D, generator=gen).bfloat16(),
+        log_n=torch.full((hkv, 1, C), math.log(a.cluster_size)),
+    )
     sizes = torch.full((hkv, C), a.cluster_size, dtype=torch.int64)
     bias = torch.zeros(hkv, 1, C)
     budget = math.ceil(a.probe_fraction * a.n)
@@ -70,13 +72,20 @@ def main() -> None:
     t = routes.tables[0]
     q32 = torch.randn(hkv, G, D, device=dev)
     share = torch.randn(hkv, C, device=dev)
-    row = {"what": "route_gpu", "n": a.n, "kv_heads": hkv, "group": G, "clusters": C, "width": t.width,
-           "tables": routes.values_kind,
-           "route_us": graph_us(lambda: routes.route(0, q32), a.reps),
-           "route_estimate_us": graph_us(lambda: (routes.route(0, q32), routes.estimate_part(0)), a.reps),
-           "centroid_product_us": graph_us(lambda: routes.bmm(q32, t.cent.transpose(1, 2)), a.reps),
-           "top_w_sorted_us": graph_us(lambda: share.topk(t.width, dim=-1, sorted=True), a.reps),
-           "full_sort_us": graph_us(lambda: share.sort(dim=-1, descending=True), a.reps)}
+    row = {
+        "what": "route_gpu",
+        "n": a.n,
+        "kv_heads": hkv,
+        "group": G,
+        "clusters": C,
+        "width": t.width,
+        "tables": routes.values_kind,
+        "route_us": graph_us(lambda: routes.route(0, q32), a.reps),
+        "route_estimate_us": graph_us(lambda: (routes.route(0, q32), routes.estimate_part(0)), a.reps),
+        "centroid_product_us": graph_us(lambda: routes.bmm(q32, t.cent.transpose(1, 2)), a.reps),
+        "top_w_sorted_us": graph_us(lambda: share.topk(t.width, dim=-1, sorted=True), a.reps),
+        "full_sort_us": graph_us(lambda: share.sort(dim=-1, descending=True), a.reps),
+    }
     print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
 
 

@@ -55,11 +55,12 @@ def record(cache: Path, suite, n_questions: int, steps: int) -> list[list[list[t
     from topk_decode import KVStore
 
     store = KVStore.open(cache, device="cpu", k=10**9)
-    picked = suite.questions[::max(1, len(suite.questions) // n_questions)][:n_questions]
+    picked = suite.questions[:: max(1, len(suite.questions) // n_questions)][:n_questions]
     out = []
     for q in picked:
-        ids = store.tokenizer(store.prompt_format.question_text(q.question, first_turn=True),
-                              add_special_tokens=False).input_ids
+        ids = store.tokenizer(
+            store.prompt_format.question_text(q.question, first_turn=True), add_special_tokens=False
+        ).input_ids
         conv, per_step = store.decoder.new_conversation(), []
 
         def observe(layer, qq, sel, c, per_step=per_step):
@@ -69,7 +70,7 @@ def record(cache: Path, suite, n_questions: int, steps: int) -> list[list[list[t
 
         conv.observer = observe
         store.decoder.generate(conv, ids, steps)
-        out.append(per_step[1:])          # one-token steps only (the first is the question's prompt)
+        out.append(per_step[1:])  # one-token steps only (the first is the question's prompt)
     store.close()
     return out
 
@@ -91,7 +92,7 @@ def take_clusters(priority: torch.Tensor, sizes: torch.Tensor, budget: float) ->
 def take_keys(priority: torch.Tensor, budget: float) -> torch.Tensor:
     """(M,) bool: the `budget` keys of highest priority."""
     chosen = torch.zeros(len(priority), dtype=torch.bool)
-    chosen[priority.argsort(descending=True)[:int(budget)]] = True
+    chosen[priority.argsort(descending=True)[: int(budget)]] = True
     return chosen
 
 
@@ -106,8 +107,8 @@ def diagnose(cache: Path, queries, ks=(0.01, 0.02), reads=(0.04, 0.05), pq_m: in
     """Means over every (question, step, layer, KV head) of the figures in the module docstring."""
     ckv = open_cache(cache)
     lo, hi = N_SINK, ckv.n_tokens - N_TAIL
-    M, D, scale = hi - lo, ckv.head_dim, ckv.head_dim ** -0.5
-    cfg = KMeansConfig(cluster_size=16, iters=6, cpu_sample=10**9, cpu_seconds=1e9)   # as the GPU build: no sampling
+    M, D, scale = hi - lo, ckv.head_dim, ckv.head_dim**-0.5
+    cfg = KMeansConfig(cluster_size=16, iters=6, cpu_sample=10**9, cpu_seconds=1e9)  # as the GPU build: no sampling
     sums: dict[str, list[float]] = {}
 
     def add(key, v):
@@ -119,9 +120,9 @@ def diagnose(cache: Path, queries, ks=(0.01, 0.02), reads=(0.04, 0.05), pq_m: in
         for h in range(ckv.n_kv_heads):
             sizes = lay.offsets[h, 1:] - lay.offsets[h, :-1]
             C = len(sizes)
-            label = torch.repeat_interleave(torch.arange(C), sizes)        # cluster of every layout row
+            label = torch.repeat_interleave(torch.arange(C), sizes)  # cluster of every layout row
             cid = torch.empty(M, dtype=torch.long)
-            cid[lay.pos[h]] = label                                         # cluster of every key
+            cid[lay.pos[h]] = label  # cluster of every key
             mu, kl = lay.centroids[h], lay.keys[h].float()
             radius = torch.zeros(C).scatter_reduce(0, label, (kl - mu[label]).norm(dim=1), "amax", include_self=False)
             idx = label[:, None].expand(-1, D)
@@ -132,24 +133,27 @@ def diagnose(cache: Path, queries, ks=(0.01, 0.02), reads=(0.04, 0.05), pq_m: in
             res_pq = pq_reconstruction(np.ascontiguousarray((keys[h] - mu[cid]).numpy()), pq_m, pq_bits)
             for steps in queries:
                 for qs in steps:
-                    q = qs[layer][h].float()                                # (G, D)
-                    s = q @ keys[h].T                                       # (G, M) exact q·k
+                    q = qs[layer][h].float()  # (G, D)
+                    s = q @ keys[h].T  # (G, M) exact q·k
                     p = torch.softmax(s * scale, -1)
-                    base = (q @ mu.T) * scale                               # (G, C)
+                    base = (q @ mu.T) * scale  # (G, C)
                     qn = q.norm(dim=1, keepdim=True) * scale
-                    best = torch.full((q.shape[0], C), -1e30).scatter_reduce(1, cid.expand(q.shape[0], -1), s * scale,
-                                                                             "amax")
+                    best = torch.full((q.shape[0], C), -1e30).scatter_reduce(
+                        1, cid.expand(q.shape[0], -1), s * scale, "amax"
+                    )
                     by_cluster = {
                         "clusters by centroid (routed)": union_priority(base),
                         "clusters by centroid + radius": union_priority(base + qn * radius),
                         "clusters by box bound (Quest)": union_priority(
-                            torch.maximum(q[:, None] * box_hi, q[:, None] * box_lo).sum(-1) * scale),
+                            torch.maximum(q[:, None] * box_hi, q[:, None] * box_lo).sum(-1) * scale
+                        ),
                         "clusters by their best key (oracle)": union_priority(best),
                     }
                     by_key = {
                         f"keys by PQ {pq_m}x{pq_bits}b of the raw keys": union_priority((q @ raw_pq.T) * scale),
-                        f"keys by centroid + PQ {pq_m}x{pq_bits}b of the residual (IVF-PQ)":
-                            union_priority(base[:, cid] + (q @ res_pq.T) * scale),
+                        f"keys by centroid + PQ {pq_m}x{pq_bits}b of the residual (IVF-PQ)": union_priority(
+                            base[:, cid] + (q @ res_pq.T) * scale
+                        ),
                     }
                     for kf in ks:
                         k = max(1, int(kf * ckv.n_tokens))
@@ -193,8 +197,14 @@ def main() -> None:
     else:
         queries = record(cache, suite, args.questions, args.steps)
         torch.save(queries, qfile)
-    result = {"model": str(args.model), "length": args.length, "seed": args.seed, "questions": len(queries),
-              "steps": args.steps - 1, **diagnose(cache, queries)}
+    result = {
+        "model": str(args.model),
+        "length": args.length,
+        "seed": args.seed,
+        "questions": len(queries),
+        "steps": args.steps - 1,
+        **diagnose(cache, queries),
+    }
     result["seconds"] = round(time.time() - t0, 1)
     (work / "diagnosis.json").write_text(json.dumps(result, indent=1))
     for key, v in result.items():

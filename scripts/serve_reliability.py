@@ -33,7 +33,6 @@ from pathlib import Path
 QUESTION = "What is the special magic number for amber-fox?"
 
 
-
 def read_all(sock) -> bytes:
     """Everything the server sends until it closes the connection (or the socket fails)."""
     data = b""
@@ -44,11 +43,18 @@ def read_all(sock) -> bytes:
         pass
     return data
 
+
 def start_server(src: Path, cache: Path) -> tuple[subprocess.Popen, str, int]:
     """`topk serve CACHE --port 0` from `src`: (process, host, port) once /health answers."""
     env = dict(os.environ, PYTHONPATH=str(src), PYTHONDONTWRITEBYTECODE="1")
-    proc = subprocess.Popen([sys.executable, "-m", "topk_decode", "serve", str(cache), "--port", "0", "--device", "cpu"],
-                            cwd=src, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "topk_decode", "serve", str(cache), "--port", "0", "--device", "cpu"],
+        cwd=src,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     line = proc.stdout.readline()
     if " on http://" not in line:
         proc.kill()
@@ -81,22 +87,24 @@ def peak_rss_gb(pid: int) -> float:
     """The process's peak resident memory (VmHWM), GB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 2 ** 20
+            return int(line.split()[1]) / 2**20
     return float("nan")
 
 
 def post(host: str, port: int, path: str, body: bytes, timeout: float = 900) -> tuple[int, bytes]:
     """POST `body`, stopping the upload as soon as the server answers (as curl does): (status, response body)."""
     sock = socket.create_connection((host, port), timeout=timeout)
-    head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode()
     try:
         sock.sendall(head)
         view = memoryview(body)
         for i in range(0, len(body), 1 << 16):
             if select.select([sock], [], [], 0)[0]:
-                break           # the server answered before reading it all (a 413)
-            sock.sendall(view[i:i + (1 << 16)])
+                break  # the server answered before reading it all (a 413)
+            sock.sendall(view[i : i + (1 << 16)])
     except OSError:
         pass
     data = read_all(sock)
@@ -118,8 +126,8 @@ def timed_question(host: str, port: int) -> tuple[int, float]:
 
 def row_body(src: Path, cache: Path, body_mb: float, parallel: int) -> dict:
     proc, host, port = start_server(src, cache)
-    words = "amber fox harbour ledger " * int(body_mb * 2 ** 20 / 25 + 1)
-    body = chat_body(words[:int(body_mb * 2 ** 20)])
+    words = "amber fox harbour ledger " * int(body_mb * 2**20 / 25 + 1)
+    body = chat_body(words[: int(body_mb * 2**20)])
     results: list = [None] * parallel
 
     def big(i: int) -> None:
@@ -136,31 +144,54 @@ def row_body(src: Path, cache: Path, body_mb: float, parallel: int) -> dict:
         t.join()
     rss = peak_rss_gb(proc.pid)
     log = stop_server(proc)
-    return {"row": "body", "body_mb": body_mb, "parallel": parallel, "big": results, "normal_status": status,
-            "normal_s": round(normal_s, 1), "peak_rss_gb": round(rss, 2), "traceback": "Traceback" in log}
+    return {
+        "row": "body",
+        "body_mb": body_mb,
+        "parallel": parallel,
+        "big": results,
+        "normal_status": status,
+        "normal_s": round(normal_s, 1),
+        "peak_rss_gb": round(rss, 2),
+        "traceback": "Traceback" in log,
+    }
 
 
 def row_disconnect(src: Path, cache: Path, prompt_tokens: int) -> dict:
     proc, host, port = start_server(src, cache)
     body = chat_body(" the" * prompt_tokens, max_tokens=16)
     sock = socket.create_connection((host, port))
-    sock.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                  f"Content-Length: {len(body)}\r\n\r\n").encode() + body)
+    sock.sendall(
+        (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        + body
+    )
     time.sleep(3)
     sock.shutdown(socket.SHUT_RDWR)
     sock.close()
     status, normal_s = timed_question(host, port)
     log = stop_server(proc)
-    return {"row": "disconnect", "prompt_tokens": prompt_tokens, "normal_status": status,
-            "normal_s": round(normal_s, 1), "traceback": "Traceback" in log}
+    return {
+        "row": "disconnect",
+        "prompt_tokens": prompt_tokens,
+        "normal_status": status,
+        "normal_s": round(normal_s, 1),
+        "traceback": "Traceback" in log,
+    }
 
 
 def row_sigint(src: Path, cache: Path, prompt_tokens: int) -> dict:
     proc, host, port = start_server(src, cache)
     body = chat_body(" the" * prompt_tokens, max_tokens=16, stream=True)
     sock = socket.create_connection((host, port), timeout=900)
-    sock.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                  f"Content-Length: {len(body)}\r\n\r\n").encode() + body)
+    sock.sendall(
+        (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        + body
+    )
     time.sleep(3)
     t = time.monotonic()
     proc.send_signal(signal.SIGINT)
@@ -172,19 +203,25 @@ def row_sigint(src: Path, cache: Path, prompt_tokens: int) -> dict:
         proc.kill()
     exit_s = time.monotonic() - t
     log = proc.stderr.read()
-    return {"row": "sigint", "prompt_tokens": prompt_tokens, "exit_s": round(exit_s, 1),
-            "stream_end_s": round(stream_s, 1), "error_event": b'"error"' in data,
-            "done": b"data: [DONE]" in data, "traceback": "Traceback" in log}
+    return {
+        "row": "sigint",
+        "prompt_tokens": prompt_tokens,
+        "exit_s": round(exit_s, 1),
+        "stream_end_s": round(stream_s, 1),
+        "error_event": b'"error"' in data,
+        "done": b"data: [DONE]" in data,
+        "traceback": "Traceback" in log,
+    }
 
 
 MALFORMED = {
     "lone surrogate": b'{"model": "demo-cache", "messages": [{"role": "user", "content": "\\ud800"}]}',
     "nested 100,000 deep": b'{"model": "demo-cache", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
     "max_tokens 1e400": chat_body("hi")[:-1] + b', "max_tokens": 1e400}',
-    "max_tokens 10**100": chat_body("hi", max_tokens=10 ** 100),
+    "max_tokens 10**100": chat_body("hi", max_tokens=10**100),
     "temperature -1e400": chat_body("hi")[:-1] + b', "temperature": -1e400}',
     "seed of 5000 digits": chat_body("hi")[:-1] + b', "seed": ' + b"9" * 5000 + b"}",
-    "seed 10**100": chat_body("hi", seed=10 ** 100, max_tokens=2),
+    "seed 10**100": chat_body("hi", seed=10**100, max_tokens=2),
     "role 5": b'{"model": "demo-cache", "messages": [{"role": 5, "content": "hi"}]}',
     "stop [1]": chat_body("hi", stop=[1]),
     "stop lone surrogate": chat_body("hi")[:-1] + b', "stop": ["\\udfff"]}',

@@ -38,16 +38,23 @@ from topk_decode.model.blocks import ModelShape
 
 def message_bytes(shape: ModelShape, shards: int) -> dict:
     """Bytes on the driver's link per decode token, by layout (bf16 activations, fp32 log-sum-exp)."""
-    q = shape.n_heads * shape.head_dim * 2                         # a layer's query heads
-    reply = shape.n_heads * (shape.head_dim * 2 + 4)               # their attention outputs + log-sum-exps
+    q = shape.n_heads * shape.head_dim * 2  # a layer's query heads
+    reply = shape.n_heads * (shape.head_dim * 2 + 4)  # their attention outputs + log-sum-exps
     hidden = shape.hidden_size * 2
-    return {"query_per_layer": q, "reply_per_layer": reply, "hidden": hidden,
-            "head_per_token": shape.n_layers * (q + reply), "layer_per_token": shape.n_layers * (q + reply),
-            "pipeline_per_token": (shards + 1) * hidden, "round_trips_head": shape.n_layers,
-            "round_trips_layer": shape.n_layers, "hops_pipeline": shards + 1}
+    return {
+        "query_per_layer": q,
+        "reply_per_layer": reply,
+        "hidden": hidden,
+        "head_per_token": shape.n_layers * (q + reply),
+        "layer_per_token": shape.n_layers * (q + reply),
+        "pipeline_per_token": (shards + 1) * hidden,
+        "round_trips_head": shape.n_layers,
+        "round_trips_layer": shape.n_layers,
+        "hops_pipeline": shards + 1,
+    }
 
 
-LINKS = {"10 Gbit/s": 10e9 / 8, "25 Gbit/s": 25e9 / 8, "NVLink node": 330e9}   # bytes/s (NVLink: bus bandwidth
+LINKS = {"10 Gbit/s": 10e9 / 8, "25 Gbit/s": 25e9 / 8, "NVLink node": 330e9}  # bytes/s (NVLink: bus bandwidth
 # of an all-reduce on the H100 hosts, 329-361 GB/s, device notes 2026-11-13)
 
 
@@ -60,9 +67,11 @@ def implied(bytes_: dict, rtt_us: float, wire_rtt_us: float, nvlink_rtt_us: floa
     out = {}
     for link, bw in LINKS.items():
         rtt = (nvlink_rtt_us if link == "NVLink node" else rtt_us + wire_rtt_us) * 1e-6
-        for layout, trips, nbytes in (("head", bytes_["round_trips_head"], bytes_["head_per_token"]),
-                                      ("pipeline", bytes_["hops_pipeline"] / 2, bytes_["pipeline_per_token"])):
-            t = trips * rtt + nbytes / bw                       # a one-way hop costs half a round trip
+        for layout, trips, nbytes in (
+            ("head", bytes_["round_trips_head"], bytes_["head_per_token"]),
+            ("pipeline", bytes_["hops_pipeline"] / 2, bytes_["pipeline_per_token"]),
+        ):
+            t = trips * rtt + nbytes / bw  # a one-way hop costs half a round trip
             out[f"{layout} @ {link}"] = {"ms_per_token": round(1e3 * t, 3), "tok_s_ceiling": round(1 / t)}
     return out
 
@@ -75,7 +84,7 @@ def _rank(rank: int, world: int, store: str, shape: ModelShape, steps: int, warm
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     S, L, H = world - 1, shape.n_layers, shape.n_heads
-    per = H // S                                                   # query heads per shard (head layout)
+    per = H // S  # query heads per shard (head layout)
     q_part, r_part = _payload(per * shape.head_dim * 2), _payload(per * (shape.head_dim * 2 + 4))
     q_all, r_all = _payload(H * shape.head_dim * 2), _payload(H * (shape.head_dim * 2 + 4))
     hidden, token = _payload(shape.hidden_size * 2), torch.zeros(1, dtype=torch.int64)
@@ -132,7 +141,7 @@ def _recv_exact(conn: socket.socket, buf: bytearray) -> bool:
 
 
 def _connect(port: int) -> socket.socket:
-    for _ in range(6000):       # the shards may take a while to start on a busy machine (they import torch)
+    for _ in range(6000):  # the shards may take a while to start on a busy machine (they import torch)
         try:
             conn = socket.create_connection(("127.0.0.1", port))
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -164,7 +173,7 @@ def _tcp_shard(s: int, shards: int, port0: int, sizes: dict) -> None:
             if not _recv_exact(conn, kind):
                 return
             k = bytes(kind)
-            if k == b"d":                                   # the driver introduces itself
+            if k == b"d":  # the driver introduces itself
                 driver = conn
             elif k in (b"h", b"l"):
                 _recv_exact(conn, bytearray(sizes["q_" + k.decode()]))
@@ -217,9 +226,13 @@ def _tcp_driver(shape: ModelShape, shards: int, port0: int, sizes: dict, steps: 
 
 def _run_tcp(shape: ModelShape, shards: int, steps: int, warmup: int, port0: int) -> dict:
     per = shape.n_heads // shards
-    sizes = {"q_h": per * shape.head_dim * 2, "r_h": per * (shape.head_dim * 2 + 4),
-             "q_l": shape.n_heads * shape.head_dim * 2, "r_l": shape.n_heads * (shape.head_dim * 2 + 4),
-             "hidden": shape.hidden_size * 2}
+    sizes = {
+        "q_h": per * shape.head_dim * 2,
+        "r_h": per * (shape.head_dim * 2 + 4),
+        "q_l": shape.n_heads * shape.head_dim * 2,
+        "r_l": shape.n_heads * (shape.head_dim * 2 + 4),
+        "hidden": shape.hidden_size * 2,
+    }
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_tcp_shard, args=(s, shards, port0, sizes)) for s in range(shards, 0, -1)]
     for proc in procs:
@@ -238,8 +251,10 @@ def _run_gloo(shape: ModelShape, shards: int, steps: int, warmup: int) -> dict:
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as d:
-        procs = [ctx.Process(target=_rank, args=(r, world, f"{d}/store", shape, steps, warmup, results))
-                 for r in range(world)]
+        procs = [
+            ctx.Process(target=_rank, args=(r, world, f"{d}/store", shape, steps, warmup, results))
+            for r in range(world)
+        ]
         for proc in procs:
             proc.start()
         times = results.get()
@@ -256,29 +271,50 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--transports", default="tcp,gloo", help="comma-separated: tcp, gloo")
     p.add_argument("--port", type=int, default=29631, help="tcp: shard s listens on PORT + s (loopback)")
-    p.add_argument("--wire-rtt-us", type=float, default=20.0, help="assumed wire round trip of a switched "
-                   "10/25 GbE network, added to the measured loopback one (not measured here)")
-    p.add_argument("--nvlink-rtt-us", type=float, default=10.0, help="assumed round trip between GPUs of one "
-                   "NVLink node (not measured here)")
+    p.add_argument(
+        "--wire-rtt-us",
+        type=float,
+        default=20.0,
+        help="assumed wire round trip of a switched "
+        "10/25 GbE network, added to the measured loopback one (not measured here)",
+    )
+    p.add_argument(
+        "--nvlink-rtt-us",
+        type=float,
+        default=10.0,
+        help="assumed round trip between GPUs of one NVLink node (not measured here)",
+    )
     p.add_argument("--out", default="")
     args = p.parse_args()
     shape = ModelShape.from_config(make_config(args.shape))
-    summary = {"shape": args.shape, "shards": args.shards, "steps": args.steps,
-               "bytes": message_bytes(shape, args.shards), "layers": shape.n_layers,
-               "date": time.strftime("%Y-%m-%d"), "cpus": multiprocessing.cpu_count()}
+    summary = {
+        "shape": args.shape,
+        "shards": args.shards,
+        "steps": args.steps,
+        "bytes": message_bytes(shape, args.shards),
+        "layers": shape.n_layers,
+        "date": time.strftime("%Y-%m-%d"),
+        "cpus": multiprocessing.cpu_count(),
+    }
     for transport in args.transports.split(","):
-        times = (_run_tcp(shape, args.shards, args.steps, args.warmup, args.port) if transport == "tcp"
-                 else _run_gloo(shape, args.shards, args.steps, args.warmup))
+        times = (
+            _run_tcp(shape, args.shards, args.steps, args.warmup, args.port)
+            if transport == "tcp"
+            else _run_gloo(shape, args.shards, args.steps, args.warmup)
+        )
         for layout, ts in times.items():
             ts = sorted(ts)
-            row = {"step_ms_median": round(1e3 * statistics.median(ts), 3),
-                   "step_ms_p90": round(1e3 * ts[int(0.9 * (len(ts) - 1))], 3)}
+            row = {
+                "step_ms_median": round(1e3 * statistics.median(ts), 3),
+                "step_ms_p90": round(1e3 * ts[int(0.9 * (len(ts) - 1))], 3),
+            }
             if layout != "pipeline":
                 row["round_trip_us_median"] = round(1e6 * statistics.median(ts) / shape.n_layers, 1)
             summary[f"{transport}_{layout}"] = row
-    if "tcp_layer" in summary:     # one driver-shard round trip over plain TCP: the software floor
-        summary["implied"] = implied(summary["bytes"], summary["tcp_layer"]["round_trip_us_median"],
-                                     args.wire_rtt_us, args.nvlink_rtt_us)
+    if "tcp_layer" in summary:  # one driver-shard round trip over plain TCP: the software floor
+        summary["implied"] = implied(
+            summary["bytes"], summary["tcp_layer"]["round_trip_us_median"], args.wire_rtt_us, args.nvlink_rtt_us
+        )
         summary["assumed"] = {"wire_rtt_us": args.wire_rtt_us, "nvlink_rtt_us": args.nvlink_rtt_us}
     print(json.dumps(summary, indent=1))
     if args.out:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's package, not an installed one
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, not an installed one
 from topk_decode.bench.measure import anon_huge_pages
 from topk_decode.bench.synthetic import synthetic_kv
 from topk_decode.decode.context import ContextAttention
@@ -38,8 +38,9 @@ def parse_config(text: str) -> tuple[str, dict]:
     return name, dict(kv.split("=", 1) for kv in opts.split(",") if kv)
 
 
-def step_ms(strat, context: ContextAttention, qs: list[torch.Tensor], k: int, layers: int, reps: int,
-            routes=None) -> float:
+def step_ms(
+    strat, context: ContextAttention, qs: list[torch.Tensor], k: int, layers: int, reps: int, routes=None
+) -> float:
     """Median ms of one step's CPU side over `layers` layers (search + context part per layer).
 
     With `routes` (routed's DeviceRoutes) each layer is ranked on its device first, untimed: the CPU side is
@@ -80,8 +81,13 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--configs", nargs="+", default=["flat", "routed:kernel=torch", "routed:kernel=numba"])
-    ap.add_argument("--threads", type=int, nargs="+", default=[None],
-                    help="routed's compiled path: numba threads, one row per count (default: one per core)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=[None],
+        help="routed's compiled path: numba threads, one row per count (default: one per core)",
+    )
     ap.add_argument("--out", default=None, help="append the JSON lines here too")
     a = ap.parse_args()
     ckv = synthetic_kv(a.layers, a.kv_heads, a.head_dim, a.n, torch.bfloat16, 0)
@@ -97,8 +103,7 @@ def main() -> None:
         open_s = time.perf_counter() - t
         routes = None
         if name == "routed" and opts.get("device_route") == "true":
-            routes = strat.device_routes(torch.device("cuda" if torch.cuda.is_available() else "cpu"),
-                                         [a.k] * a.layers)
+            routes = strat.device_routes(torch.device("cuda" if torch.cuda.is_available() else "cpu"), [a.k] * a.layers)
         for threads in a.threads:
             if threads is not None:
                 strat.threads = threads
@@ -106,21 +111,31 @@ def main() -> None:
             before = {name: strat.stats.extra.get(name, 0.0) for name in timed}
             calls = strat.stats.searches
             ms = step_ms(strat, context, qs, a.k, a.layers, a.reps, routes)
-            row = {"what": "step_cpu", "config": text, "n": a.n, "layers": a.layers, "kv_heads": a.kv_heads,
-                   "head_dim": a.head_dim, "group": a.group, "k": a.k,
-                   "threads": getattr(strat, "threads", torch.get_num_threads()),
-                   "open_s": round(open_s, 1), "ms_per_step": round(ms, 2), "ms_per_layer": round(ms / a.layers, 3)}
+            row = {
+                "what": "step_cpu",
+                "config": text,
+                "n": a.n,
+                "layers": a.layers,
+                "kv_heads": a.kv_heads,
+                "head_dim": a.head_dim,
+                "group": a.group,
+                "k": a.k,
+                "threads": getattr(strat, "threads", torch.get_num_threads()),
+                "open_s": round(open_s, 1),
+                "ms_per_step": round(ms, 2),
+                "ms_per_layer": round(ms / a.layers, 3),
+            }
             if hasattr(strat, "keys_read_fraction") and strat.keys_read_fraction() is not None:
                 row["keys_read_pct"] = round(100 * strat.keys_read_fraction(), 2)
             calls = strat.stats.searches - calls
-            for tname, v0 in before.items():   # per layer, inside the compiled call (routed_compiled.HeadTimes)
+            for tname, v0 in before.items():  # per layer, inside the compiled call (routed_compiled.HeadTimes)
                 if tname in strat.stats.extra and calls:
                     row[tname[:-2] + "_ms_per_layer"] = round(1e3 * (strat.stats.extra[tname] - v0) / calls, 3)
             if name == "routed" and getattr(strat, "kernel", False):
                 import numba
 
                 row["numba_threading_layer"] = numba.threading_layer()
-                row["hugepages"] = strat.huge_bytes > 0      # routed's option `hugepages` (compare its two values)
+                row["hugepages"] = strat.huge_bytes > 0  # routed's option `hugepages` (compare its two values)
                 row["anon_huge_pages_gib"] = round(anon_huge_pages() / 2**30, 2)
             line = json.dumps(row)
             print(line, flush=True)

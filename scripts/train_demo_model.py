@@ -45,11 +45,9 @@ from topk_decode.eval import tasks as T  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from demo_model_data import _init_worker, _make_batch, build_tokenizer, load_fast_tokenizer, make_config  # noqa: E402
-from demo_model_io import (CHANCE, build_eval_set, demo, eval_tf, evaluate, export, load_ckpt,  # noqa: E402
-                           save_ckpt)
+from demo_model_io import CHANCE, build_eval_set, demo, eval_tf, evaluate, export, load_ckpt, save_ckpt  # noqa: E402
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
-
 
 
 def train(a: argparse.Namespace) -> None:
@@ -65,18 +63,20 @@ def train(a: argparse.Namespace) -> None:
         torch.backends.cudnn.allow_tf32 = True
     tok_dir = Path(a.tok)
     tok = load_fast_tokenizer(tok_dir)
-    cfg = make_config(tok.get_vocab_size(), tok.token_to_id(BOS), tok.token_to_id(EOS),
-                      tok.token_to_id(PAD), a)
+    cfg = make_config(tok.get_vocab_size(), tok.token_to_id(BOS), tok.token_to_id(EOS), tok.token_to_id(PAD), a)
     model = LlamaForCausalLM(cfg)
     model.config._attn_implementation = "sdpa"
     model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": a.wd},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=a.lr, betas=(0.9, 0.95), eps=1e-8,
-                            fused=device.type == "cuda")
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": a.wd}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=a.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        fused=device.type == "cuda",
+    )
     meta = {"step": 0, "stage": 0, "history": [], "evals": [], "elapsed": 0.0, "runs": []}
     if a.ckpt_in:
         meta = load_ckpt(model, opt, Path(a.ckpt_in))
@@ -84,11 +84,19 @@ def train(a: argparse.Namespace) -> None:
     if a.force_stage is not None:
         meta["stage"] = a.force_stage
     stages = [int(x) for x in a.stages.split(",")]
-    print(f"device {device} {torch.cuda.get_device_name() if device.type == 'cuda' else ''}; "
-          f"params {n_params/1e6:.2f}M; vocab {cfg.vocab_size}; stages {stages}", flush=True)
-    meta["runs"].append({"started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(a),
-                         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                         "start_step": meta["step"]})
+    print(
+        f"device {device} {torch.cuda.get_device_name() if device.type == 'cuda' else ''}; "
+        f"params {n_params / 1e6:.2f}M; vocab {cfg.vocab_size}; stages {stages}",
+        flush=True,
+    )
+    meta["runs"].append(
+        {
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "args": vars(a),
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "start_step": meta["step"],
+        }
+    )
 
     # ---------------- eval sets ----------------
     eval_cache: dict[tuple[str, int], list] = {}
@@ -155,8 +163,7 @@ def train(a: argparse.Namespace) -> None:
                 lr *= max(0.1, 1 - (frac - start) / a.decay_frac * 0.9)
         for gparam in opt.param_groups:
             gparam["lr"] = lr
-        with torch.autocast(device_type=device.type, dtype=torch.bfloat16,
-                            enabled=device.type == "cuda"):
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             h = model.model(input_ids=ids).last_hidden_state
         wt = w[:, 1:]
         sel = wt > 0
@@ -174,7 +181,7 @@ def train(a: argparse.Namespace) -> None:
         stage_steps += 1
         tok_count += ids.numel()
         with torch.no_grad():
-            correct = (logits.argmax(-1) == tgt)
+            correct = logits.argmax(-1) == tgt
             ans = ww == 1.0
             cp = ww == 0.5
             log_acc["loss"].append(loss.item())
@@ -182,15 +189,21 @@ def train(a: argparse.Namespace) -> None:
             log_acc["rec_acc"].append(correct[cp].float().mean().item() if cp.any() else float("nan"))
         if meta["step"] % a.log_every == 0:
             dt = time.time() - t_loop
-            rec = {"step": meta["step"], "t": round(meta["elapsed"] + time.time() - t_start, 1),
-                   "L": L, "B": ids.shape[0], "stage": meta["stage"],
-                   "Lmax": stages[min(meta['stage'], len(stages) - 1)],
-                   "loss": round(float(np.mean(log_acc["loss"])), 4),
-                   "val_acc": round(float(np.nanmean(log_acc["ans_acc"])), 4),
-                   "copy_acc": round(float(np.nanmean(log_acc["rec_acc"])), 4),
-                   "lr": lr, "gn": round(float(gn), 3), "tok_s": int(tok_count / dt),
-                   "mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 1)
-                   if device.type == "cuda" else 0}
+            rec = {
+                "step": meta["step"],
+                "t": round(meta["elapsed"] + time.time() - t_start, 1),
+                "L": L,
+                "B": ids.shape[0],
+                "stage": meta["stage"],
+                "Lmax": stages[min(meta["stage"], len(stages) - 1)],
+                "loss": round(float(np.mean(log_acc["loss"])), 4),
+                "val_acc": round(float(np.nanmean(log_acc["ans_acc"])), 4),
+                "copy_acc": round(float(np.nanmean(log_acc["rec_acc"])), 4),
+                "lr": lr,
+                "gn": round(float(gn), 3),
+                "tok_s": int(tok_count / dt),
+                "mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 1) if device.type == "cuda" else 0,
+            }
             meta["history"].append(rec)
             print(json.dumps(rec), flush=True)
             log_acc = {"loss": [], "ans_acc": [], "rec_acc": []}
@@ -202,13 +215,18 @@ def train(a: argparse.Namespace) -> None:
             te = time.time()
             acc_s = eval_at("single_needle", Lmax, a.eval_n)
             acc_m = eval_at("multi_key", Lmax, a.eval_n)
-            ev = {"step": meta["step"], "L": Lmax, "single_needle": acc_s, "multi_key": acc_m,
-                  "chance_multi_key_copy_any": 1 / T.MULTI_KEY_FACTS, "chance_uniform": 1 / 900,
-                  "eval_s": round(time.time() - te, 1)}
+            ev = {
+                "step": meta["step"],
+                "L": Lmax,
+                "single_needle": acc_s,
+                "multi_key": acc_m,
+                "chance_multi_key_copy_any": 1 / T.MULTI_KEY_FACTS,
+                "chance_uniform": 1 / 900,
+                "eval_s": round(time.time() - te, 1),
+            }
             meta["evals"].append(ev)
             print("EVAL " + json.dumps(ev), flush=True)
-            if (min(acc_s, acc_m) >= a.advance_at and stage_steps >= a.min_stage_steps
-                    and st < len(stages) - 1):
+            if min(acc_s, acc_m) >= a.advance_at and stage_steps >= a.min_stage_steps and st < len(stages) - 1:
                 meta["stage"] = st + 1
                 stage_steps = 0
                 print(f"==> stage {meta['stage']}: Lmax {stages[meta['stage']]}", flush=True)
@@ -237,12 +255,13 @@ def train(a: argparse.Namespace) -> None:
             key = (task, L)
             if key not in eval_cache:
                 eval_cache[key] = build_eval_set(tok, task, L, a.final_n, seed0=900_000 + 1000 * L)
-            finals[f"{task}@{L}"] = eval_tf(model, eval_cache[key], device,
-                                            max(1, a.eval_tokens // (L + 64)), fails)
+            finals[f"{task}@{L}"] = eval_tf(model, eval_cache[key], device, max(1, a.eval_tokens // (L + 64)), fails)
             for pred, want in fails[:3]:
                 print(f"   miss: want {tok.decode(want)!r} got {tok.decode(pred)!r}")
-            print(f"FINAL {task}@{L}: {finals[f'{task}@{L}']:.3f} (chance {CHANCE[task]}) "
-                  f"[{time.time() - te:.1f}s]", flush=True)
+            print(
+                f"FINAL {task}@{L}: {finals[f'{task}@{L}']:.3f} (chance {CHANCE[task]}) [{time.time() - te:.1f}s]",
+                flush=True,
+            )
     meta["final_tf"] = finals
     if a.ckpt_out:
         (Path(a.ckpt_out) / "meta.json").write_text(json.dumps(meta, indent=1))
@@ -252,6 +271,7 @@ def train(a: argparse.Namespace) -> None:
 # =============================================================================================
 # Export and evaluation with plain HF generate
 # =============================================================================================
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -274,8 +294,13 @@ def main() -> None:
     q.add_argument("--tok", default=str(ROOT / "topk_decode" / "demo_model"))
     q.add_argument("--ckpt-in", dest="ckpt_in", default=None)
     q.add_argument("--ckpt-out", dest="ckpt_out", default=None)
-    q.add_argument("--time-budget", dest="time_budget", type=float, default=500.0,
-                   help="seconds of training from process start (evals/saves included)")
+    q.add_argument(
+        "--time-budget",
+        dest="time_budget",
+        type=float,
+        default=500.0,
+        help="seconds of training from process start (evals/saves included)",
+    )
     q.add_argument("--stages", default="512,1024,2048,4096,8192,16384")
     q.add_argument("--force-stage", dest="force_stage", type=int, default=None)
     q.add_argument("--tokens-per-step", dest="tokens_per_step", type=int, default=131072)
@@ -285,8 +310,13 @@ def main() -> None:
     q.add_argument("--decay-frac", dest="decay_frac", type=float, default=0.0)
     q.add_argument("--short-frac", dest="short_frac", type=float, default=0.25)
     q.add_argument("--mid-frac", dest="mid_frac", type=float, default=0.25)
-    q.add_argument("--dense-frac", dest="dense_frac", type=float, default=0.7,
-                   help="fraction of dense (mostly-facts) sequences in stage 0")
+    q.add_argument(
+        "--dense-frac",
+        dest="dense_frac",
+        type=float,
+        default=0.7,
+        help="fraction of dense (mostly-facts) sequences in stage 0",
+    )
     q.add_argument("--dense-frac-later", dest="dense_frac_later", type=float, default=0.25)
     q.add_argument("--advance-at", dest="advance_at", type=float, default=0.9)
     q.add_argument("--min-stage-steps", dest="min_stage_steps", type=int, default=50)
@@ -315,10 +345,19 @@ def main() -> None:
     q.add_argument("--n", type=int, default=50)
     q.add_argument("--seed", type=int, default=5_000_000)
     q.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=24)
-    q.add_argument("--format", choices=["task", "chat"], default="task",
-                   help="task: the TaskInstance question; chat: '\\nQuestion: ...\\nAnswer:' as topk chat asks")
-    q.add_argument("--max-seconds", dest="max_seconds", type=float, default=0.0,
-                   help="per (task, length): stop early after this many seconds (0: never)")
+    q.add_argument(
+        "--format",
+        choices=["task", "chat"],
+        default="task",
+        help="task: the TaskInstance question; chat: '\\nQuestion: ...\\nAnswer:' as topk chat asks",
+    )
+    q.add_argument(
+        "--max-seconds",
+        dest="max_seconds",
+        type=float,
+        default=0.0,
+        help="per (task, length): stop early after this many seconds (0: never)",
+    )
     q.add_argument("--bf16", action="store_true")
     q.add_argument("--cpu", action="store_true")
     q.add_argument("--verbose", action="store_true")
@@ -327,11 +366,20 @@ def main() -> None:
     q = sub.add_parser("demo", help="ask the example questions over examples/docs (HF generate)")
     q.add_argument("--model", default=str(ROOT / "topk_decode" / "demo_model"))
     q.add_argument("--docs", default=str(ROOT / "examples" / "docs"))
-    q.add_argument("--questions", nargs="+", default=[
-        "What is the special magic number for amber-fox?", "482",
-        "What is the special magic number for silver-owl?", "731",
-        "What is the special magic number for quiet-lynx?", "219",
-        "Which number does variable brave-otter equal?", "calm-heron, which equals 365"])
+    q.add_argument(
+        "--questions",
+        nargs="+",
+        default=[
+            "What is the special magic number for amber-fox?",
+            "482",
+            "What is the special magic number for silver-owl?",
+            "731",
+            "What is the special magic number for quiet-lynx?",
+            "219",
+            "Which number does variable brave-otter equal?",
+            "calm-heron, which equals 365",
+        ],
+    )
     q.add_argument("--cpu", action="store_true")
 
     a = p.parse_args()

@@ -40,7 +40,7 @@ def hf_greedy(model_dir: Path, ids: list[int], max_new_tokens: int, device: str 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     x = torch.tensor([ids], device=device)
     out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, x.shape[1]:].tolist()
+    return out[0, x.shape[1] :].tolist()
 
 
 # The user's cache, read at import: the session fixture below points XDG_CACHE_HOME elsewhere.

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from tests.test_documents import minimal_pdf
 from topk_decode.cli.app import app
 from topk_decode.demo import DEMO_MODEL_DIR
 from topk_decode.errors import TopkError
@@ -21,7 +22,6 @@ from topk_decode.prefill.append import append_cache, recompute_from
 from topk_decode.prefill.build import build_cache
 from topk_decode.store.cache_dir import CacheWriter, open_cache
 from topk_decode.store.format import partial_path
-from tests.test_documents import minimal_pdf
 
 WORDS = "harbour tide ledger fox amber north field note travel log spring cod salt rope mast pier".split()
 
@@ -51,13 +51,13 @@ def same_cache(a: Path, b: Path) -> None:
     """The caches hold the same context byte for byte: every KV file, the tokens, the last logits, the
     document table (the manifests differ only in timings and the record of the append)."""
     ma, mb = (json.loads((c / "manifest.json").read_text()) for c in (a, b))
-    assert ma["files"] == mb["files"]                 # sizes and blake2b of every file
+    assert ma["files"] == mb["files"]  # sizes and blake2b of every file
     assert ma["documents"] == mb["documents"] and ma["n_tokens"] == mb["n_tokens"]
     for rel in ma["files"]:
         assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
 
 
-@pytest.mark.parametrize("chunk_size", [100, 4096])   # the cache ends mid-chunk; the whole cache is one chunk
+@pytest.mark.parametrize("chunk_size", [100, 4096])  # the cache ends mid-chunk; the whole cache is one chunk
 def test_append_equals_a_fresh_prefill_of_old_and_new_byte_for_byte(tmp_path, chunk_size):
     pytest.importorskip("pypdf")
     new = dict(NEW, **{"b3.pdf": minimal_pdf(["The amber fox hides under the pier", "Tide at noon"])})
@@ -89,10 +89,15 @@ def test_two_appends_equal_one_prefill_and_the_store_answers_over_all(tmp_path):
     grown = store.append(folder(tmp_path / "n1", {"b1.py": NEW["b1.py"]}), device="cpu")
     grown = grown.append(folder(tmp_path / "n2", {"c.txt": text(9)}), device="cpu")
     assert [d["name"] for d in grown.documents] == ["a1.txt", "a2.md", "b1.py", "c.txt"]
-    assert store.ask("Where does the fox hide?", max_new_tokens=6) == before   # the old store: the old context
+    assert store.ask("Where does the fox hide?", max_new_tokens=6) == before  # the old store: the old context
     fresh = tmp_path / "fresh"
-    build_cache(folder(tmp_path / "all", {**OLD, "b1.py": NEW["b1.py"], "c.txt": text(9)}), fresh, DEMO_MODEL_DIR,
-                chunk_size=64, device="cpu")
+    build_cache(
+        folder(tmp_path / "all", {**OLD, "b1.py": NEW["b1.py"], "c.txt": text(9)}),
+        fresh,
+        DEMO_MODEL_DIR,
+        chunk_size=64,
+        device="cpu",
+    )
     same_cache(cache, fresh)
     alone = KVStore.open(fresh, k=32, device="cpu", strategy="flat", compile=False)
     q = "What does tide return?"
@@ -126,7 +131,7 @@ def test_a_failure_midway_leaves_the_old_cache_exactly_as_it_was(tmp_path, old_c
 
     def failing(self, layer, keys, values):
         if layer == 2:
-            raise OSError(5, "Input/output error")      # an I/O error on the third layer (not a full disk)
+            raise OSError(5, "Input/output error")  # an I/O error on the third layer (not a full disk)
         real(self, layer, keys, values)
 
     monkeypatch.setattr(CacheWriter, "write_layer", failing)
@@ -134,7 +139,7 @@ def test_a_failure_midway_leaves_the_old_cache_exactly_as_it_was(tmp_path, old_c
         append_cache(folder(tmp_path / "new", NEW), old_cache, device="cpu")
     assert snapshot(old_cache) == before and not partial_path(old_cache).exists()
     monkeypatch.setattr(CacheWriter, "write_layer", real)
-    append_cache(tmp_path / "new", old_cache, device="cpu")    # the writer lock was released: it can run again
+    append_cache(tmp_path / "new", old_cache, device="cpu")  # the writer lock was released: it can run again
     assert open_cache(old_cache).manifest["documents"][-1]["name"] == "b2.txt"
 
 
@@ -144,7 +149,7 @@ def test_a_failed_strategy_build_before_the_swap_leaves_the_old_cache(tmp_path, 
     before = snapshot(old_cache)
 
     def boom(*args, **kwargs):
-        raise KeyboardInterrupt()                       # Ctrl-C while the artifacts are built
+        raise KeyboardInterrupt()  # Ctrl-C while the artifacts are built
 
     monkeypatch.setattr(index, "prepare_artifacts", boom)
     with pytest.raises(KeyboardInterrupt):
@@ -155,13 +160,18 @@ def test_a_failed_strategy_build_before_the_swap_leaves_the_old_cache(tmp_path, 
 def test_an_append_killed_midway_leaves_the_old_cache_and_the_next_one_runs(tmp_path, old_cache):
     before = snapshot(old_cache)
     new = folder(tmp_path / "new", NEW)
-    env = dict(os.environ, TOPK_TEST_DIE_WRITING="kv/keys.002.bin")    # SIGKILL half-way through layer 2
-    run = subprocess.run([sys.executable, "-m", "topk_decode", "prefill", str(new), "--append", str(old_cache),
-                          "--device", "cpu"], env=env, capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+    env = dict(os.environ, TOPK_TEST_DIE_WRITING="kv/keys.002.bin")  # SIGKILL half-way through layer 2
+    run = subprocess.run(
+        [sys.executable, "-m", "topk_decode", "prefill", str(new), "--append", str(old_cache), "--device", "cpu"],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+    )
     assert run.returncode == -9, run.stderr
-    assert snapshot(old_cache) == before                 # a kill -9 before the swap: the cache is the old one
-    assert partial_path(old_cache).exists()              # what the killed append wrote, hidden and never opened
-    append_cache(new, old_cache, device="cpu")           # the next append clears it and runs
+    assert snapshot(old_cache) == before  # a kill -9 before the swap: the cache is the old one
+    assert partial_path(old_cache).exists()  # what the killed append wrote, hidden and never opened
+    append_cache(new, old_cache, device="cpu")  # the next append clears it and runs
     assert not partial_path(old_cache).exists()
     assert [d["name"] for d in open_cache(old_cache).manifest["documents"]] == ["a1.txt", "a2.md", "b1.py", "b2.txt"]
 
@@ -174,8 +184,8 @@ def test_strategy_artifacts_are_rebuilt_for_the_appended_cache_with_their_option
     append_cache(folder(tmp_path / "new", NEW), old_cache, device="cpu")
     ckv = open_cache(old_cache)
     done = read_done(old_cache / "index" / "quest")
-    assert done["cache_id"] == ckv.cache_id              # built from the appended cache, before the swap
-    assert done["meta"]["options"]["page_size"] == 8     # with the options it was built with
+    assert done["cache_id"] == ckv.cache_id  # built from the appended cache, before the swap
+    assert done["meta"]["options"]["page_size"] == 8  # with the options it was built with
 
 
 def topk(*args):

@@ -44,13 +44,13 @@ def test_open_without_a_strategy_runs_flat_on_a_short_context_and_says_why(built
 def test_open_without_a_strategy_runs_routed_past_the_threshold(built_cache, tmp_path, monkeypatch):
     import shutil
 
-    cache = tmp_path / "cache"           # routed builds its artifacts into the cache: not the shared one
+    cache = tmp_path / "cache"  # routed builds its artifacts into the cache: not the shared one
     shutil.copytree(built_cache[0], cache)
     monkeypatch.setattr(auto, "EXACT_MAX_TOKENS", 16)
     with KVStore.open(cache, k=8, device="cpu") as store:
         assert store.config.strategy == "routed"
         assert "routed" in store.strategy_reason
-    with KVStore.open(cache, k=8, strategy="flat", device="cpu") as store:     # flat stays one flag away
+    with KVStore.open(cache, k=8, strategy="flat", device="cpu") as store:  # flat stays one flag away
         assert store.config.strategy == "flat" and store.strategy_reason == "chosen by the user"
 
 
@@ -62,14 +62,15 @@ def test_prefill_builds_what_auto_will_run(tmp_path, model_factory, docs_dir, mo
     if threshold is not None:
         monkeypatch.setattr(auto, "EXACT_MAX_TOKENS", threshold)
     out = tmp_path / "cache"
-    r = CliRunner().invoke(app, ["prefill", str(docs_dir), "--out", str(out), "--model", str(model_dir),
-                                 "--device", "cpu"])
+    r = CliRunner().invoke(
+        app, ["prefill", str(docs_dir), "--out", str(out), "--model", str(model_dir), "--device", "cpu"]
+    )
     assert r.exit_code == 0, r.output
     assert artifact_dir(out, "routed").is_dir() == built
     info = CliRunner().invoke(app, ["info", str(out), "--json"])
     facts = json.loads(info.stdout)
     assert facts["auto"]["strategy"] == ("routed" if built else "flat")
-    assert ("routed" in facts["strategies"]) == built       # ready: the first question waits for no build
+    assert ("routed" in facts["strategies"]) == built  # ready: the first question waits for no build
     text = CliRunner().invoke(app, ["info", str(out)]).stdout
     assert f"auto runs {'routed' if built else 'flat'}" in text
 
@@ -77,8 +78,23 @@ def test_prefill_builds_what_auto_will_run(tmp_path, model_factory, docs_dir, mo
 @pytest.mark.parametrize("strategy", ["auto", "flat"])
 def test_chat_accepts_auto_and_flat(built_cache, strategy):
     cache, _ = built_cache
-    r = CliRunner().invoke(app, ["chat", str(cache), "--strategy", strategy, "--k", "8", "--device", "cpu",
-                                 "--prompt", "hello", "--max-new-tokens", "2"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "chat",
+            str(cache),
+            "--strategy",
+            strategy,
+            "--k",
+            "8",
+            "--device",
+            "cpu",
+            "--prompt",
+            "hello",
+            "--max-new-tokens",
+            "2",
+        ],
+    )
     assert r.exit_code == 0, r.output
 
 

@@ -15,7 +15,7 @@ import torch
 
 from topk_decode.errors import StepCancelled
 
-K = 8   # well below the tiny cache's searchable tokens: flat really selects
+K = 8  # well below the tiny cache's searchable tokens: flat really selects
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [20], [30, 31, 32, 33]]
 DEVICE = os.environ.get("TOPK_TEST_SERVE_DEVICE", "cpu")
 
@@ -71,18 +71,18 @@ def test_flat_rows_are_independent_one_select_over_several_conversations_rows_eq
     G = shape.group_size
     for j, q in enumerate(qs):
         alone = strategy.select(1, q, K)
-        assert torch.equal(together.ids[:, j * G:(j + 1) * G], alone.ids)
-        torch.testing.assert_close(together.scores[:, j * G:(j + 1) * G], alone.scores)
+        assert torch.equal(together.ids[:, j * G : (j + 1) * G], alone.ids)
+        torch.testing.assert_close(together.scores[:, j * G : (j + 1) * G], alone.scores)
 
 
 def test_a_batched_step_gives_each_conversation_its_own_logits_over_its_own_cache(stores):
     from topk_decode.decode.engine import StepRequest, forward_batch
 
     a, b = stores
-    pairs = [(a, PROMPTS[0]), (a, PROMPTS[1]), (b, PROMPTS[2]), (b, PROMPTS[3])]   # two caches, four lengths
+    pairs = [(a, PROMPTS[0]), (a, PROMPTS[1]), (b, PROMPTS[2]), (b, PROMPTS[3])]  # two caches, four lengths
     alone = [s.decoder.new_conversation() for s, _ in pairs]
     batched = [s.decoder.new_conversation() for s, _ in pairs]
-    seen: dict[str, list] = {"alone": [], "batched": []}      # what an observer (sources) is shown, both ways
+    seen: dict[str, list] = {"alone": [], "batched": []}  # what an observer (sources) is shown, both ways
     alone[1].observer = lambda layer, q, sel, conv: seen["alone"].append((layer, q.clone(), sel.ids.clone()))
     batched[1].observer = lambda layer, q, sel, conv: seen["batched"].append((layer, q.clone(), sel.ids.clone()))
     toks = []
@@ -146,8 +146,8 @@ def test_threads_with_a_batcher_get_their_serial_greedy_answers_in_shared_steps(
         for t in threads:
             t.join(120)
         assert got == serial
-        assert batcher.stepped > batcher.batches        # some steps held several conversations
-        assert batcher.members == set()                 # every answer left when it ended
+        assert batcher.stepped > batcher.batches  # some steps held several conversations
+        assert batcher.members == set()  # every answer left when it ended
     finally:
         a.decoder.batcher = b.decoder.batcher = None
 
@@ -156,7 +156,7 @@ def test_batcher_refuses_decoders_of_different_models(stores, built_cache):
     from topk_decode.api import KVStore
     from topk_decode.decode.batch import StepBatcher
 
-    own = KVStore.open(built_cache[0], k=K, strategy="flat", device=DEVICE, dtype="fp32")   # its own model copy
+    own = KVStore.open(built_cache[0], k=K, strategy="flat", device=DEVICE, dtype="fp32")  # its own model copy
     try:
         with pytest.raises(ValueError):
             StepBatcher(4).attach([stores[0].decoder, own.decoder])

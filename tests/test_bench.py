@@ -56,18 +56,31 @@ def test_smoke_run_marks_the_offloaded_cache_as_skipped_on_cpu_and_writes_a_plot
 
 def test_named_shapes_have_the_real_models_geometry():
     llama = make_config("llama-3-8b")
-    assert (llama.num_hidden_layers, llama.num_attention_heads, llama.num_key_value_heads, llama.head_dim,
-            llama.hidden_size, llama.intermediate_size, llama.vocab_size) == (32, 32, 8, 128, 4096, 14336, 128256)
+    assert (
+        llama.num_hidden_layers,
+        llama.num_attention_heads,
+        llama.num_key_value_heads,
+        llama.head_dim,
+        llama.hidden_size,
+        llama.intermediate_size,
+        llama.vocab_size,
+    ) == (32, 32, 8, 128, 4096, 14336, 128256)
     qwen = make_config("qwen2.5-7b")
-    assert (qwen.num_hidden_layers, qwen.num_attention_heads, qwen.num_key_value_heads,
-            qwen.hidden_size // qwen.num_attention_heads, qwen.intermediate_size, qwen.vocab_size) == (28, 28, 4, 128, 18944, 152064)
+    assert (
+        qwen.num_hidden_layers,
+        qwen.num_attention_heads,
+        qwen.num_key_value_heads,
+        qwen.hidden_size // qwen.num_attention_heads,
+        qwen.intermediate_size,
+        qwen.vocab_size,
+    ) == (28, 28, 4, 128, 18944, 152064)
     small = make_config("llama-3.2-1b")
     assert (small.num_hidden_layers, small.head_dim, small.hidden_size) == (16, 64, 2048)
     assert {"llama-3-8b", "qwen2.5-7b", "llama-3.2-1b"} <= set(SHAPES)
 
 
 def test_qwen_1m_context_kv_is_57_gib_in_bf16():
-    assert kv_bytes(28, 4, 128, 1 << 20, torch.bfloat16) / 2 ** 30 == pytest.approx(56.0)
+    assert kv_bytes(28, 4, 128, 1 << 20, torch.bfloat16) / 2**30 == pytest.approx(56.0)
 
 
 def test_unknown_shape_and_bad_sizes_are_user_errors():

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_cli import assert_one_line_error, snapshot, topk
+
 from topk_decode.errors import TopkError
 from topk_decode.store.cache_dir import CacheWriter, open_cache
 from topk_decode.store.format import MANIFEST, partial_path
@@ -29,8 +29,15 @@ def _python_m(*args: object, env: dict | None = None, **kwargs) -> subprocess.Po
     """`python -m topk_decode ARGS` in a subprocess, on this worktree's code."""
     full_env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
     full_env.pop("TOPK_DEBUG", None)
-    return subprocess.Popen([sys.executable, "-m", "topk_decode", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=full_env, cwd=REPO, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "-m", "topk_decode", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=full_env,
+        cwd=REPO,
+        **kwargs,
+    )
 
 
 def _small_cache(out: Path, tag: str, n: int = 300, overwrite: bool = False, seed: int = 0) -> Path:
@@ -40,9 +47,15 @@ def _small_cache(out: Path, tag: str, n: int = 300, overwrite: bool = False, see
     for layer in range(2):
         w.write_layer(layer, torch.randn(2, n, 8, generator=gen), torch.randn(2, n, 8, generator=gen))
     w.write_tokens([3 + i % 50 for i in range(n)])
-    return w.commit({"model": {"path": "none", "fingerprint": "none"}, "kv_dtype": "float32", "n_tokens": n,
-                     "shape": {"n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8},
-                     "documents": [{"name": tag, "start": 0, "end": n}]})
+    return w.commit(
+        {
+            "model": {"path": "none", "fingerprint": "none"},
+            "kv_dtype": "float32",
+            "n_tokens": n,
+            "shape": {"n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8},
+            "documents": [{"name": tag, "start": 0, "end": n}],
+        }
+    )
 
 
 def _rewrite_manifest(cache: Path, edit, fix_checksum: bool) -> None:
@@ -91,7 +104,7 @@ def test_overwrite_replaces_a_real_cache(tmp_path):
     cache = _small_cache(tmp_path / "cache", "old")
     _small_cache(cache, "new", overwrite=True, seed=1)
     assert open_cache(cache, verify=True).manifest["documents"][0]["name"] == "new"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]        # no lock, partial or old copy left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]  # no lock, partial or old copy left
 
 
 # ---- 4: concurrent writers and readers --------------------------------------------------------------
@@ -102,26 +115,36 @@ def test_a_second_writer_of_the_same_out_fails_and_the_first_commits(tmp_path):
         CacheWriter(out)
     first.write_layer(0, torch.zeros(1, 4, 2), torch.zeros(1, 4, 2))
     first.write_tokens([1, 2, 3, 4])
-    first.commit({"model": {}, "kv_dtype": "float32", "n_tokens": 4,
-                  "shape": {"n_layers": 1, "n_kv_heads": 1, "head_dim": 2}})
+    first.commit(
+        {"model": {}, "kv_dtype": "float32", "n_tokens": 4, "shape": {"n_layers": 1, "n_kv_heads": 1, "head_dim": 2}}
+    )
     assert open_cache(out, verify=True).n_tokens == 4
-    _small_cache(out, "again", overwrite=True)              # the lock was released by the commit
+    _small_cache(out, "again", overwrite=True)  # the lock was released by the commit
 
 
 def test_a_prefill_while_another_process_writes_the_same_out_fails_clearly(tmp_path, docs_dir, deep_model):
     out = tmp_path / "cache"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from topk_decode.store.cache_dir import "
-                               f"CacheWriter; w = CacheWriter({str(out)!r}); print('locked', flush=True); "
-                               "time.sleep(60)"], stdout=subprocess.PIPE, text=True, cwd=REPO,
-                              env=dict(os.environ, PYTHONPATH=str(REPO)))
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from topk_decode.store.cache_dir import "
+            f"CacheWriter; w = CacheWriter({str(out)!r}); print('locked', flush=True); "
+            "time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         result = topk("prefill", docs_dir, "--out", out, "--model", deep_model, "--device", "cpu")
         assert_one_line_error(result, f"another prefill (pid {holder.pid}) is writing")
-        assert "left over" not in result.stderr               # a live writer's partial is not "left over"
+        assert "left over" not in result.stderr  # a live writer's partial is not "left over"
         assert partial_path(out).is_dir() and not out.exists()  # the other writer's work is untouched
     finally:
-        holder.kill()                                          # kill -9: the kernel releases its lock
+        holder.kill()  # kill -9: the kernel releases its lock
         holder.wait()
     result = topk("prefill", docs_dir, "--out", out, "--model", deep_model, "--device", "cpu")
     assert result.exit_code == 0, result.output
@@ -151,7 +174,7 @@ def test_a_reader_opening_during_a_commit_sees_the_old_cache_or_the_new_never_a_
     ckv = open_cache(cache, verify=False)
     committer[0].join(timeout=20)
     assert ckv.manifest["documents"][0]["name"] == "old"
-    assert torch.equal(ckv.keys[1].reshape(-1), old_keys)                 # the old files, not the new ones
+    assert torch.equal(ckv.keys[1].reshape(-1), old_keys)  # the old files, not the new ones
     monkeypatch.setattr(cache_dir, "verify_files", real_verify)
     assert open_cache(cache, verify=True).manifest["documents"][0]["name"] == "new"
 
@@ -166,8 +189,15 @@ def test_readers_racing_many_commits_always_see_one_whole_cache(tmp_path):
         for layer in range(2):
             w.write_layer(layer, torch.full((2, 64, 8), float(i)), torch.full((2, 64, 8), float(i)))
         w.write_tokens([i] * 64)
-        w.commit({"model": {}, "kv_dtype": "float32", "n_tokens": 64, "shape": {"n_layers": 2, "n_kv_heads": 2,
-                  "head_dim": 8}, "documents": [{"name": str(i), "start": 0, "end": 64}]})
+        w.commit(
+            {
+                "model": {},
+                "kv_dtype": "float32",
+                "n_tokens": 64,
+                "shape": {"n_layers": 2, "n_kv_heads": 2, "head_dim": 8},
+                "documents": [{"name": str(i), "start": 0, "end": 64}],
+            }
+        )
 
     commit(0, overwrite=False)
     done = threading.Event()
@@ -203,18 +233,22 @@ def test_an_emptied_files_table_is_refused(tmp_path, fix_checksum):
     assert_one_line_error(topk("info", cache, "--verify"), "corrupted cache manifest", why)
 
 
-@pytest.mark.parametrize("edit,fragment", [
-    (lambda m: m["shape"].update(head_dim="8"), "shape.head_dim must be a positive integer"),
-    (lambda m: m["shape"].update(n_kv_heads=3), "the shapes give"),
-    (lambda m: m.update(n_tokens=299), "the shapes give"),
-    (lambda m: m.update(kv_dtype="int4"), "unknown kv_dtype"),
-    (lambda m: m.update(shape=[2, 2, 8]), "'shape' and 'model' must be objects"),
-], ids=["string-dim", "heads", "tokens", "dtype", "shape-list"])
+@pytest.mark.parametrize(
+    "edit,fragment",
+    [
+        (lambda m: m["shape"].update(head_dim="8"), "shape.head_dim must be a positive integer"),
+        (lambda m: m["shape"].update(n_kv_heads=3), "the shapes give"),
+        (lambda m: m.update(n_tokens=299), "the shapes give"),
+        (lambda m: m.update(kv_dtype="int4"), "unknown kv_dtype"),
+        (lambda m: m.update(shape=[2, 2, 8]), "'shape' and 'model' must be objects"),
+    ],
+    ids=["string-dim", "heads", "tokens", "dtype", "shape-list"],
+)
 def test_wrong_shapes_in_the_manifest_are_a_clear_error(tmp_path, edit, fragment):
     cache = _small_cache(tmp_path / "cache", "x")
     _rewrite_manifest(cache, edit, fix_checksum=True)
     result = topk("info", cache)
-    assert result.exit_code == 2                           # a user error, not "internal error" (1)
+    assert result.exit_code == 2  # a user error, not "internal error" (1)
     assert_one_line_error(result, "corrupted cache manifest", fragment)
 
 
@@ -222,22 +256,23 @@ def _damage(path: Path, how: str) -> None:
     if how == "truncated":
         with open(path, "r+b") as f:
             f.truncate(path.stat().st_size // 2)
-    else:                                                  # same size, other bytes
+    else:  # same size, other bytes
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0xFF
         path.write_bytes(bytes(data))
 
 
 @pytest.mark.parametrize("how", ["truncated", "overwritten"])
-@pytest.mark.parametrize("name,victim", [("ivf", "l001.h00.faiss"), ("hnsw", "l000.h01.faiss"),
-                                         ("quest", "max.001.bin")])
+@pytest.mark.parametrize(
+    "name,victim", [("ivf", "l001.h00.faiss"), ("hnsw", "l000.h01.faiss"), ("quest", "max.001.bin")]
+)
 def test_a_damaged_strategy_artifact_is_a_corrupted_cache_error(tmp_path, name, victim, how):
     from topk_decode.index import artifact_dir, get_strategy
 
     cache = _small_cache(tmp_path / "cache", "x")
     ckv = open_cache(cache)
     opts = {"nlist": 4} if name == "ivf" else {}
-    get_strategy(name)(ckv, 2, ckv.n_tokens - 2, opts).prepare()        # builds and records checksums
+    get_strategy(name)(ckv, 2, ckv.n_tokens - 2, opts).prepare()  # builds and records checksums
     _damage(artifact_dir(cache, name) / victim, how)
     with pytest.raises(TopkError, match=f"corrupted cache: .*{victim}"):
         get_strategy(name)(open_cache(cache), 2, ckv.n_tokens - 2, opts).prepare()
@@ -271,7 +306,7 @@ def test_two_openers_of_missing_artifacts_build_them_once(tmp_path, monkeypatch,
 
     def slow_build(klass, *args, **kwargs):
         builds.append(1)
-        time.sleep(0.5)                                   # the other opener arrives meanwhile
+        time.sleep(0.5)  # the other opener arrives meanwhile
         real(klass, *args, **kwargs)
 
     monkeypatch.setattr(cls, "build_artifacts", classmethod(slow_build))
@@ -307,10 +342,11 @@ def test_info_says_what_it_checked(tmp_path):
 
 def test_a_version_1_cache_still_opens(tmp_path):
     cache = _small_cache(tmp_path / "cache", "x")
-    _rewrite_manifest(cache, lambda m: (m.pop("format"), m.pop(CHECKSUM_FIELD), m.update(format_version=1)),
-                      fix_checksum=False)
+    _rewrite_manifest(
+        cache, lambda m: (m.pop("format"), m.pop(CHECKSUM_FIELD), m.update(format_version=1)), fix_checksum=False
+    )
     assert open_cache(cache, verify=True).n_tokens == 300
-    _small_cache(cache, "replaced", overwrite=True)               # and --overwrite recognises it as ours
+    _small_cache(cache, "replaced", overwrite=True)  # and --overwrite recognises it as ours
 
 
 # ---- 6: disk full, read-only parent --------------------------------------------------------------------
@@ -324,8 +360,7 @@ def test_disk_full_is_one_line_and_leaves_nothing(tmp_path, docs_dir, deep_model
 
     monkeypatch.setattr(CacheWriter, "write_layer", fill_up)
     out = tmp_path / "caches" / "cache"
-    result = topk("prefill", docs_dir, "--out", out, "--model", deep_model, "--device", "cpu",
-                  "--checkpoint-every", 0)
+    result = topk("prefill", docs_dir, "--out", out, "--model", deep_model, "--device", "cpu", "--checkpoint-every", 0)
     assert_one_line_error(result, "no space left on the device", "partial cache was removed")
     assert list(out.parent.iterdir()) == []
 
@@ -343,6 +378,7 @@ def test_out_under_a_read_only_parent_is_one_line(tmp_path, docs_dir, deep_model
                 if str(path).startswith(str(ro) + os.sep) and kwargs.get("dir_fd") is None:
                     raise OSError(errno.EROFS, "Read-only file system", str(path))
                 return real(path, *args, **kwargs)
+
             return call
 
         monkeypatch.setattr(os, "open", refuse(real_open))
@@ -374,9 +410,10 @@ def tiny_mount(tmp_path):
 
 
 def test_a_really_full_disk_is_one_line_and_leaves_nothing(tiny_mount, docs_dir, deep_model):
-    disk = tiny_mount("size=160k")                      # room for a few layers of the tiny model's KV
-    result = topk("prefill", docs_dir, "--out", disk / "cache", "--model", deep_model, "--device", "cpu",
-                  "--checkpoint-every", 0)
+    disk = tiny_mount("size=160k")  # room for a few layers of the tiny model's KV
+    result = topk(
+        "prefill", docs_dir, "--out", disk / "cache", "--model", deep_model, "--device", "cpu", "--checkpoint-every", 0
+    )
     assert_one_line_error(result, "no space left on the device", "partial cache was removed")
     assert list(disk.iterdir()) == []
 
@@ -384,11 +421,11 @@ def test_a_really_full_disk_is_one_line_and_leaves_nothing(tiny_mount, docs_dir,
 def test_strategy_artifacts_on_a_full_disk_are_one_line(tiny_mount, tmp_path):
     from topk_decode.index import get_strategy
 
-    disk = tiny_mount("size=100k")                      # the cache fits, its IVF indices do not
+    disk = tiny_mount("size=100k")  # the cache fits, its IVF indices do not
     cache = shutil.copytree(_small_cache(tmp_path / "cache", "x"), disk / "cache")
     with pytest.raises(TopkError, match="cannot write the ivf artifacts .*No space left on device"):
         get_strategy("ivf")(open_cache(cache), 2, 290, {"nlist": 4}).prepare()
-    assert list((cache / "index" / "ivf").iterdir()) == []     # no done.json, and the space is given back
+    assert list((cache / "index" / "ivf").iterdir()) == []  # no done.json, and the space is given back
 
 
 def test_out_on_a_really_read_only_mount_is_one_line(tiny_mount, docs_dir, deep_model):

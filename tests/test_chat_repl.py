@@ -59,8 +59,9 @@ def reader_of(lines: list[str]):
 
 
 # ---- the command table ---------------------------------------------------------------------------
-@pytest.mark.parametrize("alias, name", [("/clear", "/reset"), ("/bye", "/quit"), ("/exit", "/quit"),
-                                         ("/q", "/quit"), ("/?", "/help")])
+@pytest.mark.parametrize(
+    "alias, name", [("/clear", "/reset"), ("/bye", "/quit"), ("/exit", "/quit"), ("/q", "/quit"), ("/?", "/help")]
+)
 def test_aliases_find_their_command(alias, name):
     assert find_command(alias) is find_command(name)
 
@@ -91,17 +92,25 @@ def test_set_changes_k_and_max_tokens_and_lists_what_is_settable(capsys):
     state = fake_state()
     run_command("/set k 128", state)
     run_command("/set max_tokens 512", state)
-    run_command("/set max_new_tokens 300", state)   # the alias
+    run_command("/set max_new_tokens 300", state)  # the alias
     assert state.store.config.k == 128 and state.max_tokens == 300
     run_command("/set", state)
     out = capsys.readouterr().out
     assert all(s.name in out for s in SETTINGS) and "300" in out and "128" in out
 
 
-@pytest.mark.parametrize("line, fragment", [("/set k 0", "positive integer"), ("/set k abc", "positive integer"),
-                                            ("/set max_tokens 1.5", "positive integer"),
-                                            ("/set nope 3", "unknown setting"), ("/set k", "needs a value"),
-                                            ("/nope", "unknown command"), ("/k -3", "positive integer")])
+@pytest.mark.parametrize(
+    "line, fragment",
+    [
+        ("/set k 0", "positive integer"),
+        ("/set k abc", "positive integer"),
+        ("/set max_tokens 1.5", "positive integer"),
+        ("/set nope 3", "unknown setting"),
+        ("/set k", "needs a value"),
+        ("/nope", "unknown command"),
+        ("/k -3", "positive integer"),
+    ],
+)
 def test_bad_commands_raise_one_clear_error_and_change_nothing(line, fragment):
     state = fake_state(k=256)
     with pytest.raises(TopkError, match=fragment):
@@ -119,8 +128,11 @@ def test_help_lists_every_command_alias_and_setting():
 
 
 def test_adding_a_command_is_one_table_entry(monkeypatch, capsys):
-    monkeypatch.setattr(chat_commands, "COMMANDS",
-                        COMMANDS + [chat_commands.Command("/ping", "answer pong", lambda s, a: print("pong", a))])
+    monkeypatch.setattr(
+        chat_commands,
+        "COMMANDS",
+        COMMANDS + [chat_commands.Command("/ping", "answer pong", lambda s, a: print("pong", a))],
+    )
     assert run_command("/ping  x ", fake_state())
     assert capsys.readouterr().out == "pong x\n" and "/ping" in help_text()
 
@@ -171,9 +183,9 @@ def test_stop_request_before_the_answer_raises_at_the_first_ctrl_c_and_then_igno
     before = signal.getsignal(signal.SIGINT)
     with StopRequest() as stop:
         with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)      # the question is still going through the model
+            os.kill(os.getpid(), signal.SIGINT)  # the question is still going through the model
         assert stop.requested and stop.raised
-        os.kill(os.getpid(), signal.SIGINT)          # pressed again while unwinding: no second interrupt
+        os.kill(os.getpid(), signal.SIGINT)  # pressed again while unwinding: no second interrupt
     assert signal.getsignal(signal.SIGINT) is before
 
 
@@ -184,11 +196,16 @@ def cache(built_cache) -> Path:
 
 
 def test_piped_chat_runs_a_block_and_commands_and_ends_at_end_of_input(cache):
-    result = topk("chat", cache, "--max-new-tokens", 3,
-                  input='/set max_tokens 2\n"""What is\nprefill?"""\n/show\n/stats\n/k\n/clear\n')
+    result = topk(
+        "chat",
+        cache,
+        "--max-new-tokens",
+        3,
+        input='/set max_tokens 2\n"""What is\nprefill?"""\n/show\n/stats\n/k\n/clear\n',
+    )
     assert result.exit_code == 0, result.output
     out = result.stdout
-    assert out.count("topk> ") == 1                           # the two-line block was one question
+    assert out.count("topk> ") == 1  # the two-line block was one question
     assert "(max_tokens = 2)" in out and "strategy   flat" in out and str(cache) in out
     assert "tokens_per_s" in out and "answer_tokens" in out and "(k = 256)" in out
     assert "(new conversation)" in out and not result.stderr.strip()
@@ -241,14 +258,14 @@ def test_ctrl_c_during_an_answer_keeps_exactly_what_was_said(cache, capsys):
     def ask_then_ctrl_c(question, **kw):
         for i, piece in enumerate(ask(question, **kw)):
             if i == 3:
-                os.kill(os.getpid(), signal.SIGINT)   # the user presses Ctrl-C while this piece is shown
+                os.kill(os.getpid(), signal.SIGINT)  # the user presses Ctrl-C while this piece is shown
             yield piece
 
     state.session.ask = ask_then_ctrl_c
     _stream_answer(state, "What does the fox do?")
     assert "(answer stopped; the conversation keeps it)" in capsys.readouterr().out
     conv, n = state.session.conv, state.last_answer[0]
-    assert conv.pending == [] and 4 <= n < 20     # stopped early; the last generated token never shown nor fed
+    assert conv.pending == [] and 4 <= n < 20  # stopped early; the last generated token never shown nor fed
     kept = conv.window.n_new
     state.session.ask = ask
     after = state.session.ask("And then?", max_new_tokens=6)
@@ -256,8 +273,8 @@ def test_ctrl_c_during_an_answer_keeps_exactly_what_was_said(cache, capsys):
     ref = store.session()
     q1 = ref._question_ids("What does the fox do?")
     ref.turns = 1
-    store.decoder.generate(ref.conv, q1, max_new_tokens=n)       # feeds q1 and the first n - 1 tokens
-    ref.conv.pending = []                                         # the n-th was dropped, as above
+    store.decoder.generate(ref.conv, q1, max_new_tokens=n)  # feeds q1 and the first n - 1 tokens
+    ref.conv.pending = []  # the n-th was dropped, as above
     assert ref.conv.window.n_new == kept == len(q1) + n - 1
     assert ref.ask("And then?", max_new_tokens=6) == after
 
@@ -279,14 +296,14 @@ def test_ctrl_c_before_the_answer_shows_abandons_the_question_and_rewinds_the_co
 
     def window_part_then_ctrl_c(*args):
         calls.append(1)
-        if len(calls) == 5:                           # inside the question's third chunk
+        if len(calls) == 5:  # inside the question's third chunk
             os.kill(os.getpid(), signal.SIGINT)
         return window_part(*args)
 
     monkeypatch.setattr(engine, "chunk_window_attention", window_part_then_ctrl_c)
     _stream_answer(state, "the lazy dog " * 30)
     monkeypatch.undo()
-    assert len(calls) == 5                            # the question went no further
+    assert len(calls) == 5  # the question went no further
     assert "(question abandoned; the conversation is as it was before it)" in capsys.readouterr().out
     assert (state.session.turns, conv.pending, conv.window.length) == before
     after = state.session.ask("And then?", max_new_tokens=6)
@@ -338,7 +355,7 @@ def test_terminal_ctrl_c_clears_the_line_and_ctrl_d_ends_the_input(terminal):
 def test_terminal_history_is_kept_in_a_file_across_chats(terminal, tmp_path):
     assert terminal("What is prefill?\r", 1) == ["What is prefill?"]
     assert "What is prefill?" in (tmp_path / "history").read_text()
-    assert terminal("\x1b[A\r", 1) == ["What is prefill?"]     # arrow up in a new chat recalls it
+    assert terminal("\x1b[A\r", 1) == ["What is prefill?"]  # arrow up in a new chat recalls it
 
 
 class _Chat:
@@ -349,9 +366,13 @@ class _Chat:
 
         env = dict(os.environ, PYTHONPATH=str(REPO), TOPK_CHAT_HISTORY="")
         env.pop("TOPK_DEBUG", None)
-        self.proc = subprocess.Popen([sys.executable, "-m", "topk_decode", "chat", str(cache), "--device", "cpu",
-                                      "--max-new-tokens", "6"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "topk_decode", "chat", str(cache), "--device", "cpu", "--max-new-tokens", "6"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
         self.out = bytearray()
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -395,11 +416,11 @@ def test_first_ctrl_c_during_a_long_question_abandons_it_at_once_and_keeps_the_c
     seconds, and the next question is answered as in a fresh chat (the window is exactly as before)."""
     chat = _Chat(cache)
     chat.wait_for("Type /help")
-    chat.send("What does the fox do?\n")           # one turn first: the abandoned question follows it
+    chat.send("What does the fox do?\n")  # one turn first: the abandoned question follows it
     chat.wait_for("topk> ")
     chat.wait_for("you> ", count=2)
-    chat.send("the lazy dog " * 20000 + "\n")      # BPE of the tiny tokenizer: ~60K tokens
-    chat.wait_for("topk> ", count=2)                # the question is going through the model
+    chat.send("the lazy dog " * 20000 + "\n")  # BPE of the tiny tokenizer: ~60K tokens
+    chat.wait_for("topk> ", count=2)  # the question is going through the model
     import time
 
     time.sleep(1.0)

@@ -60,8 +60,20 @@ def prefilled(tmp_path_factory, model_factory, docs_dir):
     """(cache, model_dir, result): the fixture docs prefilled through `topk prefill` on the CPU."""
     model_dir = model_factory("llama_gqa")
     cache = tmp_path_factory.mktemp("cli") / "cache"
-    result = topk("prefill", docs_dir, "--out", cache, "--model", model_dir, "--device", "cpu",
-                  "--chunk-size", 61, "--strategy", "flat")
+    result = topk(
+        "prefill",
+        docs_dir,
+        "--out",
+        cache,
+        "--model",
+        model_dir,
+        "--device",
+        "cpu",
+        "--chunk-size",
+        61,
+        "--strategy",
+        "flat",
+    )
     return cache, model_dir, result
 
 
@@ -87,16 +99,29 @@ def test_prefill_writes_a_cache_and_warns_about_the_skipped_png(prefilled):
 
 def test_chat_prompt_prints_an_answer_and_exits_zero(prefilled):
     cache, _, _ = prefilled
-    result = topk("chat", cache, "--prompt", "What does the fox do?", "--k", 8, "--max-new-tokens", 6,
-                  "--device", "cpu")
+    result = topk(
+        "chat", cache, "--prompt", "What does the fox do?", "--k", 8, "--max-new-tokens", 6, "--device", "cpu"
+    )
     assert result.exit_code == 0, result.output
     assert result.stdout.strip()
 
 
 def test_chat_accepts_strategy_options(prefilled):
     cache, _, _ = prefilled
-    result = topk("chat", cache, "--prompt", "Why?", "--k", 8, "--max-new-tokens", 3, "--opt", "backend=torch",
-                  "--opt", "threads=1")
+    result = topk(
+        "chat",
+        cache,
+        "--prompt",
+        "Why?",
+        "--k",
+        8,
+        "--max-new-tokens",
+        3,
+        "--opt",
+        "backend=torch",
+        "--opt",
+        "threads=1",
+    )
     assert result.exit_code == 0, result.output
 
 
@@ -107,7 +132,7 @@ def test_chat_no_compile_reaches_the_decoder_and_answers_the_same(prefilled):
     args = ("chat", cache, "--prompt", "Why?", "--k", 8, "--max-new-tokens", 4, "--device", "cpu")
     plain, uncompiled = topk(*args), topk(*args, "--no-compile")
     assert plain.exit_code == 0 and uncompiled.exit_code == 0, uncompiled.output
-    assert uncompiled.stdout == plain.stdout      # compilation only applies to CUDA one-token steps
+    assert uncompiled.stdout == plain.stdout  # compilation only applies to CUDA one-token steps
     assert KVStore.open(cache, k=8, device="cpu", compile=False).decoder.config.compile is False
 
 
@@ -167,7 +192,11 @@ def test_bad_in_chat_commands_print_an_error_and_keep_the_chat_going(prefilled):
 
 def test_parse_options_turns_numbers_into_numbers():
     assert parse_options(["nprobe=32", "ratio=0.5", "backend=torch", "flag=true"]) == {
-        "nprobe": 32, "ratio": 0.5, "backend": "torch", "flag": True}
+        "nprobe": 32,
+        "ratio": 0.5,
+        "backend": "torch",
+        "flag": True,
+    }
     with pytest.raises(TopkError, match="key=value"):
         parse_options(["nprobe"])
 
@@ -183,8 +212,9 @@ def _make_docs(root: Path, kind: str) -> Path:
     return d
 
 
-@pytest.mark.parametrize("kind,fragment", [("missing", "documents not found"), ("empty", "no files"),
-                                           ("unreadable", "no readable text")])
+@pytest.mark.parametrize(
+    "kind,fragment", [("missing", "documents not found"), ("empty", "no files"), ("unreadable", "no readable text")]
+)
 def test_prefill_with_bad_docs_fails_and_leaves_the_old_cache(kind, fragment, cache_copy, prefilled, tmp_path):
     docs = tmp_path / "nowhere" if kind == "missing" else _make_docs(tmp_path, kind)
     before = snapshot(cache_copy)
@@ -215,20 +245,22 @@ def test_prefill_refuses_an_existing_cache_until_overwrite(cache_copy, docs_dir,
     result = topk("prefill", docs_dir, "--out", cache_copy, "--model", prefilled[1], "--device", "cpu")
     assert_one_line_error(result, "already exists", "--overwrite")
     assert_intact(cache_copy, before)
-    result = topk("prefill", docs_dir, "--out", cache_copy, "--model", prefilled[1], "--device", "cpu",
-                  "--overwrite")
+    result = topk("prefill", docs_dir, "--out", cache_copy, "--model", prefilled[1], "--device", "cpu", "--overwrite")
     assert result.exit_code == 0, result.output
     ckv = open_cache(cache_copy, verify=True)
     assert ckv.manifest["prefill"]["chunk_size"] == 4096  # the new cache, not the old (chunk 61)
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (["--strategy", "flat,nope"], "unknown strategy 'nope'"),
-    (["--chunk-size", "0"], "--chunk-size must be a positive integer"),
-    (["--dtype", "fp8"], "unknown dtype"),
-    (["--device", "tpu"], "unknown device"),
-    (["--opt", "nlist"], "key=value"),
-])
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--strategy", "flat,nope"], "unknown strategy 'nope'"),
+        (["--chunk-size", "0"], "--chunk-size must be a positive integer"),
+        (["--dtype", "fp8"], "unknown dtype"),
+        (["--device", "tpu"], "unknown device"),
+        (["--opt", "nlist"], "key=value"),
+    ],
+)
 def test_prefill_rejects_bad_options_before_any_work(args, fragment, docs_dir, prefilled, tmp_path):
     out = tmp_path / "new-cache"
     result = topk("prefill", docs_dir, "--out", out, "--model", prefilled[1], *args)
@@ -237,14 +269,17 @@ def test_prefill_rejects_bad_options_before_any_work(args, fragment, docs_dir, p
     assert "wrote" not in result.stdout
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (["--k", "0"], "k must be a positive integer, got 0"),
-    (["--k", "-3"], "k must be a positive integer, got -3"),
-    (["--strategy", "nope"], "unknown strategy 'nope'"),
-    (["--max-new-tokens", "0"], "--max-new-tokens"),
-    (["--k", "abc"], "--k"),
-    (["--prompt", "  "], "--prompt is empty"),
-])
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--k", "0"], "k must be a positive integer, got 0"),
+        (["--k", "-3"], "k must be a positive integer, got -3"),
+        (["--strategy", "nope"], "unknown strategy 'nope'"),
+        (["--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--k", "abc"], "--k"),
+        (["--prompt", "  "], "--prompt is empty"),
+    ],
+)
 def test_chat_rejects_bad_options(args, fragment, cache_copy):
     before = snapshot(cache_copy)
     result = topk("chat", cache_copy, *args)
@@ -286,12 +321,12 @@ def test_corrupted_cache_file_fails_its_checksum(cache_copy):
 def test_prefill_past_max_positions_is_refused_unless_allowed(short_model, docs_dir, tmp_path):
     result = topk("prefill", docs_dir, "--out", tmp_path / "c", "--model", short_model, "--device", "cpu")
     assert_one_line_error(result, "tokens but the model has 64 positions", "--allow-long-context")
-    assert list(tmp_path.iterdir()) == []                      # no cache, no partial directory, no lock left
-    result = topk("prefill", docs_dir, "--out", tmp_path / "c", "--model", short_model, "--device", "cpu",
-                  "--allow-long-context")
+    assert list(tmp_path.iterdir()) == []  # no cache, no partial directory, no lock left
+    result = topk(
+        "prefill", docs_dir, "--out", tmp_path / "c", "--model", short_model, "--device", "cpu", "--allow-long-context"
+    )
     assert result.exit_code == 0, result.output
-    assert any(line.startswith("warning: ") and "maximum positions (64)" in line
-               for line in result.stderr.splitlines())
+    assert any(line.startswith("warning: ") and "maximum positions (64)" in line for line in result.stderr.splitlines())
 
 
 def test_chat_prompt_past_max_positions_warns_and_answers(short_model, tmp_path):
@@ -363,8 +398,9 @@ def test_internal_errors_are_one_line_unless_topk_debug(monkeypatch, prefilled):
 def _python_m(*args: object) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("TOPK_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "topk_decode", *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "topk_decode", *map(str, args)], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def test_python_m_reports_a_truncated_cache_in_one_line_without_traceback(cache_copy):
@@ -384,8 +420,13 @@ def test_python_m_info_json_and_help_without_torch(prefilled):
     assert json.loads(proc.stdout)["n_tokens"] == open_cache(prefilled[0]).n_tokens
     # `topk --help` must stay fast: building the app must not import torch.
     code = "import sys; import topk_decode.cli.app; print('torch' in sys.modules)"
-    probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                           env=dict(os.environ, PYTHONPATH=str(REPO)))
+    probe = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     assert probe.stdout.strip() == "False", probe.stderr
 
 
@@ -399,4 +440,3 @@ def test_a_missing_dependency_is_named_not_an_internal_error(monkeypatch, prefil
     result = topk("info", prefilled[0])
     assert result.exit_code == 2
     assert_one_line_error(result, "'faiss' is not installed")
-

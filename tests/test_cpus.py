@@ -40,24 +40,32 @@ def usable() -> int:
 
 def test_the_count_is_the_affinity_mask_not_the_host(host, monkeypatch):
     assert usable() == 8
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3}, raising=False)   # taskset -c 3
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3}, raising=False)  # taskset -c 3
     assert usable() == 1
 
 
-@pytest.mark.parametrize("files,want", [
-    ({"cpu.max": "max 100000\n"}, 8),                                  # v2, no quota
-    ({"cpu.max": "150000 100000\n"}, 2),                               # 1.5 CPUs: rounded up
-    ({"cpu.max": "30000 100000\n"}, 1),                                # under one CPU: at least 1
-    ({"cpu.max": "2000000 100000\n"}, 8),                              # a quota above the mask: the mask
-    ({"proc": "0::/box/job\n", "box/cpu.max": "300000 100000\n", "box/job/cpu.max": "max 100000\n"}, 3),
-    ({"proc": "0::/box/job\n", "box/job/cpu.max": "400000 100000\n"}, 4),   # the process's own cgroup
-    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, 8),          # v1, no quota
-    ({"cpu/cpu.cfs_quota_us": "250000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 3),      # v1
-    ({"proc": "4:cpu,cpuacct:/docker/abc\n",
-      "cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "200000\n",
-      "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n"}, 2),
-    ({"cpu.max": "garbage\n"}, 8),                                     # unreadable: ignored
-])
+@pytest.mark.parametrize(
+    "files,want",
+    [
+        ({"cpu.max": "max 100000\n"}, 8),  # v2, no quota
+        ({"cpu.max": "150000 100000\n"}, 2),  # 1.5 CPUs: rounded up
+        ({"cpu.max": "30000 100000\n"}, 1),  # under one CPU: at least 1
+        ({"cpu.max": "2000000 100000\n"}, 8),  # a quota above the mask: the mask
+        ({"proc": "0::/box/job\n", "box/cpu.max": "300000 100000\n", "box/job/cpu.max": "max 100000\n"}, 3),
+        ({"proc": "0::/box/job\n", "box/job/cpu.max": "400000 100000\n"}, 4),  # the process's own cgroup
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, 8),  # v1, no quota
+        ({"cpu/cpu.cfs_quota_us": "250000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 3),  # v1
+        (
+            {
+                "proc": "4:cpu,cpuacct:/docker/abc\n",
+                "cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "200000\n",
+                "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n",
+            },
+            2,
+        ),
+        ({"cpu.max": "garbage\n"}, 8),  # unreadable: ignored
+    ],
+)
 def test_a_cgroup_cpu_quota_caps_the_count(host, files, want):
     host(files)
     assert usable() == want
@@ -68,7 +76,7 @@ def test_topk_threads_overrides_the_mask_and_the_quota(host, monkeypatch):
     assert usable() == 1
     monkeypatch.setenv("TOPK_THREADS", "5")
     assert usable() == 5
-    monkeypatch.setenv("TOPK_THREADS", " ")                            # empty: as unset
+    monkeypatch.setenv("TOPK_THREADS", " ")  # empty: as unset
     assert usable() == 1
 
 
@@ -94,17 +102,17 @@ def test_the_cli_rejects_a_bad_topk_threads_or_threads_before_loading_anything(m
 def test_threads_option_sets_the_knob_and_numba_and_openmp_pools_before_they_load(monkeypatch):
     from topk_decode.cli.common import use_threads
 
-    monkeypatch.setenv("TOPK_THREADS", "7")                 # restored after the test, as use_threads sets it
+    monkeypatch.setenv("TOPK_THREADS", "7")  # restored after the test, as use_threads sets it
     for var in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS"):
         # set, then delete: monkeypatch records an absent variable only this way, so the value use_threads
         # writes is removed afterwards (a leaked NUMBA_NUM_THREADS breaks numba's next compile in this process)
         monkeypatch.setenv(var, "1")
         monkeypatch.delenv(var)
-    monkeypatch.delitem(sys.modules, "numba", raising=False)           # as in a fresh `topk` process
+    monkeypatch.delitem(sys.modules, "numba", raising=False)  # as in a fresh `topk` process
     assert use_threads(3) == 3
     assert os.environ["TOPK_THREADS"] == "3" and os.environ["NUMBA_NUM_THREADS"] == "3"
-    assert "OMP_NUM_THREADS" not in os.environ              # torch is loaded here: its runtime read it already
-    monkeypatch.setenv("NUMBA_NUM_THREADS", "2")            # the user's own setting is kept
+    assert "OMP_NUM_THREADS" not in os.environ  # torch is loaded here: its runtime read it already
+    monkeypatch.setenv("NUMBA_NUM_THREADS", "2")  # the user's own setting is kept
     assert use_threads(None) == 3 and os.environ["NUMBA_NUM_THREADS"] == "2"
 
 
@@ -123,7 +131,7 @@ def test_a_store_opened_with_topk_threads_1_searches_on_one_thread(built_cache, 
         select = strat.select
 
         def watched(*args, **kwargs):
-            seen.append(torch.get_num_threads())            # the step's torch threads, inside the search
+            seen.append(torch.get_num_threads())  # the step's torch threads, inside the search
             return select(*args, **kwargs)
 
         monkeypatch.setattr(strat, "select", watched)
@@ -137,10 +145,9 @@ def test_the_numba_search_runs_on_as_many_threads_as_topk_threads(monkeypatch):
     torch = pytest.importorskip("torch")
     import numba
 
-    from topk_decode.kernels import flat_scan
-
     from topk_decode.bench.synthetic import kv_in_memory
     from topk_decode.index.flat import FlatStrategy
+    from topk_decode.kernels import flat_scan
 
     keys = torch.randn(2, 1500, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
     ckv = kv_in_memory([keys], [keys], list(range(1500)), "llama")
@@ -163,4 +170,3 @@ def test_the_numba_search_runs_on_as_many_threads_as_topk_threads(monkeypatch):
         strat.select(0, q, 30)
         strat.close()
         assert seen and set(seen) == {want}, (value, seen)
-

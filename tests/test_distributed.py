@@ -20,7 +20,7 @@ from topk_decode.prefill.distributed import layer_flops, plan_slices
 from topk_decode.prefill.distributed_launch import RankSpec, build_cache_ranks, leader, plan_group
 from topk_decode.store import open_cache
 
-CHUNK = 64      # small chunks: the ~900-token documents give each rank several
+CHUNK = 64  # small chunks: the ~900-token documents give each rank several
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -43,7 +43,7 @@ def files(cache: Path) -> dict:
 
 
 def assert_same_cache(cache: Path, reference: Path) -> None:
-    assert files(cache) == files(reference)                     # byte-identical KV, tokens and last logits
+    assert files(cache) == files(reference)  # byte-identical KV, tokens and last logits
     a, b = open_cache(cache, verify=True), open_cache(reference, verify=True)
     assert a.tokens == b.tokens and a.n_tokens > 8 * CHUNK
     assert all(torch.equal(x, y) for x, y in zip(a.keys + a.values, b.keys + b.values))
@@ -52,13 +52,14 @@ def assert_same_cache(cache: Path, reference: Path) -> None:
 def test_two_gloo_ranks_write_the_cache_one_process_writes(tmp_path, docs_dir, demo_model, one_process):
     out = tmp_path / "cache"
     threads = torch.get_num_threads()
-    result = CliRunner().invoke(app, ["prefill", str(docs_dir), "--out", str(out), "--device", "cpu", "--gpus", "2",
-                                      "--chunk-size", str(CHUNK)])
+    result = CliRunner().invoke(
+        app, ["prefill", str(docs_dir), "--out", str(out), "--device", "cpu", "--gpus", "2", "--chunk-size", str(CHUNK)]
+    )
     assert result.exit_code == 0, result.output
     assert_same_cache(out, one_process)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["prefill"]["ranks"] == 2
-    assert torch.get_num_threads() == threads          # rank 0 gave the CPUs it shared back
+    assert torch.get_num_threads() == threads  # rank 0 gave the CPUs it shared back
 
 
 def test_bad_documents_found_after_the_ranks_started_are_one_line_and_stop_them(tmp_path):
@@ -68,16 +69,18 @@ def test_bad_documents_found_after_the_ranks_started_are_one_line_and_stop_them(
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0")
-    result = CliRunner().invoke(app, ["prefill", str(docs), "--out", str(tmp_path / "c"), "--device", "cpu",
-                                      "--gpus", "2"])
+    result = CliRunner().invoke(
+        app, ["prefill", str(docs), "--out", str(tmp_path / "c"), "--device", "cpu", "--gpus", "2"]
+    )
     assert result.exit_code == 2, result.output
     assert len([line for line in result.stderr.splitlines() if line.startswith("error: ")]) == 1, result.stderr
     assert not (tmp_path / "c").exists() and not multiprocessing.active_children()
 
 
-@pytest.mark.slow      # two 2-rank prefills: ~30 s on the shared 2-core box
-def test_interrupted_two_rank_prefill_resumes_to_the_same_cache(tmp_path, docs_dir, demo_model, one_process,
-                                                                 monkeypatch):
+@pytest.mark.slow  # two 2-rank prefills: ~30 s on the shared 2-core box
+def test_interrupted_two_rank_prefill_resumes_to_the_same_cache(
+    tmp_path, docs_dir, demo_model, one_process, monkeypatch
+):
     """Rank 0 (this process) fails writing layer 2: the checkpoint (gathered from both ranks) is kept and a
     resumed two-rank run (the residual stream scattered back) finishes the same cache."""
     from topk_decode.store.cache_dir import CacheWriter
@@ -93,12 +96,14 @@ def test_interrupted_two_rank_prefill_resumes_to_the_same_cache(tmp_path, docs_d
     monkeypatch.setattr(CacheWriter, "write_layer", failing)
     notes: list[str] = []
     with pytest.raises(KeyboardInterrupt):
-        build_cache_ranks(docs_dir, out, demo_model, 2, device="cpu", chunk_size=CHUNK, checkpoint_every=0,
-                          on_note=notes.append)
+        build_cache_ranks(
+            docs_dir, out, demo_model, 2, device="cpu", chunk_size=CHUNK, checkpoint_every=0, on_note=notes.append
+        )
     assert not out.exists() and any("kept 2 finished layers" in n for n in notes)
     monkeypatch.setattr(CacheWriter, "write_layer", write)
-    path, stats = build_cache_ranks(docs_dir, out, demo_model, 2, device="cpu", chunk_size=CHUNK, resume=True,
-                                    on_note=notes.append)
+    path, stats = build_cache_ranks(
+        docs_dir, out, demo_model, 2, device="cpu", chunk_size=CHUNK, resume=True, on_note=notes.append
+    )
     assert stats.resumed_at_layer == 2 and stats.ranks == 2
     assert_same_cache(path, one_process)
 
@@ -118,11 +123,32 @@ def test_a_failing_rank_fails_the_prefill_in_one_line_and_leaves_no_cache(tmp_pa
 def test_torchrun_ranks_write_the_cache_one_process_writes(tmp_path, docs_dir, one_process):
     out = tmp_path / "cache"
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "topk_decode", "prefill", str(docs_dir), "--out", str(out), "--device", "cpu",
-                          "--chunk-size", str(CHUNK)], capture_output=True, text=True, env=env, timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "topk_decode",
+            "prefill",
+            str(docs_dir),
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--chunk-size",
+            str(CHUNK),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr
-    assert run.stdout.count("wrote ") == 1            # rank 0 alone speaks
+    assert run.stdout.count("wrote ") == 1  # rank 0 alone speaks
     assert_same_cache(out, one_process)
 
 
@@ -133,7 +159,7 @@ def test_slices_hold_whole_chunks_cover_the_context_and_balance_flops():
         assert len(slices) == world and slices[0][0] == 0 and slices[-1][1] == n
         assert all(a <= b for a, b in slices) and all(b == c for (_, b), (c, _) in zip(slices, slices[1:]))
         assert all(a % 64 == 0 for a, b in slices if b > a)
-    slices = plan_slices(1 << 20, 4, 4096, (1.0, 1.0))          # attention-bound: later ranks take fewer tokens
+    slices = plan_slices(1 << 20, 4, 4096, (1.0, 1.0))  # attention-bound: later ranks take fewer tokens
     sizes = [b - a for a, b in slices]
     assert sizes == sorted(sizes, reverse=True) and sizes[0] > 2 * sizes[-1]
     cost = [sum(1.0 + i for i in range(a, b, 512)) for a, b in slices]
@@ -149,11 +175,14 @@ def test_layer_flops_count_the_attention_and_mlp(demo_model):
     assert linear > 2 * 3 * cfg.hidden_size * cfg.intermediate_size
 
 
-@pytest.mark.parametrize("gpus, device, env, message", [
-    (0, "cpu", {}, "--gpus must be a positive integer"),
-    (-2, None, {}, "--gpus must be a positive integer"),
-    (3, "cpu", {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "torchrun started 2 processes"),
-])
+@pytest.mark.parametrize(
+    "gpus, device, env, message",
+    [
+        (0, "cpu", {}, "--gpus must be a positive integer"),
+        (-2, None, {}, "--gpus must be a positive integer"),
+        (3, "cpu", {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "torchrun started 2 processes"),
+    ],
+)
 def test_bad_gpus_is_refused(gpus, device, env, message, monkeypatch):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -198,7 +227,7 @@ def test_two_gpu_ranks_match_one_gpu(tmp_path, docs_dir, demo_model, monkeypatch
         torch.testing.assert_close(x.float(), y.float(), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.slow      # three fresh processes import torch and transformers: ~50 s on the shared 2-core box
+@pytest.mark.slow  # three fresh processes import torch and transformers: ~50 s on the shared 2-core box
 def test_prefill_scaling_bench_runs_on_cpu_ranks(tmp_path):
     """`topk bench --prefill-only` at a smoke size: one row per rank count, with what the device run records."""
     from topk_decode.bench.scaling import run_scaling, smoke_scaling_config
@@ -211,7 +240,7 @@ def test_prefill_scaling_bench_runs_on_cpu_ranks(tmp_path):
     two = rows[1]
     assert two["scaling_efficiency"] == pytest.approx(two["tokens_per_s"] / (2 * rows[0]["tokens_per_s"]), rel=1e-2)
     assert len(two["rss_gib"]) == 2 and two["peak_gpu_gib"] == [None, None]
-    assert two["disk_bytes"] == 2 * 2 * 2 * 768 * 16 * 4        # tiny: 2 layers × K,V × Hkv 2 × N × D 16 × fp32
+    assert two["disk_bytes"] == 2 * 2 * 2 * 768 * 16 * 4  # tiny: 2 layers × K,V × Hkv 2 × N × D 16 × fp32
     assert [tuple(s) for s in two["slices"]] == [(0, two["slices"][0][1]), (two["slices"][0][1], 768)]
     assert json.loads(Path(data["path"]).read_text())["rows"] == rows
     assert not any(tmp_path.glob("prefill-cache-*")) and not any(tmp_path.glob(".prefill-cache-*"))
@@ -242,5 +271,8 @@ def test_sharded_decode_simulation_counts_the_bytes_each_layout_moves():
     assert b["head_per_token"] == 32 * (8192 + 8320) == 528384 and b["pipeline_per_token"] == 3 * 4096 * 2
     t = sim.implied(b, rtt_us=43.1, wire_rtt_us=20.0, nvlink_rtt_us=10.0)
     assert t["head @ 10 Gbit/s"]["ms_per_token"] == pytest.approx(1e3 * (32 * 63.1e-6 + 528384 / 1.25e9), abs=1e-3)
-    assert t["head @ 10 Gbit/s"]["tok_s_ceiling"] < t["head @ 25 Gbit/s"]["tok_s_ceiling"] \
+    assert (
+        t["head @ 10 Gbit/s"]["tok_s_ceiling"]
+        < t["head @ 25 Gbit/s"]["tok_s_ceiling"]
         < t["head @ NVLink node"]["tok_s_ceiling"]
+    )

@@ -31,11 +31,11 @@ def make_pptx(path: Path) -> None:
     from pptx.util import Inches
 
     deck = pptx.Presentation()
-    s1 = deck.slides.add_slide(deck.slide_layouts[1])            # title and content
+    s1 = deck.slides.add_slide(deck.slide_layouts[1])  # title and content
     s1.shapes.title.text = "Harbour report"
     s1.placeholders[1].text = "The tide turns at noon."
     s1.notes_slide.notes_text_frame.text = "Mention the amber fox."
-    deck.slides.add_slide(deck.slide_layouts[6])                  # blank: no text at all
+    deck.slides.add_slide(deck.slide_layouts[6])  # blank: no text at all
     s3 = deck.slides.add_slide(deck.slide_layouts[6])
     table = s3.shapes.add_table(2, 2, Inches(1), Inches(1), Inches(4), Inches(1)).table
     for r, row in enumerate([("fish", "count"), ("cod", "12")]):
@@ -49,9 +49,11 @@ def test_pptx_slides_tables_and_notes_are_read_with_a_place_per_slide(tmp_path):
     make_pptx(tmp_path / "docs" / "deck.pptx")
     doc, skipped = only_document(tmp_path / "docs")
     assert skipped == []
-    assert doc.text == ("[slide 1]\nHarbour report\nThe tide turns at noon.\nNotes: Mention the amber fox.\n\n"
-                        "[slide 3]\nfish\tcount\ncod\t12\n")
-    assert labels_at(doc) == [("slide 1", "[slide 1]"), ("slide 3", "[slide 3]")]   # the empty slide 2: no place
+    assert doc.text == (
+        "[slide 1]\nHarbour report\nThe tide turns at noon.\nNotes: Mention the amber fox.\n\n"
+        "[slide 3]\nfish\tcount\ncod\t12\n"
+    )
+    assert labels_at(doc) == [("slide 1", "[slide 1]"), ("slide 3", "[slide 3]")]  # the empty slide 2: no place
 
 
 def test_xlsx_sheets_are_read_row_by_row_with_a_place_per_sheet(tmp_path):
@@ -72,32 +74,43 @@ def test_xlsx_sheets_are_read_row_by_row_with_a_place_per_sheet(tmp_path):
 
 def make_epub(path: Path, chapters: list[str], spine_order: list[int]) -> None:
     """A minimal EPUB: container.xml → OEBPS/content.opf, whose spine lists the chapters in `spine_order`."""
-    items = "".join(f'<item id="c{i}" href="text/ch{i}.xhtml" media-type="application/xhtml+xml"/>'
-                    for i in range(len(chapters)))
+    items = "".join(
+        f'<item id="c{i}" href="text/ch{i}.xhtml" media-type="application/xhtml+xml"/>' for i in range(len(chapters))
+    )
     spine = "".join(f'<itemref idref="c{i}"/>' for i in spine_order)
     with zipfile.ZipFile(path, "w") as z:
         z.writestr("mimetype", "application/epub+zip")
-        z.writestr("META-INF/container.xml",
-                   '<?xml version="1.0"?><container version="1.0" xmlns="urn:oasis:names:tc:opendocument:xmlns:'
-                   'container"><rootfiles><rootfile full-path="OEBPS/content.opf" media-type="application/oebps-'
-                   'package+xml"/></rootfiles></container>')
-        z.writestr("OEBPS/content.opf",
-                   '<?xml version="1.0"?><package xmlns="http://www.idpf.org/2007/opf" version="3.0">'
-                   f'<manifest>{items}<item id="css" href="style.css" media-type="text/css"/></manifest>'
-                   f'<spine>{spine}</spine></package>')
+        z.writestr(
+            "META-INF/container.xml",
+            '<?xml version="1.0"?><container version="1.0" xmlns="urn:oasis:names:tc:opendocument:xmlns:'
+            'container"><rootfiles><rootfile full-path="OEBPS/content.opf" media-type="application/oebps-'
+            'package+xml"/></rootfiles></container>',
+        )
+        z.writestr(
+            "OEBPS/content.opf",
+            '<?xml version="1.0"?><package xmlns="http://www.idpf.org/2007/opf" version="3.0">'
+            f'<manifest>{items}<item id="css" href="style.css" media-type="text/css"/></manifest>'
+            f"<spine>{spine}</spine></package>",
+        )
         z.writestr("OEBPS/style.css", "p { color: red }")
         for i, body in enumerate(chapters):
-            z.writestr(f"OEBPS/text/ch{i}.xhtml", f'<html xmlns="http://www.w3.org/1999/xhtml"><head><title>t</title>'
-                                                  f'<style>p {{}}</style></head><body>{body}</body></html>')
+            z.writestr(
+                f"OEBPS/text/ch{i}.xhtml",
+                f'<html xmlns="http://www.w3.org/1999/xhtml"><head><title>t</title>'
+                f"<style>p {{}}</style></head><body>{body}</body></html>",
+            )
 
 
 def test_epub_chapters_are_read_in_spine_order_without_a_library(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "ebooklib", None)     # not used: zipfile + the HTML parser read it
+    monkeypatch.setitem(sys.modules, "ebooklib", None)  # not used: zipfile + the HTML parser read it
     (tmp_path / "docs").mkdir()
-    make_epub(tmp_path / "docs" / "book.epub", ["<h1>One</h1><p>The fox &amp; the tide.</p>", "<p>Second</p>", ""],
-              spine_order=[1, 0, 2])
+    make_epub(
+        tmp_path / "docs" / "book.epub",
+        ["<h1>One</h1><p>The fox &amp; the tide.</p>", "<p>Second</p>", ""],
+        spine_order=[1, 0, 2],
+    )
     doc, _ = only_document(tmp_path / "docs")
-    assert doc.text == "[chapter 1]\nSecond\n\n[chapter 2]\nOne\n\nThe fox & the tide.\n"   # no <title>, no empty page
+    assert doc.text == "[chapter 1]\nSecond\n\n[chapter 2]\nOne\n\nThe fox & the tide.\n"  # no <title>, no empty page
     assert labels_at(doc) == [("ch. 1", "[chapter 1]"), ("ch. 2", "[chapter 2]")]
 
 
@@ -114,18 +127,36 @@ def test_a_damaged_epub_or_notebook_is_skipped_with_its_reason(tmp_path):
 
 
 def test_a_notebook_reads_markdown_code_and_text_outputs_with_a_place_per_cell(tmp_path):
-    nb = {"nbformat": 4, "nbformat_minor": 5, "metadata": {"language_info": {"name": "python"}}, "cells": [
-        {"cell_type": "markdown", "metadata": {}, "source": ["# Catch\n", "Counted at dawn."]},
-        {"cell_type": "code", "metadata": {}, "execution_count": 1, "source": "n = 12\nprint(n)",
-         "outputs": [{"output_type": "stream", "name": "stdout", "text": ["12\n"]},
-                     {"output_type": "execute_result", "execution_count": 1, "metadata": {},
-                      "data": {"text/plain": ["'cod'"], "image/png": "iVBORw0KGgo="}}]},
-        {"cell_type": "code", "metadata": {}, "execution_count": None, "source": [], "outputs": []}]}
+    nb = {
+        "nbformat": 4,
+        "nbformat_minor": 5,
+        "metadata": {"language_info": {"name": "python"}},
+        "cells": [
+            {"cell_type": "markdown", "metadata": {}, "source": ["# Catch\n", "Counted at dawn."]},
+            {
+                "cell_type": "code",
+                "metadata": {},
+                "execution_count": 1,
+                "source": "n = 12\nprint(n)",
+                "outputs": [
+                    {"output_type": "stream", "name": "stdout", "text": ["12\n"]},
+                    {
+                        "output_type": "execute_result",
+                        "execution_count": 1,
+                        "metadata": {},
+                        "data": {"text/plain": ["'cod'"], "image/png": "iVBORw0KGgo="},
+                    },
+                ],
+            },
+            {"cell_type": "code", "metadata": {}, "execution_count": None, "source": [], "outputs": []},
+        ],
+    }
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "catch.ipynb").write_text(json.dumps(nb))
     doc, _ = only_document(tmp_path / "docs")
-    assert doc.text == ("[cell 1]\n# Catch\nCounted at dawn.\n\n"
-                        "[cell 2]\n```python\nn = 12\nprint(n)\n```\nOutput:\n12\n'cod'\n")
+    assert doc.text == (
+        "[cell 1]\n# Catch\nCounted at dawn.\n\n[cell 2]\n```python\nn = 12\nprint(n)\n```\nOutput:\n12\n'cod'\n"
+    )
     assert [label for _, label in doc.places] == ["cell 1", "cell 2"]
 
 
@@ -149,11 +180,11 @@ def test_pdf_pages_are_places(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "report.pdf").write_bytes(minimal_pdf(["First page", "", "Third page"]))
     doc, _ = only_document(tmp_path / "docs")
-    assert labels_at(doc) == [("p. 1", "[page 1]"), ("p. 3", "[page 3]")]   # page 2 has no text: no place
+    assert labels_at(doc) == [("p. 1", "[page 1]"), ("p. 3", "[page 3]")]  # page 2 has no text: no place
 
 
 def test_without_the_docs_extra_pptx_and_xlsx_name_it(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "pptx", None)          # `import pptx` now raises ImportError
+    monkeypatch.setitem(sys.modules, "pptx", None)  # `import pptx` now raises ImportError
     monkeypatch.setitem(sys.modules, "openpyxl", None)
     docs = tmp_path / "docs"
     docs.mkdir()

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.test_documents import minimal_pdf
 from topk_decode.decode.sources import SourceTracker, citation
 from topk_decode.errors import TopkError
 from topk_decode.index import Selection
 from topk_decode.prefill.documents import Document, layout_context, place_tokens
 from topk_decode.store.manifest import CHECKSUM_FIELD, manifest_checksum, validate_manifest
-from tests.test_documents import minimal_pdf
 
 
 def tokenizer_of(model_dir: Path):
@@ -35,19 +35,19 @@ def test_places_are_the_token_positions_where_their_markers_start(model_factory)
     tok = tokenizer_of(model_factory("llama_gqa"))
     layout = layout_context([Document("a.txt", "alpha beta\n"), pdf_like()], tok)
     a, report = layout.documents
-    assert "places" not in a                                      # a plain text file has none
+    assert "places" not in a  # a plain text file has none
     assert [p["label"] for p in report["places"]] == ["p. 1", "p. 2"]
     for place, marker in zip(report["places"], ["[page 1]", "[page 2]"]):
         assert report["start"] < place["start"] < report["end"]
-        text = tok.decode(layout.ids[place["start"]:report["end"]])
-        before = tok.decode(layout.ids[report["start"]:place["start"]])
+        text = tok.decode(layout.ids[place["start"] : report["end"]])
+        before = tok.decode(layout.ids[report["start"] : place["start"]])
         assert text.lstrip().startswith(marker) and marker not in before
 
 
 def test_a_tokenizer_without_offsets_counts_the_tokens_before_each_place(model_factory):
     tok = tokenizer_of(model_factory("llama_gqa"))
 
-    class Slow:                       # the same tokenizer, without the fast tokenizers' offset mapping
+    class Slow:  # the same tokenizer, without the fast tokenizers' offset mapping
         is_fast = False
 
         def __call__(self, text, **kw):
@@ -81,10 +81,16 @@ def selection(ids, scores) -> Selection:
 
 
 def test_the_tracker_names_the_place_that_drew_the_most_mass():
-    docs = [{"name": "a.txt", "start": 1, "end": 10},
-            {"name": "report.pdf", "start": 10, "end": 40,
-             "places": [{"label": "p. 1", "start": 14}, {"label": "p. 2", "start": 25}]},
-            {"name": "deck.pptx", "start": 40, "end": 50, "places": [{"label": "slide 1", "start": 40}]}]
+    docs = [
+        {"name": "a.txt", "start": 1, "end": 10},
+        {
+            "name": "report.pdf",
+            "start": 10,
+            "end": 40,
+            "places": [{"label": "p. 1", "start": 14}, {"label": "p. 2", "start": 25}],
+        },
+        {"name": "deck.pptx", "start": 40, "end": 50, "places": [{"label": "slide 1", "start": 40}]},
+    ]
     tr = SourceTracker(docs, scale=1.0, group_size=1, n_layers=4)
     q = torch.zeros(1, 1, 4)
     # report.pdf: its header (12), page 1 (20) and page 2 (30, 31: the most); deck.pptx at its own start
@@ -113,11 +119,16 @@ def test_a_folder_of_pdf_code_html_and_docx_prefills_and_sources_name_the_pdf_pa
     # tokens are reached through retrieval, where sources are counted
     (docs / "tool.py").write_text("def main():\n    return sum(range(42))\n\n" * 20)
     filler = "The tide turns at noon and the boats come home. " * 4
-    (docs / "report.pdf").write_bytes(minimal_pdf([filler + "The harbour master is called Idris Vale.",
-                                                   filler + "The special magic number for amber-fox is 482."]))
+    (docs / "report.pdf").write_bytes(
+        minimal_pdf(
+            [
+                filler + "The harbour master is called Idris Vale.",
+                filler + "The special magic number for amber-fox is 482.",
+            ]
+        )
+    )
     store = KVStore.build(docs, tmp_path / "c", DEMO_MODEL_DIR, device="cpu", strategy="flat", compile=False)
-    _, sources = store.ask("What is the special magic number for amber-fox?", max_new_tokens=12,
-                           return_sources=True)
+    _, sources = store.ask("What is the special magic number for amber-fox?", max_new_tokens=12, return_sources=True)
     assert [d["name"] for d in store.documents] == ["ledger.docx", "page.html", "report.pdf", "tool.py"]
     by_doc = {s["document"]: s for s in sources}
     assert by_doc["report.pdf"]["place"] in ("p. 1", "p. 2")
@@ -133,7 +144,7 @@ def test_a_cache_written_before_places_still_opens_and_answers_with_sources(buil
     old = tmp_path / "old"
     shutil.copytree(cache, old)
     manifest = json.loads((old / "manifest.json").read_text())
-    assert all("places" not in d for d in manifest["documents"])   # text files: the table as older versions wrote it
+    assert all("places" not in d for d in manifest["documents"])  # text files: the table as older versions wrote it
     store = KVStore.open(old, k=32, device="cpu", strategy="flat", compile=False)
     _, sources = store.ask("what is in the notes?", max_new_tokens=4, return_sources=True)
     assert sources and all("place" not in s for s in sources)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import typer
+from conftest import hf_greedy
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
@@ -17,7 +18,6 @@ from topk_decode.index import artifact_dir, get_strategy, prepare_artifacts
 from topk_decode.index.duo import PATTERN_FILE, DuoStrategy, parse_pattern, retrieval_mask, write_pattern
 from topk_decode.index.flat import FlatStrategy
 from topk_decode.store import open_cache
-from conftest import hf_greedy
 
 # The built_cache model (llama_gqa): 2 layers, 2 KV heads. Half of the heads stream at sparsity 0.5.
 GATES = [[0.9, 0.1], [0.2, 0.8]]
@@ -50,16 +50,19 @@ def test_parse_pattern_reads_duoattention_tsv_including_scientific_notation(tmp_
     assert gates.tolist() == [[1.0, 0.25, 0.0], [0.5, 1.0, 0.125]]
 
 
-@pytest.mark.parametrize("rows, message", [
-    ([[0.5, 0.5]], "has 1 rows, the model has 2 layers"),
-    ([[0.5, 0.5], [0.5, 0.5], [0.5, 0.5]], "has 3 rows, the model has 2 layers"),
-    ([[0.5, 0.5, 0.5], [0.5, 0.5, 0.5]], "row 1 has 3 columns, the model has 2 KV heads"),
-    ([[0.5, 0.5], [0.5]], "row 2 has 1 columns"),
-    ([[0.5, "abc"], [0.5, 0.5]], "non-numeric"),
-    ([[0.5, 0.5], [1.5, 0.5]], "outside [0, 1]"),
-    ([[0.5, -0.1], [0.5, 0.5]], "outside [0, 1]"),
-    ([[0.5, "nan"], [0.5, 0.5]], "outside [0, 1]"),
-])
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([[0.5, 0.5]], "has 1 rows, the model has 2 layers"),
+        ([[0.5, 0.5], [0.5, 0.5], [0.5, 0.5]], "has 3 rows, the model has 2 layers"),
+        ([[0.5, 0.5, 0.5], [0.5, 0.5, 0.5]], "row 1 has 3 columns, the model has 2 KV heads"),
+        ([[0.5, 0.5], [0.5]], "row 2 has 1 columns"),
+        ([[0.5, "abc"], [0.5, 0.5]], "non-numeric"),
+        ([[0.5, 0.5], [1.5, 0.5]], "outside [0, 1]"),
+        ([[0.5, -0.1], [0.5, 0.5]], "outside [0, 1]"),
+        ([[0.5, "nan"], [0.5, 0.5]], "outside [0, 1]"),
+    ],
+)
 def test_malformed_pattern_raises_one_line_topk_error(tmp_path, rows, message):
     p = write_tsv(tmp_path / "bad.tsv", rows)
     with pytest.raises(TopkError) as err:
@@ -176,8 +179,9 @@ def test_pattern_stored_as_cache_artifact_is_the_default(built_cache, pattern, t
 
 def test_all_retrieval_heads_with_covering_k_reproduce_hf_generate(built_cache, pattern):
     cache, model_dir = built_cache
-    store = KVStore.open(cache, k=100_000, strategy="duo", device="cpu",
-                         strategy_options={"pattern": str(pattern), "sparsity": 0.0})
+    store = KVStore.open(
+        cache, k=100_000, strategy="duo", device="cpu", strategy_options={"pattern": str(pattern), "sparsity": 0.0}
+    )
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompt = tok("Question: what does the report say?", add_special_tokens=False).input_ids
     ours = store.generate_ids(prompt, max_new_tokens=16)
@@ -188,8 +192,15 @@ def test_decoding_with_streaming_heads_counts_skipped_heads_and_retrieves_less(b
     cache, _ = built_cache
     runs = {}
     for sparsity in (0.0, 0.5):
-        store = KVStore.open(cache, k=8, strategy="duo", device="cpu", n_sink=4, n_tail=16,
-                             strategy_options={"pattern": str(pattern), "sparsity": sparsity})
+        store = KVStore.open(
+            cache,
+            k=8,
+            strategy="duo",
+            device="cpu",
+            n_sink=4,
+            n_tail=16,
+            strategy_options={"pattern": str(pattern), "sparsity": sparsity},
+        )
         session = store.session()
         session.ask("what?", max_new_tokens=4)
         runs[sparsity] = (session.stats["retrieved_per_step"], store.decoder.strategy.stats)
@@ -240,8 +251,24 @@ def test_calibrate_duo_command_writes_gates_and_prints_summary(cal_model, tmp_pa
     app = typer.Typer()
     app.command()(calibrate_duo_command)
     out = tmp_path / "cli.tsv"
-    res = CliRunner().invoke(app, [str(cal_model[0]), "--out", str(out), "--steps", "2", "--length", "96",
-                                   "--sink", "4", "--recent", "16", "--device", "cpu"])
+    res = CliRunner().invoke(
+        app,
+        [
+            str(cal_model[0]),
+            "--out",
+            str(out),
+            "--steps",
+            "2",
+            "--length",
+            "96",
+            "--sink",
+            "4",
+            "--recent",
+            "16",
+            "--device",
+            "cpu",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert parse_pattern(out, 2, 2).shape == (2, 2)
     assert "2 layers × 2 KV heads" in res.output
@@ -250,8 +277,21 @@ def test_calibrate_duo_command_writes_gates_and_prints_summary(cal_model, tmp_pa
 def test_topk_calibrate_duo_with_length_inside_the_window_exits_2_with_one_line(cal_model, tmp_path):
     from topk_decode.cli.app import app
 
-    res = CliRunner().invoke(app, ["calibrate-duo", str(cal_model[0]), "--out", str(tmp_path / "g.tsv"),
-                                   "--length", "100", "--sink", "64", "--recent", "256"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "calibrate-duo",
+            str(cal_model[0]),
+            "--out",
+            str(tmp_path / "g.tsv"),
+            "--length",
+            "100",
+            "--sink",
+            "64",
+            "--recent",
+            "256",
+        ],
+    )
     assert res.exit_code == 2
     assert "must exceed --sink + --recent" in res.output
     assert not (tmp_path / "g.tsv").exists()
@@ -263,7 +303,7 @@ def test_covering_budget_gives_streaming_heads_nothing_and_retrieval_heads_every
     q = torch.randn(duo.ckv.n_kv_heads, 3, duo.ckv.head_dim)
     for layer in range(duo.ckv.n_layers):
         sel = duo.select(layer, q, 100_000)
-        full = duo.all_tokens(q, layer)                       # every head, the plain path
+        full = duo.all_tokens(q, layer)  # every head, the plain path
         heads = duo.retrieval_heads[layer]
         for h in range(duo.ckv.n_kv_heads):
             if h in heads:

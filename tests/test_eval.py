@@ -18,9 +18,18 @@ BIG_K = 100_000  # ≥ any searchable range here: flat returns every token
 @pytest.fixture(scope="module")
 def tiny_result(model_factory, tmp_path_factory):
     """Two seeded single_needle instances of ~200 tokens on the tiny Llama GQA model, k=4 and k ≥ context."""
-    cfg = EvalConfig(model=str(model_factory("llama_gqa")), tasks=["single_needle"], lengths=[200], depths=[0.5],
-                     seeds=2, strategies=["flat"], ks=[4, BIG_K], fidelity_steps=4, device="cpu",
-                     work_dir=str(tmp_path_factory.mktemp("eval-work")))
+    cfg = EvalConfig(
+        model=str(model_factory("llama_gqa")),
+        tasks=["single_needle"],
+        lengths=[200],
+        depths=[0.5],
+        seeds=2,
+        strategies=["flat"],
+        ks=[4, BIG_K],
+        fidelity_steps=4,
+        device="cpu",
+        work_dir=str(tmp_path_factory.mktemp("eval-work")),
+    )
     return run_eval(cfg)
 
 
@@ -31,8 +40,8 @@ def test_harness_runs_every_instance_and_strategy_k(tiny_result):
         assert inst.n_context_tokens > 150 and inst.n_prompt_tokens > 0
         for r in inst.runs:
             assert r.steps >= 1
-            assert len(r.layer_mass_recall) == 2                    # the tiny model's layers
-            assert len(r.head_mass_recall[0]) == 4                  # its query heads
+            assert len(r.layer_mass_recall) == 2  # the tiny model's layers
+            assert len(r.head_mass_recall[0]) == 4  # its query heads
 
 
 def test_json_has_config_environment_summary_and_instances(tiny_result, tmp_path):
@@ -52,7 +61,7 @@ def test_flat_with_k_covering_the_context_matches_dense(tiny_result):
         assert run.mass_recall == pytest.approx(1.0, abs=1e-5)
         assert run.id_recall == pytest.approx(1.0)
         assert run.output_rel_error < 1e-4
-        assert run.score_error < 1e-4                              # the scores flat returns are exact q·k
+        assert run.score_error < 1e-4  # the scores flat returns are exact q·k
         assert run.kl_max < 1e-5
         assert run.agreement == 1.0
         assert run.generated == inst.dense_generated and run.correct == inst.dense_correct
@@ -76,16 +85,30 @@ def test_report_tables_and_plots(tiny_result, tmp_path):
 
 
 def test_a_chat_template_model_is_compared_with_dense_on_its_own_layout(model_factory, tmp_path):
-    cfg = EvalConfig(model=str(model_factory("llama_gqa", chat=True)), lengths=[120], depths=[0.5], ks=[BIG_K],
-                     fidelity_steps=2, device="cpu", work_dir=str(tmp_path))
+    cfg = EvalConfig(
+        model=str(model_factory("llama_gqa", chat=True)),
+        lengths=[120],
+        depths=[0.5],
+        ks=[BIG_K],
+        fidelity_steps=2,
+        device="cpu",
+        work_dir=str(tmp_path),
+    )
     inst = run_eval(cfg).instances[0]
     assert inst.layout == "template"
     assert inst.runs[0].kl_max < 1e-5 and inst.runs[0].agreement == 1.0
 
 
 def test_documents_mode_measures_fidelity_without_a_task(model_factory, docs_dir, tmp_path):
-    cfg = EvalConfig(model=str(model_factory("qwen2")), docs=str(docs_dir), question="What runs once?", ks=[8, BIG_K],
-                     fidelity_steps=3, device="cpu", work_dir=str(tmp_path))
+    cfg = EvalConfig(
+        model=str(model_factory("qwen2")),
+        docs=str(docs_dir),
+        question="What runs once?",
+        ks=[8, BIG_K],
+        fidelity_steps=3,
+        device="cpu",
+        work_dir=str(tmp_path),
+    )
     result = run_eval(cfg)
     (inst,) = result.instances
     assert inst.task == "documents" and inst.answer is None and inst.dense_correct is None
@@ -102,14 +125,17 @@ def test_a_plain_tokenizer_gets_exactly_the_task_layout(tiny_result):
     assert all(i.layout == "raw" for i in tiny_result.instances)
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(tasks=["nope"]), "unknown task"),
-    (dict(strategies=["nope"]), "unknown strategy"),
-    (dict(depths=[1.5]), "depths"),
-    (dict(ks=[0]), "k must be positive"),
-    (dict(seeds=0), "--seeds"),
-    (dict(k_schedules=["cubic"]), "unknown k schedule"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(tasks=["nope"]), "unknown task"),
+        (dict(strategies=["nope"]), "unknown strategy"),
+        (dict(depths=[1.5]), "depths"),
+        (dict(ks=[0]), "k must be positive"),
+        (dict(seeds=0), "--seeds"),
+        (dict(k_schedules=["cubic"]), "unknown k schedule"),
+    ],
+)
 def test_bad_settings_raise_one_line_errors(change, message):
     with pytest.raises(TopkError, match=message):
         EvalConfig(**change).validate()
@@ -124,27 +150,63 @@ def test_cli_writes_json_and_reports_bad_input(model_factory, tmp_path):
         pytest.skip("`topk eval` is not registered in topk_decode/cli/app.py yet")
     runner = CliRunner()
     out = tmp_path / "r.json"
-    res = runner.invoke(app, ["eval", "--model", str(model_factory("llama_gqa")), "--lengths", "120",
-                              "--depths", "0.5", "--k", "2,1000", "--k-schedules", "uniform,linear", "--fidelity-steps", "2", "--device", "cpu",
-                              "--out", str(out), "-q"])
+    res = runner.invoke(
+        app,
+        [
+            "eval",
+            "--model",
+            str(model_factory("llama_gqa")),
+            "--lengths",
+            "120",
+            "--depths",
+            "0.5",
+            "--k",
+            "2,1000",
+            "--k-schedules",
+            "uniform,linear",
+            "--fidelity-steps",
+            "2",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+            "-q",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert "Task accuracy" in res.output and "Fidelity" in res.output
     data = json.loads(out.read_text())
     assert len(data["instances"]) == 1
-    assert [r["method"] for r in data["summary"]["fidelity"]] == ["auto@2", "auto@1000", "auto/linear@2",
-                                                                  "auto/linear@1000"]     # the default
+    assert [r["method"] for r in data["summary"]["fidelity"]] == [
+        "auto@2",
+        "auto@1000",
+        "auto/linear@2",
+        "auto/linear@1000",
+    ]  # the default
     bad = runner.invoke(app, ["eval", "--lengths", "4k"])
     assert bad.exit_code == 2 and "--lengths" in bad.output
 
 
-@pytest.mark.slow   # 40 s on the loaded 2-core dev box (2026-11-27): 6 prefills of 4K tokens and their decodes
-@pytest.mark.skipif(not (DEMO_DIR / "config.json").is_file(), reason="the trained demo model has not landed in "
-                    "topk_decode/demo_model/ (no config.json)")
+@pytest.mark.slow  # 40 s on the loaded 2-core dev box (2026-11-27): 6 prefills of 4K tokens and their decodes
+@pytest.mark.skipif(
+    not (DEMO_DIR / "config.json").is_file(),
+    reason="the trained demo model has not landed in topk_decode/demo_model/ (no config.json)",
+)
 def test_demo_model_with_flat_small_k_answers_single_needle_at_4k_as_often_as_dense(tmp_path):
-    cfg = EvalConfig(model=None, tasks=["single_needle"], lengths=[4096], depths=[0.2, 0.5, 0.8], seeds=2,
-                     strategies=["flat"], ks=[16], fidelity_steps=0, device="cpu", work_dir=str(tmp_path))
+    cfg = EvalConfig(
+        model=None,
+        tasks=["single_needle"],
+        lengths=[4096],
+        depths=[0.2, 0.5, 0.8],
+        seeds=2,
+        strategies=["flat"],
+        ks=[16],
+        fidelity_steps=0,
+        device="cpu",
+        work_dir=str(tmp_path),
+    )
     result = run_eval(cfg)
-    assert result.environment["trained_demo_model"] is True       # loaded offline from the package
+    assert result.environment["trained_demo_model"] is True  # loaded offline from the package
     dense = sum(i.dense_correct for i in result.instances)
     topk = sum(i.runs[0].correct for i in result.instances)
     assert len(result.instances) == 6

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import hf_greedy
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from topk_decode import KVStore
 from topk_decode.prefill.build import build_cache
-from conftest import hf_greedy
 
 FAMILIES = ["llama_gqa", "llama_mha", "qwen2", "mistral"]
 
@@ -52,8 +52,10 @@ def test_last_step_logits_match_hf_forward(caches, name):
 def test_sinks_and_tail_do_not_change_dense_result(caches):
     cache, _ = caches["llama_gqa"]
     prompt = [7, 8, 9]
-    outs = [KVStore.open(cache, k=100_000, device="cpu", n_sink=s, n_tail=t).generate_ids(prompt, 12)
-            for s, t in [(0, 0), (4, 64), (16, 300)]]
+    outs = [
+        KVStore.open(cache, k=100_000, device="cpu", n_sink=s, n_tail=t).generate_ids(prompt, 12)
+        for s, t in [(0, 0), (4, 64), (16, 300)]
+    ]
     assert outs[0] == outs[1] == outs[2]
 
 

@@ -13,7 +13,6 @@ from topk_decode.index.flat import compiled as flat_numba
 from topk_decode.kernels import dots, flat_sample, jit
 
 
-
 @pytest.fixture(scope="module")
 def threads():
     """Two worker threads, as the strategy would use on this machine."""
@@ -32,19 +31,20 @@ def _for(dot: str, q: torch.Tensor) -> torch.Tensor:
 
 def _keys_and_queries(hkv: int, n: int, d: int, q: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    keys = (torch.randn(hkv, n, d, generator=gen) + 0.5).bfloat16()     # an offset shared by all keys, as in real K
+    keys = (torch.randn(hkv, n, d, generator=gen) + 0.5).bfloat16()  # an offset shared by all keys, as in real K
     return keys, torch.randn(hkv, q, d, generator=gen)
 
 
 def _brute_force(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 scores of keys[:, lo:hi] and the top min(k, hi − lo) by (score desc, position asc)."""
-    scores = torch.bmm(q, keys[:, lo:hi].float().transpose(1, 2))         # (Hkv, Q, M)
+    scores = torch.bmm(q, keys[:, lo:hi].float().transpose(1, 2))  # (Hkv, Q, M)
     order = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
     return scores, order + lo
 
 
-def _assert_exact_topk(ids: torch.Tensor, sc: torch.Tensor, keys: torch.Tensor, q: torch.Tensor,
-                       k: int, lo: int, hi: int) -> None:
+def _assert_exact_topk(
+    ids: torch.Tensor, sc: torch.Tensor, keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int
+) -> None:
     """ids/scores are the exact top-k of keys[:, lo:hi]: scores to 1e-5, id sets where the k-th score is clear."""
     m = min(k, max(0, hi - lo))
     all_scores, ref_ids = _brute_force(keys, q, k, lo, hi)
@@ -54,7 +54,7 @@ def _assert_exact_topk(ids: torch.Tensor, sc: torch.Tensor, keys: torch.Tensor, 
     assert ((got >= lo) & (got < hi)).all()
     exact = exact_scores(keys, q, got)
     torch.testing.assert_close(got_s, exact, rtol=1e-5, atol=1e-5)
-    ref_s = all_scores.sort(dim=-1, descending=True).values                  # (Hkv, Q, M)
+    ref_s = all_scores.sort(dim=-1, descending=True).values  # (Hkv, Q, M)
     torch.testing.assert_close(got_s.sort(-1, descending=True).values, ref_s[..., :m], rtol=1e-5, atol=1e-5)
     for h in range(q.shape[0]):
         for i in range(q.shape[1]):
@@ -63,13 +63,16 @@ def _assert_exact_topk(ids: torch.Tensor, sc: torch.Tensor, keys: torch.Tensor, 
                 assert set(got[h, i].tolist()) == set(ref_ids[h, i].tolist())
 
 
-@pytest.mark.parametrize("d,Q,k,lo,hi,block", [
-    (64, 4, 50, 3, 2990, 256),      # many blocks, a partial last one
-    (128, 7, 300, 100, 2500, 128),  # k larger than a block: every block returns all its keys
-    (128, 1, 20, 0, 3000, None),    # block size chosen by search
-    (64, 32, 8, 1, 2999, 512),      # a prompt chunk's worth of queries
-    (128, 5, 700, 700, 1500, 100),  # a narrow range in the middle
-])
+@pytest.mark.parametrize(
+    "d,Q,k,lo,hi,block",
+    [
+        (64, 4, 50, 3, 2990, 256),  # many blocks, a partial last one
+        (128, 7, 300, 100, 2500, 128),  # k larger than a block: every block returns all its keys
+        (128, 1, 20, 0, 3000, None),  # block size chosen by search
+        (64, 32, 8, 1, 2999, 512),  # a prompt chunk's worth of queries
+        (128, 5, 700, 700, 1500, 100),  # a narrow range in the middle
+    ],
+)
 @pytest.mark.parametrize("dot", DOTS)
 def test_search_returns_the_exact_topk_across_block_boundaries(threads, d, Q, k, lo, hi, block, dot):
     keys, q = _keys_and_queries(2, 3000, d, Q, seed=d + Q + k)
@@ -83,7 +86,7 @@ def test_k_at_least_the_range_returns_every_key_then_empty_slots(threads, k, lo,
     keys, q = _keys_and_queries(2, 1000, 64, 4, seed=3)
     ids, sc = flat_numba.search(keys, q, k, lo, hi, threads, block=64)
     _assert_exact_topk(ids, sc, keys, q, k, lo, hi)
-    assert (sc[..., hi - lo:] == 0).all()
+    assert (sc[..., hi - lo :] == 0).all()
 
 
 def test_empty_range_returns_only_empty_slots(threads):
@@ -95,10 +98,10 @@ def test_empty_range_returns_only_empty_slots(threads):
 @pytest.mark.parametrize("dot", DOTS)
 def test_ties_at_the_kth_score_go_to_the_lowest_positions_whatever_the_threads_and_blocks(threads, dot):
     hkv, n, d = 2, 2000, 64
-    keys = torch.ones(hkv, n, d, dtype=torch.bfloat16)          # every key scores the same...
-    keys[:, 1500:1510] = 2.0                                    # ...but ten, which score higher for q = 1
+    keys = torch.ones(hkv, n, d, dtype=torch.bfloat16)  # every key scores the same...
+    keys[:, 1500:1510] = 2.0  # ...but ten, which score higher for q = 1
     q = torch.ones(hkv, 3, d)
-    want = set(range(1500, 1510)) | set(range(10, 40))          # lo = 10: the 30 lowest tied positions
+    want = set(range(1500, 1510)) | set(range(10, 40))  # lo = 10: the 30 lowest tied positions
     for p, block in ((threads, 16), (threads, 64), (threads, 1000), (1, 300), (threads, None)):
         ids, sc = flat_numba.search(keys, q, 40, 10, 1990, p, block=block, dot=dot)
         for h in range(hkv):
@@ -113,11 +116,14 @@ def _sampled_block_is_used(keys: torch.Tensor, q: torch.Tensor, k: int, s: int, 
     return bool((spec > float("-inf")).all())
 
 
-@pytest.mark.parametrize("Q,k,lo,hi,block", [
-    (4, 256, 0, 12000, None),      # one block per head on one thread: the sample's cut is used
-    (7, 300, 5, 11990, 6000),      # two blocks, a padded query group
-    (4, 2048, 0, 12000, None),     # k large against the block: no sample, the running cut alone
-])
+@pytest.mark.parametrize(
+    "Q,k,lo,hi,block",
+    [
+        (4, 256, 0, 12000, None),  # one block per head on one thread: the sample's cut is used
+        (7, 300, 5, 11990, 6000),  # two blocks, a padded query group
+        (4, 2048, 0, 12000, None),  # k large against the block: no sample, the running cut alone
+    ],
+)
 @pytest.mark.parametrize("dot", DOTS)
 def test_sampled_cut_keeps_the_exact_topk(Q, k, lo, hi, block, dot):
     keys, q = _keys_and_queries(2, 12000, 64, Q, seed=Q + k)
@@ -131,8 +137,8 @@ def test_a_sample_that_guesses_too_high_falls_back_to_the_exact_topk():
     hkv, n, d, k = 1, 8192, 64, 256
     gen = torch.Generator().manual_seed(5)
     keys = torch.randn(hkv, n, d, generator=gen) * 0.1
-    keys[:, ::8] += 1.0            # exactly the sampled rows (stride 8 at k = 256) score high: the sample's
-    q = torch.ones(hkv, 2, d)      # 64th best lets only ~64 rows through, far fewer than k
+    keys[:, ::8] += 1.0  # exactly the sampled rows (stride 8 at k = 256) score high: the sample's
+    q = torch.ones(hkv, 2, d)  # 64th best lets only ~64 rows through, far fewer than k
     keys = keys.bfloat16()
     assert _sampled_block_is_used(keys, q, k, 0, n)
     ids, sc = flat_numba.search(keys, q, k, 0, n, 1)
@@ -144,8 +150,8 @@ def test_only_the_head_whose_guess_was_too_high_is_scanned_again_and_all_stay_ex
     hkv, n, d, k = 3, 8192, 64, 256
     gen = torch.Generator().manual_seed(6)
     keys = torch.randn(hkv, n, d, generator=gen) * 0.1
-    keys[1, ::8] += 1.0            # head 1 only: its sampled rows score high, its guess lets ~64 rows through
-    keys[2, 6000:6300] += 1.0      # head 2: its best rows all in the last of its four blocks
+    keys[1, ::8] += 1.0  # head 1 only: its sampled rows score high, its guess lets ~64 rows through
+    keys[2, 6000:6300] += 1.0  # head 2: its best rows all in the last of its four blocks
     q = _for(dot, torch.ones(hkv, 3, d) + 0.1 * torch.randn(hkv, 3, d, generator=gen))
     keys = keys.bfloat16()
     assert _sampled_block_is_used(keys, q, k, 0, n)
@@ -155,7 +161,7 @@ def test_only_the_head_whose_guess_was_too_high_is_scanned_again_and_all_stay_ex
 
 def test_ties_everywhere_with_a_sampled_cut_go_to_the_lowest_positions():
     hkv, n, d, k = 1, 8192, 64, 256
-    keys = torch.ones(hkv, n, d, dtype=torch.bfloat16)       # the sample's cut equals every score
+    keys = torch.ones(hkv, n, d, dtype=torch.bfloat16)  # the sample's cut equals every score
     q = torch.ones(hkv, 2, d)
     assert _sampled_block_is_used(keys, q, k, 0, n)
     ids, _ = flat_numba.search(keys, q, k, 0, n, 1)
@@ -178,7 +184,7 @@ def test_numba_backend_selects_what_the_torch_backend_selects_from_a_memory_mapp
             assert torch.equal(a.ids.sort(-1).values, b.ids.sort(-1).values)
             torch.testing.assert_close(a.scores.sort(-1).values, b.scores.sort(-1).values, rtol=1e-5, atol=1e-5)
             _assert_exact_topk(a.ids, a.scores, ckv.keys[layer], q, k, lo, hi)
-        everything = compiled.select(0, q, hi - lo)                # k covers the range: all tokens, exact
+        everything = compiled.select(0, q, hi - lo)  # k covers the range: all tokens, exact
         assert torch.equal(everything.ids, plain.select(0, q, hi - lo).ids)
     finally:
         compiled.close()
@@ -191,23 +197,23 @@ def test_bf16_dot_products_select_and_score_what_the_fp32_path_does(threads, d, 
     q = q.bfloat16().float()
     assert flat_numba.bf16_dot_applies(keys, q)
     a_ids, a_sc = flat_numba.search(keys, q, 100, 2, 4990, threads, dot="fp32")
-    b_ids, b_sc = flat_numba.search(keys, q, 100, 2, 4990, threads)          # auto: bf16 here
+    b_ids, b_sc = flat_numba.search(keys, q, 100, 2, 4990, threads)  # auto: bf16 here
     assert torch.equal(a_ids.sort(-1).values, b_ids.sort(-1).values)
     torch.testing.assert_close(a_sc.sort(-1).values, b_sc.sort(-1).values, rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_dot_products_apply_only_to_bf16_exact_queries_and_rows_of_whole_registers(monkeypatch):
     keys, q = _keys_and_queries(1, 100, 64, 4, seed=1)
-    assert not flat_numba.bf16_dot_applies(keys, q)                           # q: fp32 bits below bf16's
-    assert not dots.bf16_available(48)                                          # 48 is no multiple of 32
+    assert not flat_numba.bf16_dot_applies(keys, q)  # q: fp32 bits below bf16's
+    assert not dots.bf16_available(48)  # 48 is no multiple of 32
     import numba
 
-    try:   # the instruction set is chosen once per process (kernels/jit.py): choose again under each setting
-        monkeypatch.setenv("TOPK_NO_BF16_DOT", "1")                            # the switch for A/B runs
+    try:  # the instruction set is chosen once per process (kernels/jit.py): choose again under each setting
+        monkeypatch.setenv("TOPK_NO_BF16_DOT", "1")  # the switch for A/B runs
         jit.instruction_set.cache_clear()
         assert not dots.bf16_available(64)
         monkeypatch.delenv("TOPK_NO_BF16_DOT")
-        monkeypatch.setattr(numba.config, "CPU_NAME", "generic")               # numba built for another CPU
+        monkeypatch.setattr(numba.config, "CPU_NAME", "generic")  # numba built for another CPU
         jit.instruction_set.cache_clear()
         assert not dots.bf16_available(64)
     finally:
@@ -216,7 +222,7 @@ def test_bf16_dot_products_apply_only_to_bf16_exact_queries_and_rows_of_whole_re
 
 
 def test_numba_backend_takes_fp32_queries_not_representable_in_bf16():
-    keys, q = _keys_and_queries(2, 1500, 64, 4, seed=9)               # q: plain fp32, not bf16-rounded
+    keys, q = _keys_and_queries(2, 1500, 64, 4, seed=9)  # q: plain fp32, not bf16-rounded
     ckv = kv_in_memory(list(keys[None]), list(keys[None]), list(range(1500)), "llama")
     strat = FlatStrategy(ckv, 0, 1500, {"backend": "numba", "threads": 1})
     strat.prepare()
@@ -248,15 +254,15 @@ def test_auto_backend_takes_numba_for_long_bf16_contexts_and_torch_otherwise(mon
         strat.prepare()
         return strat
 
-    assert backend(ckv).backend == "torch"                             # 3,000 keys: below NUMBA_MIN_KEYS
+    assert backend(ckv).backend == "torch"  # 3,000 keys: below NUMBA_MIN_KEYS
     monkeypatch.setattr(flat_mod, "NUMBA_MIN_KEYS", 2000)
     auto, plain = backend(ckv), FlatStrategy(ckv, 0, 3000, {"backend": "torch"})
     plain.prepare()
     assert auto.backend == "numba"
     a, b = auto.select(0, q, 100), plain.select(0, q, 100)
     assert torch.equal(a.ids.sort(-1).values, b.ids.sort(-1).values)
-    assert backend(ckv, 0, 1000).backend == "torch"                    # counts the searchable keys only
-    assert backend(fp32).backend == "torch"                            # numba reads bf16 keys only
+    assert backend(ckv, 0, 1000).backend == "torch"  # counts the searchable keys only
+    assert backend(fp32).backend == "torch"  # numba reads bf16 keys only
 
 
 def test_search_reports_the_time_of_each_pass_when_asked():

@@ -192,11 +192,14 @@ def _one_line_error(args: list[str]) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("magic", "not a GGUF file"),
-    ("truncate", "truncated GGUF file"),
-    ("gemma", "unsupported GGUF architecture 'gemma'"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("magic", "not a GGUF file"),
+        ("truncate", "truncated GGUF file"),
+        ("gemma", "unsupported GGUF architecture 'gemma'"),
+    ],
+)
 def test_prefill_with_a_bad_gguf_is_one_line_error(tmp_path, cache_home, docs_dir, damage, message):
     f = write_gguf(tmp_path / "m.gguf", "gemma" if damage == "gemma" else "llama")
     data = f.read_bytes()

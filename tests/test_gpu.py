@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import hf_greedy
 from transformers import AutoModelForCausalLM
 
 from topk_decode import KVStore
 from topk_decode.prefill.build import build_cache
-from conftest import hf_greedy
 
 pytestmark = pytest.mark.gpu
 
@@ -56,7 +56,7 @@ def test_cuda_small_k_retrieves_exactly_k_per_query_head_and_layer(cuda_caches):
     conv = store.decoder.new_conversation()
     store.decoder.forward([5, 17, 42], conv)
     before = conv.stats.retrieved
-    logits = store.decoder.forward([7], conv)                       # one token: the graphed path
+    logits = store.decoder.forward([7], conv)  # one token: the graphed path
     shape = store.decoder.shape
     assert conv.stats.retrieved - before == 8 * shape.n_heads * shape.n_layers
     assert torch.isfinite(logits).all()
@@ -69,11 +69,11 @@ def test_flash_window_part_equals_the_fp32_window_part():
     torch.manual_seed(0)
     H, hkv, D, W = 32, 8, 128, 77
     q = torch.randn(H, 1, D, device="cuda").to(torch.bfloat16)
-    buf_k = torch.randn(hkv, 128, D, device="cuda").to(torch.bfloat16)   # a window buffer, partly filled
+    buf_k = torch.randn(hkv, 128, D, device="cuda").to(torch.bfloat16)  # a window buffer, partly filled
     buf_v = torch.randn(hkv, 128, D, device="cuda").to(torch.bfloat16)
-    out, lse = merge.window_attention(q, buf_k[:, :W], buf_v[:, :W], None, D ** -0.5)
+    out, lse = merge.window_attention(q, buf_k[:, :W], buf_v[:, :W], None, D**-0.5)
     assert merge._FLASH_OK, "the flash path was not taken"
-    ref_out, ref_lse = merge.window_attention(q.float(), buf_k[:, :W].float(), buf_v[:, :W].float(), None, D ** -0.5)
+    ref_out, ref_lse = merge.window_attention(q.float(), buf_k[:, :W].float(), buf_v[:, :W].float(), None, D**-0.5)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(out.float(), ref_out, rtol=2e-2, atol=2e-2)
 
@@ -89,10 +89,11 @@ def test_chunk_window_part_on_fused_cuda_kernels_equals_the_dense_fp32_one():
         q = torch.randn(H, T, D, device="cuda").to(dtype)
         buf_k = torch.randn(hkv, 1024, D, device="cuda").to(dtype)
         buf_v = torch.randn(hkv, 1024, D, device="cuda").to(dtype)
-        out, lse = merge.chunk_window_attention(q, buf_k[:, :W], buf_v[:, :W], D ** -0.5)
+        out, lse = merge.chunk_window_attention(q, buf_k[:, :W], buf_v[:, :W], D**-0.5)
         assert merge.FUSED_KERNELS["cuda"], "the fused kernels were not taken"
-        ref_out, ref_lse = merge.window_attention(q.float(), buf_k[:, :W].float(), buf_v[:, :W].float(), visible,
-                                                  D ** -0.5)
+        ref_out, ref_lse = merge.window_attention(
+            q.float(), buf_k[:, :W].float(), buf_v[:, :W].float(), visible, D**-0.5
+        )
         torch.testing.assert_close(lse, ref_lse, rtol=1e-3, atol=1e-3)
         torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol)
 
@@ -104,13 +105,13 @@ def test_masked_fixed_capacity_window_part_equals_the_fp32_window_part():
     torch.manual_seed(1)
     H, hkv, D, C, W = 32, 8, 128, 256, 77
     q = torch.randn(H, 1, D, device="cuda").to(torch.bfloat16)
-    buf_k = torch.randn(hkv, C, D, device="cuda").to(torch.bfloat16)     # slots ≥ W hold stale values
+    buf_k = torch.randn(hkv, C, D, device="cuda").to(torch.bfloat16)  # slots ≥ W hold stale values
     buf_v = torch.randn(hkv, C, D, device="cuda").to(torch.bfloat16)
     visible = (torch.arange(C, device="cuda") < W)[None]
     bias = torch.zeros(1, 1, 1, C, device="cuda", dtype=torch.bfloat16).masked_fill(~visible, float("-inf"))
-    out, lse = merge.fixed_window_attention(q, buf_k, buf_v, bias, visible, D ** -0.5)
+    out, lse = merge.fixed_window_attention(q, buf_k, buf_v, bias, visible, D**-0.5)
     assert merge._EFFICIENT_OK, "the efficient-attention path was not taken"
-    ref_out, ref_lse = merge.window_attention(q.float(), buf_k[:, :W].float(), buf_v[:, :W].float(), None, D ** -0.5)
+    ref_out, ref_lse = merge.window_attention(q.float(), buf_k[:, :W].float(), buf_v[:, :W].float(), None, D**-0.5)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(out, ref_out, rtol=2e-2, atol=2e-2)
 
@@ -127,6 +128,7 @@ def test_cuda_graphs_interleaved_conversations_decode_as_each_alone(cuda_caches)
             tok = int(dec.forward([tok], conv).argmax())
             out.append(tok)
         return out
+
     alone = []
     for prompt in ([5, 6, 7], [9, 10]):
         conv = dec.new_conversation()
@@ -174,6 +176,7 @@ def test_failed_compilation_falls_back_to_the_uncompiled_step_with_a_warning(cud
 
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler here")
+
     monkeypatch.setattr(layer, "compiled_boundary", lambda: broken)
     caches, _ = cuda_caches
     store = KVStore.open(caches["fp32"], k=8, device="cuda", dtype="fp32", n_sink=4, n_tail=16)
@@ -185,4 +188,3 @@ def test_failed_compilation_falls_back_to_the_uncompiled_step_with_a_warning(cud
         logits = store.decoder.forward([int(logits.argmax())], conv)
     assert store.decoder.segments.compiled is False and store.decoder.segments.graphs is not None
     torch.testing.assert_close(logits, plain[0], rtol=0, atol=0)
-

@@ -6,21 +6,21 @@ import gc
 
 import pytest
 import torch
-
 from test_routed import _open, _queries, clustered_cache  # noqa: F401 - fixture
+
 from topk_decode.store import huge_pages
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int64, torch.int32, torch.float32])
 def test_huge_copy_is_an_equal_contiguous_copy_that_outlives_its_source(dtype):
-    src = (torch.randn(300, 7) * 100).to(dtype).t()           # non-contiguous source
+    src = (torch.randn(300, 7) * 100).to(dtype).t()  # non-contiguous source
     want = src.clone()
     out = huge_pages.huge_copy(src)
     del src
     gc.collect()
     assert out.dtype == dtype and out.shape == (7, 300) and out.is_contiguous()
     assert torch.equal(out, want)
-    out[0, 0] = 1                                               # writable
+    out[0, 0] = 1  # writable
     assert huge_pages.huge_copy(torch.empty(0, 4)).shape == (0, 4)
 
 
@@ -29,7 +29,7 @@ def test_routed_reads_its_huge_page_copies_with_the_same_selection_and_output(cl
     huge, plain = (_open(clustered_cache, "routed", dict(base, hugepages=h)) for h in (True, False))
     try:
         assert plain.huge_bytes == 0
-        if huge_pages.supported():                              # a small layout always fits: all of it moved
+        if huge_pages.supported():  # a small layout always fits: all of it moved
             moved = [t for lay in plain.layouts for t in (lay.keys, lay.values, lay.offsets)]
             assert huge.huge_bytes == sum(t.numel() * t.element_size() for t in moved)
         for a, b in zip(huge.layouts, plain.layouts):

@@ -35,9 +35,9 @@ def imports(name: str, path: Path, known: set[str]) -> list[tuple[str, list[str]
             out += [(a.name, []) for a in node.names if a.name in known]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
-            if node.level:   # relative: resolve against this module's package
+            if node.level:  # relative: resolve against this module's package
                 pkg = name.split(".") if is_pkg else name.split(".")[:-1]
-                base = ".".join(pkg[:len(pkg) - node.level + 1] + ([base] if base else []))
+                base = ".".join(pkg[: len(pkg) - node.level + 1] + ([base] if base else []))
             if base not in known:
                 continue
             names = [a.name for a in node.names]
@@ -73,7 +73,7 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
         stack.append(m)
         for n in sorted(edges[m]):
             if colour[n] == 1:
-                return stack[stack.index(n):] + [n]
+                return stack[stack.index(n) :] + [n]
             if colour[n] == 0 and (found := visit(n)):
                 return found
         stack.pop()
@@ -88,7 +88,7 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_import_graph_has_no_cycle():
     edges, _ = graph()
-    assert len(edges) > 50 and sum(map(len, edges.values())) > 100      # the walk found the package
+    assert len(edges) > 50 and sum(map(len, edges.values())) > 100  # the walk found the package
     assert find_cycle(edges) is None, " → ".join(find_cycle(edges))
 
 

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from topk_decode.cli.app import app
 from topk_decode.errors import TopkError
-from topk_decode.prefill.documents import (LINK_OUTSIDE, collect_documents, read_text_file, summarize_skipped)
+from topk_decode.prefill.documents import LINK_OUTSIDE, collect_documents, read_text_file, summarize_skipped
 from topk_decode.store.cache_dir import CacheWriter, open_cache
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,22 +48,31 @@ def python_m(*args: object, **kwargs) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("TOPK_DEBUG", None)
     kwargs.setdefault("stdout", subprocess.PIPE)
-    return subprocess.run([sys.executable, "-m", "topk_decode", *map(str, args)], stderr=subprocess.PIPE,
-                          text=True, env=env, timeout=300, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "topk_decode", *map(str, args)],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        timeout=300,
+        **kwargs,
+    )
 
 
 # ---- start-up: no torch for --help, info and the error paths ---------------------------------------
-PROBE = ("import sys, atexit\n"
-         f"atexit.register(lambda: sys.stderr.write('HEAVY=' + ','.join(m for m in {HEAVY!r} if m in sys.modules)))\n"
-         "from topk_decode.cli.app import main\n"
-         "main(sys.argv[1:])\n")
+PROBE = (
+    "import sys, atexit\n"
+    f"atexit.register(lambda: sys.stderr.write('HEAVY=' + ','.join(m for m in {HEAVY!r} if m in sys.modules)))\n"
+    "from topk_decode.cli.app import main\n"
+    "main(sys.argv[1:])\n"
+)
 
 
 def heavy_imports(*args: object) -> tuple[subprocess.CompletedProcess, str]:
     """Run the CLI with ARGS; return the process and the heavy modules it imported ('' = none)."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-c", PROBE, *map(str, args)], capture_output=True, text=True, env=env,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, *map(str, args)], capture_output=True, text=True, env=env, timeout=120
+    )
     tail = proc.stderr.rpartition("HEAVY=")
     assert tail[1], proc.stderr
     return proc, tail[2].strip()
@@ -78,23 +87,26 @@ def test_startup_commands_import_no_torch(built_cache, docs_dir, tmp_path):
         assert heavy == "", f"{args}: imported {heavy}"
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (["chat", "{tmp}/missing", "--prompt", "hi"], "cache not found"),
-    (["chat", "{cache}", "--strategy", "nope", "--prompt", "hi"], "unknown strategy 'nope'"),
-    (["chat", "{cache}", "--temperature", "-1", "--prompt", "hi"], "temperature must be"),
-    (["chat", "{cache}", "--k", "0", "--prompt", "hi"], "k must be a positive integer"),
-    (["info", "{tmp}/missing"], "cache not found"),
-    (["prefill", "{tmp}/missing", "--out", "{tmp}/c"], "documents not found"),
-    (["prefill", "{docs}", "--out", "{cache}"], "already exists"),
-    (["prefill", "{docs}", "--out", "{tmp}/c", "--dtype", "fp8"], "unknown dtype 'fp8'"),
-    (["prefill", "{docs}", "--out", "{tmp}/c", "--model", "{tmp}/nope"], "model directory not found"),
-    (["prefill", "{docs}", "--out", "{tmp}/c", "--strategy", "nope"], "unknown strategy 'nope'"),
-    (["serve", "{tmp}/missing"], "cache not found"),
-    (["serve", "{cache}", "--strategy", "nope"], "unknown strategy 'nope'"),
-    (["serve", "{cache}", "--host", "0.0.0.0"], "pass --api-key KEY"),
-    (["serve", "{cache}", "--cors-origin", "https://app.example.com/"], "--cors-origin must be"),
-    (["serve", "{cache}", "--api-key", "two words"], "--api-key (or TOPK_API_KEY) must be printable"),
-])
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["chat", "{tmp}/missing", "--prompt", "hi"], "cache not found"),
+        (["chat", "{cache}", "--strategy", "nope", "--prompt", "hi"], "unknown strategy 'nope'"),
+        (["chat", "{cache}", "--temperature", "-1", "--prompt", "hi"], "temperature must be"),
+        (["chat", "{cache}", "--k", "0", "--prompt", "hi"], "k must be a positive integer"),
+        (["info", "{tmp}/missing"], "cache not found"),
+        (["prefill", "{tmp}/missing", "--out", "{tmp}/c"], "documents not found"),
+        (["prefill", "{docs}", "--out", "{cache}"], "already exists"),
+        (["prefill", "{docs}", "--out", "{tmp}/c", "--dtype", "fp8"], "unknown dtype 'fp8'"),
+        (["prefill", "{docs}", "--out", "{tmp}/c", "--model", "{tmp}/nope"], "model directory not found"),
+        (["prefill", "{docs}", "--out", "{tmp}/c", "--strategy", "nope"], "unknown strategy 'nope'"),
+        (["serve", "{tmp}/missing"], "cache not found"),
+        (["serve", "{cache}", "--strategy", "nope"], "unknown strategy 'nope'"),
+        (["serve", "{cache}", "--host", "0.0.0.0"], "pass --api-key KEY"),
+        (["serve", "{cache}", "--cors-origin", "https://app.example.com/"], "--cors-origin must be"),
+        (["serve", "{cache}", "--api-key", "two words"], "--api-key (or TOPK_API_KEY) must be printable"),
+    ],
+)
 def test_error_paths_import_no_torch(built_cache, docs_dir, tmp_path, args, fragment):
     cache, _ = built_cache
     args = [a.format(tmp=tmp_path, cache=cache, docs=docs_dir) for a in args]
@@ -124,19 +136,31 @@ def test_info_with_stdout_closed_or_full_is_an_error_and_a_gone_reader_is_quiet(
     assert proc.returncode == 2
     one_error(proc.stderr, "cannot write the output to stdout", "No space left on device")
     read, write = os.pipe()
-    os.close(read)                                # `| head -c1` that has already exited
+    os.close(read)  # `| head -c1` that has already exited
     try:
         gone = python_m("info", cache, "--json", stdout=write)
     finally:
         os.close(write)
-    assert gone.returncode == 141 and gone.stderr.strip() == "", gone.stderr   # quiet, like Unix tools
+    assert gone.returncode == 141 and gone.stderr.strip() == "", gone.stderr  # quiet, like Unix tools
 
 
 @pytest.mark.slow
 def test_chat_prompt_with_stdout_closed_is_an_error(built_cache):
     cache, _ = built_cache
-    closed = python_m("chat", cache, "--prompt", "Why?", "--k", 8, "--max-new-tokens", 4, "--device", "cpu",
-                      stdout=None, preexec_fn=lambda: os.close(1))
+    closed = python_m(
+        "chat",
+        cache,
+        "--prompt",
+        "Why?",
+        "--k",
+        8,
+        "--max-new-tokens",
+        4,
+        "--device",
+        "cpu",
+        stdout=None,
+        preexec_fn=lambda: os.close(1),
+    )
     assert closed.returncode == 2
     one_error(closed.stderr, "cannot write the output to stdout", "stdout is closed")
 
@@ -222,7 +246,7 @@ def test_fifos_and_sockets_are_reported_and_never_opened(tmp_path):
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "a.txt").write_text("Inside text.\n")
-    os.mkfifo(docs / "pipe.txt")                     # opening it for reading would wait for a writer
+    os.mkfifo(docs / "pipe.txt")  # opening it for reading would wait for a writer
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(str(docs / "sock.txt"))
         finished, result = _in_thread(lambda: collect_documents(docs))
@@ -230,19 +254,27 @@ def test_fifos_and_sockets_are_reported_and_never_opened(tmp_path):
     found, skipped = result
     assert [d.name for d in found] == ["a.txt"]
     assert skipped == ["pipe.txt (a FIFO: not read)", "sock.txt (a socket: not read)"]
-    finished, result = _in_thread(lambda: read_text_file(docs / "pipe.txt"))   # one put where a file was listed
+    finished, result = _in_thread(lambda: read_text_file(docs / "pipe.txt"))  # one put where a file was listed
     assert finished and isinstance(result, OSError) and "FIFO" in str(result)
     with pytest.raises(TopkError, match="pipe.txt is a FIFO, not a text file or a folder"):
         collect_documents(docs / "pipe.txt")
 
 
 def test_skipped_files_are_summarised_one_line_per_reason():
-    skipped = [f"img{i}.png (binary)" for i in range(5)] + ["p (a FIFO: not read)", "x (1) (empty)",
-               ".git/ (version-control folder)", "build/ (matched by .gitignore)", "a.log (matched by .gitignore)"]
-    assert summarize_skipped(skipped) == ["5 files (binary): img0.png, img1.png, img2.png and 2 more",
-                                          "1 file (a FIFO: not read): p", "1 file (empty): x (1)",
-                                          "1 folder (version-control folder): .git/",
-                                          "2 entries (matched by .gitignore): build/, a.log"]
+    skipped = [f"img{i}.png (binary)" for i in range(5)] + [
+        "p (a FIFO: not read)",
+        "x (1) (empty)",
+        ".git/ (version-control folder)",
+        "build/ (matched by .gitignore)",
+        "a.log (matched by .gitignore)",
+    ]
+    assert summarize_skipped(skipped) == [
+        "5 files (binary): img0.png, img1.png, img2.png and 2 more",
+        "1 file (a FIFO: not read): p",
+        "1 file (empty): x (1)",
+        "1 folder (version-control folder): .git/",
+        "2 entries (matched by .gitignore): build/, a.log",
+    ]
 
 
 def test_prefill_reports_skipped_entries_once_per_reason(model_factory, tmp_path):
@@ -256,10 +288,13 @@ def test_prefill_reports_skipped_entries_once_per_reason(model_factory, tmp_path
     result = topk("prefill", docs, "--out", tmp_path / "c", "--model", model_factory("llama_gqa"), "--device", "cpu")
     assert result.exit_code == 0, result.output
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: skipped")]
-    assert sorted(warnings) == sorted([
-        "warning: skipped 5 files (binary): img0.png, img1.png, img2.png and 2 more",
-        "warning: skipped 1 file (a FIFO: not read): pipe.txt",
-        f"warning: skipped 1 file ({LINK_OUTSIDE}): out.txt"])
+    assert sorted(warnings) == sorted(
+        [
+            "warning: skipped 5 files (binary): img0.png, img1.png, img2.png and 2 more",
+            "warning: skipped 1 file (a FIFO: not read): pipe.txt",
+            f"warning: skipped 1 file ({LINK_OUTSIDE}): out.txt",
+        ]
+    )
     info = topk("info", tmp_path / "c")
     assert "skipped at prefill: 5 files (binary): img0.png, img1.png, img2.png and 2 more" in info.stdout
 
@@ -272,13 +307,20 @@ def _small_cache(out: Path, n: int = 300) -> Path:
     for layer in range(2):
         w.write_layer(layer, torch.randn(2, n, 8, generator=gen), torch.randn(2, n, 8, generator=gen))
     w.write_tokens([3 + i % 50 for i in range(n)])
-    return w.commit({"model": {"path": "none", "fingerprint": "none"}, "kv_dtype": "float32", "n_tokens": n,
-                     "shape": {"n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8},
-                     "documents": [{"name": "x", "start": 0, "end": n}]})
+    return w.commit(
+        {
+            "model": {"path": "none", "fingerprint": "none"},
+            "kv_dtype": "float32",
+            "n_tokens": n,
+            "shape": {"n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8},
+            "documents": [{"name": "x", "start": 0, "end": n}],
+        }
+    )
 
 
-@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"), KeyboardInterrupt()],
-                         ids=["disk-full", "interrupted"])
+@pytest.mark.parametrize(
+    "error", [OSError(errno.ENOSPC, "No space left on device"), KeyboardInterrupt()], ids=["disk-full", "interrupted"]
+)
 @pytest.mark.parametrize("name,module", [("routed", "routed.layout"), ("quest", "quest")])
 def test_a_failed_artifact_build_removes_its_partial_files(tmp_path, monkeypatch, name, module, error):
     import importlib
@@ -291,7 +333,7 @@ def test_a_failed_artifact_build_removes_its_partial_files(tmp_path, monkeypatch
     def fail_on_the_third(path, data):
         calls.append(path)
         if len(calls) == 3:
-            real(path, bytes(data)[:10])            # a file half-written when the disk filled up
+            real(path, bytes(data)[:10])  # a file half-written when the disk filled up
             raise error
         real(path, data)
 
@@ -306,5 +348,5 @@ def test_a_failed_artifact_build_removes_its_partial_files(tmp_path, monkeypatch
     d = artifact_dir(cache, name)
     assert len(calls) == 3 and d.is_dir() and list(d.iterdir()) == []
     monkeypatch.setattr(mod, "write_file", real)
-    prepare_artifacts(open_cache(cache), [name])       # and a later build succeeds
+    prepare_artifacts(open_cache(cache), [name])  # and a later build succeeds
     assert (d / "done.json").is_file()

@@ -35,8 +35,8 @@ def joint_attention(
     H, T, D = q.shape
     hkv, W, _ = win_k.shape
     G = H // hkv
-    qf = q.float().reshape(hkv, G * T, D)                                    # (Hkv, G·T, D)
-    b = torch.bmm(qf, win_k.float().transpose(1, 2)).view(H, T, W) * scale   # (H, T, W)
+    qf = q.float().reshape(hkv, G * T, D)  # (Hkv, G·T, D)
+    b = torch.bmm(qf, win_k.float().transpose(1, 2)).view(H, T, W) * scale  # (H, T, W)
     if win_visible is not None:
         b = b.masked_fill(~win_visible, float("-inf"))
     if ctx_scores is not None and ctx_scores.shape[-1] > 0:
@@ -92,9 +92,9 @@ def test_joint_attention_equals_sdpa_over_context_and_window():
     ctx_k, ctx_v = torch.randn(hkv, N, D, dtype=torch.float64), torch.randn(hkv, N, D, dtype=torch.float64)
     win_k, win_v = torch.randn(hkv, W, D, dtype=torch.float64), torch.randn(hkv, W, D, dtype=torch.float64)
     # causal over the window: the last T window slots are the new tokens
-    visible = torch.arange(W)[None, :] <= (W - T + torch.arange(T))[:, None]          # (T, W)
+    visible = torch.arange(W)[None, :] <= (W - T + torch.arange(T))[:, None]  # (T, W)
     scores, values = _split(q, ctx_k, ctx_v)
-    ours = joint_attention(q, win_k, win_v, visible, scores, values, D ** -0.5)
+    ours = joint_attention(q, win_k, win_v, visible, scores, values, D**-0.5)
     full_mask = torch.cat([torch.ones(T, N, dtype=torch.bool), visible], dim=1)
     ref = _dense(q, torch.cat([ctx_k, win_k], 1), torch.cat([ctx_v, win_v], 1), full_mask)
     torch.testing.assert_close(ours.double(), ref, rtol=1e-6, atol=1e-6)
@@ -133,8 +133,8 @@ def test_empty_slots_get_no_weight():
     values = torch.randn(H, T, 5, D)
     scores_masked = scores.clone()
     scores_masked[..., 3:] = float("-inf")
-    with_empty = joint_attention(q, win_k, win_v, None, scores_masked, values, D ** -0.5)
-    without = joint_attention(q, win_k, win_v, None, scores[..., :3], values[..., :3, :], D ** -0.5)
+    with_empty = joint_attention(q, win_k, win_v, None, scores_masked, values, D**-0.5)
+    without = joint_attention(q, win_k, win_v, None, scores[..., :3], values[..., :3, :], D**-0.5)
     torch.testing.assert_close(with_empty, without)
 
 
@@ -143,19 +143,18 @@ def test_small_k_reproduces_dense_output_when_attention_is_concentrated():
     torch.manual_seed(4)
     H, hkv, D, N, W, k = 4, 2, 32, 2000, 4, 8
     q = torch.randn(H, 1, D)
-    ctx_k = torch.randn(hkv, N, D) * 0.05          # background keys: near-zero logits
+    ctx_k = torch.randn(hkv, N, D) * 0.05  # background keys: near-zero logits
     ctx_v = torch.randn(hkv, N, D)
     hot = torch.randint(0, N, (hkv, k))
     G = H // hkv
-    for h in range(hkv):                           # plant keys aligned with the group's queries
-        ctx_k[h, hot[h]] = q[h * G:(h + 1) * G, 0].mean(0) * 8.0
+    for h in range(hkv):  # plant keys aligned with the group's queries
+        ctx_k[h, hot[h]] = q[h * G : (h + 1) * G, 0].mean(0) * 8.0
     win_k, win_v = torch.randn(hkv, W, D) * 0.05, torch.randn(hkv, W, D)
     dense = _dense(q, torch.cat([ctx_k, win_k], 1), torch.cat([ctx_v, win_v], 1))
-    scores_all = torch.einsum("gqd,gnd->gqn", q.view(hkv, G, D), ctx_k)            # (Hkv, G, N)
+    scores_all = torch.einsum("gqd,gnd->gqn", q.view(hkv, G, D), ctx_k)  # (Hkv, G, N)
     top = scores_all.topk(k, dim=-1)
-    sel_values = torch.stack([ctx_v[h][top.indices[h]] for h in range(hkv)])       # (Hkv, G, k, D)
-    out = joint_attention(q, win_k, win_v, None, top.values.reshape(H, 1, k),
-                          sel_values.reshape(H, 1, k, D), D ** -0.5)
+    sel_values = torch.stack([ctx_v[h][top.indices[h]] for h in range(hkv)])  # (Hkv, G, k, D)
+    out = joint_attention(q, win_k, win_v, None, top.values.reshape(H, 1, k), sel_values.reshape(H, 1, k, D), D**-0.5)
     rel = (out - dense).norm() / dense.norm()
     assert rel < 1e-3, f"relative error {rel:.2e}"
     # and the same budget misses when attention is spread out (the test is not vacuous)
@@ -163,8 +162,7 @@ def test_small_k_reproduces_dense_output_when_attention_is_concentrated():
     dense_spread = _dense(q, torch.cat([spread_k, win_k], 1), torch.cat([ctx_v, win_v], 1))
     s = torch.einsum("gqd,gnd->gqn", q.view(hkv, G, D), spread_k).topk(k, dim=-1)
     v = torch.stack([ctx_v[h][s.indices[h]] for h in range(hkv)])
-    out_spread = joint_attention(q, win_k, win_v, None, s.values.reshape(H, 1, k), v.reshape(H, 1, k, D),
-                                 D ** -0.5)
+    out_spread = joint_attention(q, win_k, win_v, None, s.values.reshape(H, 1, k), v.reshape(H, 1, k, D), D**-0.5)
     assert (out_spread - dense_spread).norm() / dense_spread.norm() > 10 * rel
     assert math.isfinite(float(rel))
 
@@ -191,18 +189,18 @@ def test_cpu_context_part_merged_with_window_part_equals_joint_attention():
     win_k, win_v = torch.randn(hkv, W, D), torch.randn(hkv, W, D)
     visible = torch.arange(W)[None, :] <= (W - T + torch.arange(T))[:, None]
     sel = _selection_for(q, ctx_k, k)
-    sel.ids[0, 1, 3] = -1                          # an empty slot gets no weight
+    sel.ids[0, 1, 3] = -1  # an empty slot gets no weight
     o, mz = torch.empty(H * T, D), torch.empty(H * T, 2)
-    n = ContextAttention([ctx_v], D ** -0.5).attend(0, sel, o, mz)
+    n = ContextAttention([ctx_v], D**-0.5).attend(0, sel, o, mz)
     assert n == hkv * (H // hkv) * T * k - 1
-    out_w, lse_w = window_attention(q, win_k, win_v, visible, D ** -0.5)
+    out_w, lse_w = window_attention(q, win_k, win_v, visible, D**-0.5)
     ours = merge_with_context(out_w, lse_w, o.view(H, T, D), mz.view(H, T, 2))
     # reference: one softmax over [retrieved, window] with the retrieved values gathered explicitly
     G = H // hkv
     scores = sel.scores.masked_fill(sel.ids < 0, float("-inf")).reshape(H, T, k)
     rows = sel.ids.clamp(min=0).reshape(hkv, G * T * k)
     vals = torch.stack([ctx_v[h, rows[h]] for h in range(hkv)]).reshape(H, T, k, D)
-    ref = joint_attention(q, win_k, win_v, visible, scores, vals, D ** -0.5)
+    ref = joint_attention(q, win_k, win_v, visible, scores, vals, D**-0.5)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -216,12 +214,12 @@ def test_query_head_that_retrieved_nothing_attends_to_the_window_alone():
     ctx_k, ctx_v = torch.randn(hkv, N, D), torch.randn(hkv, N, D)
     win_k, win_v = torch.randn(hkv, W, D), torch.randn(hkv, W, D)
     sel = _selection_for(q, ctx_k, k)
-    sel.ids[1] = -1                                 # KV head 1 (query heads 2, 3): nothing retrieved
+    sel.ids[1] = -1  # KV head 1 (query heads 2, 3): nothing retrieved
     o, mz = torch.empty(H, D), torch.empty(H, 2)
-    ContextAttention([ctx_v], D ** -0.5).attend(0, sel, o, mz)
+    ContextAttention([ctx_v], D**-0.5).attend(0, sel, o, mz)
     out_c, lse_c = context_part(o, mz)
     assert torch.isinf(lse_c[2:]).all() and (lse_c[2:] < 0).all() and torch.equal(out_c[2:], torch.zeros(2, D))
-    out_w, lse_w = window_attention(q, win_k, win_v, None, D ** -0.5)
+    out_w, lse_w = window_attention(q, win_k, win_v, None, D**-0.5)
     merged = merge_with_context(out_w, lse_w, o.view(H, 1, D), mz.view(H, 1, 2))
     assert torch.isfinite(merged).all()
     torch.testing.assert_close(merged[2:], out_w[2:])
@@ -238,11 +236,11 @@ def test_bf16_context_part_stays_within_bf16_rounding_of_the_fp32_one():
     sel = _selection_for(q, ctx_k, k)
     exact = torch.empty(H, D), torch.empty(H, 2)
     half = torch.empty(H, D, dtype=torch.bfloat16), torch.empty(H, 2)
-    ContextAttention([ctx_v.to(torch.bfloat16).float()], D ** -0.5).attend(0, sel, *exact)
-    ContextAttention([ctx_v.to(torch.bfloat16)], D ** -0.5).attend(0, sel, *half)
-    assert torch.equal(half[1], exact[1])                     # m and z (the lse) are fp32 either way
+    ContextAttention([ctx_v.to(torch.bfloat16).float()], D**-0.5).attend(0, sel, *exact)
+    ContextAttention([ctx_v.to(torch.bfloat16)], D**-0.5).attend(0, sel, *half)
+    assert torch.equal(half[1], exact[1])  # m and z (the lse) are fp32 either way
     err = (half[0].float() - exact[0]).abs().max() / exact[0].abs().max()
-    assert 0 < err < 2 ** -6
+    assert 0 < err < 2**-6
 
 
 def test_a_selection_marked_full_skips_the_empty_slot_check_with_the_same_result():
@@ -255,7 +253,7 @@ def test_a_selection_marked_full_skips_the_empty_slot_check_with_the_same_result
     sel = _selection_for(q, ctx_k, k)
     checked = torch.empty(H, D, dtype=torch.bfloat16), torch.empty(H, 2)
     skipped = torch.empty(H, D, dtype=torch.bfloat16), torch.empty(H, 2)
-    attention = ContextAttention([ctx_v.to(torch.bfloat16)], D ** -0.5)
+    attention = ContextAttention([ctx_v.to(torch.bfloat16)], D**-0.5)
     assert attention.attend(0, sel, *checked) == H * k
     sel.no_empty_slots = True
     assert attention.attend(0, sel, *skipped) == H * k
@@ -270,7 +268,7 @@ def test_context_part_of_prompts_of_different_lengths_warns_nothing(capfd):
     torch.manual_seed(9)
     H, hkv, D, N, k = 4, 2, 8, 50, 5
     ctx_k, ctx_v = torch.randn(hkv, N, D), torch.randn(hkv, N, D).to(torch.bfloat16)
-    attention = ContextAttention([ctx_v], D ** -0.5)
+    attention = ContextAttention([ctx_v], D**-0.5)
     for T in (7, 1, 3, 1):
         sel = _selection_for(torch.randn(H, T, D), ctx_k, k)
         o, mz = torch.empty(H * T, D, dtype=torch.bfloat16), torch.empty(H * T, 2)
@@ -285,7 +283,7 @@ def _chunk_case(seed: int, H: int, hkv: int, T: int, W: int, D: int, capacity: i
     torch.manual_seed(seed)
     q = torch.randn(H, T, D) * 2
     buf_k, buf_v = torch.randn(hkv, capacity, D), torch.randn(hkv, capacity, D)
-    visible = torch.arange(W)[None, :] <= (W - T + torch.arange(T))[:, None]     # bottom-right causal
+    visible = torch.arange(W)[None, :] <= (W - T + torch.arange(T))[:, None]  # bottom-right causal
     return q, buf_k[:, :W], buf_v[:, :W], visible
 
 
@@ -295,9 +293,9 @@ def test_chunk_window_part_equals_the_dense_masked_window_part():
     from topk_decode.decode.merge import chunk_window_attention, window_attention
 
     for H, hkv, T, W in ((8, 2, 37, 100), (4, 4, 5, 5), (6, 1, 64, 64 + 3), (8, 2, 1, 9)):
-        q, k, v, visible = _chunk_case(H + T, H, hkv, T, W, 16, capacity=128)   # strided views of a buffer
-        out, lse = chunk_window_attention(q, k, v, 16 ** -0.5)
-        ref_out, ref_lse = window_attention(q, k, v, visible, 16 ** -0.5)
+        q, k, v, visible = _chunk_case(H + T, H, hkv, T, W, 16, capacity=128)  # strided views of a buffer
+        out, lse = chunk_window_attention(q, k, v, 16**-0.5)
+        ref_out, ref_lse = window_attention(q, k, v, visible, 16**-0.5)
         assert out.dtype == lse.dtype == torch.float32 and out.shape == (H, T, 16) and lse.shape == (H, T)
         torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)

@@ -85,7 +85,7 @@ def test_attention_fidelity_on_a_constructed_head():
     # dense probabilities over [ctx0, ctx1, ctx2, win0] = [1, 2, 3, 1] / 7; select ctx2 (+ the window)
     fid = attention_fidelity(q, 1.0, ctx_k, ctx_v, lo, win_k, win_v, visible, torch.tensor([[[12, -1]]]), k=1)
     assert fid.mass_recall.item() == pytest.approx(4 / 7, abs=1e-6)
-    assert fid.id_recall.item() == pytest.approx(1.0)        # the exact top-1 is position 12
+    assert fid.id_recall.item() == pytest.approx(1.0)  # the exact top-1 is position 12
     dense, sel = 24 / 7, (3 * 3 + 1 * 10) / 4
     assert fid.output_rel_error.item() == pytest.approx(abs(sel - dense) / dense, rel=1e-5)
     # selecting the wrong token: the top-1 is missed
@@ -102,7 +102,7 @@ def test_attention_fidelity_is_exact_when_everything_is_selected():
     win_k, win_v = torch.randn(hkv, W, D), torch.randn(hkv, W, D)
     visible = torch.ones(Q, W, dtype=torch.bool)
     everything = torch.arange(4, 4 + M).expand(hkv, Q, M)
-    fid = attention_fidelity(q, D ** -0.5, ctx_k, ctx_v, 4, win_k, win_v, visible, everything, k=16)
+    fid = attention_fidelity(q, D**-0.5, ctx_k, ctx_v, 4, win_k, win_v, visible, everything, k=16)
     assert torch.allclose(fid.mass_recall, torch.ones(hkv, Q), atol=1e-6)
     assert torch.allclose(fid.id_recall, torch.ones(hkv, Q))
     assert fid.output_rel_error.max().item() < 1e-5

@@ -18,7 +18,7 @@ def test_every_option_has_a_type_a_default_and_a_doc(name):
         assert kind in ("int", "float", "bool", "str"), option
         assert len(doc) > 10, option
     defaults = cls.parse_options({})
-    assert defaults.given_values() == {}                      # nothing given: every field at its default
+    assert defaults.given_values() == {}  # nothing given: every field at its default
 
 
 def test_values_are_converted_once_and_build_options_are_told_apart():
@@ -27,17 +27,20 @@ def test_values_are_converted_once_and_build_options_are_told_apart():
     assert opts.probe_fraction == 0.02 and opts.estimate is False and opts.kernel == "torch"
     assert opts.given_build_values() == {"cluster_size": 24}
     assert opts.build_values() == {"cluster_size": 24, "iters": 6, "store_values": True, "segment": 65536}
-    assert cls.parse_options(opts) is opts                   # an instance is not parsed again
+    assert cls.parse_options(opts) is opts  # an instance is not parsed again
     assert opts.replace(iters=3).given_build_values() == {"cluster_size": 24, "iters": 3}
 
 
-@pytest.mark.parametrize("options,fragment", [
-    ({"probe_fraction": 1.5}, "option probe_fraction must be a number in (0, 1], got 1.5"),
-    ({"segment": 0}, "option segment must be a positive integer, got 0"),
-    ({"kernel": "fast"}, "option kernel must be auto, torch or numba, got 'fast'"),
-    ({"estimate": "maybe"}, "option estimate of strategy routed must be a boolean (true/false), got 'maybe'"),
-    ({"probe": 1}, "unknown option 'probe' for strategy routed"),
-])
+@pytest.mark.parametrize(
+    "options,fragment",
+    [
+        ({"probe_fraction": 1.5}, "option probe_fraction must be a number in (0, 1], got 1.5"),
+        ({"segment": 0}, "option segment must be a positive integer, got 0"),
+        ({"kernel": "fast"}, "option kernel must be auto, torch or numba, got 'fast'"),
+        ({"estimate": "maybe"}, "option estimate of strategy routed must be a boolean (true/false), got 'maybe'"),
+        ({"probe": 1}, "unknown option 'probe' for strategy routed"),
+    ],
+)
 def test_bad_values_are_one_line_topk_errors(options, fragment):
     with pytest.raises(TopkError) as err:
         get_strategy("routed").parse_options(options)

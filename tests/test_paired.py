@@ -18,32 +18,55 @@ def test_wilson_interval_matches_hand_computed_values():
     assert lo < 0.5 < hi and math.isclose(0.5 - lo, hi - 0.5, rel_tol=1e-9)
 
 
-@pytest.mark.parametrize("task, text, expected", [
-    ("real_needle", "The special magic number for amber-fox is 4829104.", "4829104"),
-    ("real_needle", "4829104", "4829104"),
-    ("real_vt", "VAR ABCDE is 1234567, not 7654321", "1234567"),
-    ("real_multi_value", "7654321, 1234567\n* 7654321", "1234567,7654321"),
-    ("real_qa", "Nothing happens!\nMore text", "nothing happens"),
-    ("real_needle", "I do not know.", "i do not know"),
-])
+@pytest.mark.parametrize(
+    "task, text, expected",
+    [
+        ("real_needle", "The special magic number for amber-fox is 4829104.", "4829104"),
+        ("real_needle", "4829104", "4829104"),
+        ("real_vt", "VAR ABCDE is 1234567, not 7654321", "1234567"),
+        ("real_multi_value", "7654321, 1234567\n* 7654321", "1234567,7654321"),
+        ("real_qa", "Nothing happens!\nMore text", "nothing happens"),
+        ("real_needle", "I do not know.", "i do not know"),
+    ],
+)
 def test_final_answer(task, text, expected):
     assert paired.final_answer(task, text) == expected
 
 
 def _inst(task, dense, dense_ok, runs, length=100):
-    return {"task": task, "length": length, "answer": "x", "dense_generated": dense, "dense_correct": dense_ok,
-            "runs": [{"strategy": s, "schedule": "uniform", "k": 5, "k_label": "1%", "generated": g, "correct": ok,
-                      "same_as_dense": g == dense, "mass_recall": 0.9, "id_recall": 1.0, "kl_mean": 0.01,
-                      "agreement": 1.0, "keys_read": None} for s, g, ok in runs]}
+    return {
+        "task": task,
+        "length": length,
+        "answer": "x",
+        "dense_generated": dense,
+        "dense_correct": dense_ok,
+        "runs": [
+            {
+                "strategy": s,
+                "schedule": "uniform",
+                "k": 5,
+                "k_label": "1%",
+                "generated": g,
+                "correct": ok,
+                "same_as_dense": g == dense,
+                "mass_recall": 0.9,
+                "id_recall": 1.0,
+                "kl_mean": 0.01,
+                "agreement": 1.0,
+                "keys_read": None,
+            }
+            for s, g, ok in runs
+        ],
+    }
 
 
 def test_paired_rows_count_agreement_and_discordant_pairs():
     instances = [
-        _inst("real_needle", "1234567", True, [("flat", "The number is 1234567.", True)]),   # same answer, both right
-        _inst("real_needle", "1111111", False, [("flat", "1111111", False)]),               # same wrong answer
-        _inst("real_needle", "2222222", False, [("flat", "3333333", True)]),                # only flat right
-        _inst("real_qa", "Forty two", True, [("flat", "no idea", False)]),                  # only dense right
-        _inst("real_qa", "It prints 42.", True, [("flat", "42 is printed", True)]),         # both right, other words
+        _inst("real_needle", "1234567", True, [("flat", "The number is 1234567.", True)]),  # same answer, both right
+        _inst("real_needle", "1111111", False, [("flat", "1111111", False)]),  # same wrong answer
+        _inst("real_needle", "2222222", False, [("flat", "3333333", True)]),  # only flat right
+        _inst("real_qa", "Forty two", True, [("flat", "no idea", False)]),  # only dense right
+        _inst("real_qa", "It prints 42.", True, [("flat", "42 is printed", True)]),  # both right, other words
     ]
     dense, flat = paired.paired_rows(instances)
     assert dense["method"] == "dense" and dense["correct"] == 3 and dense["n"] == 5

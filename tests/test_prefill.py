@@ -66,8 +66,11 @@ def test_chat_template_prefix_is_cached_and_question_closes_the_turn(model_facto
     assert fmt.kind == "chat"
     layout = layout_context(collect_documents(docs_dir)[0], tok)
     text = tok.decode(layout.ids) + fmt.question_text("Why?", first_turn=True)
-    whole = tok.apply_chat_template([{"role": "user", "content": text.split("<|user|>\n", 1)[1].split("<|end|>")[0]}],
-                                    tokenize=False, add_generation_prompt=True)
+    whole = tok.apply_chat_template(
+        [{"role": "user", "content": text.split("<|user|>\n", 1)[1].split("<|end|>")[0]}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     assert text == whole
 
 
@@ -100,7 +103,7 @@ def test_prefill_names_partial_directories_left_by_a_killed_prefill(tmp_path, mo
     (leftover / "kv" / "keys.000.bin").write_bytes(b"\0" * 4096)
     with pytest.warns(TopkWarning, match=r"\.cache\.partial-abc123 .*interrupted prefill"):
         build_cache(docs_dir, tmp_path / "cache", model_factory("llama_gqa"), device="cpu")
-    assert leftover.exists()          # never deleted behind the user's back
+    assert leftover.exists()  # never deleted behind the user's back
     assert open_cache(tmp_path / "cache").n_tokens > 0
 
 
@@ -110,8 +113,15 @@ def _deep_model(n_layers: int = 5):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    cfg = LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=n_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -126,7 +136,7 @@ def _threaded(monkeypatch, piece_bytes: int = 1000) -> None:
 def test_copy_to_host_goes_piece_by_piece_through_two_buffers():
     from topk_decode.prefill.drain import copy_to_host
 
-    a, b = torch.randn(3, 5, 7), torch.randn(2, 11)                 # 105 and 22 elements: ragged pieces
+    a, b = torch.randn(3, 5, 7), torch.randn(2, 11)  # 105 and 22 elements: ragged pieces
     da, db = torch.empty_like(a), torch.empty_like(b)
     staging = [torch.full((13,), float("nan")) for _ in range(2)]
     copy_to_host([(a, da), (b, db)], staging, stream=None)
@@ -140,12 +150,14 @@ def test_threaded_drain_calls_on_layer_in_order_with_owned_tensors(monkeypatch):
 
     model, ids = _deep_model(), torch.randint(3, 97, (150,), generator=torch.Generator().manual_seed(1)).tolist()
     ref: list = []
-    ref_logits, _ = prefill_layers(model, ids, lambda layer, k, v: ref.append((layer, k.clone(), v.clone())),
-                                   chunk_size=37)
+    ref_logits, _ = prefill_layers(
+        model, ids, lambda layer, k, v: ref.append((layer, k.clone(), v.clone())), chunk_size=37
+    )
     _threaded(monkeypatch)
     got: list = []
-    logits, _ = prefill_layers(model, ids, lambda layer, k, v: got.append((layer, k, v, threading.current_thread())),
-                               chunk_size=37)
+    logits, _ = prefill_layers(
+        model, ids, lambda layer, k, v: got.append((layer, k, v, threading.current_thread())), chunk_size=37
+    )
     assert [g[0] for g in got] == list(range(5))
     assert all(g[3] is not threading.main_thread() and g[3].name.startswith("kv-drain") for g in got)
     # kept without cloning: a tensor reused by a later layer (a staging buffer) would have changed
@@ -170,7 +182,7 @@ def test_an_error_in_the_main_thread_waits_for_the_drain_in_flight(monkeypatch):
 
     done = [0]
 
-    def progress(n):                                       # fails in layer 1, while layer 0 drains
+    def progress(n):  # fails in layer 1, while layer 0 drains
         done[0] += n
         if done[0] > 100:
             raise RuntimeError("boom")
@@ -181,10 +193,12 @@ def test_an_error_in_the_main_thread_waits_for_the_drain_in_flight(monkeypatch):
 
 
 @pytest.mark.parametrize("threaded", [False, True], ids=["sync", "threaded"])
-@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), KeyboardInterrupt()],
-                         ids=["disk-full", "ctrl-c"])
-def test_an_error_in_on_layer_surfaces_and_leaves_no_cache(tmp_path, model_factory, docs_dir, monkeypatch,
-                                                           threaded, error):
+@pytest.mark.parametrize(
+    "error", [OSError(28, "No space left on device"), KeyboardInterrupt()], ids=["disk-full", "ctrl-c"]
+)
+def test_an_error_in_on_layer_surfaces_and_leaves_no_cache(
+    tmp_path, model_factory, docs_dir, monkeypatch, threaded, error
+):
     from topk_decode.store.cache_dir import CacheWriter
 
     if threaded:
@@ -197,15 +211,15 @@ def test_an_error_in_on_layer_surfaces_and_leaves_no_cache(tmp_path, model_facto
 
     monkeypatch.setattr(CacheWriter, "write_layer", failing_write_layer)
     out = tmp_path / "caches" / "cache"
-    if isinstance(error, OSError):           # a full disk is the user's problem: one clear TopkError
+    if isinstance(error, OSError):  # a full disk is the user's problem: one clear TopkError
         with pytest.raises(TopkError, match="no space left on the device .* partial cache was removed"):
             build_cache(docs_dir, out, model_factory("llama_gqa"), chunk_size=50, device="cpu")
     else:
         with pytest.raises(type(error)) as info:
             build_cache(docs_dir, out, model_factory("llama_gqa"), chunk_size=50, device="cpu")
         assert info.value is error
-    assert handed == [0]                      # nothing more was handed over once a layer had failed
-    assert list(out.parent.iterdir()) == []   # neither a cache nor a partial directory is left
+    assert handed == [0]  # nothing more was handed over once a layer had failed
+    assert list(out.parent.iterdir()) == []  # neither a cache nor a partial directory is left
 
 
 @pytest.mark.gpu
@@ -220,7 +234,7 @@ def test_cuda_drain_hands_over_the_same_kv(monkeypatch, offload):
     ref: list = []
     real_submit = drain.KVDrain.submit
 
-    def submit_and_copy(self, layer, keys, values):        # the old synchronous copy, as the reference
+    def submit_and_copy(self, layer, keys, values):  # the old synchronous copy, as the reference
         ref.append((keys.cpu(), values.cpu()))
         real_submit(self, layer, keys, values)
 
@@ -228,14 +242,21 @@ def test_cuda_drain_hands_over_the_same_kv(monkeypatch, offload):
     monkeypatch.setattr(drain.KVDrain, "submit", submit_and_copy)
     places = []
     real_residual = layerwise._residual_stream
-    monkeypatch.setattr(layerwise, "_residual_stream", lambda *a: places.append(real_residual(*a).device) or
-                        real_residual(*a))
+    monkeypatch.setattr(
+        layerwise, "_residual_stream", lambda *a: places.append(real_residual(*a).device) or real_residual(*a)
+    )
     if not offload:
         model = model.cuda()
     got: list = []
-    layerwise.prefill_layers(model, ids, lambda layer, k, v: got.append((layer, k, v, threading.current_thread())),
-                             chunk_size=64, offload_weights=offload, device="cuda")
-    assert places and all(p.type == "cuda" for p in places)          # a few KiB: the residual stays on the GPU
+    layerwise.prefill_layers(
+        model,
+        ids,
+        lambda layer, k, v: got.append((layer, k, v, threading.current_thread())),
+        chunk_size=64,
+        offload_weights=offload,
+        device="cuda",
+    )
+    assert places and all(p.type == "cuda" for p in places)  # a few KiB: the residual stays on the GPU
     assert [g[0] for g in got] == list(range(5))
     assert all(g[3].name.startswith("kv-drain") and not g[1].is_cuda and not g[1].is_pinned() for g in got)
     for (k, v), (_, gk, gv, _) in zip(ref, got):
@@ -262,8 +283,15 @@ def test_whole_layer_attention_pass_equals_chunked_attention(monkeypatch):
     assert len(kv1) == len(model.model.layers)
 
 
-@pytest.mark.parametrize("where", ["cpu", "cpu-threaded", pytest.param("cuda", marks=pytest.mark.gpu),
-                                   pytest.param("cuda-offloaded", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(
+    "where",
+    [
+        "cpu",
+        "cpu-threaded",
+        pytest.param("cuda", marks=pytest.mark.gpu),
+        pytest.param("cuda-offloaded", marks=pytest.mark.gpu),
+    ],
+)
 def test_prefill_resumed_from_a_checkpoint_equals_an_uninterrupted_one(monkeypatch, where):
     """Checkpoints hand over the residual stream entering a layer once the layers below it are written;
     continuing from one gives the same KV and logits, bit for bit."""
@@ -286,14 +314,30 @@ def test_prefill_resumed_from_a_checkpoint_equals_an_uninterrupted_one(monkeypat
         assert not hidden.is_cuda
         checkpoints[next_layer] = (sorted(written), hidden.clone())
 
-    logits, _ = prefill_layers(model, ids, on_layer, chunk_size=37, offload_weights=offload, device=device,
-                               checkpoint=checkpoint, checkpoint_every=0)
+    logits, _ = prefill_layers(
+        model,
+        ids,
+        on_layer,
+        chunk_size=37,
+        offload_weights=offload,
+        device=device,
+        checkpoint=checkpoint,
+        checkpoint_every=0,
+    )
     reference = dict(written)
-    assert sorted(checkpoints) == [1, 2, 3, 4]                             # never after the last layer
+    assert sorted(checkpoints) == [1, 2, 3, 4]  # never after the last layer
     assert all(done == list(range(layer)) for layer, (done, _) in checkpoints.items())
     written.clear()
-    resumed, stats = prefill_layers(model, ids, on_layer, chunk_size=37, offload_weights=offload, device=device,
-                                    start_layer=3, hidden=checkpoints[3][1])
+    resumed, stats = prefill_layers(
+        model,
+        ids,
+        on_layer,
+        chunk_size=37,
+        offload_weights=offload,
+        device=device,
+        start_layer=3,
+        hidden=checkpoints[3][1],
+    )
     assert sorted(written) == [3, 4] and stats.resumed_at_layer == 3
     assert torch.equal(resumed, logits)
     for layer in (3, 4):

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import hf_greedy
 
 from topk_decode import KVStore
 from topk_decode.errors import TopkError
-from conftest import hf_greedy
 
-PROMPT = [(7 * i + 3) % 250 + 5 for i in range(45)]   # 45 tokens: chunks of 7 leave a 3-token remainder
+PROMPT = [(7 * i + 3) % 250 + 5 for i in range(45)]  # 45 tokens: chunks of 7 leave a 3-token remainder
 
 
 def _logits(store: KVStore, prompt: list[int]) -> torch.Tensor:
@@ -29,8 +29,12 @@ def test_chunked_prompt_equals_one_step_and_hf(built_cache):
 @pytest.mark.parametrize("strategy,options", [("flat", {"backend": "faiss"}), ("flat", {"backend": "torch"})])
 def test_chunked_prompt_with_small_k_equals_one_step(built_cache, strategy, options):
     cache, _ = built_cache
-    outs = [KVStore.open(cache, k=8, strategy=strategy, strategy_options=options, device="cpu",
-                         prompt_chunk=chunk).generate_ids(PROMPT, max_new_tokens=8) for chunk in (10_000, 7, 1)]
+    outs = [
+        KVStore.open(
+            cache, k=8, strategy=strategy, strategy_options=options, device="cpu", prompt_chunk=chunk
+        ).generate_ids(PROMPT, max_new_tokens=8)
+        for chunk in (10_000, 7, 1)
+    ]
     assert outs[0] == outs[1] == outs[2]
 
 
@@ -51,7 +55,7 @@ def test_chunks_shrink_over_a_long_context_to_keep_the_search_scratch_bounded(bu
     cache, _ = built_cache
     store = KVStore.open(cache, k=8, device="cpu", prompt_chunk=512, prompt_scratch_mib=1)
     dec = store.decoder
-    per_token = 4 * dec.shape.n_heads * dec.strategy.n_searchable          # bytes of scores per chunk token
+    per_token = 4 * dec.shape.n_heads * dec.strategy.n_searchable  # bytes of scores per chunk token
     assert dec.prompt_chunk_tokens() == (1 << 20) // per_token < 512
     conv = dec.new_conversation()
     seen: list[int] = []
@@ -135,4 +139,4 @@ def test_prompts_of_many_lengths_do_not_pile_up_search_buffers(tmp_path, model_f
     kept = store.decoder.strategy._buffers
     assert kept, "one-token steps reuse their scan buffers (the half-precision path ran)"
     kept_q = {key[1] for key in kept if key[0] != "sel" and key[0] != "sel32"}
-    assert kept_q == {store.decoder.shape.group_size}, kept_q   # none kept for the prompts' lengths
+    assert kept_q == {store.decoder.shape.group_size}, kept_q  # none kept for the prompts' lengths

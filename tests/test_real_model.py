@@ -26,7 +26,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from conftest import TEST_MODELS, hf_greedy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,8 +118,9 @@ def test_dense_generate_ids_equal_hf_generate_greedy(store, smollm2_gguf):
     from topk_decode.model.loading import resolve_model_path
 
     store.set_k(len(store.context_ids))  # k covers the whole context: exact attention
-    prompt = store.tokenizer(store.prompt_format.question_text(QUESTION, first_turn=True),
-                             add_special_tokens=False).input_ids
+    prompt = store.tokenizer(
+        store.prompt_format.question_text(QUESTION, first_turn=True), add_special_tokens=False
+    ).input_ids
     ours = store.generate_ids(prompt, max_new_tokens=8)
     assert ours == hf_greedy(resolve_model_path(smollm2_gguf), store.context_ids + prompt, 8)
 
@@ -138,8 +138,14 @@ def test_document_question_answered_the_same_at_small_k_as_dense(store):
 def _python_m(*args: object) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("TOPK_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "topk_decode", *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=600, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "topk_decode", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=REPO,
+    )
 
 
 @pytest.mark.slow

@@ -39,7 +39,9 @@ def test_same_arguments_give_the_same_suite_and_other_seeds_another(tok):
     b = make_suite(list(REAL_TASKS), 3000, 0, tok, per_task=2)
     c = make_suite(list(REAL_TASKS), 3000, 1, tok, per_task=2)
     assert a.context == b.context and a.sha == b.sha
-    assert [(q.question, q.answer, q.depth) for q in a.questions] == [(q.question, q.answer, q.depth) for q in b.questions]
+    assert [(q.question, q.answer, q.depth) for q in a.questions] == [
+        (q.question, q.answer, q.depth) for q in b.questions
+    ]
     assert c.context != a.context
     assert [q.task for q in a.questions] == [t for t in REAL_TASKS for _ in range(2)]
 
@@ -48,7 +50,7 @@ def test_the_context_length_is_close_to_the_target_below_it(tok):
     for length in (1500, 6000):
         s = make_suite(["real_needle", "real_qa"], length, 3, tok, per_task=2)
         n = _n_tokens(tok, s.context)
-        assert 0.9 * length <= n <= length + 16     # joined text may merge a few boundary tokens
+        assert 0.9 * length <= n <= length + 16  # joined text may merge a few boundary tokens
 
 
 def test_every_asked_fact_is_in_the_context_at_its_depth(tok):
@@ -64,7 +66,7 @@ def test_every_asked_fact_is_in_the_context_at_its_depth(tok):
         got = _n_tokens(tok, s.context[:pos]) / n
         assert abs(got - q.depth) < 0.05, (q.task, got, q.depth)
         depths.append(q.depth)
-    assert min(depths) < 0.3 and max(depths) > 0.7          # spread over the context, not bunched
+    assert min(depths) < 0.3 and max(depths) > 0.7  # spread over the context, not bunched
 
 
 def test_qa_topics_are_inserted_whole_and_variable_chains_read_in_order(tok):
@@ -85,7 +87,7 @@ def test_qa_topics_are_inserted_whole_and_variable_chains_read_in_order(tok):
                 break
             var = rhs[4:]
         assert rhs == q.answer and len(pos) == 3
-        assert pos == sorted(pos, reverse=True)     # the number is assigned first, the asked variable last
+        assert pos == sorted(pos, reverse=True)  # the number is assigned first, the asked variable last
 
 
 def test_answer_checks_match_whole_numbers_and_reject_other_facts():
@@ -132,16 +134,24 @@ def test_dense_on_the_stored_context_equals_hf_over_the_whole_prompt(model_facto
             out = model(input_ids=torch.tensor([ids])).logits[0, -1]
             ref.append(out)
             ids.append(int(out.argmax()))
-    assert toks == ids[len(ckv.tokens) + len(prompt):]
+    assert toks == ids[len(ckv.tokens) + len(prompt) :]
     assert torch.allclose(logits, torch.stack(ref), atol=1e-4)
     # a second question starts again from the bare context (the first one's tokens are gone)
     assert DenseContext(model, ckv).generate(prompt, 6, set())[0] == toks
 
 
 def test_one_prefill_serves_every_question_and_covering_k_equals_dense(model_factory, tmp_path):
-    cfg = EvalConfig(model=str(model_factory("llama_gqa", chat=True)), tasks=["real_needle", "real_qa"],
-                     lengths=[2500], questions=2, strategies=["flat"], ks=["100%", 4], fidelity_steps=2,
-                     device="cpu", work_dir=str(tmp_path))
+    cfg = EvalConfig(
+        model=str(model_factory("llama_gqa", chat=True)),
+        tasks=["real_needle", "real_qa"],
+        lengths=[2500],
+        questions=2,
+        strategies=["flat"],
+        ks=["100%", 4],
+        fidelity_steps=2,
+        device="cpu",
+        work_dir=str(tmp_path),
+    )
     res = run_eval(cfg)
     assert len(res.contexts) == 1 and res.contexts[0]["layout"] == "chat"
     assert [i.task for i in res.instances] == ["real_needle"] * 2 + ["real_qa"] * 2
@@ -161,8 +171,12 @@ def test_one_prefill_serves_every_question_and_covering_k_equals_dense(model_fac
 
 
 def test_cli_rejects_a_bad_percentage_in_one_line():
-    r = subprocess.run([sys.executable, "-m", "topk_decode", "eval", "--tasks", "real_needle", "--k", "1%,abc"],
-                       cwd=REPO, capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "topk_decode", "eval", "--tasks", "real_needle", "--k", "1%,abc"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode != 0
     assert "error:" in r.stderr and "abc" in r.stderr and "Traceback" not in r.stderr
 
@@ -174,9 +188,26 @@ def test_measure_real_writes_json_and_a_markdown_table_and_skips_unknown_strateg
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     md = model_factory("llama_gqa", chat=True)
-    mod.main(["--model", str(md), "--lengths", "2500", "--tasks", "real_needle,real_vt", "--strategies",
-              "flat,no_such_strategy,duo", "--duo-steps", "0", "--k", "1%,100%", "--device", "cpu",
-              "--out-dir", str(tmp_path)])
+    mod.main(
+        [
+            "--model",
+            str(md),
+            "--lengths",
+            "2500",
+            "--tasks",
+            "real_needle,real_vt",
+            "--strategies",
+            "flat,no_such_strategy,duo",
+            "--duo-steps",
+            "0",
+            "--k",
+            "1%,100%",
+            "--device",
+            "cpu",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     err = capsys.readouterr().err
     assert "'no_such_strategy' is not registered" in err and "duo skipped" in err
     table = (tmp_path / f"real_{md.name}.md").read_text()
@@ -186,16 +217,25 @@ def test_measure_real_writes_json_and_a_markdown_table_and_skips_unknown_strateg
 
 
 def test_a_kept_suite_is_reused_with_its_dense_answers_and_routed_reports_keys_read(model_factory, tmp_path):
-    cfg = EvalConfig(model=str(model_factory("llama_gqa", chat=True)), tasks=["real_needle"], lengths=[2500],
-                     questions=1, strategies=["routed"], ks=[8], fidelity_steps=1, device="cpu",
-                     work_dir=str(tmp_path), keep_dir=str(tmp_path / "kept"),
-                     strategy_options={"probe_fraction": 0.1, "cluster_size": 16})
+    cfg = EvalConfig(
+        model=str(model_factory("llama_gqa", chat=True)),
+        tasks=["real_needle"],
+        lengths=[2500],
+        questions=1,
+        strategies=["routed"],
+        ks=[8],
+        fidelity_steps=1,
+        device="cpu",
+        work_dir=str(tmp_path),
+        keep_dir=str(tmp_path / "kept"),
+        strategy_options={"probe_fraction": 0.1, "cluster_size": 16},
+    )
     first = run_eval(cfg)
     kept = list((tmp_path / "kept").iterdir())
     assert len(kept) == 1 and (kept[0] / "cache" / "manifest.json").is_file() and (kept[0] / "dense_refs.pt").is_file()
     stamp = (kept[0] / "cache" / "manifest.json").stat().st_mtime_ns
     second = run_eval(cfg)
-    assert (kept[0] / "cache" / "manifest.json").stat().st_mtime_ns == stamp    # no second prefill
+    assert (kept[0] / "cache" / "manifest.json").stat().st_mtime_ns == stamp  # no second prefill
     a, b = first.instances[0], second.instances[0]
     assert a.dense_generated == b.dense_generated and a.runs[0].generated == b.runs[0].generated
     assert 0.1 <= a.runs[0].keys_read < 0.5

@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
-
 from test_cache_safety import _python_m, deep_model  # noqa: F401 - deep_model is a fixture
 from test_cli import assert_one_line_error, snapshot, topk
+
 from topk_decode.store.cache_dir import open_cache
 from topk_decode.store.format import MANIFEST, partial_path
 from topk_decode.store.manifest import CHECKSUM_FIELD
@@ -19,8 +19,20 @@ from topk_decode.store.manifest import CHECKSUM_FIELD
 
 # ---- 8: SIGTERM, plain progress lines, kill -9 then --resume ----------------------------------------
 def test_progress_lines_when_stderr_is_not_a_terminal(tmp_path, docs_dir, deep_model):
-    result = topk("prefill", docs_dir, "--out", tmp_path / "cache", "--model", deep_model, "--device", "cpu",
-                  "--log-every", 0, "--chunk-size", 200)
+    result = topk(
+        "prefill",
+        docs_dir,
+        "--out",
+        tmp_path / "cache",
+        "--model",
+        deep_model,
+        "--device",
+        "cpu",
+        "--log-every",
+        0,
+        "--chunk-size",
+        200,
+    )
     assert result.exit_code == 0, result.output
     lines = [line for line in result.stderr.splitlines() if line.startswith("prefill: ")]
     assert len(lines) >= 5 and lines[-1].startswith("prefill: 100% (5/5 layers done")
@@ -47,8 +59,18 @@ def test_kill_9_mid_layer_then_resume_equals_an_uninterrupted_prefill(tmp_path, 
     assert topk("prefill", docs_dir, "--out", reference, *args).exit_code == 0
     out = tmp_path / "cache"
     # Dies (SIGKILL) half-way through writing layer 3's keys; a checkpoint follows every layer.
-    rc, err = _wait(_python_m("prefill", docs_dir, "--out", out, *args, "--checkpoint-every", 0,
-                              env={"TOPK_TEST_DIE_WRITING": "kv/keys.003.bin"}))
+    rc, err = _wait(
+        _python_m(
+            "prefill",
+            docs_dir,
+            "--out",
+            out,
+            *args,
+            "--checkpoint-every",
+            0,
+            env={"TOPK_TEST_DIE_WRITING": "kv/keys.003.bin"},
+        )
+    )
     assert rc == -signal.SIGKILL, err
     partial = partial_path(out)
     assert not out.exists() and not (partial / MANIFEST).exists()
@@ -66,12 +88,27 @@ def test_kill_9_mid_layer_then_resume_equals_an_uninterrupted_prefill(tmp_path, 
 
 def test_resume_with_other_inputs_starts_over(tmp_path, docs_dir, deep_model):
     out = tmp_path / "cache"
-    rc, err = _wait(_python_m("prefill", docs_dir, "--out", out, "--model", deep_model, "--device", "cpu",
-                              "--chunk-size", 97, "--checkpoint-every", 0,
-                              env={"TOPK_TEST_DIE_WRITING": "kv/values.002.bin"}))
+    rc, err = _wait(
+        _python_m(
+            "prefill",
+            docs_dir,
+            "--out",
+            out,
+            "--model",
+            deep_model,
+            "--device",
+            "cpu",
+            "--chunk-size",
+            97,
+            "--checkpoint-every",
+            0,
+            env={"TOPK_TEST_DIE_WRITING": "kv/values.002.bin"},
+        )
+    )
     assert rc == -signal.SIGKILL, err
-    result = topk("prefill", docs_dir, "--out", out, "--model", deep_model, "--device", "cpu", "--chunk-size", 64,
-                  "--resume")
+    result = topk(
+        "prefill", docs_dir, "--out", out, "--model", deep_model, "--device", "cpu", "--chunk-size", 64, "--resume"
+    )
     assert result.exit_code == 0, result.output
     assert "nothing to resume" in result.stderr and "chunk_size" in result.stderr
     assert open_cache(out, verify=True).manifest["prefill"]["resumed_at_layer"] == 0
@@ -80,10 +117,23 @@ def test_resume_with_other_inputs_starts_over(tmp_path, docs_dir, deep_model):
 @pytest.mark.parametrize("checkpoint_every,kept", [(0, True), (3600, False)], ids=["checkpointed", "no-checkpoint"])
 def test_sigterm_stops_cleanly_keeping_only_resumable_work(tmp_path, docs_dir, deep_model, checkpoint_every, kept):
     out = tmp_path / "cache"
-    proc = _python_m("prefill", docs_dir, "--out", out, "--model", deep_model, "--device", "cpu", "--chunk-size", 97,
-                     "--checkpoint-every", checkpoint_every, env={"TOPK_TEST_WRITE_DELAY_S": "0.5"})
+    proc = _python_m(
+        "prefill",
+        docs_dir,
+        "--out",
+        out,
+        "--model",
+        deep_model,
+        "--device",
+        "cpu",
+        "--chunk-size",
+        97,
+        "--checkpoint-every",
+        checkpoint_every,
+        env={"TOPK_TEST_WRITE_DELAY_S": "0.5"},
+    )
     deadline = time.monotonic() + 120
-    while not (partial_path(out) / "kv" / "values.001.bin").exists():     # layer 1 is being written
+    while not (partial_path(out) / "kv" / "values.001.bin").exists():  # layer 1 is being written
         assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else ""
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
@@ -95,7 +145,8 @@ def test_sigterm_stops_cleanly_keeping_only_resumable_work(tmp_path, docs_dir, d
     assert ("--resume to continue" in err) == kept
     assert sorted(p.name for p in tmp_path.iterdir()) == ([partial_path(out).name] if kept else [])
     if kept:
-        result = topk("prefill", docs_dir, "--out", out, "--model", deep_model, "--device", "cpu",
-                      "--chunk-size", 97, "--resume")
+        result = topk(
+            "prefill", docs_dir, "--out", out, "--model", deep_model, "--device", "cpu", "--chunk-size", 97, "--resume"
+        )
         assert result.exit_code == 0 and "resuming at layer" in result.stderr, result.output
         open_cache(out, verify=True)

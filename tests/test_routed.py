@@ -6,15 +6,15 @@ import shutil
 
 import pytest
 import torch
+from conftest import hf_greedy
 
 from topk_decode import KVStore
 from topk_decode.errors import TopkError
 from topk_decode.index import artifact_dir, get_strategy
+from topk_decode.index.artifacts import recorded_options
 from topk_decode.index.base import exact_scores
 from topk_decode.index.routed.cluster import KMeansConfig, build_layer
-from topk_decode.index.artifacts import recorded_options
 from topk_decode.store.cache_dir import CacheWriter, open_cache
-from conftest import hf_greedy
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +39,15 @@ def clustered_cache(tmp_path_factory):
         keys = centres.gather(1, which[..., None].expand(hkv, n, d)) + 0.3 * torch.randn(hkv, n, d, generator=gen)
         w.write_layer(layer, keys.bfloat16(), torch.randn(hkv, n, d, generator=gen).bfloat16())
     w.write_tokens(list(range(n)))
-    w.commit({"model": {"path": "none", "fingerprint": "none"}, "kv_dtype": "bfloat16", "n_tokens": n,
-              "shape": {"n_layers": layers, "n_heads": 4, "n_kv_heads": hkv, "head_dim": d}, "documents": []})
+    w.commit(
+        {
+            "model": {"path": "none", "fingerprint": "none"},
+            "kv_dtype": "bfloat16",
+            "n_tokens": n,
+            "shape": {"n_layers": layers, "n_heads": 4, "n_kv_heads": hkv, "head_dim": d},
+            "documents": [],
+        }
+    )
     return out
 
 
@@ -64,13 +71,13 @@ def test_layout_is_a_cluster_contiguous_permutation_of_every_head():
         assert torch.equal(lay.keys[h], keys[h][lay.pos[h]])
         assert torch.equal(lay.values[h], values[h][lay.pos[h]])
         assert lay.offsets[h, 0] == 0 and lay.offsets[h, -1] == 500
-        for c in range(lay.offsets.shape[1] - 1):   # centroid = mean of the cluster's raw keys
+        for c in range(lay.offsets.shape[1] - 1):  # centroid = mean of the cluster's raw keys
             s, e = lay.offsets[h, c], lay.offsets[h, c + 1]
             if e > s:
                 assert torch.allclose(lay.centroids[h, c], keys[h][lay.pos[h, s:e]].mean(0), atol=1e-5)
 
 
-@pytest.mark.parametrize("segment", [100, 96, 7])     # segments of whole clusters; 7 is rounded up to 20
+@pytest.mark.parametrize("segment", [100, 96, 7])  # segments of whole clusters; 7 is rounded up to 20
 def test_segmented_layout_clusters_each_segment_alone_into_ceil_n_over_s_clusters(segment):
     gen = torch.Generator().manual_seed(2)
     keys, values = torch.randn(2, 530, 8, generator=gen), torch.randn(2, 530, 8, generator=gen)
@@ -81,11 +88,11 @@ def test_segmented_layout_clusters_each_segment_alone_into_ceil_n_over_s_cluster
     for h in range(2):
         assert sorted(lay.pos[h].tolist()) == list(range(530))
         assert torch.equal(lay.keys[h], keys[h][lay.pos[h]])
-        for c in range(lay.offsets.shape[1] - 1):   # every cluster's positions lie in one segment
-            members = lay.pos[h, lay.offsets[h, c]:lay.offsets[h, c + 1]]
+        for c in range(lay.offsets.shape[1] - 1):  # every cluster's positions lie in one segment
+            members = lay.pos[h, lay.offsets[h, c] : lay.offsets[h, c + 1]]
             if len(members):
                 assert (members // seg).unique().numel() == 1
-                assert c // (seg // S) == int(members[0]) // seg    # clusters numbered segment by segment
+                assert c // (seg // S) == int(members[0]) // seg  # clusters numbered segment by segment
 
 
 def test_segment_at_least_the_context_gives_the_whole_context_layout():
@@ -96,7 +103,7 @@ def test_segment_at_least_the_context_gives_the_whole_context_layout():
 
 
 def test_routed_with_segments_probing_every_cluster_equals_flat(clustered_cache, tmp_path):
-    cache = shutil.copytree(clustered_cache, tmp_path / "cache")     # the shared cache keeps its layout
+    cache = shutil.copytree(clustered_cache, tmp_path / "cache")  # the shared cache keeps its layout
     routed = _open(cache, "routed", {"cluster_size": 32, "segment": 1000, "probe_fraction": 1})
     assert recorded_options(cache, "routed")["segment"] == 1000
     flat = _open(cache, "flat")
@@ -105,7 +112,7 @@ def test_routed_with_segments_probing_every_cluster_equals_flat(clustered_cache,
     assert torch.equal(a.ids.sort(-1).values, b.ids.sort(-1).values)
 
 
-@pytest.mark.parametrize("lo,hi", [(3, 2990), (0, 3000)])   # padding masked as a sink row / by its own mask
+@pytest.mark.parametrize("lo,hi", [(3, 2990), (0, 3000)])  # padding masked as a sink row / by its own mask
 def test_routed_reads_the_probe_fraction_and_returns_exact_scores_inside_the_range(clustered_cache, lo, hi):
     strat = _open(clustered_cache, "routed", {"cluster_size": 32, "probe_fraction": 0.1}, lo=lo, hi=hi)
     q = _queries()
@@ -113,10 +120,10 @@ def test_routed_reads_the_probe_fraction_and_returns_exact_scores_inside_the_ran
     assert sel.ids.shape == (2, 4, 16)
     assert sel.ids.min() >= lo and sel.ids.max() < hi
     assert torch.allclose(sel.scores, exact_scores(strat.ckv.keys[0], q, sel.ids), atol=1e-4)
-    for h in range(2):   # no position twice in one query's answer (padding never wins)
+    for h in range(2):  # no position twice in one query's answer (padding never wins)
         assert all(len(set(sel.ids[h, i].tolist())) == 16 for i in range(4))
     read = strat.keys_read_fraction()
-    assert 0.1 <= read < 0.1 + 2 * 32 * 4 / (hi - lo)   # the budget plus at most the last cluster's overshoot
+    assert 0.1 <= read < 0.1 + 2 * 32 * 4 / (hi - lo)  # the budget plus at most the last cluster's overshoot
 
 
 @pytest.mark.parametrize("spread", [False, True])
@@ -155,14 +162,15 @@ def test_artifacts_are_reused_and_rebuilt_when_the_cluster_size_changes(clustere
     done = artifact_dir(clustered_cache, "routed") / "done.json"
     assert recorded_options(clustered_cache, "routed")["cluster_size"] == 32
     stamp = done.stat().st_mtime_ns
-    _open(clustered_cache, "routed")                         # default options: reuse what was built
+    _open(clustered_cache, "routed")  # default options: reuse what was built
     assert done.stat().st_mtime_ns == stamp
     _open(clustered_cache, "routed", {"cluster_size": 50})
     assert recorded_options(clustered_cache, "routed")["cluster_size"] == 50
 
 
-@pytest.mark.parametrize("options", [{"probe_fraction": 0}, {"probe_fraction": "all"}, {"cluster_size": -1},
-                                     {"nprobe": 3}])
+@pytest.mark.parametrize(
+    "options", [{"probe_fraction": 0}, {"probe_fraction": "all"}, {"cluster_size": -1}, {"nprobe": 3}]
+)
 def test_bad_routed_options_raise_topk_errors(clustered_cache, options):
     with pytest.raises(TopkError):
         _open(clustered_cache, "routed", options)
@@ -179,15 +187,23 @@ def test_routed_probing_every_cluster_decodes_like_flat_with_small_k(own_cache):
     cache, _ = own_cache
     prompt = [5, 17, 42, 99]
     flat = KVStore.open(cache, k=24, strategy="flat", device="cpu").generate_ids(prompt, 8)
-    routed = KVStore.open(cache, k=24, strategy="routed", strategy_options={"probe_fraction": 1, "cluster_size": 16},
-                          device="cpu").generate_ids(prompt, 8)
+    routed = KVStore.open(
+        cache, k=24, strategy="routed", strategy_options={"probe_fraction": 1, "cluster_size": 16}, device="cpu"
+    ).generate_ids(prompt, 8)
     assert routed == flat
 
 
 def test_routed_returns_ids_inside_the_range_during_decoding(own_cache):
     cache, _ = own_cache
-    store = KVStore.open(cache, k=8, strategy="routed", device="cpu", n_sink=4, n_tail=64,
-                         strategy_options={"probe_fraction": 0.05, "cluster_size": 16})
+    store = KVStore.open(
+        cache,
+        k=8,
+        strategy="routed",
+        device="cpu",
+        n_sink=4,
+        n_tail=64,
+        strategy_options={"probe_fraction": 0.05, "cluster_size": 16},
+    )
     lo, hi = store.decoder.strategy.lo, store.decoder.strategy.hi
     seen = []
     conv = store.decoder.new_conversation()
@@ -208,7 +224,7 @@ def test_bench_runs_routed_and_reports_the_share_of_keys_read(tmp_path):
     assert rows["flat"]["status"] == "ok" and rows["flat"]["keys_read_pct"] == 100
     row = rows["routed"]
     assert row["status"] == "ok" and row["tokens_per_s"] > 0
-    assert 20 <= row["keys_read_pct"] < 30   # 20 % plus at most one cluster of 16 per head and step
+    assert 20 <= row["keys_read_pct"] < 30  # 20 % plus at most one cluster of 16 per head and step
 
 
 def test_prefill_builds_the_layout_and_open_reuses_it(tmp_path, clustered_cache):
@@ -227,6 +243,6 @@ def test_prefill_builds_the_layout_and_open_reuses_it(tmp_path, clustered_cache)
 def test_artifacts_build_in_a_cache_given_by_a_relative_path(clustered_cache, tmp_path, monkeypatch):
     shutil.copytree(clustered_cache, tmp_path / "cache")
     monkeypatch.chdir(tmp_path)
-    strat = _open("cache", "routed", {"cluster_size": 32})          # as `topk chat cache --strategy routed`
+    strat = _open("cache", "routed", {"cluster_size": 32})  # as `topk chat cache --strategy routed`
     assert (tmp_path / "cache" / "index" / "routed" / "done.json").is_file()
     assert strat.select(0, _queries(), 8).ids.shape == (2, 4, 8)

@@ -6,15 +6,13 @@ The device code is plain torch, so these run it on the CPU device: the same ops 
 from __future__ import annotations
 
 import pytest
-import torch
-
 import test_routed
+import torch
+from test_routed import _queries, clustered_cache  # noqa: F401 - fixtures
 
 from topk_decode.decode.merge import lse_merge
 from topk_decode.errors import TopkError
 from topk_decode.index.routed.device import DeviceRoutes
-from test_routed import _queries, clustered_cache  # noqa: F401 - fixtures
-
 
 CPU = torch.device("cpu")
 
@@ -27,6 +25,7 @@ def opened():
     def open_(*args, **kwargs):
         strategies.append(test_routed._open(*args, **kwargs))
         return strategies[-1]
+
     yield open_
     for strat in strategies:
         strat.close()
@@ -54,11 +53,18 @@ def _cpu_part(strat, layer: int, q: torch.Tensor, k: int):
     return sel, (o.float() / mz[:, 1:]).view(hkv, Q, d), (mz[:, 0] + mz[:, 1].log()).view(hkv, Q)
 
 
-@pytest.mark.parametrize("lo,hi,k,probe,estimate", [(3, 2990, 40, 0.05, True), (3, 2990, 40, 0.05, False),
-                                                    (700, 1500, 200, 0.3, True), (0, 3000, 8, 0.1, True)])
+@pytest.mark.parametrize(
+    "lo,hi,k,probe,estimate",
+    [(3, 2990, 40, 0.05, True), (3, 2990, 40, 0.05, False), (700, 1500, 200, 0.3, True), (0, 3000, 8, 0.1, True)],
+)
 def test_device_routing_selects_and_attends_as_the_cpu_path(clustered_cache, opened, lo, hi, k, probe, estimate):
-    strat = opened(clustered_cache, "routed", {"cluster_size": 32, "probe_fraction": probe, "estimate": estimate,
-                                               "kernel": "numba", "device_route": "true"}, lo=lo, hi=hi)
+    strat = opened(
+        clustered_cache,
+        "routed",
+        {"cluster_size": 32, "probe_fraction": probe, "estimate": estimate, "kernel": "numba", "device_route": "true"},
+        lo=lo,
+        hi=hi,
+    )
     routes = strat.device_routes(CPU, [k, k])
     assert routes is not None and routes.layers_on_device() == 2
     for layer, seed in ((0, 31), (1, 32)):
@@ -75,10 +81,21 @@ def _keys_and_float8_routes(clustered_cache, opened, kind: str) -> tuple[DeviceR
     """The same layers' device routes with tables in the keys' dtype and in float8 tier `kind` (on the CPU)."""
     if getattr(torch, "float8_e4m3fn", None) is None:
         pytest.skip("this torch has no float8")
-    strat = opened(clustered_cache, "routed", {"cluster_size": 32, "probe_fraction": 0.05, "kernel": "numba",
-                                               "device_route": "true"})
-    args = (strat._stats, strat._sizes, strat._bias, [strat._budget(40)] * 2, strat.ckv.n_tokens, strat.scale, True,
-            CPU)
+    strat = opened(
+        clustered_cache,
+        "routed",
+        {"cluster_size": 32, "probe_fraction": 0.05, "kernel": "numba", "device_route": "true"},
+    )
+    args = (
+        strat._stats,
+        strat._sizes,
+        strat._bias,
+        [strat._budget(40)] * 2,
+        strat.ckv.n_tokens,
+        strat.scale,
+        True,
+        CPU,
+    )
     return DeviceRoutes(*args, values="keys"), DeviceRoutes(*args, values=kind)
 
 
@@ -89,7 +106,7 @@ def test_float8_value_means_change_the_estimate_by_little(clustered_cache, opene
     for routes in (exact, fp8):
         routes.route(0, q)
     (out_e, lse_e), (out_8, lse_8) = exact.estimate_part(0), fp8.estimate_part(0)
-    assert torch.equal(lse_e, lse_8)                 # the weights come from the centroids, not the values
+    assert torch.equal(lse_e, lse_8)  # the weights come from the centroids, not the values
     rel = (out_8 - out_e).norm() / out_e.norm()
     assert 0 < rel < 0.05, rel
 
@@ -103,7 +120,7 @@ def test_float8_centroids_keep_most_of_the_routed_clusters(clustered_cache, open
     read = []
     for routes in (exact, fp8):
         order, take = routes.host_route(1)
-        read.append([set(order[h, :int(take[h])].tolist()) for h in range(order.shape[0])])
+        read.append([set(order[h, : int(take[h])].tolist()) for h in range(order.shape[0])])
     kept = [len(a & b) / len(a) for a, b in zip(*read)]
     # the worst head kept 0.75 under torch 2.11 on the GPU host (≥ 0.8 under torch 2.13 here): float8 rounding of
     # near-tied centroids reorders the last clusters taken; most are kept either way
@@ -112,19 +129,22 @@ def test_float8_centroids_keep_most_of_the_routed_clusters(clustered_cache, open
 
 def test_device_route_is_off_where_it_cannot_apply(clustered_cache, opened):
     auto = opened(clustered_cache, "routed", {"cluster_size": 32, "kernel": "numba"})
-    assert auto.device_routes(CPU, [40, 40]) is None                # auto: a CUDA decode device only
+    assert auto.device_routes(CPU, [40, 40]) is None  # auto: a CUDA decode device only
     torch_path = opened(clustered_cache, "routed", {"cluster_size": 32, "kernel": "torch", "device_route": "true"})
-    assert torch_path.device_routes(CPU, [40, 40]) is None          # the CPU side is the compiled kernel's
+    assert torch_path.device_routes(CPU, [40, 40]) is None  # the CPU side is the compiled kernel's
     on = opened(clustered_cache, "routed", {"cluster_size": 32, "kernel": "numba", "device_route": "true"})
-    assert on.device_routes(CPU, [40, 5000]) is None                # k covers the range: the exact path
+    assert on.device_routes(CPU, [40, 5000]) is None  # k covers the range: the exact path
     with pytest.raises(TopkError, match="device_route must be auto, true or false"):
         opened(clustered_cache, "routed", {"device_route": "gpu"})
 
 
 def test_device_tables_option_picks_the_tables_precision(clustered_cache, opened):
     for kind in ("keys", "fp8-values", "fp8"):
-        strat = opened(clustered_cache, "routed", {"cluster_size": 32, "kernel": "numba", "device_route": "true",
-                                                   "device_tables": kind})
+        strat = opened(
+            clustered_cache,
+            "routed",
+            {"cluster_size": 32, "kernel": "numba", "device_route": "true", "device_tables": kind},
+        )
         assert strat.device_routes(CPU, [40, 40]).values_kind == kind
     with pytest.raises(TopkError, match="device_tables must be auto, keys, fp8-values or fp8"):
         opened(clustered_cache, "routed", {"device_tables": "fp4"})
@@ -141,8 +161,16 @@ def _routed_stores(tmp_path, model_factory, docs_dir, device: str, modes: tuple[
     opts = {"probe_fraction": 0.1, "cluster_size": 16, "kernel": "numba"}
     logits, stores = {}, {}
     for mode in modes:
-        store = stores[mode] = KVStore.open(cache, k=8, device=device, dtype="bf16", strategy="routed", n_sink=4,
-                                            n_tail=16, strategy_options=dict(opts, device_route=mode))
+        store = stores[mode] = KVStore.open(
+            cache,
+            k=8,
+            device=device,
+            dtype="bf16",
+            strategy="routed",
+            n_sink=4,
+            n_tail=16,
+            strategy_options=dict(opts, device_route=mode),
+        )
         dec = store.decoder
         dec._use_segments = segments or dec._use_segments
         conv = dec.new_conversation()

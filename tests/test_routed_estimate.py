@@ -28,8 +28,15 @@ def grouped_cache(tmp_path_factory):
     w = CacheWriter(out)
     w.write_layer(0, keys, values)
     w.write_tokens(list(range(n)))
-    w.commit({"model": {"path": "none", "fingerprint": "none"}, "kv_dtype": "float32", "n_tokens": n,
-              "shape": {"n_layers": 1, "n_heads": 8, "n_kv_heads": hkv, "head_dim": d}, "documents": []})
+    w.commit(
+        {
+            "model": {"path": "none", "fingerprint": "none"},
+            "kv_dtype": "float32",
+            "n_tokens": n,
+            "shape": {"n_layers": 1, "n_heads": 8, "n_kv_heads": hkv, "head_dim": d},
+            "documents": [],
+        }
+    )
     return out
 
 
@@ -55,7 +62,7 @@ def test_merging_a_rest_part_equals_one_softmax_over_the_union():
     v_sel, v_rest = torch.randn(R, n_sel, d, generator=gen), torch.randn(R, n_rest, d, generator=gen)
     m = a_sel.amax(-1, keepdim=True)
     w = (a_sel - m).exp()
-    o = (w[..., None] * v_sel).sum(1)                                   # the context part of the selected tokens
+    o = (w[..., None] * v_sel).sum(1)  # the context part of the selected tokens
     mz = torch.cat([m, w.sum(-1, keepdim=True)], 1)
     p_rest = a_rest.softmax(-1)
     rest = RestPart(out=(p_rest[..., None] * v_rest).sum(1).view(2, 3, d), lse=a_rest.logsumexp(-1).view(2, 3))
@@ -80,7 +87,7 @@ def test_cluster_statistics_leave_out_the_sinks_and_the_tail(grouped_cache):
     stats = searchable_stats(lay, strat._outside[0], ckv.values[0])
     for h in range(2):
         for c in range(lay.offsets.shape[1] - 1):
-            pos = lay.pos[h, lay.offsets[h, c]:lay.offsets[h, c + 1]]
+            pos = lay.pos[h, lay.offsets[h, c] : lay.offsets[h, c + 1]]
             pos = pos[(pos >= lo) & (pos < hi)]
             assert stats.log_n[h, 0, c].exp().round() == pos.numel()
             if pos.numel():
@@ -92,7 +99,7 @@ def test_estimate_brings_the_context_part_closer_to_full_attention_on_grouped_ke
     lo, hi = 3, 2995
     q = 2 * torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(1))
     ckv = open_cache(grouped_cache)
-    s = 16 ** -0.5
+    s = 16**-0.5
     scores = torch.bmm(q, ckv.keys[0][:, lo:hi].transpose(1, 2)) * s
     dense = torch.bmm(scores.softmax(-1), ckv.values[0][:, lo:hi])
 
@@ -103,7 +110,7 @@ def test_estimate_brings_the_context_part_closer_to_full_attention_on_grouped_ke
 
     plain, unread, both = error(estimate=False), error(estimate=True), error(estimate=True, estimate_read=True)
     assert unread[0] < 0.5 * plain[0] and both[0] < plain[0]
-    assert unread[1] < plain[1] and both[1] < unread[1]      # the selected tokens' lse is a lower bound
+    assert unread[1] < plain[1] and both[1] < unread[1]  # the selected tokens' lse is a lower bound
 
 
 def test_estimate_is_empty_when_every_cluster_is_read(grouped_cache):
@@ -132,16 +139,27 @@ def test_routed_with_the_estimate_reading_every_cluster_decodes_like_flat(own_ca
     cache, _ = own_cache
     prompt = [5, 17, 42, 99]
     flat = KVStore.open(cache, k=24, strategy="flat", device="cpu").generate_ids(prompt, 8)
-    routed = KVStore.open(cache, k=24, strategy="routed", device="cpu",
-                          strategy_options={"probe_fraction": 1, "cluster_size": 16, "estimate": True}).generate_ids(prompt, 8)
+    routed = KVStore.open(
+        cache,
+        k=24,
+        strategy="routed",
+        device="cpu",
+        strategy_options={"probe_fraction": 1, "cluster_size": 16, "estimate": True},
+    ).generate_ids(prompt, 8)
     assert routed == flat
 
 
 def test_routed_with_the_estimate_decodes_inside_the_range(own_cache):
     cache, _ = own_cache
-    store = KVStore.open(cache, k=8, strategy="routed", device="cpu", n_sink=4, n_tail=64,
-                         strategy_options={"probe_fraction": 0.05, "cluster_size": 16, "estimate": True,
-                                           "estimate_read": True})
+    store = KVStore.open(
+        cache,
+        k=8,
+        strategy="routed",
+        device="cpu",
+        n_sink=4,
+        n_tail=64,
+        strategy_options={"probe_fraction": 0.05, "cluster_size": 16, "estimate": True, "estimate_read": True},
+    )
     rests = []
     conv = store.decoder.new_conversation()
     conv.observer = lambda layer, q, sel, c: rests.append(sel.rest)
@@ -169,11 +187,11 @@ def test_a_layout_without_value_means_is_rebuilt_with_its_recorded_cluster_size(
     shutil.copytree(grouped_cache, cache)
     shutil.rmtree(artifact_dir(cache, "routed"), ignore_errors=True)
     get_strategy("routed")(open_cache(cache), 3, 2995, {"cluster_size": 24, "estimate": False}).prepare()
-    done = artifact_dir(cache, "routed") / "done.json"      # as a layout built before the value means
+    done = artifact_dir(cache, "routed") / "done.json"  # as a layout built before the value means
     data = json.loads(done.read_text())
     del data["meta"]["options"]["value_means"]
     done.write_text(json.dumps(data))
-    strat = get_strategy("routed")(open_cache(cache), 3, 2995, {})    # defaults: estimate on
+    strat = get_strategy("routed")(open_cache(cache), 3, 2995, {})  # defaults: estimate on
     strat.prepare()
     assert recorded_options(cache, "routed")["cluster_size"] == 24 and recorded_options(cache, "routed")["value_means"]
     assert strat.select(0, torch.randn(2, 4, 16), 16).rest is not None

@@ -15,12 +15,16 @@ from topk_decode.errors import TopkError
 from topk_decode.index import Selection
 from topk_decode.prefill.documents import RAW_QUESTION, PromptFormat, prompt_format
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 # a template that always renders system messages first, wherever they are in the list
-HOISTING = ("{% for m in messages if m['role'] == 'system' %}[SYS] {{ m['content'] }}\n{% endfor %}"
-            "{% for m in messages if m['role'] != 'system' %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}[assistant] {% endif %}")
+HOISTING = (
+    "{% for m in messages if m['role'] == 'system' %}[SYS] {{ m['content'] }}\n{% endfor %}"
+    "{% for m in messages if m['role'] != 'system' %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
 
 
 # ---- the sampler -----------------------------------------------------------------------------------
@@ -40,7 +44,7 @@ def test_top_p_never_draws_outside_the_nucleus():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     s = Sampling(temperature=1.0, top_p=0.8, seed=1)
     draws = [s.pick(logits) for _ in range(400)]
-    assert set(draws) == {0, 1}           # 0.5 + 0.3 reach 0.8: tokens 2 and 3 are cut
+    assert set(draws) == {0, 1}  # 0.5 + 0.3 reach 0.8: tokens 2 and 3 are cut
 
 
 def test_the_same_seed_repeats_its_draws_and_another_seed_does_not():
@@ -50,8 +54,17 @@ def test_the_same_seed_repeats_its_draws_and_another_seed_does_not():
     assert d1 == d2 and d1 != d3
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=-0.1), dict(temperature="hot"), dict(top_p=0.0), dict(top_p=1.5),
-                                dict(seed=1.5), dict(seed=True)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=-0.1),
+        dict(temperature="hot"),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(seed=1.5),
+        dict(seed=True),
+    ],
+)
 def test_bad_sampling_values_are_user_errors(kw):
     with pytest.raises(TopkError):
         Sampling(**kw)
@@ -61,10 +74,10 @@ def test_penalties_and_logit_bias_follow_openais_formula_within_one_answer():
     logits = torch.tensor([3.0, 2.5, 0.0, -1.0])
     s = Sampling(presence_penalty=1.0, frequency_penalty=0.5, logit_bias={3: 5.0})
     assert not s.plain and Sampling(logprobs=None).plain
-    assert s.pick(logits) == 3                       # -1 + 5 beats 3
-    assert s.pick(logits) == 0                       # 4 - 0.5 - 1 = 2.5 < 3: token 0 now
+    assert s.pick(logits) == 3  # -1 + 5 beats 3
+    assert s.pick(logits) == 0  # 4 - 0.5 - 1 = 2.5 < 3: token 0 now
     assert s.adjusted(logits).tolist() == pytest.approx([3 - 1.5, 2.5, 0.0, 4 - 1.5])
-    s.start_answer()                                 # a new answer counts from zero
+    s.start_answer()  # a new answer counts from zero
     assert s.adjusted(logits).tolist() == pytest.approx([3.0, 2.5, 0.0, 4.0])
     with pytest.raises(TopkError, match="vocabulary"):
         Sampling(logit_bias={4: 1.0}).pick(logits)
@@ -73,7 +86,7 @@ def test_penalties_and_logit_bias_follow_openais_formula_within_one_answer():
 def test_logprobs_record_the_models_own_distribution_and_the_most_likely_alternatives():
     logits = torch.tensor([1.0, 3.0, 2.0, 0.5])
     s = Sampling(logprobs=2, logit_bias={1: -100.0})
-    assert s.pick(logits) == 2                       # the bias moved the pick, not the recorded distribution
+    assert s.pick(logits) == 2  # the bias moved the pick, not the recorded distribution
     tok, logprob, top = s.picked[0]
     expected = torch.log_softmax(logits, -1)
     assert tok == 2 and logprob == pytest.approx(float(expected[2]))
@@ -81,9 +94,18 @@ def test_logprobs_record_the_models_own_distribution_and_the_most_likely_alterna
     assert Sampling(logprobs=0).pick(logits) == 1
 
 
-@pytest.mark.parametrize("kw", [dict(presence_penalty=2.5), dict(frequency_penalty="x"), dict(logit_bias={-1: 1}),
-                                dict(logit_bias={"5": 1}), dict(logit_bias={5: 101}), dict(logprobs=21),
-                                dict(logprobs=True)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(presence_penalty=2.5),
+        dict(frequency_penalty="x"),
+        dict(logit_bias={-1: 1}),
+        dict(logit_bias={"5": 1}),
+        dict(logit_bias={5: 101}),
+        dict(logprobs=21),
+        dict(logprobs=True),
+    ],
+)
 def test_bad_penalty_bias_and_logprobs_values_are_user_errors(kw):
     with pytest.raises(TopkError):
         Sampling(**kw)
@@ -118,9 +140,19 @@ def test_sessions_are_greedy_by_default_and_repeat_with_a_seed(built_cache):
 def test_raw_layout_of_one_question_is_what_chat_asks():
     fmt = PromptFormat("raw")
     assert conversation_text([{"role": "user", "content": "Q?"}], fmt, None) == fmt.question_text("Q?", True)
-    text = conversation_text([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "A?"},
-                              {"role": "assistant", "content": "a."}, {"role": "user", "content": "B?"}], fmt, None)
-    assert text == "\nBe brief." + RAW_QUESTION.format(question="A?") + " a." + "\n" + RAW_QUESTION.format(question="B?")
+    text = conversation_text(
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "A?"},
+            {"role": "assistant", "content": "a."},
+            {"role": "user", "content": "B?"},
+        ],
+        fmt,
+        None,
+    )
+    assert text == "\nBe brief." + RAW_QUESTION.format(question="A?") + " a." + "\n" + RAW_QUESTION.format(
+        question="B?"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -135,11 +167,13 @@ def test_a_chat_template_renders_the_conversation_after_the_cached_prefix(chatml
     assert fmt.kind == "chat"
     one = conversation_text([{"role": "user", "content": "Q?"}], fmt, chatml_tokenizer)
     assert one == fmt.question_text("Q?", first_turn=True)
-    with_system = conversation_text([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q?"}],
-                                    fmt, chatml_tokenizer)
+    with_system = conversation_text(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q?"}], fmt, chatml_tokenizer
+    )
     # the documents' user turn closes, a system turn follows, then the question's own user turn
-    assert with_system == ("<|im_end|>\n<|im_start|>system\nBe brief.<|im_end|>\n"
-                           "<|im_start|>user\nQ?<|im_end|>\n<|im_start|>assistant\n")
+    assert with_system == (
+        "<|im_end|>\n<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nQ?<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_a_template_that_moves_the_system_message_before_the_documents_is_refused(chatml_tokenizer):
@@ -148,16 +182,22 @@ def test_a_template_that_moves_the_system_message_before_the_documents_is_refuse
         fmt = prompt_format(chatml_tokenizer)
         assert conversation_text([{"role": "user", "content": "Q?"}], fmt, chatml_tokenizer)
         with pytest.raises(TopkError, match="system"):
-            conversation_text([{"role": "system", "content": "S"}, {"role": "user", "content": "Q?"}], fmt,
-                              chatml_tokenizer)
+            conversation_text(
+                [{"role": "system", "content": "S"}, {"role": "user", "content": "Q?"}], fmt, chatml_tokenizer
+            )
     finally:
         chatml_tokenizer.chat_template = CHATML
 
 
-@pytest.mark.parametrize("messages, fragment", [
-    ([], "empty"), ([{"role": "tool", "content": "x"}], "role"), ([{"role": "user", "content": None}], "text"),
-    ([{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}], "last message"),
-])
+@pytest.mark.parametrize(
+    "messages, fragment",
+    [
+        ([], "empty"),
+        ([{"role": "tool", "content": "x"}], "role"),
+        ([{"role": "user", "content": None}], "text"),
+        ([{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}], "last message"),
+    ],
+)
 def test_malformed_conversations_are_user_errors(messages, fragment):
     with pytest.raises(TopkError, match=fragment):
         conversation_text(messages, PromptFormat("raw"), None)
@@ -182,10 +222,10 @@ def _selection(ids, scores):
 
 def test_source_tracker_credits_the_document_whose_tokens_took_the_attention():
     docs = [{"name": "a", "start": 2, "end": 10}, {"name": "b", "start": 10, "end": 20}]
-    tr = SourceTracker(docs, scale=1.0, group_size=1, n_layers=4)     # counts layer 3 only
+    tr = SourceTracker(docs, scale=1.0, group_size=1, n_layers=4)  # counts layer 3 only
     assert tr.first_layer == 3
     q = torch.zeros(1, 1, 4)
-    tr(0, q, _selection([[[3, 4]]], [[[50.0, 50.0]]]), None)           # an early layer: ignored
+    tr(0, q, _selection([[[3, 4]]], [[[50.0, 50.0]]]), None)  # an early layer: ignored
     tr(3, q, _selection([[[3, 12, -1]]], [[[0.0, 8.0, 99.0]]]), None)  # -1 is an empty slot: ignored
     # a two-token step (Hkv=1, G=1, T=2): only its last position predicts an answer token
     tr(3, q, _selection([[[4, 5], [15, 16]]], [[[9.0, 9.0], [0.0, 0.0]]]), None)
@@ -201,7 +241,7 @@ def test_ask_returns_sources_from_the_document_table(built_cache):
     assert isinstance(answer, str) and sources
     assert {s["document"] for s in sources} <= {d["name"] for d in store.documents}
     assert all(0 < s["weight"] <= 1 for s in sources)
-    assert answer == store.ask("what is in the notes?", max_new_tokens=8)   # tracking changes no token
+    assert answer == store.ask("what is in the notes?", max_new_tokens=8)  # tracking changes no token
     with pytest.raises(TopkError, match="stream"):
         store.ask("x", stream=True, return_sources=True)
 
@@ -219,8 +259,11 @@ def test_chat_sampling_options_repeat_with_a_seed_and_bad_values_are_one_line(bu
 
 def test_chat_sources_command_lists_documents_after_an_answer(built_cache):
     cache, _ = built_cache
-    result = CliRunner().invoke(app, ["chat", str(cache), "--device", "cpu", "--max-new-tokens", "6"],
-                                input="/sources\nwhat is in the notes?\n/sources\n")
+    result = CliRunner().invoke(
+        app,
+        ["chat", str(cache), "--device", "cpu", "--max-new-tokens", "6"],
+        input="/sources\nwhat is in the notes?\n/sources\n",
+    )
     assert result.exit_code == 0, result.output
     assert "(no answer yet)" in result.stdout
     assert any(name in result.stdout for name in ("alpha.txt", "gamma.txt", "notes/beta.md"))

@@ -29,13 +29,13 @@ from topk_decode.serve.app import Server, create_app  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "demo-cache"
-TIMEOUT = 120          # seconds any one request may take on a slow shared CPU
-BODY_MB = 1            # the test server's body limit
-FREED_S = 15           # a cancelled request frees the worker within this (a layer takes ~1 s on a 2-core CPU)
-LONG_PROMPT = " the" * 20_000   # 20,000 demo tokens: minutes of prompt on a 2-core CPU
+TIMEOUT = 120  # seconds any one request may take on a slow shared CPU
+BODY_MB = 1  # the test server's body limit
+FREED_S = 15  # a cancelled request frees the worker within this (a layer takes ~1 s on a 2-core CPU)
+LONG_PROMPT = " the" * 20_000  # 20,000 demo tokens: minutes of prompt on a 2-core CPU
 # `cuda` on the GPU host runs every test below over the CUDA decode path (fp32, so the answers are the CPU's)
 DEVICE = os.environ.get("TOPK_TEST_SERVE_DEVICE", "cpu")
-QUESTIONS = {          # examples/QUESTIONS.md
+QUESTIONS = {  # examples/QUESTIONS.md
     "amber-fox": ("What is the special magic number for amber-fox?", "482"),
     "silver-owl": ("What is the special magic number for silver-owl?", "731"),
     "quiet-lynx": ("What is the special magic number for quiet-lynx?", "219"),
@@ -123,14 +123,14 @@ def test_openai_client_gets_the_demo_answer_with_sources_and_usage(client, store
     r = ask(client, QUESTIONS["amber-fox"][0])
     answer = r.choices[0].message.content
     assert answer == "The special magic number for amber-fox is 482."
-    assert answer == store.ask(QUESTIONS["amber-fox"][0])       # the server answers as the API does
+    assert answer == store.ask(QUESTIONS["amber-fox"][0])  # the server answers as the API does
     assert r.choices[0].finish_reason == "stop"
     assert r.model == MODEL and r.object == "chat.completion"
     assert r.usage.prompt_tokens_details.cached_tokens == store.ckv.n_tokens
     assert r.usage.prompt_tokens > store.ckv.n_tokens and r.usage.completion_tokens > 5
     src = sources_of(r)
     assert {s["document"] for s in src} <= {d["name"] for d in store.documents}
-    assert src[0]["document"] == "01_kelorn_harbour.txt"    # where the amber-fox fact is (examples/QUESTIONS.md)
+    assert src[0]["document"] == "01_kelorn_harbour.txt"  # where the amber-fox fact is (examples/QUESTIONS.md)
 
 
 def test_streamed_chunks_join_to_the_same_answer_and_the_last_carries_sources(client):
@@ -148,7 +148,9 @@ def test_streamed_chunks_join_to_the_same_answer_and_the_last_carries_sources(cl
 
 def test_raw_stream_is_openai_sse_ending_with_done(live):
     base = live[0]
-    body = json.dumps({"model": MODEL, "stream": True, "messages": [{"role": "user", "content": QUESTIONS["amber-fox"][0]}]})
+    body = json.dumps(
+        {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": QUESTIONS["amber-fox"][0]}]}
+    )
     req = urllib.request.Request(base + "/v1/chat/completions", data=body.encode())
     with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
         assert r.headers["Content-Type"].startswith("text/event-stream")
@@ -164,8 +166,9 @@ def test_completions_continue_the_prompt_verbatim_after_the_documents(client):
     prompt = "\nQuestion: What is the special magic number for silver-owl?\nAnswer:"
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20)
     assert r.choices[0].text.strip() == "The special magic number for silver-owl is 731."
-    streamed = "".join(c.choices[0].text for c in client.completions.create(model=MODEL, prompt=prompt,
-                                                                             max_tokens=20, stream=True))
+    streamed = "".join(
+        c.choices[0].text for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, stream=True)
+    )
     assert streamed == r.choices[0].text
 
 
@@ -182,17 +185,23 @@ def test_seeded_sampling_repeats_and_a_system_prompt_is_accepted(client):
     a = ask(client, QUESTIONS["silver-owl"][0], **kw).choices[0].message.content
     b = ask(client, QUESTIONS["silver-owl"][0], **kw).choices[0].message.content
     assert a == b and a
-    r = client.chat.completions.create(model=MODEL, messages=[
-        {"role": "system", "content": "Answer with the number."},
-        {"role": "user", "content": QUESTIONS["amber-fox"][0]}])
-    assert r.choices[0].message.content   # the demo model has no chat template: a plain line before the question
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": "Answer with the number."},
+            {"role": "user", "content": QUESTIONS["amber-fox"][0]},
+        ],
+    )
+    assert r.choices[0].message.content  # the demo model has no chat template: a plain line before the question
 
 
 def test_models_and_health(live):
     base, server = live
     models = get(base, "/v1/models")
     assert [m["id"] for m in models["data"]] == [MODEL]
-    assert models["data"][0]["documents"] == 4 and models["data"][0]["context_tokens"] == server.stores[MODEL].ckv.n_tokens
+    assert (
+        models["data"][0]["documents"] == 4 and models["data"][0]["context_tokens"] == server.stores[MODEL].ckv.n_tokens
+    )
     health = get(base, "/health")
     assert health["status"] == "ok" and health["batching"].startswith("up to 8 answers at once")
     assert health["queue"] == 0 and health["documents"] == 4 and health["model"] == MODEL
@@ -202,12 +211,17 @@ def test_models_and_health(live):
 def test_concurrent_clients_get_the_answers_they_get_alone(client):
     serial = {k: ask(client, q).choices[0].message.content for k, (q, _) in QUESTIONS.items()}
     with ThreadPoolExecutor(len(QUESTIONS)) as pool:
-        futures = {k: pool.submit(ask, client, q, stream=(i % 2 == 1)) for i, (k, (q, _)) in enumerate(QUESTIONS.items())}
+        futures = {
+            k: pool.submit(ask, client, q, stream=(i % 2 == 1)) for i, (k, (q, _)) in enumerate(QUESTIONS.items())
+        }
         got = {}
         for k, f in futures.items():
             r = f.result(timeout=TIMEOUT * 2)
-            got[k] = r.choices[0].message.content if not isinstance(r, openai.Stream) else \
-                "".join(c.choices[0].delta.content or "" for c in r if c.choices)
+            got[k] = (
+                r.choices[0].message.content
+                if not isinstance(r, openai.Stream)
+                else "".join(c.choices[0].delta.content or "" for c in r if c.choices)
+            )
     assert got == serial
     assert all(QUESTIONS[k][1] in got[k] for k in QUESTIONS)
 
@@ -219,12 +233,16 @@ def test_a_dropped_client_stops_its_generation_and_the_next_is_served(live, clie
     host, port = base.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT)
     # " the" makes the demo model write filler text without an end of turn: a long generation
-    conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": " the", "max_tokens": 1000,
-                                                          "stream": stream}), {"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps({"model": MODEL, "prompt": " the", "max_tokens": 1000, "stream": stream}),
+        {"Content-Type": "application/json"},
+    )
     if stream:
         resp = conn.getresponse()
         assert resp.status == 200
-        assert resp.readline().startswith(b"data: ")   # the answer has started
+        assert resp.readline().startswith(b"data: ")  # the answer has started
     else:
         deadline = time.monotonic() + TIMEOUT
         while not server.worker.running:
@@ -249,8 +267,11 @@ def test_load_every_request_of_every_client_is_answered(client):
         for m in range(n_requests):
             k = keys[(c + m) % len(keys)]
             r = ask(client, QUESTIONS[k][0], stream=bool(m % 2))
-            text = "".join(x.choices[0].delta.content or "" for x in r if x.choices) if m % 2 else \
-                r.choices[0].message.content
+            text = (
+                "".join(x.choices[0].delta.content or "" for x in r if x.choices)
+                if m % 2
+                else r.choices[0].message.content
+            )
             out.append((k, text))
         return out
 
@@ -263,43 +284,68 @@ def test_load_every_request_of_every_client_is_answered(client):
 
 
 # ---- bad requests: 4xx JSON, and the server stays up ---------------------------------------------------
-@pytest.mark.parametrize("body, status, param", [
-    (b"{not json", 400, None),
-    (b"[1, 2]", 400, None),
-    ({"model": "", "messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
-    ({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
-    ({"model": MODEL, "messages": []}, 400, "messages"),
-    ({"model": MODEL, "messages": "hi"}, 400, "messages"),
-    ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
-    ({"model": MODEL, "messages": [{"role": "assistant", "content": "hi"}]}, 400, None),
-    ({"model": MODEL, "messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10 ** 6}, 400, "max_tokens"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 5}, 400, "temperature"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": [""]}, 400, "stop"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": 1.5}, 400, "seed"),
-    # malformed input that once reached the tokenizer or the JSON decoder's recursion: 400, never a 500
-    (b'{"model": "demo-cache", "messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, "messages[0].content"),
-    (b'{"model": "demo-cache", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}',
-     400, "messages[0].content"),
-    (b'{"model": "demo-cache", "messages": [{"role": "user", "content": "hi"}], "stop": ["\\ud800"]}', 400, "stop"),
-    pytest.param(b'{"model": "demo-cache", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None,
-                 id="nested-100000-deep"),
-    (b'{"model": "demo-cache", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1e400}', 400, "max_tokens"),
-    (b'{"model": "demo-cache", "messages": [{"role": "user", "content": "hi"}], "temperature": -1e400}', 400,
-     "temperature"),
-    (b'{"model": "demo-cache", "messages": [{"role": "user", "content": "hi"}], "top_p": NaN}', 400, "top_p"),
-    pytest.param(b'{"model": "demo-cache", "messages": [{"role": "user", "content": "hi"}], "seed": ' + b"9" * 5000
-                 + b"}", 400, None, id="seed-of-5000-digits"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10 ** 100}, 400, "max_tokens"),
-    ({"model": MODEL, "messages": [{"role": 5, "content": "hi"}]}, 400, "messages[0]"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": [1]}, 400, "stop"),
-    ({"model": MODEL, "prompt": "hi", "messages": {"role": "user"}}, 400, "messages"),
-    (b'{"model": "demo-cache", "messages": [{"role": "user", "content": "\xff"}]}', 400, None),
-])
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        (b"{not json", 400, None),
+        (b"[1, 2]", 400, None),
+        ({"model": "", "messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
+        ({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+        ({"model": MODEL, "messages": []}, 400, "messages"),
+        ({"model": MODEL, "messages": "hi"}, 400, "messages"),
+        ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
+        ({"model": MODEL, "messages": [{"role": "assistant", "content": "hi"}]}, 400, None),
+        ({"model": MODEL, "messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}, 400, "max_tokens"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 5}, 400, "temperature"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": [""]}, 400, "stop"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": 1.5}, 400, "seed"),
+        # malformed input that once reached the tokenizer or the JSON decoder's recursion: 400, never a 500
+        (
+            b'{"model": "demo-cache", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+            400,
+            "messages[0].content",
+        ),
+        (
+            b'{"model": "demo-cache", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}',
+            400,
+            "messages[0].content",
+        ),
+        (b'{"model": "demo-cache", "messages": [{"role": "user", "content": "hi"}], "stop": ["\\ud800"]}', 400, "stop"),
+        pytest.param(
+            b'{"model": "demo-cache", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+            400,
+            None,
+            id="nested-100000-deep",
+        ),
+        (
+            b'{"model": "demo-cache", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1e400}',
+            400,
+            "max_tokens",
+        ),
+        (
+            b'{"model": "demo-cache", "messages": [{"role": "user", "content": "hi"}], "temperature": -1e400}',
+            400,
+            "temperature",
+        ),
+        (b'{"model": "demo-cache", "messages": [{"role": "user", "content": "hi"}], "top_p": NaN}', 400, "top_p"),
+        pytest.param(
+            b'{"model": "demo-cache", "messages": [{"role": "user", "content": "hi"}], "seed": ' + b"9" * 5000 + b"}",
+            400,
+            None,
+            id="seed-of-5000-digits",
+        ),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**100}, 400, "max_tokens"),
+        ({"model": MODEL, "messages": [{"role": 5, "content": "hi"}]}, 400, "messages[0]"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": [1]}, 400, "stop"),
+        ({"model": MODEL, "prompt": "hi", "messages": {"role": "user"}}, 400, "messages"),
+        (b'{"model": "demo-cache", "messages": [{"role": "user", "content": "\xff"}]}', 400, None),
+    ],
+)
 def test_bad_chat_requests_get_openai_shaped_4xx_json(live, body, status, param):
     base = live[0]
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -318,9 +364,9 @@ def raw_request(base: str, head: str, body_parts=()) -> tuple[int, dict]:
         sock.sendall(head.encode())
         for part in body_parts:
             if select.select([sock], [], [], 0)[0]:
-                break                      # answered early: the rest is never read
+                break  # answered early: the rest is never read
             sock.sendall(part)
-        resp = http.client.HTTPResponse(sock)   # reads the answer by its length: the connection stays open
+        resp = http.client.HTTPResponse(sock)  # reads the answer by its length: the connection stays open
         resp.begin()
         return resp.status, json.loads(resp.read())
 
@@ -347,14 +393,17 @@ def test_a_client_that_leaves_during_a_long_prompt_frees_the_worker_within_secon
     host, port = base.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT)
     # minutes of prompt on a 2-core CPU; a fast device may be in the answer (filler text, no end of turn) by then
-    conn.request("POST", "/v1/completions", json.dumps(
-        {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 1000, "stream": stream}),
-        {"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps({"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 1000, "stream": stream}),
+        {"Content-Type": "application/json"},
+    )
     deadline = time.monotonic() + TIMEOUT
     while not server.worker.running:
         assert time.monotonic() < deadline, "the request never started"
         time.sleep(0.05)
-    time.sleep(0.5)                           # inside the prompt's first chunk (CPU)
+    time.sleep(0.5)  # inside the prompt's first chunk (CPU)
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
     left = time.monotonic()
@@ -371,7 +420,7 @@ def test_a_cancelled_prompt_step_leaves_the_conversation_as_it_was(store):
     question = QUESTIONS["amber-fox"][0]
     chat = store.session()
     polls = []
-    chat.conv.should_stop = lambda: polls.append(1) or len(polls) >= 3    # stops at the third layer of the prompt
+    chat.conv.should_stop = lambda: polls.append(1) or len(polls) >= 3  # stops at the third layer of the prompt
     with pytest.raises(StepCancelled):
         chat.ask(question, max_new_tokens=16)
     assert len(polls) == 3 and chat.conv.window.n_new == 0 and chat.turns == 0 and chat.conv.pending == []
@@ -385,17 +434,18 @@ def test_the_prompt_is_checked_against_the_room_before_it_is_queued(store):
 
     worker = DecodeWorker({MODEL: store})
     try:
-        assert worker.rooms[MODEL] == store.decoder.shape.max_positions - store.ckv.n_tokens   # the demo's binding limit
+        assert worker.rooms[MODEL] == store.decoder.shape.max_positions - store.ckv.n_tokens  # the demo's binding limit
         worker.rooms[MODEL] = 100
         req = GenerationRequest(kind="completion", model=MODEL, prompt=" the" * 95, max_tokens=64)
-        assert len(worker.prompt_ids(req)) == 95 and req.max_tokens == 5    # an unset max_tokens fits the room
+        assert len(worker.prompt_ids(req)) == 95 and req.max_tokens == 5  # an unset max_tokens fits the room
         for n, given, param in [(95, True, "max_tokens"), (100, False, "prompt"), (100_000, False, "prompt")]:
-            req = GenerationRequest(kind="completion", model=MODEL, prompt=" the" * n, max_tokens=10,
-                                    max_tokens_given=given)
+            req = GenerationRequest(
+                kind="completion", model=MODEL, prompt=" the" * n, max_tokens=10, max_tokens_given=given
+            )
             with pytest.raises(APIError) as e:
                 worker.prompt_ids(req)
             assert e.value.status == 400 and e.value.code == "context_length_exceeded" and e.value.param == param
-        assert "more than 100" in e.value.message      # the huge one was refused without tokenizing it all
+        assert "more than 100" in e.value.message  # the huge one was refused without tokenizing it all
         assert worker.waiting == worker.running == 0
     finally:
         worker.close()
@@ -461,11 +511,16 @@ def test_topk_serve_with_a_bad_body_limit_is_one_error_line(demo_cache, value):
 
 def test_topk_serve_command_stops_on_interrupt_ending_an_open_stream_with_an_error_and_done(demo_cache):
     # the key from the environment (TOPK_API_KEY), as a deployment would pass it
-    proc = subprocess.Popen([sys.executable, "-m", "topk_decode", "serve", str(demo_cache), "--port", "0",
-                             "--device", "cpu"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "TOPK_API_KEY": KEY})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "topk_decode", "serve", str(demo_cache), "--port", "0", "--device", "cpu"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TOPK_API_KEY": KEY},
+    )
     try:
-        line = proc.stdout.readline()          # printed once the model is loaded and the port bound
+        line = proc.stdout.readline()  # printed once the model is loaded and the port bound
         assert line.startswith(f"serving {demo_cache} as model '{MODEL}' (") and " on http://127.0.0.1:" in line, line
         base = line.split(" on ")[1].split("/v1")[0]
         deadline = time.monotonic() + 60
@@ -479,12 +534,16 @@ def test_topk_serve_command_stops_on_interrupt_ending_an_open_stream_with_an_err
         assert health["model"] == MODEL
         assert call(base, "/v1/models")[0] == 401
         # a streamed answer stuck in a long prompt when Ctrl-C comes
-        body = json.dumps({"model": MODEL, "stream": True, "max_tokens": 1,
-                           "messages": [{"role": "user", "content": LONG_PROMPT}]})
-        stream = urllib.request.urlopen(urllib.request.Request(base + "/v1/chat/completions", data=body.encode(),
-                                                               headers={"Authorization": f"Bearer {KEY}"}),
-                                        timeout=TIMEOUT)
-        assert stream.readline().startswith(b"data: ")      # the role chunk: the prompt is running
+        body = json.dumps(
+            {"model": MODEL, "stream": True, "max_tokens": 1, "messages": [{"role": "user", "content": LONG_PROMPT}]}
+        )
+        stream = urllib.request.urlopen(
+            urllib.request.Request(
+                base + "/v1/chat/completions", data=body.encode(), headers={"Authorization": f"Bearer {KEY}"}
+            ),
+            timeout=TIMEOUT,
+        )
+        assert stream.readline().startswith(b"data: ")  # the role chunk: the prompt is running
         proc.send_signal(subprocess.signal.SIGINT)
         sent = time.monotonic()
         events = [e for e in stream.read().decode().split("\n\n") if e]
@@ -494,7 +553,7 @@ def test_topk_serve_command_stops_on_interrupt_ending_an_open_stream_with_an_err
         assert time.monotonic() - sent < FREED_S
         log = proc.stderr.read()
         assert "Traceback" not in log
-        assert " - GET /v1/models 401 seconds=" in log          # one line per request, on stderr
+        assert " - GET /v1/models 401 seconds=" in log  # one line per request, on stderr
         assert " POST /v1/chat/completions 200 model=demo-cache " in log
     finally:
         if proc.poll() is None:
@@ -503,8 +562,11 @@ def test_topk_serve_command_stops_on_interrupt_ending_an_open_stream_with_an_err
 
 def test_a_prompt_past_the_models_positions_is_a_400_context_length_exceeded(live, store):
     n = store.decoder.shape.max_positions
-    status, answer = post(live[0], "/v1/chat/completions", json.dumps(
-        {"model": MODEL, "messages": [{"role": "user", "content": "amber " * n}]}))
+    status, answer = post(
+        live[0],
+        "/v1/chat/completions",
+        json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "amber " * n}]}),
+    )
     assert status == 400 and answer["error"]["code"] == "context_length_exceeded"
 
 
@@ -518,7 +580,7 @@ def test_a_full_queue_answers_429_and_shutdown_answers_queued_requests_503(store
     worker = DecodeWorker({MODEL: store}, max_queue=2, max_batch=1)
     request = GenerationRequest(kind="completion", model=MODEL, prompt=" the", max_tokens=5)
     try:
-        with store.decoder.lock:            # the decoding thread blocks on the step lock: jobs pile up
+        with store.decoder.lock:  # the decoding thread blocks on the step lock: jobs pile up
             jobs = [Job(request, loop), Job(request, loop)]
             for job in jobs:
                 worker.submit(job)
@@ -526,7 +588,7 @@ def test_a_full_queue_answers_429_and_shutdown_answers_queued_requests_503(store
                 worker.submit(Job(request, loop))
             assert e.value.status == 429 and e.value.body()["error"]["code"] == "queue_full"
             deadline = time.monotonic() + 30
-            while worker.waiting != 1:      # the first job is running (waiting for the lock)
+            while worker.waiting != 1:  # the first job is running (waiting for the lock)
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             jobs[0].cancel()
@@ -548,13 +610,13 @@ ORIGIN = "https://app.example.com"
 @pytest.fixture(scope="module")
 def keyed(store):
     """(base_url, Server) of a second server over the same store, with an API key and one CORS origin."""
-    server = Server({MODEL: store}, max_tokens_limit=1024, default_max_tokens=64, api_key=KEY,
-                    cors_origins=(ORIGIN,))
+    server = Server({MODEL: store}, max_tokens_limit=1024, default_max_tokens=64, api_key=KEY, cors_origins=(ORIGIN,))
     yield from serve_in_thread(server)
 
 
-def call(base: str, path: str, method: str = "GET", body: dict | None = None,
-         headers: dict | None = None) -> tuple[int, dict, bytes]:
+def call(
+    base: str, path: str, method: str = "GET", body: dict | None = None, headers: dict | None = None
+) -> tuple[int, dict, bytes]:
     """Any request: (status, response headers, body bytes)."""
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(base + path, data=data, method=method, headers=headers or {})
@@ -569,12 +631,21 @@ def test_a_key_is_required_everywhere_but_health(keyed):
     base = keyed[0]
     chat = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
-        for method, path, body in [("POST", "/v1/chat/completions", chat), ("GET", "/v1/models", None),
-                                   ("GET", "/metrics", None)]:
+        for method, path, body in [
+            ("POST", "/v1/chat/completions", chat),
+            ("GET", "/v1/models", None),
+            ("GET", "/metrics", None),
+        ]:
             status, got_headers, raw = call(base, path, method, body, headers)
             assert status == 401, (path, headers)
-            assert json.loads(raw) == {"error": {"message": json.loads(raw)["error"]["message"], "param": None,
-                                                 "type": "invalid_request_error", "code": "invalid_api_key"}}
+            assert json.loads(raw) == {
+                "error": {
+                    "message": json.loads(raw)["error"]["message"],
+                    "param": None,
+                    "type": "invalid_request_error",
+                    "code": "invalid_api_key",
+                }
+            }
             assert got_headers["www-authenticate"] == "Bearer"
     assert call(base, "/health")[0] == 200
     good = {"Authorization": f"Bearer {KEY}"}
@@ -594,8 +665,11 @@ def test_the_openai_client_needs_the_key(keyed):
 
 def test_cors_preflight_is_answered_without_the_key_for_the_allowed_origin_only(keyed):
     base = keyed[0]
-    ask_ = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
-            "Access-Control-Request-Headers": "authorization, content-type"}
+    ask_ = {
+        "Origin": ORIGIN,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
     status, headers, _ = call(base, "/v1/chat/completions", "OPTIONS", headers=ask_)
     assert status == 200 and headers["access-control-allow-origin"] == ORIGIN
     assert "POST" in headers["access-control-allow-methods"]
@@ -620,15 +694,18 @@ def scrape(base: str, headers: dict | None = None) -> dict:
 
     status, got, raw = call(base, "/metrics", headers=headers)
     assert status == 200 and got["content-type"].startswith("text/plain")
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(raw.decode()) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(raw.decode())
+        for s in family.samples
+    }
 
 
 def test_metrics_count_requests_tokens_time_to_first_token_search_and_keys(live, client):
     base = live[0]
     before = scrape(base)
     r = ask(client, QUESTIONS["amber-fox"][0])
-    post(base, "/v1/chat/completions", json.dumps({"model": MODEL, "messages": []}))   # a 400
+    post(base, "/v1/chat/completions", json.dumps({"model": MODEL, "messages": []}))  # a 400
     after = scrape(base)
 
     def delta(name: str, **labels) -> float:
@@ -655,60 +732,84 @@ def test_one_log_line_per_request_with_id_model_tokens_seconds_and_status(live, 
     caplog.set_level(logging.INFO, logger="topk_decode.serve")
     r = ask(client, QUESTIONS["silver-owl"][0])
     post(live[0], "/v1/chat/completions", json.dumps({"model": MODEL, "messages": []}))
-    get(live[0], "/health")                              # probes are not logged
-    deadline = time.monotonic() + 10                     # the line is written once the response has gone
+    get(live[0], "/health")  # probes are not logged
+    deadline = time.monotonic() + 10  # the line is written once the response has gone
     while len([m for m in caplog.messages if "/v1/chat/completions" in m]) < 2:
         assert time.monotonic() < deadline, caplog.messages
         time.sleep(0.05)
     lines = [m for m in caplog.messages if "/v1/chat/completions" in m]
     ok = next(m for m in lines if m.startswith(r.id))
     n_prompt = r.usage.prompt_tokens - r.usage.prompt_tokens_details.cached_tokens
-    assert (f"{r.id} POST /v1/chat/completions 200 model={MODEL} prompt_tokens={n_prompt} "
-            f"completion_tokens={r.usage.completion_tokens} finish=stop seconds=") in ok
+    assert (
+        f"{r.id} POST /v1/chat/completions 200 model={MODEL} prompt_tokens={n_prompt} "
+        f"completion_tokens={r.usage.completion_tokens} finish=stop seconds="
+    ) in ok
     assert float(ok.rpartition("seconds=")[2]) > 0
     assert any(m.startswith("- POST /v1/chat/completions 400 seconds=") for m in lines)
     assert not any("/health" in m for m in caplog.messages)
 
 
 # ---- parameters: implemented, or refused by name -----------------------------------------------------
-@pytest.mark.parametrize("kind,extra,param", [
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
-     "response_format"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ("chat", {"tool_choice": "auto"}, "tool_choice"),
-    ("chat", {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
-    ("chat", {"function_call": "auto"}, "function_call"),
-    ("chat", {"n": 2}, "n"),
-    ("chat", {"modalities": ["text", "audio"]}, "modalities"),
-    ("chat", {"top_logprobs": 3}, "top_logprobs"),             # without logprobs: true
-    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ("chat", {"logprobs": 1}, "logprobs"),
-    ("chat", {"presence_penalty": 2.5}, "presence_penalty"),
-    ("chat", {"frequency_penalty": "high"}, "frequency_penalty"),
-    ("chat", {"logit_bias": {"abc": 1}}, "logit_bias"),
-    ("chat", {"logit_bias": {"5": 101}}, "logit_bias"),
-    ("chat", {"logit_bias": {"9999999": -100}}, "logit_bias"),  # past the vocabulary: found before decoding
-    ("chat", {"logit_bias": [1, 2]}, "logit_bias"),
-    ("completion", {"echo": True}, "echo"),
-    ("completion", {"suffix": "end"}, "suffix"),
-    ("completion", {"best_of": 3}, "best_of"),
-    ("completion", {"n": 2}, "n"),
-    ("completion", {"logprobs": 6}, "logprobs"),
-])
+@pytest.mark.parametrize(
+    "kind,extra,param",
+    [
+        ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            "chat",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+            "response_format",
+        ),
+        ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ("chat", {"tool_choice": "auto"}, "tool_choice"),
+        ("chat", {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+        ("chat", {"function_call": "auto"}, "function_call"),
+        ("chat", {"n": 2}, "n"),
+        ("chat", {"modalities": ["text", "audio"]}, "modalities"),
+        ("chat", {"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+        ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("chat", {"logprobs": 1}, "logprobs"),
+        ("chat", {"presence_penalty": 2.5}, "presence_penalty"),
+        ("chat", {"frequency_penalty": "high"}, "frequency_penalty"),
+        ("chat", {"logit_bias": {"abc": 1}}, "logit_bias"),
+        ("chat", {"logit_bias": {"5": 101}}, "logit_bias"),
+        ("chat", {"logit_bias": {"9999999": -100}}, "logit_bias"),  # past the vocabulary: found before decoding
+        ("chat", {"logit_bias": [1, 2]}, "logit_bias"),
+        ("completion", {"echo": True}, "echo"),
+        ("completion", {"suffix": "end"}, "suffix"),
+        ("completion", {"best_of": 3}, "best_of"),
+        ("completion", {"n": 2}, "n"),
+        ("completion", {"logprobs": 6}, "logprobs"),
+    ],
+)
 def test_what_is_not_implemented_is_a_400_naming_the_parameter(live, kind, extra, param):
-    body = ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]} if kind == "chat" else
-            {"model": MODEL, "prompt": "hi"})
-    status, answer = post(live[0], "/v1/chat/completions" if kind == "chat" else "/v1/completions",
-                          json.dumps({**body, "max_tokens": 2, **extra}))
+    body = (
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        if kind == "chat"
+        else {"model": MODEL, "prompt": "hi"}
+    )
+    status, answer = post(
+        live[0],
+        "/v1/chat/completions" if kind == "chat" else "/v1/completions",
+        json.dumps({**body, "max_tokens": 2, **extra}),
+    )
     assert status == 400 and answer["error"]["param"] == param, answer
     assert param in answer["error"]["message"]
 
 
 def test_what_asks_for_nothing_is_accepted(client):
-    r = ask(client, QUESTIONS["amber-fox"][0], response_format={"type": "text"}, tools=[], tool_choice="none",
-            n=1, presence_penalty=0, frequency_penalty=0, logit_bias={}, logprobs=False)
-    assert r.choices[0].message.content == "The special magic number for amber-fox is 482."   # greedy, unchanged
+    r = ask(
+        client,
+        QUESTIONS["amber-fox"][0],
+        response_format={"type": "text"},
+        tools=[],
+        tool_choice="none",
+        n=1,
+        presence_penalty=0,
+        frequency_penalty=0,
+        logit_bias={},
+        logprobs=False,
+    )
+    assert r.choices[0].message.content == "The special magic number for amber-fox is 482."  # greedy, unchanged
     assert r.choices[0].logprobs is None
 
 
@@ -716,15 +817,15 @@ def test_chat_logprobs_are_the_answers_tokens_with_sorted_alternatives(client):
     question = QUESTIONS["amber-fox"][0]
     r = ask(client, question, logprobs=True, top_logprobs=5)
     answer = r.choices[0].message.content
-    assert answer == "The special magic number for amber-fox is 482."     # asking for logprobs changes nothing
+    assert answer == "The special magic number for amber-fox is 482."  # asking for logprobs changes nothing
     content = r.choices[0].logprobs.content
     assert "".join(t.token for t in content).strip() == answer
-    assert len(content) == r.usage.completion_tokens - 1                   # all but the end-of-turn token
+    assert len(content) == r.usage.completion_tokens - 1  # all but the end-of-turn token
     for t in content:
         assert t.logprob <= 0 and bytes(t.bytes).decode() == t.token
         top = [a.logprob for a in t.top_logprobs]
         assert len(top) == 5 and top == sorted(top, reverse=True)
-        assert sum(2.718281828459045 ** lp for lp in top) <= 1 + 1e-6
+        assert sum(2.718281828459045**lp for lp in top) <= 1 + 1e-6
         assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == pytest.approx(t.logprob)  # greedy
     streamed = [c for c in ask(client, question, logprobs=True, top_logprobs=5, stream=True) if c.choices]
     tokens = [t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
@@ -737,13 +838,15 @@ def test_completion_logprobs_are_parallel_lists_with_offsets(client):
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, logprobs=3)
     lp = r.choices[0].logprobs
     assert "".join(lp.tokens) == r.choices[0].text
-    assert len(lp.tokens) == r.usage.completion_tokens - (r.choices[0].finish_reason == "stop")   # no end of text
+    assert len(lp.tokens) == r.usage.completion_tokens - (r.choices[0].finish_reason == "stop")  # no end of text
     assert all(x <= 0 for x in lp.token_logprobs)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert len(top) <= 3 and max(top.values()) == pytest.approx(logprob) and top[token] == pytest.approx(logprob)
-    streamed = [c.choices[0] for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, logprobs=3,
-                                                                stream=True)]
+    streamed = [
+        c.choices[0]
+        for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, logprobs=3, stream=True)
+    ]
     offsets = [o for c in streamed if c.logprobs for o in c.logprobs.text_offset]
     assert offsets == lp.text_offset
 
@@ -762,19 +865,19 @@ def test_a_banned_first_token_changes_the_greedy_answer_and_a_forced_one_starts_
     banned = ask(client, question, logit_bias={str(tid): -100}, logprobs=True, top_logprobs=1, max_tokens=8)
     first = banned.choices[0].logprobs.content[0]
     assert first.token != token
-    assert first.top_logprobs[0].token == token     # logprobs are the model's own: the banned token is still its top
+    assert first.top_logprobs[0].token == token  # logprobs are the model's own: the banned token is still its top
     forced_id = store.tokenizer(" 482", add_special_tokens=False).input_ids[0]
     forced = ask(client, question, logit_bias={str(forced_id): 100}, max_tokens=3)
     assert forced.choices[0].message.content.startswith(store.tokenizer.decode([forced_id]).strip())
 
 
 def test_penalties_cut_repetition_of_the_greedy_answer(client):
-    prompt = "\nThe special magic numbers are 482, 482, 482,"     # greedy repeats " 482," to the end
+    prompt = "\nThe special magic numbers are 482, 482, 482,"  # greedy repeats " 482," to the end
 
     def count_482(**kw) -> int:
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, **kw)
         return r.choices[0].text.count("482")
 
     plain = count_482()
-    assert count_482(presence_penalty=0, frequency_penalty=0) == plain           # zero penalties change nothing
+    assert count_482(presence_penalty=0, frequency_penalty=0) == plain  # zero penalties change nothing
     assert plain > count_482(frequency_penalty=1.0) > count_482(frequency_penalty=2.0, presence_penalty=2.0)

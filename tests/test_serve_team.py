@@ -22,7 +22,7 @@ pytest.importorskip("uvicorn")
 from tests.test_serve import DEVICE, TIMEOUT, get, post, serve_in_thread  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-QUESTIONS = {          # examples/QUESTIONS.md
+QUESTIONS = {  # examples/QUESTIONS.md
     "amber-fox": ("What is the special magic number for amber-fox?", "482"),
     "silver-owl": ("What is the special magic number for silver-owl?", "731"),
     "quiet-lynx": ("What is the special magic number for quiet-lynx?", "219"),
@@ -73,8 +73,9 @@ def client(live):
 
 
 def ask(client, model: str, key: str, **kw):
-    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTIONS[key][0]}],
-                                          max_tokens=24, **kw)
+    return client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": QUESTIONS[key][0]}], max_tokens=24, **kw
+    )
 
 
 def text_of(r) -> str:
@@ -90,7 +91,7 @@ def test_two_caches_are_two_models_over_one_loaded_model(client, live, stores):
     assert extra["docs"]["documents"] == 4 and extra["travel"]["documents"] == 1
     assert extra["docs"]["context_tokens"] == stores["docs"].ckv.n_tokens
     assert extra["travel"]["context_tokens"] == stores["travel"].ckv.n_tokens
-    assert stores["travel"].model is stores["docs"].model            # the weights once
+    assert stores["travel"].model is stores["docs"].model  # the weights once
     health = get(live[0], "/health")
     assert [m["id"] for m in health["models"]] == ["docs", "travel"] and "model" not in health
 
@@ -113,8 +114,9 @@ def test_an_unknown_model_is_a_404_listing_the_served_ones(client, live):
     assert err["code"] == "model_not_found" and err["param"] == "model"
     assert "'docs'" in err["message"] and "'travel'" in err["message"]
     # without `model`, a server of two caches cannot guess: a 400 naming them
-    status, answer = post(live[0], "/v1/chat/completions",
-                          json.dumps({"messages": [{"role": "user", "content": "hi"}]}))
+    status, answer = post(
+        live[0], "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}]})
+    )
     assert status == 400 and answer["error"]["param"] == "model" and "'travel'" in answer["error"]["message"]
 
 
@@ -145,14 +147,24 @@ def test_metrics_and_log_lines_carry_the_model(client, live, caplog):
 def test_concurrent_clients_are_decoded_together_and_get_their_serial_answers(client, live):
     """8 requests over both caches, 4 at a time (the server's max_batch), half streamed: each answer equals the
     one the same request gets alone, and the steps were shared (bounded: 8 requests, 10 minutes)."""
-    jobs = [("docs", "amber-fox"), ("docs", "silver-owl"), ("travel", "quiet-lynx"), ("docs", "brave-otter"),
-            ("docs", "quiet-lynx"), ("travel", "quiet-lynx"), ("docs", "amber-fox"), ("travel", "amber-fox")]
+    jobs = [
+        ("docs", "amber-fox"),
+        ("docs", "silver-owl"),
+        ("travel", "quiet-lynx"),
+        ("docs", "brave-otter"),
+        ("docs", "quiet-lynx"),
+        ("travel", "quiet-lynx"),
+        ("docs", "amber-fox"),
+        ("travel", "amber-fox"),
+    ]
     serial = [text_of(ask(client, m, k)) for m, k in jobs]
     health0 = get(live[0], "/health")
     t0 = time.monotonic()
     with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(lambda m, k, s: text_of(ask(client, m, k, stream=s)), m, k, i % 2 == 1)
-                   for i, (m, k) in enumerate(jobs)]
+        futures = [
+            pool.submit(lambda m, k, s: text_of(ask(client, m, k, stream=s)), m, k, i % 2 == 1)
+            for i, (m, k) in enumerate(jobs)
+        ]
         got = [f.result(timeout=TIMEOUT * 4) for f in futures]
     assert time.monotonic() - t0 < 600
     assert got == serial
@@ -162,7 +174,7 @@ def test_concurrent_clients_are_decoded_together_and_get_their_serial_answers(cl
     health = get(live[0], "/health")
     steps = health["batched_steps"] - health0["batched_steps"]
     stepped = health["batched_requests"] - health0["batched_requests"]
-    assert stepped > steps > 0          # some steps held several requests
+    assert stepped > steps > 0  # some steps held several requests
     assert health["running"] == 0 and health["queue"] == 0
 
 
@@ -170,8 +182,11 @@ def test_one_cache_served_alone_takes_requests_without_model(stores):
     from topk_decode.serve.app import Server
 
     for base, _ in serve_in_thread(Server({"travel": stores["travel"]}, default_max_tokens=24)):
-        status, answer = post(base, "/v1/chat/completions", json.dumps(
-            {"messages": [{"role": "user", "content": QUESTIONS["quiet-lynx"][0]}]}))
+        status, answer = post(
+            base,
+            "/v1/chat/completions",
+            json.dumps({"messages": [{"role": "user", "content": QUESTIONS["quiet-lynx"][0]}]}),
+        )
         assert status == 200 and answer["model"] == "travel" and "219" in answer["choices"][0]["message"]["content"]
 
 
@@ -190,11 +205,28 @@ def test_model_ids_are_folder_names_told_apart_by_their_parents(tmp_path):
 
 
 def test_topk_serve_command_serves_two_caches_over_one_loaded_model(caches):
-    proc = subprocess.Popen([sys.executable, "-m", "topk_decode", "serve", str(caches["docs"]), str(caches["travel"]),
-                             "--port", "0", "--device", "cpu", "--max-tokens", "24"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "topk_decode",
+            "serve",
+            str(caches["docs"]),
+            str(caches["travel"]),
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--max-tokens",
+            "24",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        line = proc.stdout.readline()          # printed once the models are loaded and the port bound
+        line = proc.stdout.readline()  # printed once the models are loaded and the port bound
         assert line.startswith(f"serving {caches['docs']} as model 'docs' ("), line
         assert f"{caches['travel']} as model 'travel' (" in line and "2 caches over 1 loaded model" in line
         base = line.split(" on ")[1].split("/v1")[0]
@@ -229,7 +261,6 @@ def test_topk_serve_with_a_cache_given_twice_is_one_error_line(caches):
     assert result.stderr.strip() == f"error: the cache {caches['docs'].resolve()} is given twice"
 
 
-
 def test_only_caches_whose_rows_are_independent_are_batched(caches, stores):
     """flat's batched step shares its scan; routed's was slower than its serial steps on the GPU host, so a routed
     cache keeps its own steps even when it shares the model with a batched flat cache."""
@@ -237,7 +268,7 @@ def test_only_caches_whose_rows_are_independent_are_batched(caches, stores):
     from topk_decode.serve.worker import DecodeWorker
 
     routed = KVStore.open(caches["travel"], strategy="routed", device=DEVICE, dtype="fp32", share_model=stores["docs"])
-    served = stores["docs"].decoder.batcher            # the live server's, put back after
+    served = stores["docs"].decoder.batcher  # the live server's, put back after
     try:
         assert stores["docs"].decoder.strategy.rows_independent and not routed.decoder.strategy.rows_independent
         worker = DecodeWorker({"docs": stores["docs"], "routed": routed}, max_batch=4)

@@ -7,6 +7,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from conftest import hf_greedy
 
 from topk_decode import KVStore
 from topk_decode.errors import TopkError
@@ -15,7 +16,6 @@ from topk_decode.index.quest import page_bounds, page_scores
 from topk_decode.index.schedule import k_schedule
 from topk_decode.index.tokenselect import scan_scores, soft_vote
 from topk_decode.store.cache_dir import CacheWriter, open_cache
-from conftest import hf_greedy
 
 NEW = ["ivf", "hnsw", "quest", "tokenselect"]
 
@@ -40,8 +40,15 @@ def synthetic_cache(tmp_path_factory):
         keys = torch.randn(hkv, n, d, generator=gen) + 2.0  # an offset shared by all keys, as in real K
         w.write_layer(layer, keys, torch.randn(hkv, n, d, generator=gen))
     w.write_tokens(list(range(n)))
-    w.commit({"model": {"path": "none", "fingerprint": "none"}, "kv_dtype": "float32", "n_tokens": n,
-              "shape": {"n_layers": layers, "n_heads": 4, "n_kv_heads": hkv, "head_dim": d}, "documents": []})
+    w.commit(
+        {
+            "model": {"path": "none", "fingerprint": "none"},
+            "kv_dtype": "float32",
+            "n_tokens": n,
+            "shape": {"n_layers": layers, "n_heads": 4, "n_kv_heads": hkv, "head_dim": d},
+            "documents": [],
+        }
+    )
     return out
 
 
@@ -60,7 +67,7 @@ def _queries(hkv=2, q=4, d=16, seed=1):
 @pytest.mark.parametrize("adversarial", [False, True])
 def test_quest_page_score_bounds_every_qk_in_its_page(adversarial):
     gen = torch.Generator().manual_seed(3)
-    keys = torch.randn(2, 70, 8, generator=gen)          # 70 = 4 full pages of 16 + a partial one
+    keys = torch.randn(2, 70, 8, generator=gen)  # 70 = 4 full pages of 16 + a partial one
     q = torch.randn(2, 5, 8, generator=gen)
     if adversarial:
         # Mixed signs within a dimension and queries whose signs flip per dimension: the bound must
@@ -68,10 +75,10 @@ def test_quest_page_score_bounds_every_qk_in_its_page(adversarial):
         keys[:, ::2] *= -3.0
         q = torch.sign(torch.randn(2, 5, 8, generator=gen)) * 10.0
     mins, maxs = page_bounds(keys, 16)
-    bound = page_scores(q, mins, maxs)                   # (2, 5, 5)
-    exact = torch.bmm(q, keys.transpose(1, 2))           # (2, 5, 70)
+    bound = page_scores(q, mins, maxs)  # (2, 5, 5)
+    exact = torch.bmm(q, keys.transpose(1, 2))  # (2, 5, 70)
     for p in range(5):
-        page_max = exact[:, :, p * 16:(p + 1) * 16].amax(dim=-1)
+        page_max = exact[:, :, p * 16 : (p + 1) * 16].amax(dim=-1)
         assert torch.all(bound[:, :, p] >= page_max - 1e-4)
 
 
@@ -92,13 +99,16 @@ def test_quest_dense_layers_attend_everything(synthetic_cache):
 
 # ---- tokenselect ----------------------------------------------------------------------------------
 def test_soft_vote_matches_hand_computation():
-    scores = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [2.0, 0.0, 0.0, 0.0]],
-                           [[0.0, 4.0, 0.0, 0.0], [0.0, 0.0, 0.0, 8.0]]])  # (Hkv=2, Q=2, M=4)
+    scores = torch.tensor(
+        [[[0.0, 0.0, 0.0, 0.0], [2.0, 0.0, 0.0, 0.0]], [[0.0, 4.0, 0.0, 0.0], [0.0, 0.0, 0.0, 8.0]]]
+    )  # (Hkv=2, Q=2, M=4)
     e2, e4, e8 = np.exp(1.0), np.exp(2.0), np.exp(4.0)  # scale 0.5 halves the scores
-    heads = [[0.25] * 4,
-             [e2 / (e2 + 3), 1 / (e2 + 3), 1 / (e2 + 3), 1 / (e2 + 3)],
-             [1 / (e4 + 3), e4 / (e4 + 3), 1 / (e4 + 3), 1 / (e4 + 3)],
-             [1 / (e8 + 3), 1 / (e8 + 3), 1 / (e8 + 3), e8 / (e8 + 3)]]
+    heads = [
+        [0.25] * 4,
+        [e2 / (e2 + 3), 1 / (e2 + 3), 1 / (e2 + 3), 1 / (e2 + 3)],
+        [1 / (e4 + 3), e4 / (e4 + 3), 1 / (e4 + 3), 1 / (e4 + 3)],
+        [1 / (e8 + 3), 1 / (e8 + 3), 1 / (e8 + 3), e8 / (e8 + 3)],
+    ]
     expected = torch.tensor(np.sum(heads, axis=0), dtype=torch.float32)
     torch.testing.assert_close(soft_vote(scores, 0.5), expected)
 
@@ -125,7 +135,7 @@ def test_tokenselect_reuses_selection_when_queries_repeat(synthetic_cache):
     state = strat.new_state()
     q = _queries()
     first = strat.select(0, q, 32, state)
-    again = strat.select(0, q * 1.01 + 1e-3, 32, state)   # nearly the same query: cache hit
+    again = strat.select(0, q * 1.01 + 1e-3, 32, state)  # nearly the same query: cache hit
     other = strat.select(0, _queries(seed=9), 32, state)  # an unrelated query: searched again
     assert (strat.stats.searches, strat.stats.reused) == (2, 1)
     assert first.searched and not again.searched and other.searched
@@ -166,10 +176,10 @@ def test_artifacts_are_reused_on_second_open_and_rebuilt_when_options_change(syn
     _open(synthetic_cache, "ivf", {"nlist": 8})
     done = artifact_dir(synthetic_cache, "ivf") / "done.json"
     first = done.stat().st_mtime_ns
-    _open(synthetic_cache, "ivf", {"nprobe": 4})           # search option only: no rebuild
-    _open(synthetic_cache, "ivf", {"nlist": 8})            # same build option: no rebuild
+    _open(synthetic_cache, "ivf", {"nprobe": 4})  # search option only: no rebuild
+    _open(synthetic_cache, "ivf", {"nlist": 8})  # same build option: no rebuild
     assert done.stat().st_mtime_ns == first
-    strat = _open(synthetic_cache, "ivf", {"nlist": 12})   # a different nlist: rebuilt
+    strat = _open(synthetic_cache, "ivf", {"nlist": 12})  # a different nlist: rebuilt
     assert done.stat().st_mtime_ns != first and strat.built["nlist"] == 12
     q = _open(synthetic_cache, "quest", {"page_size": 16})
     qdone = artifact_dir(synthetic_cache, "quest") / "done.json"
@@ -220,8 +230,15 @@ def test_exhaustive_ann_decodes_like_flat_with_small_k(own_cache, name, options)
 def test_every_strategy_returns_ids_inside_the_range_during_decoding(own_cache):
     cache, _ = own_cache
     for name in NEW:
-        store = KVStore.open(cache, k=32, strategy=name, device="cpu", n_sink=4, n_tail=64,
-                             strategy_options={"dense_layers": 0} if name == "quest" else {})
+        store = KVStore.open(
+            cache,
+            k=32,
+            strategy=name,
+            device="cpu",
+            n_sink=4,
+            n_tail=64,
+            strategy_options={"dense_layers": 0} if name == "quest" else {},
+        )
         lo, hi = store.decoder.strategy.lo, store.decoder.strategy.hi
         seen = []
         conv = store.decoder.new_conversation()

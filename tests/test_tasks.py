@@ -17,8 +17,10 @@ def tokenizer():
     """The shipped demo tokenizer when present, else a small byte-level BPE built here."""
     if (DEMO / "tokenizer.json").exists():
         from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(DEMO), local_files_only=True)
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     rng = random.Random(0)
     g = T.grammar()
     texts = ["".join(g.sentence(rng) for _ in range(20)) for _ in range(300)]
@@ -26,9 +28,15 @@ def tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=600, special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=600,
+            special_tokens=["<s>", "</s>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     return tok
 
 

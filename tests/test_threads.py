@@ -36,22 +36,25 @@ def _question_ids(store: KVStore, question: str) -> list[int]:
     return store.tokenizer(text, add_special_tokens=False).input_ids
 
 
-@pytest.mark.parametrize("strategy,options", [
-    ("flat", {"backend": "faiss"}),
-    ("flat", {"backend": "torch"}),
-    ("ivf", {"nprobe": 4}),
-])
+@pytest.mark.parametrize(
+    "strategy,options",
+    [
+        ("flat", {"backend": "faiss"}),
+        ("flat", {"backend": "torch"}),
+        ("ivf", {"nprobe": 4}),
+    ],
+)
 def test_threads_sharing_a_store_get_the_serial_answers(demo_cache, strategy, options):
     with KVStore.open(demo_cache, k=32, strategy=strategy, strategy_options=options, device="cpu") as store:
         ids = [_question_ids(store, q) for q in QUESTIONS]
         serial_text = [store.ask(q, max_new_tokens=16) for q in QUESTIONS]
         serial_ids = [store.generate_ids(i, max_new_tokens=16) for i in ids]
-        assert "482" in serial_text[0]   # the serial path itself is right (examples/QUESTIONS.md)
+        assert "482" in serial_text[0]  # the serial path itself is right (examples/QUESTIONS.md)
 
         start = threading.Barrier(N_THREADS)
 
         def worker(t: int) -> list[tuple[int, str, object]]:
-            start.wait()   # all threads decode at the same time
+            start.wait()  # all threads decode at the same time
             got = []
             for j in range(PER_THREAD):
                 i = (t + j) % len(QUESTIONS)
@@ -64,13 +67,17 @@ def test_threads_sharing_a_store_get_the_serial_answers(demo_cache, strategy, op
         with ThreadPoolExecutor(N_THREADS) as pool:
             results = [r for rs in pool.map(worker, range(N_THREADS)) for r in rs]
     assert len(results) == N_THREADS * PER_THREAD
-    wrong = [(QUESTIONS[i], kind, got) for i, kind, got in results
-             if got != (serial_ids[i] if kind == "ids" else serial_text[i])]
+    wrong = [
+        (QUESTIONS[i], kind, got)
+        for i, kind, got in results
+        if got != (serial_ids[i] if kind == "ids" else serial_text[i])
+    ]
     assert not wrong, f"{len(wrong)} of {len(results)} threaded answers differ from the serial ones: {wrong[:3]}"
 
 
 def test_chat_sessions_in_threads_keep_their_own_conversation(demo_cache):
     with KVStore.open(demo_cache, k=32, device="cpu") as store:
+
         def two_turns(i: int) -> list[str]:
             s = store.session()
             return [s.ask(QUESTIONS[i], max_new_tokens=16), s.ask(QUESTIONS[(i + 1) % 4], max_new_tokens=16)]
@@ -88,7 +95,7 @@ def test_opening_and_decoding_leave_process_thread_settings_alone(built_cache, s
 
     cache, model_dir = built_cache
     before = (torch.get_num_threads(), faiss.omp_get_max_threads())
-    earlier = set(threading.enumerate())        # pools of other tests' stores may still be winding down
+    earlier = set(threading.enumerate())  # pools of other tests' stores may still be winding down
     with KVStore.open(cache, k=8, strategy=strategy, strategy_options=options, device="cpu") as store:
         assert (torch.get_num_threads(), faiss.omp_get_max_threads()) == before
         store.generate_ids([5, 6, 7], max_new_tokens=3)
@@ -111,8 +118,12 @@ def test_threads_sharing_the_one_token_segments_get_the_serial_answers(built_cac
     from topk_decode.store.cache_dir import open_cache
 
     cache, model_dir = built_cache
-    dec = TopKDecoder(load_model(model_dir, "cpu"), open_cache(cache),
-                      DecodeConfig(k=8, strategy_options={"backend": "torch"}), graphs=True)
+    dec = TopKDecoder(
+        load_model(model_dir, "cpu"),
+        open_cache(cache),
+        DecodeConfig(k=8, strategy_options={"backend": "torch"}),
+        graphs=True,
+    )
     prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14], [20]]
     serial = [dec.generate(dec.new_conversation(), p, 8) for p in prompts]
     start = threading.Barrier(4)
@@ -160,7 +171,7 @@ def test_head_pool_map_that_fails_returns_only_after_its_running_tasks_end():
             done.append(i)
             return i
         started.wait()
-        raise KeyboardInterrupt          # as a Ctrl-C landing in the caller while head 1 still runs
+        raise KeyboardInterrupt  # as a Ctrl-C landing in the caller while head 1 still runs
 
     try:
         with pytest.raises(KeyboardInterrupt):

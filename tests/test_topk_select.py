@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from topk_decode.index.base import StrategyStats
-from topk_decode.index.flat.strategy import fp32_scan, half_scan
 from topk_decode.index.flat.select_topk import FALLBACK_KEY, sample_plan, topk_by_threshold
+from topk_decode.index.flat.strategy import fp32_scan, half_scan
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -31,7 +31,7 @@ def test_threshold_topk_values_equal_torch_topk_on_random_scores(dtype, sorted):
     x = (torch.randn(8, 4, 20000, generator=gen) * 3).to(dtype)
     counters: dict = {}
     _check_exact(x, 320, sorted=sorted, counters=counters)
-    assert counters[FALLBACK_KEY] == 0   # the threshold path answered every row
+    assert counters[FALLBACK_KEY] == 0  # the threshold path answered every row
 
 
 def test_threshold_topk_reuses_its_mask_buffer_across_calls():
@@ -54,8 +54,8 @@ def test_threshold_topk_is_exact_on_sorted_rows(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_threshold_topk_is_exact_with_many_ties(dtype):
     gen = torch.Generator().manual_seed(2)
-    few = torch.randint(0, 5, (4, 20000), generator=gen).to(dtype)           # 5 distinct values
-    equal = torch.full((2, 20000), 1.5, dtype=dtype)                         # one value: far too many survivors
+    few = torch.randint(0, 5, (4, 20000), generator=gen).to(dtype)  # 5 distinct values
+    equal = torch.full((2, 20000), 1.5, dtype=dtype)  # one value: far too many survivors
     counters: dict = {}
     _check_exact(torch.cat([few, equal]), 400, counters=counters)
     assert counters[FALLBACK_KEY] >= 2
@@ -91,10 +91,10 @@ def test_threshold_topk_is_exact_on_negative_scores(dtype):
 def test_threshold_topk_is_exact_with_large_minus_inf_prefix_and_suffix(dtype):
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(5, 40000, generator=gen).to(dtype)
-    x[0, :39000] = float("-inf")                  # 1000 finite scores for k = 600
-    x[1, 600:] = float("-inf")                    # exactly k finite
+    x[0, :39000] = float("-inf")  # 1000 finite scores for k = 600
+    x[1, 600:] = float("-inf")  # exactly k finite
     x[2, :10000], x[2, 30000:] = float("-inf"), float("-inf")
-    x[3, 1:-1] = float("-inf")                    # fewer than k finite: -inf fills the top k
+    x[3, 1:-1] = float("-inf")  # fewer than k finite: -inf fills the top k
     counters: dict = {}
     _check_exact(x, 600, counters=counters)
     assert counters[FALLBACK_KEY] >= 2
@@ -123,7 +123,7 @@ def test_threshold_topk_on_small_rows_is_plain_topk():
     values, indices = topk_by_threshold(x, 200, counters=counters)
     ref = x.topk(200, dim=-1)
     assert torch.equal(values, ref.values) and torch.equal(indices, ref.indices)
-    assert counters == {}        # the threshold path never ran
+    assert counters == {}  # the threshold path never ran
 
 
 def test_threshold_topk_accepts_a_non_contiguous_input():
@@ -132,7 +132,7 @@ def test_threshold_topk_accepts_a_non_contiguous_input():
     _check_exact(x, 300)
 
 
-@pytest.mark.parametrize("max_threads", [1 << 10, 0])   # threshold path / plain topk path (many cores)
+@pytest.mark.parametrize("max_threads", [1 << 10, 0])  # threshold path / plain topk path (many cores)
 def test_half_scan_with_threshold_candidates_returns_the_exact_fp32_top_k(monkeypatch, max_threads):
     # Large enough that half_scan's candidates come from the threshold path; buffers reused across calls.
     from topk_decode.index.flat import strategy as flat

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -35,14 +35,21 @@ class KVStore:
     a store changes no process-wide setting: its search threads set their own OpenMP thread count.
     """
 
-    def __init__(self, ckv: ContextKV, model, tokenizer, config: DecodeConfig,
-                 progress: Callable[[int, int], None] | None = None, step_lock=None) -> None:
+    def __init__(
+        self,
+        ckv: ContextKV,
+        model,
+        tokenizer,
+        config: DecodeConfig,
+        progress: Callable[[int, int], None] | None = None,
+        step_lock=None,
+    ) -> None:
         self.ckv = ckv
         self.model = model
         self.tokenizer = tokenizer
         last = ckv.path / LAST_LOGITS
         last_logits = torch.from_numpy(np.fromfile(last, dtype=np.float32)) if last.is_file() else None
-        self.requested_strategy = config.strategy   # "auto" is resolved per cache by the decoder (`append` reopens)
+        self.requested_strategy = config.strategy  # "auto" is resolved per cache by the decoder (`append` reopens)
         self.progress = progress
         self.decoder = TopKDecoder(model, ckv, config, last_logits=last_logits, progress=progress, lock=step_lock)
         self.prompt_format = PromptFormat(**ckv.manifest.get("prompt", {"kind": "raw"}))
@@ -50,11 +57,22 @@ class KVStore:
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
-    def build(cls, docs: str | os.PathLike, out: str | os.PathLike, model: str | os.PathLike | None = None, *,
-              chunk_size: int = 4096, overwrite: bool = False, device: str | None = None,
-              dtype: str | None = None, allow_long_context: bool = False, follow_symlinks: bool = False,
-              include: list[str] | tuple[str, ...] = (), exclude: list[str] | tuple[str, ...] = (),
-              **open_kwargs) -> "KVStore":
+    def build(
+        cls,
+        docs: str | os.PathLike,
+        out: str | os.PathLike,
+        model: str | os.PathLike | None = None,
+        *,
+        chunk_size: int = 4096,
+        overwrite: bool = False,
+        device: str | None = None,
+        dtype: str | None = None,
+        allow_long_context: bool = False,
+        follow_symlinks: bool = False,
+        include: list[str] | tuple[str, ...] = (),
+        exclude: list[str] | tuple[str, ...] = (),
+        **open_kwargs,
+    ) -> KVStore:
         """Prefill `docs` with `model` into the cache directory `out`, then open it.
 
         Args:
@@ -76,21 +94,44 @@ class KVStore:
             from topk_decode.demo import default_model_dir
 
             model = default_model_dir()[0]
-        build_cache(docs, out, model, chunk_size=chunk_size, overwrite=overwrite, device=device, dtype=dtype,
-                    allow_long_context=allow_long_context, follow_symlinks=follow_symlinks,
-                    include=include, exclude=exclude)
+        build_cache(
+            docs,
+            out,
+            model,
+            chunk_size=chunk_size,
+            overwrite=overwrite,
+            device=device,
+            dtype=dtype,
+            allow_long_context=allow_long_context,
+            follow_symlinks=follow_symlinks,
+            include=include,
+            exclude=exclude,
+        )
         return cls.open(out, device=device, dtype=dtype, **open_kwargs)
 
     @classmethod
-    def open(cls, path: str | os.PathLike, k: int = DecodeConfig.k, strategy: str = DecodeConfig.strategy, *,
-             model: str | os.PathLike | None = None, device: str | None = None, dtype: str | None = None,
-             k_per_layer: list[int] | None = None, k_schedule: str = DecodeConfig.k_schedule,
-             n_sink: int = DecodeConfig.n_sink, n_tail: int = DecodeConfig.n_tail,
-             strategy_options: dict | None = None, verify: bool | None = None,
-             progress: Callable[[int, int], None] | None = None, compile: bool = DecodeConfig.compile,
-             prompt_chunk: int = DecodeConfig.prompt_chunk, prompt_scratch_mib: int = DecodeConfig.prompt_scratch_mib,
-             max_window_tokens: int = DecodeConfig.max_window_tokens,
-             share_model: "KVStore | None" = None) -> "KVStore":
+    def open(
+        cls,
+        path: str | os.PathLike,
+        k: int = DecodeConfig.k,
+        strategy: str = DecodeConfig.strategy,
+        *,
+        model: str | os.PathLike | None = None,
+        device: str | None = None,
+        dtype: str | None = None,
+        k_per_layer: list[int] | None = None,
+        k_schedule: str = DecodeConfig.k_schedule,
+        n_sink: int = DecodeConfig.n_sink,
+        n_tail: int = DecodeConfig.n_tail,
+        strategy_options: dict | None = None,
+        verify: bool | None = None,
+        progress: Callable[[int, int], None] | None = None,
+        compile: bool = DecodeConfig.compile,
+        prompt_chunk: int = DecodeConfig.prompt_chunk,
+        prompt_scratch_mib: int = DecodeConfig.prompt_scratch_mib,
+        max_window_tokens: int = DecodeConfig.max_window_tokens,
+        share_model: KVStore | None = None,
+    ) -> KVStore:
         """Open a cache for decoding: the model goes to the device, the context KV stays memory-mapped.
 
         Args:
@@ -118,34 +159,57 @@ class KVStore:
                 model, tokenizer and step lock (the weights once on the device; `model`, `device` and
                 `dtype` are then its). A cache of another model is a TopkError.
         """
-        config = DecodeConfig(k=k, k_per_layer=k_per_layer, k_schedule=k_schedule, strategy=strategy,
-                              strategy_options=dict(strategy_options or {}), n_sink=n_sink, n_tail=n_tail,
-                              compile=compile, prompt_chunk=prompt_chunk, prompt_scratch_mib=prompt_scratch_mib,
-                              max_window_tokens=max_window_tokens)
+        config = DecodeConfig(
+            k=k,
+            k_per_layer=k_per_layer,
+            k_schedule=k_schedule,
+            strategy=strategy,
+            strategy_options=dict(strategy_options or {}),
+            n_sink=n_sink,
+            n_tail=n_tail,
+            compile=compile,
+            prompt_chunk=prompt_chunk,
+            prompt_scratch_mib=prompt_scratch_mib,
+            max_window_tokens=max_window_tokens,
+        )
         ckv = open_cache(path, verify=verify)
         config.validate(ckv.n_layers)
         recorded = ckv.manifest["model"]
         if share_model is not None:
             theirs = share_model.ckv.manifest["model"]
             if recorded["fingerprint"] != theirs["fingerprint"]:
-                raise TopkError(f"{path} was made with {recorded['path']} (fingerprint {recorded['fingerprint']}), "
-                                f"not the model of {share_model.ckv.path} ({theirs['fingerprint']})")
-            return cls(ckv, share_model.model, share_model.tokenizer, config, progress,
-                       step_lock=share_model.decoder.lock)
+                raise TopkError(
+                    f"{path} was made with {recorded['path']} (fingerprint {recorded['fingerprint']}), "
+                    f"not the model of {share_model.ckv.path} ({theirs['fingerprint']})"
+                )
+            return cls(
+                ckv, share_model.model, share_model.tokenizer, config, progress, step_lock=share_model.decoder.lock
+            )
         model_dir = Path(model) if model is not None else Path(recorded["path"])
         if model is None and not model_dir.exists():
             raise TopkError(f"the cache's model {model_dir} is not there any more; pass --model DIR")
         fp = model_fingerprint(model_dir)
         if fp != recorded["fingerprint"]:
-            raise TopkError(f"model {model_dir} (fingerprint {fp}) is not the model this cache was built with "
-                            f"({recorded['path']}, fingerprint {recorded['fingerprint']})")
+            raise TopkError(
+                f"model {model_dir} (fingerprint {fp}) is not the model this cache was built with "
+                f"({recorded['path']}, fingerprint {recorded['fingerprint']})"
+            )
         dev = pick_device(device)
         return cls(ckv, load_model(model_dir, dev, parse_dtype(dtype)), load_tokenizer(model_dir), config, progress)
 
-    def append(self, docs: str | os.PathLike, *, model: str | os.PathLike | None = None, chunk_size: int | None = None,
-               device: str | None = None, allow_long_context: bool = False, follow_symlinks: bool = False,
-               include: list[str] | tuple[str, ...] = (), exclude: list[str] | tuple[str, ...] = (),
-               strategies: dict[str, dict] | None = None) -> "KVStore":
+    def append(
+        self,
+        docs: str | os.PathLike,
+        *,
+        model: str | os.PathLike | None = None,
+        chunk_size: int | None = None,
+        device: str | None = None,
+        allow_long_context: bool = False,
+        follow_symlinks: bool = False,
+        include: list[str] | tuple[str, ...] = (),
+        exclude: list[str] | tuple[str, ...] = (),
+        strategies: dict[str, dict] | None = None,
+    ) -> KVStore:
         """Add documents to this store's cache (`topk prefill DOCS --append CACHE`) and return the store over it.
 
         The model runs over the new documents only; the cache, swapped in atomically, equals a prefill of
@@ -166,18 +230,28 @@ class KVStore:
 
         from topk_decode.prefill.append import append_cache
 
-        path, _, _ = append_cache(docs, self.ckv.path, model, chunk_size=chunk_size, device=device,
-                                  allow_long_context=allow_long_context, follow_symlinks=follow_symlinks,
-                                  include=include, exclude=exclude, strategies=strategies)
-        config = replace(self.config, strategy=self.requested_strategy,
-                         strategy_options=dict(self.config.strategy_options))
+        path, _, _ = append_cache(
+            docs,
+            self.ckv.path,
+            model,
+            chunk_size=chunk_size,
+            device=device,
+            allow_long_context=allow_long_context,
+            follow_symlinks=follow_symlinks,
+            include=include,
+            exclude=exclude,
+            strategies=strategies,
+        )
+        config = replace(
+            self.config, strategy=self.requested_strategy, strategy_options=dict(self.config.strategy_options)
+        )
         return KVStore(open_cache(path), self.model, self.tokenizer, config, self.progress)
 
     def close(self) -> None:
         """Stop the store's search threads (idempotent); decoding afterwards raises TopkError."""
         self.decoder.close()
 
-    def __enter__(self) -> "KVStore":
+    def __enter__(self) -> KVStore:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -203,7 +277,7 @@ class KVStore:
         """Change the retrieval budget (all layers) for subsequent steps."""
         if not isinstance(k, int) or k <= 0:
             raise TopkError(f"k must be a positive integer, got {k}")
-        with self.decoder.lock:   # between steps, never inside one
+        with self.decoder.lock:  # between steps, never inside one
             self.decoder.config.k, self.decoder.config.k_per_layer = k, None
 
     def document_of(self, position: int) -> str | None:
@@ -224,9 +298,18 @@ class KVStore:
         conv = self.decoder.new_conversation()
         return self.decoder.generate(conv, list(prompt_ids), max_new_tokens, self.eos_ids)
 
-    def ask(self, question: str, max_new_tokens: int = 256, stream: bool = False, *, system: str | None = None,
-            temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-            return_sources: bool = False) -> str | Iterator[str] | tuple[str, list[dict]]:
+    def ask(
+        self,
+        question: str,
+        max_new_tokens: int = 256,
+        stream: bool = False,
+        *,
+        system: str | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        return_sources: bool = False,
+    ) -> str | Iterator[str] | tuple[str, list[dict]]:
         """Answer one question about the context (a fresh conversation each call).
 
         Args:
@@ -245,21 +328,46 @@ class KVStore:
         answer = chat.ask(question, max_new_tokens=max_new_tokens, stream=stream)
         return (answer, chat.sources) if return_sources else answer
 
-    def session(self, system: str | None = None, *, temperature: float = 0.0, top_p: float = 1.0,
-                seed: int | None = None, sources: bool = False, presence_penalty: float = 0.0,
-                frequency_penalty: float = 0.0, logit_bias: dict[int, float] | None = None,
-                logprobs: int | None = None) -> "ChatSession":
+    def session(
+        self,
+        system: str | None = None,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        sources: bool = False,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logit_bias: dict[int, float] | None = None,
+        logprobs: int | None = None,
+    ) -> ChatSession:
         """A multi-turn conversation with its own GPU window over this shared store (see ChatSession)."""
-        return ChatSession(self, system=system, temperature=temperature, top_p=top_p, seed=seed, sources=sources,
-                           presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                           logit_bias=logit_bias, logprobs=logprobs)
+        return ChatSession(
+            self,
+            system=system,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            sources=sources,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            logit_bias=logit_bias,
+            logprobs=logprobs,
+        )
 
     def info(self) -> dict:
         """Facts about the store (model, sizes, strategy)."""
         m = self.ckv.manifest
-        return {"path": str(self.ckv.path), "model": m["model"], "n_tokens": self.ckv.n_tokens,
-                "documents": len(m["documents"]), "bytes_on_disk": self.ckv.nbytes(),
-                "strategy": self.config.strategy, "strategy_reason": self.strategy_reason, "k": self.config.k}
+        return {
+            "path": str(self.ckv.path),
+            "model": m["model"],
+            "n_tokens": self.ckv.n_tokens,
+            "documents": len(m["documents"]),
+            "bytes_on_disk": self.ckv.nbytes(),
+            "strategy": self.config.strategy,
+            "strategy_reason": self.strategy_reason,
+            "k": self.config.k,
+        }
 
     @property
     def strategy_reason(self) -> str:
@@ -302,15 +410,32 @@ class ChatSession:
             alternatives in `self.sampling.picked` (0 to 20).
     """
 
-    def __init__(self, store: KVStore, system: str | None = None, *, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int | None = None, sources: bool = False, presence_penalty: float = 0.0,
-                 frequency_penalty: float = 0.0, logit_bias: dict[int, float] | None = None,
-                 logprobs: int | None = None) -> None:
+    def __init__(
+        self,
+        store: KVStore,
+        system: str | None = None,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        sources: bool = False,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logit_bias: dict[int, float] | None = None,
+        logprobs: int | None = None,
+    ) -> None:
         self.store = store
         self.system = system if system and system.strip() else None
-        sampling = Sampling(temperature, top_p, seed, presence_penalty=presence_penalty,
-                            frequency_penalty=frequency_penalty, logit_bias=logit_bias, logprobs=logprobs)
-        self.sampling = None if sampling.plain else sampling   # None keeps greedy on the exact argmax path
+        sampling = Sampling(
+            temperature,
+            top_p,
+            seed,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            logit_bias=logit_bias,
+            logprobs=logprobs,
+        )
+        self.sampling = None if sampling.plain else sampling  # None keeps greedy on the exact argmax path
         self.conv: Conversation = store.decoder.new_conversation()
         self.turns = 0
         self.tracker = None
@@ -318,8 +443,8 @@ class ChatSession:
             shape = store.decoder.shape
             self.tracker = SourceTracker(store.documents, store.decoder.scale, shape.group_size, shape.n_layers)
             self.conv.observer = self.tracker
-        self.finish_reason: str | None = None   # "stop" (end of turn) or "length" after an answer
-        self.n_generated = 0                    # tokens generated by the last answer
+        self.finish_reason: str | None = None  # "stop" (end of turn) or "length" after an answer
+        self.n_generated = 0  # tokens generated by the last answer
 
     @property
     def sources(self) -> list[dict]:
@@ -363,8 +488,11 @@ class ChatSession:
 
     def _question_ids(self, question: str) -> list[int]:
         if self.turns == 0 and self.system is not None:
-            text = conversation_text([{"role": "system", "content": self.system}, {"role": "user", "content": question}],
-                                     self.store.prompt_format, self.store.tokenizer)
+            text = conversation_text(
+                [{"role": "system", "content": self.system}, {"role": "user", "content": question}],
+                self.store.prompt_format,
+                self.store.tokenizer,
+            )
         else:
             text = self.store.prompt_format.question_text(question, first_turn=self.turns == 0)
         ids = self.store.tokenizer(text, add_special_tokens=False).input_ids
@@ -424,8 +552,9 @@ class ChatSession:
         """Tokens of `text` as it would be appended after the context."""
         return len(self.store.tokenizer(text, add_special_tokens=False).input_ids)
 
-    def _stream(self, prompt_ids: list[int], max_new_tokens: int,
-                before: tuple[int, list[int]] | None = None) -> Iterator[str]:
+    def _stream(
+        self, prompt_ids: list[int], max_new_tokens: int, before: tuple[int, list[int]] | None = None
+    ) -> Iterator[str]:
         """Generate and detokenize incrementally (byte-level merges can complete later).
 
         Args:
@@ -446,7 +575,7 @@ class ChatSession:
             first = next(steps, None)
         except BaseException:
             if before is not None:
-                self.turns, self.conv.pending = before   # the decoder left the window as it was
+                self.turns, self.conv.pending = before  # the decoder left the window as it was
             raise
         for t in itertools.chain([] if first is None else [first], steps):
             self.n_generated += 1
@@ -457,8 +586,8 @@ class ChatSession:
             text = tok.decode(out, skip_special_tokens=True)
             if text.endswith("\ufffd"):
                 continue
-            yield text[len(shown):]
+            yield text[len(shown) :]
             shown = text
         text = tok.decode(out, skip_special_tokens=True)
         if len(text) > len(shown):
-            yield text[len(shown):]
+            yield text[len(shown) :]

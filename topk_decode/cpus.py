@@ -28,8 +28,7 @@ def threads_override() -> int | None:
     except ValueError:
         n = 0
     if n < 1:
-        raise TopkError(f"{THREADS_ENV} must be a positive integer (threads for searches and torch ops), "
-                        f"got {text!r}")
+        raise TopkError(f"{THREADS_ENV} must be a positive integer (threads for searches and torch ops), got {text!r}")
     return n
 
 
@@ -42,12 +41,12 @@ def _read(path: Path) -> str | None:
 
 def _quota_in(d: Path) -> int | None:
     """The CPUs a cgroup directory's quota allows, rounded up (v2 `cpu.max`, v1 `cpu.cfs_quota_us`), None: no quota."""
-    v2 = _read(d / "cpu.max")                                  # "max 100000" (none) or "200000 100000"
+    v2 = _read(d / "cpu.max")  # "max 100000" (none) or "200000 100000"
     if v2 is not None:
         quota, _, period = v2.partition(" ")
         pair = (quota, period or "100000")
     else:
-        quota = _read(d / "cpu.cfs_quota_us")                  # -1: none
+        quota = _read(d / "cpu.cfs_quota_us")  # -1: none
         pair = (quota, _read(d / "cpu.cfs_period_us") or "100000") if quota is not None else None
     if pair is None or pair[0] == "max":
         return None
@@ -102,7 +101,7 @@ def usable_cpus(root: Path = CGROUP_ROOT, proc: Path = PROC_CGROUP) -> int:
         return n
     try:
         n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):                          # not Linux
+    except (AttributeError, OSError):  # not Linux
         n = os.cpu_count() or 1
     quota = cgroup_cpus(root, proc)
     return max(1, min(n, quota) if quota is not None else n)

@@ -22,8 +22,17 @@ def default_model_dir() -> tuple[Path, bool]:
 
         tmp = cache.with_name(cache.name + f".tmp-{os.getpid()}")
         tok = make_tokenizer(tmp, vocab_size=1024)
-        make_random_model(tmp, "llama", seed=0, tokenizer=tok, hidden_size=128, intermediate_size=256,
-                          num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                          max_position_embeddings=32768)
+        make_random_model(
+            tmp,
+            "llama",
+            seed=0,
+            tokenizer=tok,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+        )
         tmp.rename(cache) if not cache.exists() else None
     return cache, False

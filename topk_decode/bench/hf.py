@@ -52,8 +52,10 @@ def fits_hf(model, kv: int, n_tokens: int, offloading: bool, device: torch.devic
     dtype = next(model.parameters()).dtype
     on_device = 2 * kv // model.config.num_hidden_layers if offloading else kv
     need = on_device + forward_activation_bytes(model.config, n_tokens, dtype)
-    msg = (f"needs ~{need / GIB:.1f} GiB beside the weights (KV {on_device / GIB:.1f} + one full forward's "
-           f"activations), {free / GIB:.1f} GiB free")
+    msg = (
+        f"needs ~{need / GIB:.1f} GiB beside the weights (KV {on_device / GIB:.1f} + one full forward's "
+        f"activations), {free / GIB:.1f} GiB free"
+    )
     return need < 0.95 * free, msg
 
 
@@ -93,9 +95,16 @@ def hf_decode(model, tokens: list[int], steps: int, warmup: int, offloading: boo
         int(tok)  # a chat app needs each token on the host (stop tokens, streaming), as generate() does
     decode_s = time.perf_counter() - t_dec
     rss, hwm = cpu_rss()
-    result = {"prefill_s": prefill_s, "prefill_tokens_per_s": len(tokens) / prefill_s,
-              "steps": steps, "ms_per_step": 1e3 * decode_s / steps, "tokens_per_s": steps / decode_s,
-              "peak_gpu_bytes": peak_gpu(device), "cpu_rss_bytes": rss, "cpu_peak_rss_bytes": hwm}
+    result = {
+        "prefill_s": prefill_s,
+        "prefill_tokens_per_s": len(tokens) / prefill_s,
+        "steps": steps,
+        "ms_per_step": 1e3 * decode_s / steps,
+        "tokens_per_s": steps / decode_s,
+        "peak_gpu_bytes": peak_gpu(device),
+        "cpu_rss_bytes": rss,
+        "cpu_peak_rss_bytes": hwm,
+    }
     del cache
     release(device)
     return result

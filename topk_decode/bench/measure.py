@@ -9,8 +9,22 @@ import torch
 
 from topk_decode.errors import TopkError
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10 ** 6, "mib": 1 << 20,
-          "g": 1 << 30, "gb": 10 ** 9, "gib": 1 << 30, "t": 1 << 40, "tb": 10 ** 12, "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 10**6,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 10**9,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 10**12,
+    "tib": 1 << 40,
+}
 GIB = float(1 << 30)
 
 
@@ -67,7 +81,7 @@ def set_gpu_budget(device: torch.device, budget: int | None) -> None:
     """
     if device.type != "cuda":
         return
-    index = device.index if device.index is not None else torch.cuda.current_device()   # "cuda" names no index
+    index = device.index if device.index is not None else torch.cuda.current_device()  # "cuda" names no index
     total = torch.cuda.get_device_properties(index).total_memory
     torch.cuda.set_per_process_memory_fraction(1.0 if budget is None else min(1.0, budget / total), index)
 

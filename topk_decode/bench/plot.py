@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-_LABELS = {"topk": "top-k flat (exact), GPU budget", "hf-dense": "HF DynamicCache (KV on GPU)",
-           "hf-offload": "HF DynamicCache(offloading=True)"}
+_LABELS = {
+    "topk": "top-k flat (exact), GPU budget",
+    "hf-dense": "HF DynamicCache (KV on GPU)",
+    "hf-offload": "HF DynamicCache(offloading=True)",
+}
 
 
 def plot_results(data: dict, out: str | Path) -> Path:
@@ -38,8 +41,13 @@ def plot_results(data: dict, out: str | Path) -> Path:
             color = None
         if missing:
             # side by side (x nudged per system) so that three systems missing at one length all show
-            ax.scatter([m * (1 + 0.06 * i) for m in missing], [0] * len(missing), marker="x", color=color,
-                       label=f"{label}: did not run / fit" if not ok else None)
+            ax.scatter(
+                [m * (1 + 0.06 * i) for m in missing],
+                [0] * len(missing),
+                marker="x",
+                color=color,
+                label=f"{label}: did not run / fit" if not ok else None,
+            )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("decode tokens/s (batch 1)")

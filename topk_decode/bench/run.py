@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -103,7 +103,7 @@ class BenchConfig:
         from topk_decode.index import get_strategy
 
         for name in strategies(self):
-            get_strategy(name)   # unknown names fail here, before any model is built
+            get_strategy(name)  # unknown names fail here, before any model is built
         if self.k <= 0 or self.steps <= 0 or self.warmup < 0:
             raise TopkError("k and steps must be positive, warmup ≥ 0")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -112,16 +112,34 @@ class BenchConfig:
 
 def smoke_config(out: str) -> BenchConfig:
     """The CI smoke run: the tiny shape on the CPU, two short contexts, every system, seconds."""
-    return BenchConfig(model="tiny", contexts=[512, 1024], k=64, steps=3, warmup=1, hf_offload_steps=2,
-                       device="cpu", dtype="fp32", out=out, prefill_chunk=256, prefill_max=512)
+    return BenchConfig(
+        model="tiny",
+        contexts=[512, 1024],
+        k=64,
+        steps=3,
+        warmup=1,
+        hf_offload_steps=2,
+        device="cpu",
+        dtype="fp32",
+        out=out,
+        prefill_chunk=256,
+        prefill_max=512,
+    )
 
 
 def environment(device: torch.device) -> dict:
     """Versions and hardware, recorded with the results."""
     import transformers
 
-    env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-           "cpu_threads": torch.get_num_threads(), "usable_cpus": usable_cpus(), "host": platform.node(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpu_threads": torch.get_num_threads(),
+        "usable_cpus": usable_cpus(),
+        "host": platform.node(),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
         env.update(gpu=p.name, gpu_total_gib=round(p.total_memory / GIB, 1))
@@ -151,10 +169,13 @@ class _Recorder:
         row = {"model": self.model_name, "system": system, "context": context, "status": status, **fields}
         self.data["rows"].append(row)
         self.path.write_text(json.dumps(self.data, indent=1))
-        shown = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()
-                 if k not in ("model", "breakdown")}
-        self.log(f"{json.dumps(shown)}" + (f"\n    breakdown ms/step: {json.dumps(row['breakdown'])}"
-                                          if row.get("breakdown") else ""))
+        shown = {
+            k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items() if k not in ("model", "breakdown")
+        }
+        self.log(
+            f"{json.dumps(shown)}"
+            + (f"\n    breakdown ms/step: {json.dumps(row['breakdown'])}" if row.get("breakdown") else "")
+        )
         return row
 
 
@@ -162,7 +183,7 @@ def _prefill(model, tokens: list[int], chunk: int, offload: bool, device: torch.
     """Layer-wise prefill; returns (ContextKV or None, PrefillStats)."""
     from topk_decode.prefill.layerwise import ATTENTION_PATHS
 
-    ATTENTION_PATHS.clear()                  # this row reports the paths of this prefill only
+    ATTENTION_PATHS.clear()  # this row reports the paths of this prefill only
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
 
@@ -188,19 +209,21 @@ def _topk_decode(model, ckv, cfg: BenchConfig, device: torch.device, strategy: s
     config = DecodeConfig(k=cfg.k, strategy=strategy, strategy_options=options, compile=cfg.compile)
     t_open = time.perf_counter()
     decoder = TopKDecoder(model, ckv, config, graphs=cfg.graphs and device.type == "cuda")
-    open_s = time.perf_counter() - t_open      # includes building the strategy's layout (routed: k-means)
+    open_s = time.perf_counter() - t_open  # includes building the strategy's layout (routed: k-means)
     try:
         conv = decoder.new_conversation()
         t_first = time.perf_counter()
-        logits = decoder.forward([5], conv)          # the first one-token step captures (and compiles) the graphs
+        logits = decoder.forward([5], conv)  # the first one-token step captures (and compiles) the graphs
         first_step_s = time.perf_counter() - t_first
         for _ in range(cfg.warmup):
             logits = decoder.forward([int(torch.argmax(logits))], conv)
         conv.stats = type(conv.stats)()
         extra = decoder.strategy.stats.extra
         read0, total0, kernel0 = extra.get("keys_read", 0), extra.get("keys_searchable", 0), extra.get("kernel_s")
-        timed0 = {name: extra.get(name, 0.0) for name in ("head_mean_s", "head_max_s", "span_s",
-                                                         *(r + "_s" for r in SPLIT_ROUNDS))}
+        timed0 = {
+            name: extra.get(name, 0.0)
+            for name in ("head_mean_s", "head_max_s", "span_s", *(r + "_s" for r in SPLIT_ROUNDS))
+        }
         t0 = time.perf_counter()
         for _ in range(cfg.steps):
             logits = decoder.forward([int(torch.argmax(logits))], conv)
@@ -209,27 +232,49 @@ def _topk_decode(model, ckv, cfg: BenchConfig, device: torch.device, strategy: s
         # flat reads every searchable key; strategies that read a share count what they read
         keys_read_pct = 100.0 if strategy == "flat" else (round(100 * read / total, 2) if total else None)
         s = conv.stats.summary()
-        if kernel0 is not None:   # routed's compiled call alone, inside search_ms
+        if kernel0 is not None:  # routed's compiled call alone, inside search_ms
             s["kernel_ms"] = 1e3 * (extra["kernel_s"] - kernel0) / cfg.steps
-        for name, v0 in timed0.items():   # inside it: the heads' own work, their span, the split rounds (HeadTimes)
+        for name, v0 in timed0.items():  # inside it: the heads' own work, their span, the split rounds (HeadTimes)
             if name in extra:
                 s[name[:-2] + "_ms"] = 1e3 * (extra[name] - v0) / cfg.steps
         rss, hwm = cpu_rss()
-        breakdown = {k: round(s[k], 2) for k in ("gpu_ms", "d2h_ms", "search_ms", "kernel_ms", "span_ms", "head_max_ms",
-                                                "head_mean_ms", *(r + "_ms" for r in SPLIT_ROUNDS), "context_ms",
-                                                "h2d_ms")
-                     if k in s}
-        return {"tokens_per_s": cfg.steps / wall, "ms_per_step": 1e3 * wall / cfg.steps, "breakdown": breakdown,
-                "steps": cfg.steps, "k": cfg.k, "strategy_options": options,
-                "keys_read_pct": keys_read_pct, "open_s": round(open_s, 1),
-                "cuda_graphs": decoder.segments is not None and decoder.segments.graphs is not None,
-                "compiled": decoder.segments is not None and decoder.segments.compiled,
-                "first_step_s": round(first_step_s, 2),
-                "fp32_rescans": decoder.strategy.stats.extra.get("fp32_rescans", 0),
-                "host_embedding": decoder.host_embedding is not None, **_device_routes_row(decoder),
-                "peak_gpu_gib": _gib(peak_gpu(device)), "cpu_rss_gib": _gib(rss), "cpu_peak_rss_gib": _gib(hwm),
-                "huge_pages_gib": _gib(anon_huge_pages())}   # routed's `hugepages` copies (store/huge_pages.py)
-    finally:   # the model gets its input embedding back (decode/embedding.py) for the rows after
+        breakdown = {
+            k: round(s[k], 2)
+            for k in (
+                "gpu_ms",
+                "d2h_ms",
+                "search_ms",
+                "kernel_ms",
+                "span_ms",
+                "head_max_ms",
+                "head_mean_ms",
+                *(r + "_ms" for r in SPLIT_ROUNDS),
+                "context_ms",
+                "h2d_ms",
+            )
+            if k in s
+        }
+        return {
+            "tokens_per_s": cfg.steps / wall,
+            "ms_per_step": 1e3 * wall / cfg.steps,
+            "breakdown": breakdown,
+            "steps": cfg.steps,
+            "k": cfg.k,
+            "strategy_options": options,
+            "keys_read_pct": keys_read_pct,
+            "open_s": round(open_s, 1),
+            "cuda_graphs": decoder.segments is not None and decoder.segments.graphs is not None,
+            "compiled": decoder.segments is not None and decoder.segments.compiled,
+            "first_step_s": round(first_step_s, 2),
+            "fp32_rescans": decoder.strategy.stats.extra.get("fp32_rescans", 0),
+            "host_embedding": decoder.host_embedding is not None,
+            **_device_routes_row(decoder),
+            "peak_gpu_gib": _gib(peak_gpu(device)),
+            "cpu_rss_gib": _gib(rss),
+            "cpu_peak_rss_gib": _gib(hwm),
+            "huge_pages_gib": _gib(anon_huge_pages()),
+        }  # routed's `hugepages` copies (store/huge_pages.py)
+    finally:  # the model gets its input embedding back (decode/embedding.py) for the rows after
         decoder.close()
 
 
@@ -238,8 +283,11 @@ def _device_routes_row(decoder) -> dict:
     routes = decoder.segments.routes if decoder.segments is not None else None
     if routes is None:
         return {}
-    return {"device_route_layers": routes.layers_on_device(), "device_values": routes.values_kind,
-            "device_route_gib": _gib(routes.nbytes())}
+    return {
+        "device_route_layers": routes.layers_on_device(),
+        "device_values": routes.values_kind,
+        "device_route_gib": _gib(routes.nbytes()),
+    }
 
 
 def _try(rec: _Recorder, system: str, n: int, fn: Callable[[], dict], device: torch.device, **extra) -> dict | None:
@@ -247,7 +295,9 @@ def _try(rec: _Recorder, system: str, n: int, fn: Callable[[], dict], device: to
     try:
         return rec.add(system, n, **extra, **fn())
     except Exception as e:  # noqa: BLE001 - a benchmark row must never take the whole run down
-        status = "does not fit: out of memory" if is_oom(e) else f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        status = (
+            "does not fit: out of memory" if is_oom(e) else f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        )
         release(device)
         return rec.add(system, n, status=status, **extra)
 
@@ -263,15 +313,22 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
 
     cfg.validate()
     device, dtype = torch.device(cfg.device), parse_dtype(cfg.dtype)
-    if device.type == "cuda" and device.index is None:   # memory-fraction calls need an explicit index
+    if device.type == "cuda" and device.index is None:  # memory-fraction calls need an explicit index
         device = torch.device("cuda", torch.cuda.current_device())
     rec = _Recorder(cfg, environment(device), log)
     t0 = time.perf_counter()
     model = build_model(cfg.model, device, dtype)
     shape = ModelShape.from_config(model.config)
-    rec.data["model"] = {"name": rec.model_name, "params_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 3),
-                         "weights_gib": _gib(weights_bytes(model)), "layers": shape.n_layers, "heads": shape.n_heads,
-                         "kv_heads": shape.n_kv_heads, "head_dim": shape.head_dim, "built_s": round(time.perf_counter() - t0, 1)}
+    rec.data["model"] = {
+        "name": rec.model_name,
+        "params_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 3),
+        "weights_gib": _gib(weights_bytes(model)),
+        "layers": shape.n_layers,
+        "heads": shape.n_heads,
+        "kv_heads": shape.n_kv_heads,
+        "head_dim": shape.head_dim,
+        "built_s": round(time.perf_counter() - t0, 1),
+    }
     log(f"model {rec.model_name}: {rec.data['model']}")
     budget = cfg.gpu_memory
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -302,8 +359,13 @@ def _run_topk(rec, model, shape, tokens, kv, real, cfg, device, dtype, budget) -
     n = len(tokens)
     avail = available_bytes()
     if avail is not None and kv > 0.9 * avail:
-        rec.add("topk", n, status=f"does not fit: KV is {kv / GIB:.1f} GiB, host RAM available {avail / GIB:.1f} GiB",
-                kv="synthetic" if not real else "prefill", kv_gib=_gib(kv))
+        rec.add(
+            "topk",
+            n,
+            status=f"does not fit: KV is {kv / GIB:.1f} GiB, host RAM available {avail / GIB:.1f} GiB",
+            kv="synthetic" if not real else "prefill",
+            kv_gib=_gib(kv),
+        )
         return
     ckv = None
     if real:
@@ -313,26 +375,43 @@ def _run_topk(rec, model, shape, tokens, kv, real, cfg, device, dtype, budget) -
             ckv, st = _prefill(model, tokens, cfg.prefill_chunk, False, device, keep=True)
             from topk_decode.prefill.layerwise import ATTENTION_PATHS
 
-            rec.add("topk-prefill", n, tokens_per_s=st.tokens_per_s, seconds=st.seconds, chunk=cfg.prefill_chunk,
-                    attention=sorted(ATTENTION_PATHS),
-                    peak_gpu_gib=_gib(st.peak_device_bytes), cpu_rss_gib=_gib(cpu_rss()[0]))
+            rec.add(
+                "topk-prefill",
+                n,
+                tokens_per_s=st.tokens_per_s,
+                seconds=st.seconds,
+                chunk=cfg.prefill_chunk,
+                attention=sorted(ATTENTION_PATHS),
+                peak_gpu_gib=_gib(st.peak_device_bytes),
+                cpu_rss_gib=_gib(cpu_rss()[0]),
+            )
         except Exception as e:  # noqa: BLE001
             rec.add("topk-prefill", n, status=f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             release(device)
             return
     else:
         t = time.perf_counter()
-        ckv = synthetic_kv(shape.n_layers, shape.n_kv_heads, shape.head_dim, n, dtype, cfg.seed,
-                           model_type=shape.model_type)
+        ckv = synthetic_kv(
+            shape.n_layers, shape.n_kv_heads, shape.head_dim, n, dtype, cfg.seed, model_type=shape.model_type
+        )
         rec.data.setdefault("synthetic_build_s", {})[str(n)] = round(time.perf_counter() - t, 1)
     release(device)
     set_gpu_budget(device, budget)
     for name in strategies(cfg):
-        _try(rec, "topk", n, lambda: _topk_decode(model, ckv, cfg, device, name), device,
-             kv="prefill" if real else "synthetic", kv_gib=_gib(kv), gpu_budget_gib=_gib(budget), strategy=name)
+        _try(
+            rec,
+            "topk",
+            n,
+            lambda: _topk_decode(model, ckv, cfg, device, name),
+            device,
+            kv="prefill" if real else "synthetic",
+            kv_gib=_gib(kv),
+            gpu_budget_gib=_gib(budget),
+            strategy=name,
+        )
         release(device)
     set_gpu_budget(device, None)
-    ckv = None   # the KV's memory goes before the next context
+    ckv = None  # the KV's memory goes before the next context
     release(device)
 
 
@@ -350,8 +429,12 @@ def _run_hf(rec, model, tokens, kv, system, cfg, device, budget) -> None:
         rec.add(system, n, status=f"does not fit: {why}", kv_gib=_gib(kv))
         return
     if n > cfg.hf_max:
-        rec.add(system, n, status=f"skipped: fits by estimate ({why}) but above --hf-max-context {cfg.hf_max} "
-                                  "(time budget)", kv_gib=_gib(kv))
+        rec.add(
+            system,
+            n,
+            status=f"skipped: fits by estimate ({why}) but above --hf-max-context {cfg.hf_max} (time budget)",
+            kv_gib=_gib(kv),
+        )
         return
     steps = cfg.hf_offload_steps if offloading else cfg.steps
     warm = min(cfg.warmup, 1) if offloading else cfg.warmup
@@ -359,8 +442,13 @@ def _run_hf(rec, model, tokens, kv, system, cfg, device, budget) -> None:
     def measure() -> dict:
         r = hf_decode(model, tokens, steps, warm, offloading, device)
         peak, rss, hwm = r.pop("peak_gpu_bytes"), r.pop("cpu_rss_bytes"), r.pop("cpu_peak_rss_bytes")
-        return {**r, "peak_gpu_gib": _gib(peak), "cpu_rss_gib": _gib(rss), "cpu_peak_rss_gib": _gib(hwm),
-                "fits_budget": None if budget is None or peak is None else peak <= budget}
+        return {
+            **r,
+            "peak_gpu_gib": _gib(peak),
+            "cpu_rss_gib": _gib(rss),
+            "cpu_peak_rss_gib": _gib(hwm),
+            "fits_budget": None if budget is None or peak is None else peak <= budget,
+        }
 
     _try(rec, system, n, measure, device, kv_gib=_gib(kv))
 
@@ -381,10 +469,15 @@ def _run_offload_prefill(rec, model, shape, cfg, device, budget, gen) -> None:
             _, st = _prefill(model, tokens, cfg.prefill_chunk, True, device, keep=False)
             from topk_decode.prefill.layerwise import ATTENTION_PATHS
 
-            return {"tokens_per_s": st.tokens_per_s, "seconds": st.seconds, "chunk": cfg.prefill_chunk,
-                    "attention": sorted(ATTENTION_PATHS),
-                    "peak_gpu_gib": _gib(st.peak_device_bytes), "gpu_budget_gib": _gib(budget),
-                    "cpu_rss_gib": _gib(cpu_rss()[0])}
+            return {
+                "tokens_per_s": st.tokens_per_s,
+                "seconds": st.seconds,
+                "chunk": cfg.prefill_chunk,
+                "attention": sorted(ATTENTION_PATHS),
+                "peak_gpu_gib": _gib(st.peak_device_bytes),
+                "gpu_budget_gib": _gib(budget),
+                "cpu_rss_gib": _gib(cpu_rss()[0]),
+            }
 
         _try(rec, "topk-prefill-offload", n, measure, device)
     set_gpu_budget(device, None)

@@ -18,9 +18,9 @@ import shutil
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from topk_decode.errors import TopkError
 
@@ -94,13 +94,28 @@ def _rank_main(rank: int, world: int, cfg: ScalingConfig, n: int, init_method: s
             if writer is not None:
                 writer.abort()
         rss, hwm = cpu_rss()
-        results.put({"rank": rank, "seconds": stats.seconds, "exchange_s": stats.exchange_seconds,
-                     "peak_gpu": stats.peak_device_bytes, "rss": rss, "peak_rss": hwm, "disk": disk,
-                     "slices": slices, "layers": len(model.model.layers)})
+        results.put(
+            {
+                "rank": rank,
+                "seconds": stats.seconds,
+                "exchange_s": stats.exchange_seconds,
+                "peak_gpu": stats.peak_device_bytes,
+                "rss": rss,
+                "peak_rss": hwm,
+                "disk": disk,
+                "slices": slices,
+                "layers": len(model.model.layers),
+            }
+        )
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - reported as the row's status by the launcher
-        results.put({"rank": rank, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                     "traceback": traceback.format_exc()})
+        results.put(
+            {
+                "rank": rank,
+                "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                "traceback": traceback.format_exc(),
+            }
+        )
         raise SystemExit(1) from None
 
 
@@ -109,8 +124,12 @@ def _measure(cfg: ScalingConfig, n: int, world: int, cache: Path) -> list[dict]:
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     store = tempfile.mkdtemp(prefix="topk-bench-ranks-")
-    procs = [ctx.Process(target=_rank_main, args=(r, world, cfg, n, f"file://{store}/store", str(cache), results),
-                         daemon=True) for r in range(world)]
+    procs = [
+        ctx.Process(
+            target=_rank_main, args=(r, world, cfg, n, f"file://{store}/store", str(cache), results), daemon=True
+        )
+        for r in range(world)
+    ]
     reports: list[dict] = []
     try:
         for p in procs:
@@ -125,15 +144,18 @@ def _measure(cfg: ScalingConfig, n: int, world: int, cache: Path) -> list[dict]:
                 raise TopkError(f"rank {failed[0]['rank']}: {failed[0]['error']}")
             dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
             if dead and len(reports) < world:
-                time.sleep(1)    # its report may still be in the queue
+                time.sleep(1)  # its report may still be in the queue
                 while True:
                     try:
                         reports.append(results.get_nowait())
                     except queue_module.Empty:
                         break
                 failed = [r for r in reports if "error" in r]
-                raise TopkError(f"rank {failed[0]['rank']}: {failed[0]['error']}" if failed
-                                else f"rank {dead[0]} died (exit code {procs[dead[0]].exitcode})")
+                raise TopkError(
+                    f"rank {failed[0]['rank']}: {failed[0]['error']}"
+                    if failed
+                    else f"rank {dead[0]} died (exit code {procs[dead[0]].exitcode})"
+                )
         for p in procs:
             p.join(60)
     finally:
@@ -150,14 +172,13 @@ def run_scaling(cfg: ScalingConfig, log: Callable[[str], None] = print) -> dict:
     import torch
 
     from topk_decode.bench.run import environment
-    from topk_decode.bench.shapes import make_config
+    from topk_decode.bench.shapes import SHAPES, make_config
     from topk_decode.model.blocks import ModelShape
 
-    from topk_decode.bench.shapes import SHAPES
-
     if cfg.model not in SHAPES:
-        raise TopkError(f"--prefill-only measures a named shape with random weights ({', '.join(SHAPES)}), "
-                        f"not {cfg.model!r}")
+        raise TopkError(
+            f"--prefill-only measures a named shape with random weights ({', '.join(SHAPES)}), not {cfg.model!r}"
+        )
     if cfg.chunk < 1 or not cfg.contexts or min(cfg.contexts) < 1:
         raise TopkError("--prefill-chunk and the context lengths must be positive")
     if not cfg.gpus or min(cfg.gpus) < 1:
@@ -170,8 +191,11 @@ def run_scaling(cfg: ScalingConfig, log: Callable[[str], None] = print) -> dict:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"prefill_scaling_{cfg.model}.json"
-    data = {"config": asdict(cfg), "environment": environment(torch.device("cuda", 0) if cuda else torch.device("cpu")),
-            "rows": []}
+    data = {
+        "config": asdict(cfg),
+        "environment": environment(torch.device("cuda", 0) if cuda else torch.device("cpu")),
+        "rows": [],
+    }
     visible = torch.cuda.device_count() if cuda else None
     for n in cfg.contexts:
         base = None
@@ -188,15 +212,21 @@ def run_scaling(cfg: ScalingConfig, log: Callable[[str], None] = print) -> dict:
                     lead = reports[0]
                     scale = shape.n_layers / layers
                     tps = n / lead["seconds"]
-                    row.update(status="ok", seconds=round(lead["seconds"], 2), tokens_per_s=round(tps, 1),
-                               model_seconds=round(lead["seconds"] * scale, 1),
-                               model_tokens_per_s=round(tps / scale, 1),
-                               exchange_share=round(lead["exchange_s"] / lead["seconds"], 4),
-                               peak_gpu_gib=[None if r["peak_gpu"] is None else round(r["peak_gpu"] / 2**30, 2)
-                                             for r in reports],
-                               rss_gib=[round(r["rss"] / 2**30, 2) for r in reports],
-                               peak_rss_gib=[round(r["peak_rss"] / 2**30, 2) for r in reports],
-                               disk_bytes=lead["disk"], slices=[list(s) for s in lead["slices"]])
+                    row.update(
+                        status="ok",
+                        seconds=round(lead["seconds"], 2),
+                        tokens_per_s=round(tps, 1),
+                        model_seconds=round(lead["seconds"] * scale, 1),
+                        model_tokens_per_s=round(tps / scale, 1),
+                        exchange_share=round(lead["exchange_s"] / lead["seconds"], 4),
+                        peak_gpu_gib=[
+                            None if r["peak_gpu"] is None else round(r["peak_gpu"] / 2**30, 2) for r in reports
+                        ],
+                        rss_gib=[round(r["rss"] / 2**30, 2) for r in reports],
+                        peak_rss_gib=[round(r["peak_rss"] / 2**30, 2) for r in reports],
+                        disk_bytes=lead["disk"],
+                        slices=[list(s) for s in lead["slices"]],
+                    )
                     if world == 1:
                         base = tps
                     row["scaling_efficiency"] = round(tps / (world * base), 3) if base else None

@@ -9,8 +9,16 @@ import torch
 from topk_decode.bench.synthetic import synthetic_kv
 
 
-def search_floor(n_tokens: int, n_kv_heads: int = 8, head_dim: int = 128, group: int = 4, k: int = 1024,
-                 backends: tuple[str, ...] = ("torch", "faiss"), reps: int = 5, seed: int = 0) -> list[dict]:
+def search_floor(
+    n_tokens: int,
+    n_kv_heads: int = 8,
+    head_dim: int = 128,
+    group: int = 4,
+    k: int = 1024,
+    backends: tuple[str, ...] = ("torch", "faiss"),
+    reps: int = 5,
+    seed: int = 0,
+) -> list[dict]:
     """Milliseconds per layer of `FlatStrategy.select` for each backend on random bf16 keys.
 
     Args:
@@ -45,15 +53,24 @@ def search_floor(n_tokens: int, n_kv_heads: int = 8, head_dim: int = 128, group:
             strat.select(0, q, k)
         ms = 1e3 * (time.perf_counter() - t) / reps
         extra = 0 if backend == "torch" else sum(ix.sa_code_size() * ix.ntotal for row in strat.indices for ix in row)
-        rows.append({"backend": backend, "n_tokens": n_tokens, "ms_per_layer": round(ms, 2), "build_s": round(build, 2),
-                     "index_extra_ram_gib": round(extra / (1 << 30), 3), "threads": torch.get_num_threads(),
-                     "fp32_rescans": strat.stats.extra.get("fp32_rescans", 0)})
+        rows.append(
+            {
+                "backend": backend,
+                "n_tokens": n_tokens,
+                "ms_per_layer": round(ms, 2),
+                "build_s": round(build, 2),
+                "index_extra_ram_gib": round(extra / (1 << 30), 3),
+                "threads": torch.get_num_threads(),
+                "fp32_rescans": strat.stats.extra.get("fp32_rescans", 0),
+            }
+        )
     torch.set_num_threads(torch_threads)
     return rows
 
 
-def torch_scan_stages(n_tokens: int, n_kv_heads: int = 8, head_dim: int = 128, group: int = 4, k: int = 1024,
-                      reps: int = 5, seed: int = 0) -> dict:
+def torch_scan_stages(
+    n_tokens: int, n_kv_heads: int = 8, head_dim: int = 128, group: int = 4, k: int = 1024, reps: int = 5, seed: int = 0
+) -> dict:
     """Where the torch backend's time goes: ms per layer of each stage of `half_scan`.
 
     `select_ms` is the candidate selection `half_scan` runs (`topk_by_threshold`); `topk_ms` is the
@@ -88,8 +105,11 @@ def torch_scan_stages(n_tokens: int, n_kv_heads: int = 8, head_dim: int = 128, g
         if i:
             for name, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
                 times[name] += 1e3 * dt / reps
-    return {"n_tokens": n_tokens, "threads": torch.get_num_threads(),
-            **{name: round(v, 2) for name, v in times.items()}}
+    return {
+        "n_tokens": n_tokens,
+        "threads": torch.get_num_threads(),
+        **{name: round(v, 2) for name, v in times.items()},
+    }
 
 
 if __name__ == "__main__":

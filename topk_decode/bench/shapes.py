@@ -21,25 +21,69 @@ class BenchShape:
 
 
 SHAPES: dict[str, BenchShape] = {
-    "llama-3-8b": BenchShape("llama", dict(
-        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_size=4096,
-        intermediate_size=14336, vocab_size=128256, max_position_embeddings=1 << 21, rope_theta=500000.0)),
-    "qwen2.5-7b": BenchShape("qwen2", dict(  # Qwen2 layers carry q/k/v biases
-        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, hidden_size=3584,
-        intermediate_size=18944, vocab_size=152064, max_position_embeddings=1 << 21, rope_theta=1000000.0,
-        use_sliding_window=False)),
-    "llama-3.2-1b": BenchShape("llama", dict(
-        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64, hidden_size=2048,
-        intermediate_size=8192, vocab_size=128256, max_position_embeddings=1 << 20, rope_theta=500000.0,
-        tie_word_embeddings=True)),
+    "llama-3-8b": BenchShape(
+        "llama",
+        dict(
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            hidden_size=4096,
+            intermediate_size=14336,
+            vocab_size=128256,
+            max_position_embeddings=1 << 21,
+            rope_theta=500000.0,
+        ),
+    ),
+    "qwen2.5-7b": BenchShape(
+        "qwen2",
+        dict(  # Qwen2 layers carry q/k/v biases
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            hidden_size=3584,
+            intermediate_size=18944,
+            vocab_size=152064,
+            max_position_embeddings=1 << 21,
+            rope_theta=1000000.0,
+            use_sliding_window=False,
+        ),
+    ),
+    "llama-3.2-1b": BenchShape(
+        "llama",
+        dict(
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            hidden_size=2048,
+            intermediate_size=8192,
+            vocab_size=128256,
+            max_position_embeddings=1 << 20,
+            rope_theta=500000.0,
+            tie_word_embeddings=True,
+        ),
+    ),
     # CI smoke shape: seconds on a CPU
-    "tiny": BenchShape("llama", dict(
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
-        intermediate_size=128, vocab_size=512, max_position_embeddings=1 << 16)),
+    "tiny": BenchShape(
+        "llama",
+        dict(
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            hidden_size=64,
+            intermediate_size=128,
+            vocab_size=512,
+            max_position_embeddings=1 << 16,
+        ),
+    ),
 }
 
-_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-            "mistral": ("MistralConfig", "MistralForCausalLM")}
+_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
 
 
 def make_config(name: str):

@@ -30,23 +30,43 @@ def _fill(dst: torch.Tensor, pool: torch.Tensor, gen: torch.Generator) -> None:
     s = 0
     while s < n:
         take = min(n - s, p - off)
-        dst[s:s + take].copy_(pool[off:off + take])
+        dst[s : s + take].copy_(pool[off : off + take])
         s += take
         off = 0
 
 
-def _manifest(n_layers: int, n_kv_heads: int, head_dim: int, n_tokens: int, dtype: torch.dtype,
-              model_type: str) -> dict:
+def _manifest(
+    n_layers: int, n_kv_heads: int, head_dim: int, n_tokens: int, dtype: torch.dtype, model_type: str
+) -> dict:
     name = dtype_name(dtype)
-    return {"format_version": FORMAT_VERSION, "synthetic": True,
-            "model": {"path": "<synthetic>", "fingerprint": "synthetic", "model_type": model_type, "dtype": name},
-            "shape": {"n_layers": n_layers, "n_heads": n_kv_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim,
-                      "vocab_size": 0},
-            "kv_dtype": name, "n_tokens": n_tokens, "documents": [], "files": {}}
+    return {
+        "format_version": FORMAT_VERSION,
+        "synthetic": True,
+        "model": {"path": "<synthetic>", "fingerprint": "synthetic", "model_type": model_type, "dtype": name},
+        "shape": {
+            "n_layers": n_layers,
+            "n_heads": n_kv_heads,
+            "n_kv_heads": n_kv_heads,
+            "head_dim": head_dim,
+            "vocab_size": 0,
+        },
+        "kv_dtype": name,
+        "n_tokens": n_tokens,
+        "documents": [],
+        "files": {},
+    }
 
 
-def synthetic_kv(n_layers: int, n_kv_heads: int, head_dim: int, n_tokens: int, dtype: torch.dtype = torch.bfloat16,
-                 seed: int = 0, path: str | Path | None = None, model_type: str = "llama") -> ContextKV:
+def synthetic_kv(
+    n_layers: int,
+    n_kv_heads: int,
+    head_dim: int,
+    n_tokens: int,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    path: str | Path | None = None,
+    model_type: str = "llama",
+) -> ContextKV:
     """Random context KV of a given shape, in RAM (path=None) or written as a real cache directory.
 
     Args:

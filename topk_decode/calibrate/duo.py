@@ -16,9 +16,9 @@ L1 term is λ times the *mean* gate, so that λ does not scale with the number o
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -59,8 +59,10 @@ class DuoCalibrationConfig:
         if self.sink < 0 or self.recent <= 0:
             raise TopkError("--sink must be ≥ 0 and --recent ≥ 1")
         if self.length <= self.sink + self.recent:
-            raise TopkError(f"--length ({self.length}) must exceed --sink + --recent ({self.sink + self.recent}), "
-                            f"or streaming attention sees everything and there is nothing to learn")
+            raise TopkError(
+                f"--length ({self.length}) must exceed --sink + --recent ({self.sink + self.recent}), "
+                f"or streaming attention sees everything and there is nothing to learn"
+            )
         if self.l1 < 0 or self.lr <= 0:
             raise TopkError("--l1 must be ≥ 0 and the learning rate > 0")
 
@@ -106,8 +108,9 @@ def streaming_mask(T: int, sink: int, recent: int, device: torch.device) -> torc
     return (j <= i) & ((j < sink) | (i - j < recent))
 
 
-def mixed_hidden(model, ids: torch.Tensor, gates: torch.Tensor | None, sink: int, recent: int,
-                 grad_checkpoint: bool = False) -> torch.Tensor:
+def mixed_hidden(
+    model, ids: torch.Tensor, gates: torch.Tensor | None, sink: int, recent: int, grad_checkpoint: bool = False
+) -> torch.Tensor:
     """Final (normed) hidden states with each head's attention = α·full + (1−α)·streaming.
 
     Args:
@@ -121,18 +124,20 @@ def mixed_hidden(model, ids: torch.Tensor, gates: torch.Tensor | None, sink: int
     """
     shape = ModelShape.from_config(model.config)
     T = ids.shape[0]
-    x = model.model.embed_tokens(ids[None])                                   # (1, T, C)
+    x = model.model.embed_tokens(ids[None])  # (1, T, C)
     cos, sin = rope(model, x, torch.arange(T, device=ids.device))
     mask = streaming_mask(T, sink, recent, ids.device) if gates is not None else None
 
     def block(layer_idx: int, x: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
         layer = model.model.layers[layer_idx]
-        q, k, v = attention_inputs(layer, x, cos, sin, shape)                # (1,H,T,D), (1,Hkv,T,D)
+        q, k, v = attention_inputs(layer, x, cos, sin, shape)  # (1,H,T,D), (1,Hkv,T,D)
         full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         if g is None:
             return finish_block(layer, x, full)
         stream = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        a = g.repeat_interleave(shape.group_size).view(1, shape.n_heads, 1, 1).to(q.dtype)  # query head i → KV head i // G
+        a = (
+            g.repeat_interleave(shape.group_size).view(1, shape.n_heads, 1, 1).to(q.dtype)
+        )  # query head i → KV head i // G
         return finish_block(layer, x, a * full + (1 - a) * stream)
 
     for i in range(shape.n_layers):
@@ -144,8 +149,9 @@ def mixed_hidden(model, ids: torch.Tensor, gates: torch.Tensor | None, sink: int
     return model.model.norm(x)[0]
 
 
-def calibrate_duo(model, tokenizer, config: DuoCalibrationConfig,
-                  progress: Callable[[int, int, float, float], None] | None = None) -> DuoCalibrationResult:
+def calibrate_duo(
+    model, tokenizer, config: DuoCalibrationConfig, progress: Callable[[int, int, float, float], None] | None = None
+) -> DuoCalibrationResult:
     """Learn DuoAttention gates for a model by distillation on synthetic passkey prompts.
 
     Args:
@@ -185,9 +191,13 @@ def calibrate_duo(model, tokenizer, config: DuoCalibrationConfig,
     return result
 
 
-def calibrate_duo_to_file(model_dir: str | Path, out: str | Path, config: DuoCalibrationConfig,
-                          device: str | None = None,
-                          progress: Callable[[int, int, float, float], None] | None = None) -> DuoCalibrationResult:
+def calibrate_duo_to_file(
+    model_dir: str | Path,
+    out: str | Path,
+    config: DuoCalibrationConfig,
+    device: str | None = None,
+    progress: Callable[[int, int, float, float], None] | None = None,
+) -> DuoCalibrationResult:
     """Load a local checkpoint, calibrate, and write `full_attention_heads.tsv`-format gates to `out`.
 
     Args:

@@ -11,7 +11,8 @@ import io
 import os
 import sys
 import warnings
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import typer
 from typer.core import TyperGroup
@@ -66,9 +67,14 @@ def checked_stdout():
     if out is None:
         return ClosedStdout()
     if type(out) is not io.TextIOWrapper:
-        return out          # already replaced (a test runner's capture): leave it alone
-    return CheckedStdout(out.buffer, encoding=out.encoding, errors=out.errors, line_buffering=out.line_buffering,
-                         write_through=out.write_through)
+        return out  # already replaced (a test runner's capture): leave it alone
+    return CheckedStdout(
+        out.buffer,
+        encoding=out.encoding,
+        errors=out.errors,
+        line_buffering=out.line_buffering,
+        write_through=out.write_through,
+    )
 
 
 def quiet_stdout() -> None:
@@ -110,8 +116,10 @@ class TopkGroup(TyperGroup):
                 raise typer.Exit(EXIT_USER) from None
             except ModuleNotFoundError as e:
                 # An environment problem, not a bug: name the package instead of an internal error.
-                say_error(f"the Python package {e.name!r} is not installed (pip install topk-decode installs "
-                          f"every dependency; see pyproject.toml)")
+                say_error(
+                    f"the Python package {e.name!r} is not installed (pip install topk-decode installs "
+                    f"every dependency; see pyproject.toml)"
+                )
                 raise typer.Exit(EXIT_USER) from None
             except KeyboardInterrupt:
                 typer.echo("interrupted", err=True)
@@ -129,11 +137,18 @@ class TopkGroup(TyperGroup):
                 say_error(f"internal error: {type(e).__name__}: {one_line(e)} (set TOPK_DEBUG=1 for the traceback)")
                 raise typer.Exit(EXIT_INTERNAL) from None
 
-    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
-             complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
         try:
-            code = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
-                                standalone_mode=False, **extra)
+            code = super().main(
+                args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=False, **extra
+            )
         except typer.TyperException as e:
             # Usage errors (bad option value, missing argument) on one line, like every other error.
             hint = f" (see '{e.ctx.command_path} --help')" if getattr(e, "ctx", None) is not None else ""
@@ -176,12 +191,16 @@ def _print_version(value: bool) -> None:
 
 
 @app.callback(invoke_without_command=True)
-def _root(ctx: typer.Context,
-          version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
-                                       help="Print the version and exit.")) -> None:
+def _root(
+    ctx: typer.Context,
+    version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=_print_version, help="Print the version and exit."
+    ),
+) -> None:
     # Plain `topk` prints the help (typer's no_args_is_help would surface as a usage *error*).
     if ctx.invoked_subcommand is None:
         typer.echo(ctx.get_help())
+
 
 # ---- command registration: one line per command (other modules add theirs here) ---------------
 app.command("prefill")(prefill_cmd.prefill_command)
@@ -199,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     Args:
         argv: arguments (default: sys.argv[1:]).
     """
-    sys.stdout = checked_stdout()   # a closed or failing stdout is an error, not an answer lost in silence
+    sys.stdout = checked_stdout()  # a closed or failing stdout is an error, not an answer lost in silence
     typer.main.get_command(app).main(args=argv, prog_name="topk")
 
 

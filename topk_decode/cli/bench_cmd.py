@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -10,44 +10,111 @@ from topk_decode.cli.common import ThreadsOption, say_note, use_threads
 
 
 def bench_command(
-    model: Annotated[str, typer.Option("--model", "-m", help="Named shape with random weights (llama-3-8b, qwen2.5-7b, llama-3.2-1b, tiny) or a checkpoint directory / GGUF file.")] = "llama-3-8b",
-    context: Annotated[str, typer.Option("--context", "-c", help="Comma-separated context lengths, e.g. 32K,128K,512K,1M.")] = "32K,128K",
-    systems: Annotated[str, typer.Option("--systems", help="Comma-separated: topk, hf-dense, hf-offload.")] = "topk,hf-dense,hf-offload",
+    model: Annotated[
+        str,
+        typer.Option(
+            "--model",
+            "-m",
+            help="Named shape with random weights (llama-3-8b, qwen2.5-7b, llama-3.2-1b, tiny) or a checkpoint directory / GGUF file.",
+        ),
+    ] = "llama-3-8b",
+    context: Annotated[
+        str, typer.Option("--context", "-c", help="Comma-separated context lengths, e.g. 32K,128K,512K,1M.")
+    ] = "32K,128K",
+    systems: Annotated[
+        str, typer.Option("--systems", help="Comma-separated: topk, hf-dense, hf-offload.")
+    ] = "topk,hf-dense,hf-offload",
     k: Annotated[int, typer.Option("--k", help="Retrieved tokens per query head and layer.")] = 1024,
-    strategy: Annotated[str, typer.Option("--strategy", help="Selection strategy of the top-k rows: flat (exact) or e.g. routed.")] = "flat",
-    opt: Annotated[Optional[list[str]], typer.Option("--opt", help="Strategy option key=value, e.g. probe_fraction=0.02 (repeatable).")] = None,
-    backend: Annotated[str, typer.Option("--backend", help="Flat search backend: auto (numba for long bf16 "
-                                         "contexts, else torch), torch, numba or faiss (--opt applies to the other "
-                                         "strategies).")] = "auto",
+    strategy: Annotated[
+        str, typer.Option("--strategy", help="Selection strategy of the top-k rows: flat (exact) or e.g. routed.")
+    ] = "flat",
+    opt: Annotated[
+        list[str] | None,
+        typer.Option("--opt", help="Strategy option key=value, e.g. probe_fraction=0.02 (repeatable)."),
+    ] = None,
+    backend: Annotated[
+        str,
+        typer.Option(
+            "--backend",
+            help="Flat search backend: auto (numba for long bf16 "
+            "contexts, else torch), torch, numba or faiss (--opt applies to the other "
+            "strategies).",
+        ),
+    ] = "auto",
     steps: Annotated[int, typer.Option("--steps", help="Timed decode steps per row.")] = 16,
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed decode steps before timing.")] = 3,
-    gpu_memory: Annotated[Optional[str], typer.Option("--gpu-memory", help="GPU budget for top-k decoding and the offloaded prefill, e.g. 16GiB (enforced with torch.cuda.set_per_process_memory_fraction).")] = None,
-    kv: Annotated[str, typer.Option("--kv", help="auto (real prefill up to --prefill-max, synthetic above), prefill, or synthetic.")] = "auto",
-    prefill_max: Annotated[str, typer.Option("--prefill-max", help="Longest context prefilled for real under --kv auto.")] = "128K",
-    hf_max: Annotated[str, typer.Option("--hf-max-context", help="Longest context the HF baselines run at (their prefill is slow).")] = "128K",
+    gpu_memory: Annotated[
+        str | None,
+        typer.Option(
+            "--gpu-memory",
+            help="GPU budget for top-k decoding and the offloaded prefill, e.g. 16GiB (enforced with torch.cuda.set_per_process_memory_fraction).",
+        ),
+    ] = None,
+    kv: Annotated[
+        str,
+        typer.Option("--kv", help="auto (real prefill up to --prefill-max, synthetic above), prefill, or synthetic."),
+    ] = "auto",
+    prefill_max: Annotated[
+        str, typer.Option("--prefill-max", help="Longest context prefilled for real under --kv auto.")
+    ] = "128K",
+    hf_max: Annotated[
+        str, typer.Option("--hf-max-context", help="Longest context the HF baselines run at (their prefill is slow).")
+    ] = "128K",
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="Layer-wise prefill chunk length.")] = 8192,
-    offload_prefill: Annotated[bool, typer.Option("--offload-prefill/--no-offload-prefill", help="Also prefill with weights streamed from the CPU, under the budget.")] = True,
-    graphs: Annotated[bool, typer.Option("--graphs/--no-graphs", help="Replay each one-token step's dense part as CUDA graphs.")] = True,
-    compile: Annotated[bool, typer.Option("--compile/--no-compile", help="Fuse each layer's small ops in those graphs with torch.compile.")] = True,
+    offload_prefill: Annotated[
+        bool,
+        typer.Option(
+            "--offload-prefill/--no-offload-prefill",
+            help="Also prefill with weights streamed from the CPU, under the budget.",
+        ),
+    ] = True,
+    graphs: Annotated[
+        bool, typer.Option("--graphs/--no-graphs", help="Replay each one-token step's dense part as CUDA graphs.")
+    ] = True,
+    compile: Annotated[
+        bool,
+        typer.Option("--compile/--no-compile", help="Fuse each layer's small ops in those graphs with torch.compile."),
+    ] = True,
     device: Annotated[str, typer.Option("--device", help="cuda or cpu.")] = "cuda",
     dtype: Annotated[str, typer.Option("--dtype", help="bf16, fp16 or fp32.")] = "bf16",
-    out: Annotated[str, typer.Option("--out", "-o", help="Directory for bench_<model>.json and .png.")] = "bench-results",
-    smoke: Annotated[bool, typer.Option("--smoke", help="CI smoke run: tiny shape on the CPU, seconds (other options ignored except --out and --threads).")] = False,
+    out: Annotated[
+        str, typer.Option("--out", "-o", help="Directory for bench_<model>.json and .png.")
+    ] = "bench-results",
+    smoke: Annotated[
+        bool,
+        typer.Option(
+            "--smoke",
+            help="CI smoke run: tiny shape on the CPU, seconds (other options ignored except --out and --threads).",
+        ),
+    ] = False,
     threads: ThreadsOption = None,
-    prefill_only: Annotated[bool, typer.Option("--prefill-only", help="Measure only the sequence-parallel prefill "
-                            "(topk prefill --gpus) of a named shape on each rank count of --gpus: tokens/s, scaling, "
-                            "memory, disk (docs/SCALE.md). Uses --model, --context, --prefill-chunk, --device, "
-                            "--dtype, --out, --smoke.")] = False,
+    prefill_only: Annotated[
+        bool,
+        typer.Option(
+            "--prefill-only",
+            help="Measure only the sequence-parallel prefill "
+            "(topk prefill --gpus) of a named shape on each rank count of --gpus: tokens/s, scaling, "
+            "memory, disk (docs/SCALE.md). Uses --model, --context, --prefill-chunk, --device, "
+            "--dtype, --out, --smoke.",
+        ),
+    ] = False,
     gpus: Annotated[str, typer.Option("--gpus", help="With --prefill-only: comma-separated rank counts.")] = "1,2,4",
-    layers: Annotated[Optional[int], typer.Option("--layers", help="With --prefill-only: run only the first N layers "
-                      "(every layer costs the same; whole-model figures are scaled).", min=1)] = None,
+    layers: Annotated[
+        int | None,
+        typer.Option(
+            "--layers",
+            help="With --prefill-only: run only the first N layers "
+            "(every layer costs the same; whole-model figures are scaled).",
+            min=1,
+        ),
+    ] = None,
 ) -> None:
     """Measure decode tokens/s (with a per-step breakdown), peak GPU memory and CPU RSS of top-k decoding
     beside HF transformers dense and offloaded decoding, at several context lengths."""
     use_threads(threads)
     from topk_decode.bench.measure import parse_bytes, parse_tokens
-    from topk_decode.cli.common import parse_options
     from topk_decode.bench.run import BenchConfig, run_bench, smoke_config
+    from topk_decode.cli.common import parse_options
 
     if prefill_only:
         _prefill_scaling(model, context, gpus, layers, prefill_chunk, device, dtype, out, smoke)
@@ -55,16 +122,34 @@ def bench_command(
     if smoke:
         cfg = smoke_config(out)
     else:
-        cfg = BenchConfig(model=model, contexts=[parse_tokens(c) for c in context.split(",") if c.strip()],
-                          systems=[s.strip() for s in systems.split(",") if s.strip()], k=k, strategy=strategy,
-                          strategy_options=parse_options(opt), backend=backend,
-                          steps=steps, warmup=warmup, gpu_memory=parse_bytes(gpu_memory) if gpu_memory else None,
-                          kv=kv, prefill_max=parse_tokens(prefill_max), hf_max=parse_tokens(hf_max),
-                          prefill_chunk=prefill_chunk, offload_prefill=offload_prefill, graphs=graphs, compile=compile, device=device, dtype=dtype,
-                          out=out)
+        cfg = BenchConfig(
+            model=model,
+            contexts=[parse_tokens(c) for c in context.split(",") if c.strip()],
+            systems=[s.strip() for s in systems.split(",") if s.strip()],
+            k=k,
+            strategy=strategy,
+            strategy_options=parse_options(opt),
+            backend=backend,
+            steps=steps,
+            warmup=warmup,
+            gpu_memory=parse_bytes(gpu_memory) if gpu_memory else None,
+            kv=kv,
+            prefill_max=parse_tokens(prefill_max),
+            hf_max=parse_tokens(hf_max),
+            prefill_chunk=prefill_chunk,
+            offload_prefill=offload_prefill,
+            graphs=graphs,
+            compile=compile,
+            device=device,
+            dtype=dtype,
+            out=out,
+        )
     data = run_bench(cfg, log=lambda line: typer.echo(line, err=True))
     _print_table(data)
-    say_note(f"results: {cfg.out}/bench_{data['model']['name']}.json" + (f", plot: {data['plot']}" if data.get("plot") else ""))
+    say_note(
+        f"results: {cfg.out}/bench_{data['model']['name']}.json"
+        + (f", plot: {data['plot']}" if data.get("plot") else "")
+    )
 
 
 def _prefill_scaling(model, context, gpus, layers, chunk, device, dtype, out, smoke) -> None:
@@ -77,28 +162,57 @@ def _prefill_scaling(model, context, gpus, layers, chunk, device, dtype, out, sm
         counts = [int(g) for g in gpus.split(",") if g.strip()]
     except ValueError:
         raise TopkError(f"--gpus must list rank counts such as 1,2,4, got {gpus!r}") from None
-    cfg = smoke_scaling_config(out) if smoke else ScalingConfig(
-        model=model, contexts=[parse_tokens(c) for c in context.split(",") if c.strip()], gpus=counts, layers=layers,
-        chunk=chunk, device=device, dtype=dtype, out=out)
+    cfg = (
+        smoke_scaling_config(out)
+        if smoke
+        else ScalingConfig(
+            model=model,
+            contexts=[parse_tokens(c) for c in context.split(",") if c.strip()],
+            gpus=counts,
+            layers=layers,
+            chunk=chunk,
+            device=device,
+            dtype=dtype,
+            out=out,
+        )
+    )
     data = run_scaling(cfg, log=lambda line: typer.echo(line, err=True))
     say_note(f"results: {data['path']}")
 
 
 def _print_table(data: dict) -> None:
     """One line per row: system, context, kv source, tokens/s, ms/step, peak GPU, RSS, status."""
-    from topk_decode.cli.common import console
-
     from rich.table import Table
 
+    from topk_decode.cli.common import console
+
     t = Table(title=f"topk bench — {data['model']['name']}")
-    for col in ("system", "context", "kv", "tok/s", "ms/step", "prefill tok/s", "keys read %", "peak GPU GiB", "RSS GiB", "status"):
+    for col in (
+        "system",
+        "context",
+        "kv",
+        "tok/s",
+        "ms/step",
+        "prefill tok/s",
+        "keys read %",
+        "peak GPU GiB",
+        "RSS GiB",
+        "status",
+    ):
         t.add_column(col)
     fmt = lambda v, f="{:,.2f}": "" if v is None else f.format(v)  # noqa: E731
     for r in data["rows"]:
         decode = not r["system"].startswith("topk-prefill")
-        t.add_row(r["system"], f"{r['context']:,}", r.get("kv") or "", fmt(r.get("tokens_per_s")) if decode else "",
-                  fmt(r.get("ms_per_step"), "{:,.1f}"),
-                  fmt(r.get("tokens_per_s") if not decode else r.get("prefill_tokens_per_s"), "{:,.0f}"),
-                  fmt(r.get("keys_read_pct"), "{:,.1f}"),
-                  fmt(r.get("peak_gpu_gib")), fmt(r.get("cpu_rss_gib")), r["status"])
+        t.add_row(
+            r["system"],
+            f"{r['context']:,}",
+            r.get("kv") or "",
+            fmt(r.get("tokens_per_s")) if decode else "",
+            fmt(r.get("ms_per_step"), "{:,.1f}"),
+            fmt(r.get("tokens_per_s") if not decode else r.get("prefill_tokens_per_s"), "{:,.0f}"),
+            fmt(r.get("keys_read_pct"), "{:,.1f}"),
+            fmt(r.get("peak_gpu_gib")),
+            fmt(r.get("cpu_rss_gib")),
+            r["status"],
+        )
     console().print(t)

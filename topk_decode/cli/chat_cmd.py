@@ -4,39 +4,67 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 from topk_decode.cli.chat_commands import ChatState, run_command, say
 from topk_decode.cli.chat_repl import StopRequest, make_reader, read_turn, stdin_closed
-from topk_decode.cli.common import (ThreadsOption, check_device, check_positive, console, parse_options, say_error,
-                                     say_note, use_threads)
+from topk_decode.cli.common import (
+    ThreadsOption,
+    check_device,
+    check_positive,
+    console,
+    parse_options,
+    say_error,
+    say_note,
+    use_threads,
+)
 from topk_decode.config import DecodeConfig
 from topk_decode.errors import TopkError
 
 
 def chat_command(
     cache: Annotated[Path, typer.Argument(help="The cache directory written by `topk prefill`.")],
-    k: Annotated[int, typer.Option("--k", "-k", help="Context tokens retrieved per query head and layer.")] = DecodeConfig.k,
-    strategy: Annotated[str, typer.Option(help="Selection strategy: auto (exact flat on short contexts, routed on "
-                                                "long ones), flat (exact top-k), routed, ...")] = DecodeConfig.strategy,
-    k_schedule: Annotated[str, typer.Option(help="uniform, or linear: k growing over layers at the same total.")
-                          ] = DecodeConfig.k_schedule,
-    opt: Annotated[Optional[list[str]], typer.Option(help="Strategy option key=value, e.g. nprobe=32 (repeatable).")] = None,
+    k: Annotated[
+        int, typer.Option("--k", "-k", help="Context tokens retrieved per query head and layer.")
+    ] = DecodeConfig.k,
+    strategy: Annotated[
+        str,
+        typer.Option(
+            help="Selection strategy: auto (exact flat on short contexts, routed on "
+            "long ones), flat (exact top-k), routed, ..."
+        ),
+    ] = DecodeConfig.strategy,
+    k_schedule: Annotated[
+        str, typer.Option(help="uniform, or linear: k growing over layers at the same total.")
+    ] = DecodeConfig.k_schedule,
+    opt: Annotated[
+        list[str] | None, typer.Option(help="Strategy option key=value, e.g. nprobe=32 (repeatable).")
+    ] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Answer length limit in tokens.")] = 256,
-    model: Annotated[Optional[Path], typer.Option(help="Checkpoint dir or GGUF file (default: the one the cache records).")] = None,
-    device: Annotated[Optional[str], typer.Option(help="cuda or cpu (default: cuda when available).")] = None,
-    dtype: Annotated[Optional[str], typer.Option(help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU).")] = None,
-    n_sink: Annotated[int, typer.Option(help="First context tokens kept in the exact GPU window.")] = DecodeConfig.n_sink,
-    n_tail: Annotated[int, typer.Option(help="Last context tokens kept in the exact GPU window.")] = DecodeConfig.n_tail,
-    prompt: Annotated[Optional[str], typer.Option(help="Answer this one question, print it and exit.")] = None,
-    compile: Annotated[bool, typer.Option("--compile/--no-compile",
-                                          help="On CUDA, compile the one-token step (the first token waits for it).")] = DecodeConfig.compile,
-    system: Annotated[Optional[str], typer.Option(help="System prompt (a system turn right after the documents).")] = None,
+    model: Annotated[
+        Path | None, typer.Option(help="Checkpoint dir or GGUF file (default: the one the cache records).")
+    ] = None,
+    device: Annotated[str | None, typer.Option(help="cuda or cpu (default: cuda when available).")] = None,
+    dtype: Annotated[str | None, typer.Option(help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU).")] = None,
+    n_sink: Annotated[
+        int, typer.Option(help="First context tokens kept in the exact GPU window.")
+    ] = DecodeConfig.n_sink,
+    n_tail: Annotated[
+        int, typer.Option(help="Last context tokens kept in the exact GPU window.")
+    ] = DecodeConfig.n_tail,
+    prompt: Annotated[str | None, typer.Option(help="Answer this one question, print it and exit.")] = None,
+    compile: Annotated[
+        bool,
+        typer.Option(
+            "--compile/--no-compile", help="On CUDA, compile the one-token step (the first token waits for it)."
+        ),
+    ] = DecodeConfig.compile,
+    system: Annotated[str | None, typer.Option(help="System prompt (a system turn right after the documents).")] = None,
     temperature: Annotated[float, typer.Option(help="0 = greedy (exact); > 0 samples.")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling: keep the tokens covering this probability.")] = 1.0,
-    seed: Annotated[Optional[int], typer.Option(help="Seed of the sampler (reproducible sampled answers).")] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed of the sampler (reproducible sampled answers).")] = None,
     threads: ThreadsOption = None,
 ) -> None:
     """Chat with your documents (or answer one --prompt and exit)."""
@@ -58,8 +86,19 @@ def chat_command(
     from topk_decode.decode.sampling import Sampling
 
     Sampling(temperature, top_p, seed)  # bad sampling options fail before the model loads too
-    store = _open_store(cache, k=k, k_schedule=k_schedule, strategy=strategy, model=model, device=device, dtype=dtype,
-                        n_sink=n_sink, n_tail=n_tail, strategy_options=options, compile=compile)
+    store = _open_store(
+        cache,
+        k=k,
+        k_schedule=k_schedule,
+        strategy=strategy,
+        model=model,
+        device=device,
+        dtype=dtype,
+        n_sink=n_sink,
+        n_tail=n_tail,
+        strategy_options=options,
+        compile=compile,
+    )
     session = store.session(system, temperature=temperature, top_p=top_p, seed=seed, sources=True)
     if prompt is not None:
         _answer(session, prompt, max_new_tokens)
@@ -74,8 +113,15 @@ def _open_store(cache: Path, **kwargs):
     from topk_decode.api import KVStore
 
     err = console(stderr=True)
-    with Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeElapsedColumn(),
-                  console=err, transient=True, disable=not err.is_terminal) as bar:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TaskProgressColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+        disable=not err.is_terminal,
+    ) as bar:
         task = bar.add_task("loading model and cache", total=None)
 
         def progress(done: int, total: int) -> None:
@@ -116,12 +162,12 @@ def _stream_answer(state: ChatState, question: str) -> None:
             typer.echo("topk> ", nl=False)
             try:
                 for piece in pieces:
-                    stop.answering = True      # from here the first Ctrl-C stops at a token boundary
+                    stop.answering = True  # from here the first Ctrl-C stops at a token boundary
                     first = clock() if first is None else first
                     if stop.requested:
                         stopped = True
                         if not conv.pending:
-                            break       # generated but never fed back: not part of the conversation
+                            break  # generated but never fed back: not part of the conversation
                     if not started:
                         piece = piece.lstrip()
                         started = bool(piece)
@@ -158,13 +204,15 @@ def _interactive(state: ChatState) -> None:
         return
     read = make_reader()
     n_docs = len(store.documents)
-    say(f"{store.ckv.n_tokens:,} tokens in {n_docs} document{'s' * (n_docs != 1)} · "
-        f"strategy {store.config.strategy} · k={store.config.k}. Type /help for commands.")
+    say(
+        f"{store.ckv.n_tokens:,} tokens in {n_docs} document{'s' * (n_docs != 1)} · "
+        f"strategy {store.config.strategy} · k={store.config.k}. Type /help for commands."
+    )
     while True:
         try:
             try:
                 line = read_turn(read)
-            except KeyboardInterrupt:   # Ctrl-C at a plain (non-prompt_toolkit) prompt: drop the line
+            except KeyboardInterrupt:  # Ctrl-C at a plain (non-prompt_toolkit) prompt: drop the line
                 typer.echo()
                 continue
             if line is None:

@@ -14,8 +14,8 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 from topk_decode.errors import TopkError
 
@@ -33,7 +33,7 @@ INPUT_HELP = f"""input:
 
 
 # ---- reading turns --------------------------------------------------------------------------------
-def read_turn(read: Callable[[str], Optional[str]]) -> Optional[str]:
+def read_turn(read: Callable[[str], str | None]) -> str | None:
     """One user turn: a line, or a `\"\"\"` block of lines.
 
     Args:
@@ -45,18 +45,18 @@ def read_turn(read: Callable[[str], Optional[str]]) -> Optional[str]:
     first = read(PROMPT)
     if first is None or not first.lstrip().startswith(FENCE):
         return first
-    body = first.lstrip()[len(FENCE):]
-    if body.rstrip().endswith(FENCE):               # """one line"""
-        return body.rstrip()[:-len(FENCE)]
+    body = first.lstrip()[len(FENCE) :]
+    if body.rstrip().endswith(FENCE):  # """one line"""
+        return body.rstrip()[: -len(FENCE)]
     lines = [body] if body.strip() else []
     while (line := read(CONTINUATION)) is not None:
         if line.rstrip().endswith(FENCE):
-            rest = line.rstrip()[:-len(FENCE)]
+            rest = line.rstrip()[: -len(FENCE)]
             if rest.strip():
                 lines.append(rest)
             break
         lines.append(line)
-    return "\n".join(lines)                         # end of input inside a block submits what it holds
+    return "\n".join(lines)  # end of input inside a block submits what it holds
 
 
 class PlainReader:
@@ -72,7 +72,7 @@ class PlainReader:
         self.echo_prompt = echo_prompt
         self.line_no = 0
 
-    def __call__(self, prompt: str) -> Optional[str]:
+    def __call__(self, prompt: str) -> str | None:
         if self.echo_prompt:
             sys.stdout.write(prompt)
             sys.stdout.flush()
@@ -88,12 +88,14 @@ class PlainReader:
             except UnicodeDecodeError as e:
                 if self.echo_prompt:
                     sys.stdout.write("\n")
-                raise TopkError(f"input line {self.line_no} is not valid UTF-8 (byte 0x{raw[e.start]:02x} at "
-                                f"offset {e.start}); line skipped") from None
+                raise TopkError(
+                    f"input line {self.line_no} is not valid UTF-8 (byte 0x{raw[e.start]:02x} at "
+                    f"offset {e.start}); line skipped"
+                ) from None
         return raw.rstrip("\r\n")
 
 
-def history_path() -> Optional[Path]:
+def history_path() -> Path | None:
     """Where the question history lives: $TOPK_CHAT_HISTORY ("" = keep none), else
     $XDG_CACHE_HOME/topk-decode/chat_history (~/.cache when unset)."""
     env = os.environ.get("TOPK_CHAT_HISTORY")
@@ -119,7 +121,7 @@ class TerminalReader:
 
         keys = KeyBindings()
 
-        @keys.add("escape", "enter")    # Alt-Enter sends the same sequence in most terminals
+        @keys.add("escape", "enter")  # Alt-Enter sends the same sequence in most terminals
         def _newline(event) -> None:
             event.current_buffer.insert_text("\n")
 
@@ -131,15 +133,21 @@ class TerminalReader:
                 history = FileHistory(str(path))
             except OSError:
                 pass  # a read-only home: history for this chat only
-        self.session = PromptSession(history=history, key_bindings=keys, multiline=False, input=input, output=output,
-                                     prompt_continuation=lambda width, line, soft: CONTINUATION)
+        self.session = PromptSession(
+            history=history,
+            key_bindings=keys,
+            multiline=False,
+            input=input,
+            output=output,
+            prompt_continuation=lambda width, line, soft: CONTINUATION,
+        )
 
-    def __call__(self, prompt: str) -> Optional[str]:
+    def __call__(self, prompt: str) -> str | None:
         while True:
             try:
                 return self.session.prompt(prompt)
             except KeyboardInterrupt:
-                continue            # Ctrl-C at the prompt: drop the line, ask again
+                continue  # Ctrl-C at the prompt: drop the line, ask again
             except EOFError:
                 return None
 
@@ -149,7 +157,7 @@ def stdin_closed() -> bool:
     return sys.stdin is None or getattr(sys.stdin, "closed", False)
 
 
-def make_reader() -> Callable[[str], Optional[str]]:
+def make_reader() -> Callable[[str], str | None]:
     """prompt_toolkit when stdin and stdout are a terminal, plain line reading otherwise."""
     try:
         tty = sys.stdin.isatty() and sys.stdout.isatty() and os.environ.get("TERM") != "dumb"
@@ -181,13 +189,13 @@ class StopRequest:
 
     def _handler(self, signum, frame) -> None:
         if self.raised:
-            return          # already unwinding: one more press must not interrupt the rewind
+            return  # already unwinding: one more press must not interrupt the rewind
         if self.requested or not self.answering:
             self.requested = self.raised = True
             raise KeyboardInterrupt
         self.requested = True
 
-    def __enter__(self) -> "StopRequest":
+    def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGINT, self._handler)
         return self

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -111,9 +111,14 @@ def check_positive(name: str, value: int | None) -> None:
 
 
 # `--threads`, declared once for every command that decodes (chat, serve, bench, eval): see `use_threads`.
-ThreadsOption = Annotated[Optional[int], typer.Option(
-    "--threads", help="CPU threads for searches and torch's CPU ops (default: TOPK_THREADS, else the CPUs this "
-                      "process may use: its affinity mask, capped by a cgroup CPU quota).")]
+ThreadsOption = Annotated[
+    int | None,
+    typer.Option(
+        "--threads",
+        help="CPU threads for searches and torch's CPU ops (default: TOPK_THREADS, else the CPUs this "
+        "process may use: its affinity mask, capped by a cgroup CPU quota).",
+    ),
+]
 
 
 def use_threads(threads: int | None) -> int:

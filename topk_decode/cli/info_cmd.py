@@ -20,8 +20,8 @@ def cache_facts(path: Path, verify: bool = False) -> dict:
     """
     # Nothing here imports torch or a strategy's module: `topk info` answers in well under a second.
     from topk_decode.index import STRATEGIES, keeps_artifacts
-    from topk_decode.index.auto import choose
     from topk_decode.index.artifacts import artifact_dir, artifacts_match, read_done, verify_done
+    from topk_decode.index.auto import choose
     from topk_decode.store.cache_dir import check_cache
 
     m, cache_id, hashed = check_cache(path, full=verify)
@@ -64,7 +64,7 @@ def cache_facts(path: Path, verify: bool = False) -> dict:
         },
         "prefill": m.get("prefill", {}),
         "strategies": ready,
-        "auto": vars(choose(m["n_tokens"])),     # {"strategy", "reason"}
+        "auto": vars(choose(m["n_tokens"])),  # {"strategy", "reason"}
         "strategies_not_built": sorted(n for n in STRATEGIES if n not in ready),
         # what was really checked: the manifest's schema + checksum always, then sizes or every checksum
         "checked": "checksums" if verify else "sizes",
@@ -75,8 +75,12 @@ def cache_facts(path: Path, verify: bool = False) -> dict:
 
 def info_command(
     cache: Annotated[Path, typer.Argument(help="The cache directory.")],
-    verify: Annotated[bool, typer.Option("--verify", help="Hash every file (KV, tokens, strategy artifacts) against "
-                                         "its recorded checksum.")] = False,
+    verify: Annotated[
+        bool,
+        typer.Option(
+            "--verify", help="Hash every file (KV, tokens, strategy artifacts) against its recorded checksum."
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the facts as JSON.")] = False,
 ) -> None:
     """Show a cache's model, documents, sizes, prefill statistics and available strategies."""
@@ -95,29 +99,44 @@ def _print(f: dict) -> None:
     out = console()
     say = lambda text: out.print(text, markup=False, soft_wrap=True)  # noqa: E731 - paths may hold [brackets]
     m, s, ram = f["model"], f["shape"], f["ram"]
-    checked = (f"manifest, sizes and checksums of {f['files_hashed']} files checked" if f["checked"] == "checksums"
-               else "manifest and file sizes checked; --verify also hashes every file")
+    checked = (
+        f"manifest, sizes and checksums of {f['files_hashed']} files checked"
+        if f["checked"] == "checksums"
+        else "manifest and file sizes checked; --verify also hashes every file"
+    )
     say(f"cache:      {f['path']}  ({checked})")
     say(f"model:      {m.get('path')}{'' if m['present'] else '  (missing: pass --model DIR to chat)'}")
     say(f"            type {m.get('model_type')}, fingerprint {m.get('fingerprint')}, dtype {m.get('dtype')}")
     say(f"tokens:     {f['n_tokens']:,}")
-    say(f"layout:     {s['n_layers']} layers, {s['n_kv_heads']} KV heads ({s['n_heads']} query heads), "
-        f"head dim {s['head_dim']}, KV stored as {f['kv_dtype']}")
+    say(
+        f"layout:     {s['n_layers']} layers, {s['n_kv_heads']} KV heads ({s['n_heads']} query heads), "
+        f"head dim {s['head_dim']}, KV stored as {f['kv_dtype']}"
+    )
     say(f"on disk:    {human_bytes(f['disk']['total_bytes'])} total, {human_bytes(f['disk']['kv_bytes'])} KV")
-    say(f"in RAM:     KV memory-mapped ({human_bytes(ram['kv_memory_mapped_bytes'])}, paged in as retrieval "
+    say(
+        f"in RAM:     KV memory-mapped ({human_bytes(ram['kv_memory_mapped_bytes'])}, paged in as retrieval "
         f"touches it); flat with --opt backend=faiss would hold ≈ "
-        f"{human_bytes(ram['flat_faiss_index_bytes_estimate'])} more (estimate: a copy of the keys)")
+        f"{human_bytes(ram['flat_faiss_index_bytes_estimate'])} more (estimate: a copy of the keys)"
+    )
     if ram["model_weights_bytes"] is not None:
         say(f"            model weights {human_bytes(ram['model_weights_bytes'])} (on the GPU at decode time)")
     p = f["prefill"]
     if p:
         peak = "n/a on CPU" if p.get("peak_device_bytes") is None else human_bytes(p["peak_device_bytes"])
-        say(f"prefill:    {p.get('seconds')} s, {p.get('tokens_per_s')} tok/s on {p.get('device')}, "
-            f"chunk {p.get('chunk_size')}, peak GPU memory {peak}")
+        say(
+            f"prefill:    {p.get('seconds')} s, {p.get('tokens_per_s')} tok/s on {p.get('device')}, "
+            f"chunk {p.get('chunk_size')}, peak GPU memory {peak}"
+        )
     say(f"default:    auto runs {f['auto']['strategy']} ({f['auto']['reason']})")
-    say(f"strategies: {', '.join(f['strategies'])} ready"
-        + (f"; {', '.join(f['strategies_not_built'])} build their artifacts on first use "
-           "(or at prefill with --strategy)" if f["strategies_not_built"] else ""))
+    say(
+        f"strategies: {', '.join(f['strategies'])} ready"
+        + (
+            f"; {', '.join(f['strategies_not_built'])} build their artifacts on first use "
+            "(or at prefill with --strategy)"
+            if f["strategies_not_built"]
+            else ""
+        )
+    )
     table = Table(title=f"{len(f['documents'])} documents")
     for col, just in (("document", "left"), ("start", "right"), ("end", "right"), ("tokens", "right")):
         table.add_column(col, justify=just)

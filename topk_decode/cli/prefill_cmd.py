@@ -7,7 +7,7 @@ import threading
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -44,13 +44,28 @@ def _tokens_per_s_column():
 
 def _progress():
     """The progress bar used for the prefill and for strategy artifacts (on stderr, transient)."""
-    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        TaskProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     err = console(stderr=True)
     # Outside a terminal (scripts, nohup, CI logs) a live bar is only noise: _LogLines prints plain lines instead.
-    return Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), _tokens_per_s_column(),
-                    TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True,
-                    disable=not err.is_terminal)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TaskProgressColumn(),
+        _tokens_per_s_column(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=err,
+        transient=True,
+        disable=not err.is_terminal,
+    )
 
 
 class Terminated(KeyboardInterrupt):
@@ -94,47 +109,116 @@ class _LogLines:
         self.last = now
         layer = min(self.done // max(self.n, 1), self.layers)
         elapsed = now - self.t0
-        typer.echo(f"prefill: {100 * self.done / self.total:.0f}% ({layer}/{self.layers} layers done, "
-                   f"{elapsed:.0f} s elapsed)", err=True)
+        typer.echo(
+            f"prefill: {100 * self.done / self.total:.0f}% ({layer}/{self.layers} layers done, "
+            f"{elapsed:.0f} s elapsed)",
+            err=True,
+        )
 
 
 def prefill_command(
-    docs: Annotated[Path, typer.Argument(help="A documents directory (every UTF-8 text file in it, recursively: "
-                                         "code, config, CSV, Markdown, HTML, EPUB, notebooks ...; PDF, DOCX, PPTX "
-                                         "and XLSX with the docs extra; "
-                                         "binary files, VCS folders, virtual "
-                                         "environments, node_modules, __pycache__, hidden (.name) and .gitignore'd paths are "
-                                         "skipped) or one text file.")],
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="The cache directory to create.")] = None,
-    append: Annotated[Optional[Path], typer.Option("--append", metavar="CACHE", help="Add the documents to this "
-                      "existing cache instead: the model runs over the new documents only, and the cache becomes "
-                      "what a prefill of its documents followed by these would write (swapped in atomically).")] = None,
-    model: Annotated[Optional[Path], typer.Option(help="Local HF checkpoint dir or GGUF file (default: the embedded "
-                     "demo model; with --append, the cache's own).")] = None,
-    chunk_size: Annotated[Optional[int], typer.Option(help="Tokens per prefill chunk (bounds peak GPU memory; default "
-                          "4096, with --append the cache's own).")] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing cache at --out (only a topk cache: "
-                                                     "any other directory is refused).")] = False,
-    device: Annotated[Optional[str], typer.Option(help="cuda or cpu (default: cuda when available).")] = None,
-    dtype: Annotated[Optional[str], typer.Option(help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU; with "
-                     "--append, the cache's own).")] = None,
-    strategy: Annotated[Optional[str], typer.Option(help="Also build these strategies' artifacts: NAME[,NAME...].")] = None,
-    opt: Annotated[Optional[list[str]], typer.Option(help="Strategy build option key=value (repeatable).")] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted prefill of --out from its last "
-                                         "checkpointed layer (checked against recorded checksums).")] = False,
+    docs: Annotated[
+        Path,
+        typer.Argument(
+            help="A documents directory (every UTF-8 text file in it, recursively: "
+            "code, config, CSV, Markdown, HTML, EPUB, notebooks ...; PDF, DOCX, PPTX "
+            "and XLSX with the docs extra; "
+            "binary files, VCS folders, virtual "
+            "environments, node_modules, __pycache__, hidden (.name) and .gitignore'd paths are "
+            "skipped) or one text file."
+        ),
+    ],
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="The cache directory to create.")] = None,
+    append: Annotated[
+        Path | None,
+        typer.Option(
+            "--append",
+            metavar="CACHE",
+            help="Add the documents to this "
+            "existing cache instead: the model runs over the new documents only, and the cache becomes "
+            "what a prefill of its documents followed by these would write (swapped in atomically).",
+        ),
+    ] = None,
+    model: Annotated[
+        Path | None,
+        typer.Option(
+            help="Local HF checkpoint dir or GGUF file (default: the embedded "
+            "demo model; with --append, the cache's own)."
+        ),
+    ] = None,
+    chunk_size: Annotated[
+        int | None,
+        typer.Option(
+            help="Tokens per prefill chunk (bounds peak GPU memory; default 4096, with --append the cache's own)."
+        ),
+    ] = None,
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite",
+            help="Replace an existing cache at --out (only a topk cache: any other directory is refused).",
+        ),
+    ] = False,
+    device: Annotated[str | None, typer.Option(help="cuda or cpu (default: cuda when available).")] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU; with --append, the cache's own)."),
+    ] = None,
+    strategy: Annotated[
+        str | None, typer.Option(help="Also build these strategies' artifacts: NAME[,NAME...].")
+    ] = None,
+    opt: Annotated[list[str] | None, typer.Option(help="Strategy build option key=value (repeatable).")] = None,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume",
+            help="Continue an interrupted prefill of --out from its last "
+            "checkpointed layer (checked against recorded checksums).",
+        ),
+    ] = False,
     checkpoint_every: Annotated[float, typer.Option(help="Seconds between resume checkpoints.", min=0)] = 300.0,
-    log_every: Annotated[float, typer.Option(help="Seconds between plain progress lines when stderr is not a "
-                                             "terminal.", min=0)] = 30.0,
-    allow_long_context: Annotated[bool, typer.Option("--allow-long-context", help="Prefill a context longer than "
-                                  "the model's positions (refused otherwise; answers degrade past them).")] = False,
-    follow_symlinks: Annotated[bool, typer.Option("--follow-symlinks", help="Also read symbolic links that leave "
-                               "the documents folder (skipped and reported otherwise).")] = False,
-    include: Annotated[Optional[list[str]], typer.Option("--include", metavar="GLOB", help="Read paths matching "
-                       "this gitignore-style pattern even where skipped by default or by a .gitignore (repeatable).")] = None,
-    exclude: Annotated[Optional[list[str]], typer.Option("--exclude", metavar="GLOB", help="Never read paths "
-                       "matching this gitignore-style pattern; wins over --include (repeatable).")] = None,
-    gpus: Annotated[Optional[int], typer.Option("--gpus", help="Prefill on N GPUs, one process each (sequence-"
-                    "parallel; with --device cpu: N CPU processes). Under torchrun: its processes.")] = None,
+    log_every: Annotated[
+        float, typer.Option(help="Seconds between plain progress lines when stderr is not a terminal.", min=0)
+    ] = 30.0,
+    allow_long_context: Annotated[
+        bool,
+        typer.Option(
+            "--allow-long-context",
+            help="Prefill a context longer than the model's positions (refused otherwise; answers degrade past them).",
+        ),
+    ] = False,
+    follow_symlinks: Annotated[
+        bool,
+        typer.Option(
+            "--follow-symlinks",
+            help="Also read symbolic links that leave the documents folder (skipped and reported otherwise).",
+        ),
+    ] = False,
+    include: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--include",
+            metavar="GLOB",
+            help="Read paths matching "
+            "this gitignore-style pattern even where skipped by default or by a .gitignore (repeatable).",
+        ),
+    ] = None,
+    exclude: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--exclude",
+            metavar="GLOB",
+            help="Never read paths matching this gitignore-style pattern; wins over --include (repeatable).",
+        ),
+    ] = None,
+    gpus: Annotated[
+        int | None,
+        typer.Option(
+            "--gpus",
+            help="Prefill on N GPUs, one process each (sequence-"
+            "parallel; with --device cpu: N CPU processes). Under torchrun: its processes.",
+        ),
+    ] = None,
 ) -> None:
     """Prefill documents once and write each layer's keys/values to a cache directory (or add them to one)."""
     # Everything cheap is checked before the model loads: a typo must not cost a prefill.
@@ -142,8 +226,9 @@ def prefill_command(
         raise TopkError("name the cache: --out CACHE to create one, or --append CACHE to add the documents to one")
     for flag, given in (("--overwrite", overwrite), ("--resume", resume), ("--gpus", gpus is not None)):
         if append is not None and given:
-            raise TopkError(f"{flag} does not apply to --append (an interrupted append leaves the cache as it was: "
-                            f"run it again)")
+            raise TopkError(
+                f"{flag} does not apply to --append (an interrupted append leaves the cache as it was: run it again)"
+            )
     check_positive("--chunk-size", chunk_size)
     check_device(device)
     names = parse_strategy_names(strategy)
@@ -165,15 +250,27 @@ def prefill_command(
         check_model_path(model)
     from topk_decode.index import split_options
 
-    per_strategy = split_options(names, options)   # unknown or mistyped options fail before the prefill
+    per_strategy = split_options(names, options)  # unknown or mistyped options fail before the prefill
     from topk_decode.prefill.distributed_launch import RankSpec, leader, plan_group, run_torchrun_rank
     from topk_decode.prefill.layerwise import CHUNK_SIZE
 
-    group = plan_group(gpus, device)     # None: this process alone; bad --gpus fails here
+    group = plan_group(gpus, device)  # None: this process alone; bad --gpus fails here
 
     if append is not None:
-        _append_command(docs, append, model, chunk_size, device, dtype, per_strategy, log_every,
-                        allow_long_context, follow_symlinks, include or [], exclude or [])
+        _append_command(
+            docs,
+            append,
+            model,
+            chunk_size,
+            device,
+            dtype,
+            per_strategy,
+            log_every,
+            allow_long_context,
+            follow_symlinks,
+            include or [],
+            exclude or [],
+        )
         return
     from topk_decode.prefill.build import build_cache
 
@@ -182,11 +279,13 @@ def prefill_command(
 
         model, trained = default_model_dir()
         if not trained and (group is None or group.rank == 0):
-            say_note(f"no trained demo model is installed: using a random-weight stand-in ({model}) that "
-                     "produces noise; pass --model DIR for real answers")
+            say_note(
+                f"no trained demo model is installed: using a random-weight stand-in ({model}) that "
+                "produces noise; pass --model DIR for real answers"
+            )
 
     spec = RankSpec(str(model), dtype, CHUNK_SIZE if chunk_size is None else chunk_size)
-    if group is not None and group.rank != 0:     # a torchrun rank other than 0: computes its share, writes nothing
+    if group is not None and group.rank != 0:  # a torchrun rank other than 0: computes its share, writes nothing
         run_torchrun_rank(group, spec)
         return
     out_console = console()
@@ -197,10 +296,11 @@ def prefill_command(
         def on_start(n_tokens: int, n_layers: int, skipped: list[str]) -> None:
             from topk_decode.prefill.documents import summarize_skipped
 
-            for line in summarize_skipped(skipped):     # one line per reason, not one per file
+            for line in summarize_skipped(skipped):  # one line per reason, not one per file
                 say_warning(f"skipped {line}")
-            state["task"] = bar.add_task(f"prefill {n_tokens:,} tokens × {n_layers} layers",
-                                         total=n_tokens * n_layers, layers=n_layers)
+            state["task"] = bar.add_task(
+                f"prefill {n_tokens:,} tokens × {n_layers} layers", total=n_tokens * n_layers, layers=n_layers
+            )
             if lines is not None:
                 lines.start(n_tokens, n_layers)
 
@@ -212,19 +312,32 @@ def prefill_command(
         try:
             sized = {} if chunk_size is None else {"chunk_size": chunk_size}
             with leader(group, spec) if group is not None else nullcontext() as prefill_fn:
-                path, stats = build_cache(docs, out, model, **sized, overwrite=overwrite,
-                                          device=group.device_name if group else device,
-                                          dtype=dtype, on_start=on_start, progress=progress, resume=resume,
-                                          checkpoint_every=checkpoint_every, on_note=say_note,
-                                          allow_long_context=allow_long_context, follow_symlinks=follow_symlinks,
-                                          include=include or [], exclude=exclude or [], prefill_fn=prefill_fn)
+                path, stats = build_cache(
+                    docs,
+                    out,
+                    model,
+                    **sized,
+                    overwrite=overwrite,
+                    device=group.device_name if group else device,
+                    dtype=dtype,
+                    on_start=on_start,
+                    progress=progress,
+                    resume=resume,
+                    checkpoint_every=checkpoint_every,
+                    on_note=say_note,
+                    allow_long_context=allow_long_context,
+                    follow_symlinks=follow_symlinks,
+                    include=include or [],
+                    exclude=exclude or [],
+                    prefill_fn=prefill_fn,
+                )
         except Terminated:
             typer.echo("terminated", err=True)
             raise typer.Exit(143) from None
         from topk_decode.index import keeps_artifacts
         from topk_decode.index.auto import choose
 
-        if not names:   # what `auto` will run on this cache, so the first question does not wait for a build
+        if not names:  # what `auto` will run on this cache, so the first question does not wait for a build
             names = [n for n in [choose(stats.n_tokens).strategy] if keeps_artifacts(n)]
             per_strategy = {n: {} for n in names}
         if names:
@@ -233,12 +346,17 @@ def prefill_command(
     peak = "n/a on CPU" if stats.peak_device_bytes is None else human_bytes(stats.peak_device_bytes)
     out_console.print(f"wrote {path}", markup=False, soft_wrap=True)
     if stats.resumed_at_layer:
-        out_console.print(f"resumed at layer {stats.resumed_at_layer}: the figures below cover the layers computed "
-                          "by this run", markup=False)
-    out_console.print(f"tokens: {stats.n_tokens:,}   time: {stats.seconds:.2f} s   "
-                      f"throughput: {stats.tokens_per_s:,.0f} tok/s   peak GPU memory: {peak}"
-                      f"{f' (rank 0 of {stats.ranks})' if stats.ranks > 1 and stats.peak_device_bytes else ''}   "
-                      f"size on disk: {human_bytes(dir_size(path))}", markup=False)
+        out_console.print(
+            f"resumed at layer {stats.resumed_at_layer}: the figures below cover the layers computed by this run",
+            markup=False,
+        )
+    out_console.print(
+        f"tokens: {stats.n_tokens:,}   time: {stats.seconds:.2f} s   "
+        f"throughput: {stats.tokens_per_s:,.0f} tok/s   peak GPU memory: {peak}"
+        f"{f' (rank 0 of {stats.ranks})' if stats.ranks > 1 and stats.peak_device_bytes else ''}   "
+        f"size on disk: {human_bytes(dir_size(path))}",
+        markup=False,
+    )
 
 
 def _build_strategies(bar, path: Path, names: list[str], options: dict[str, dict]) -> None:
@@ -262,9 +380,20 @@ def _build_strategies(bar, path: Path, names: list[str], options: dict[str, dict
         bar.remove_task(task)
 
 
-def _append_command(docs: Path, cache: Path, model: Optional[Path], chunk_size: Optional[int], device: Optional[str],
-                    dtype: Optional[str], per_strategy: dict[str, dict], log_every: float, allow_long_context: bool,
-                    follow_symlinks: bool, include: list[str], exclude: list[str]) -> None:
+def _append_command(
+    docs: Path,
+    cache: Path,
+    model: Path | None,
+    chunk_size: int | None,
+    device: str | None,
+    dtype: str | None,
+    per_strategy: dict[str, dict],
+    log_every: float,
+    allow_long_context: bool,
+    follow_symlinks: bool,
+    include: list[str],
+    exclude: list[str],
+) -> None:
     """`topk prefill NEW_DOCS --append CACHE`, with the same progress bar and summary as a prefill."""
     from topk_decode.prefill.append import append_cache
 
@@ -277,8 +406,9 @@ def _append_command(docs: Path, cache: Path, model: Optional[Path], chunk_size: 
 
             for line in summarize_skipped(skipped):
                 say_warning(f"skipped {line}")
-            state["task"] = bar.add_task(f"append {n_tokens:,} tokens × {n_layers} layers",
-                                         total=n_tokens * n_layers, layers=n_layers)
+            state["task"] = bar.add_task(
+                f"append {n_tokens:,} tokens × {n_layers} layers", total=n_tokens * n_layers, layers=n_layers
+            )
             if lines is not None:
                 lines.start(n_tokens, n_layers)
 
@@ -292,10 +422,22 @@ def _append_command(docs: Path, cache: Path, model: Optional[Path], chunk_size: 
             return lambda done, total: bar.update(task, completed=done, total=total)
 
         try:
-            path, stats, _ = append_cache(docs, cache, model, chunk_size=chunk_size, device=device, dtype=dtype,
-                                          on_start=on_start, progress=progress, allow_long_context=allow_long_context,
-                                          follow_symlinks=follow_symlinks, include=include, exclude=exclude,
-                                          strategies=per_strategy, on_strategy=on_strategy)
+            path, stats, _ = append_cache(
+                docs,
+                cache,
+                model,
+                chunk_size=chunk_size,
+                device=device,
+                dtype=dtype,
+                on_start=on_start,
+                progress=progress,
+                allow_long_context=allow_long_context,
+                follow_symlinks=follow_symlinks,
+                include=include,
+                exclude=exclude,
+                strategies=per_strategy,
+                on_strategy=on_strategy,
+            )
         except Terminated:
             typer.echo("terminated; the cache is unchanged", err=True)
             raise typer.Exit(143) from None
@@ -304,8 +446,14 @@ def _append_command(docs: Path, cache: Path, model: Optional[Path], chunk_size: 
     manifest = read_manifest(path)
     added = manifest["prefill"]["appended"][-1]
     out_console = console()
-    out_console.print(f"appended {added['documents']} document{'s' * (added['documents'] != 1)} "
-                      f"({added['n_tokens']:,} tokens) to {path}", markup=False, soft_wrap=True)
-    out_console.print(f"tokens: {manifest['n_tokens']:,} in all, {stats.n_tokens:,} computed   time: {stats.seconds:.2f} s   "
-                      f"throughput: {stats.tokens_per_s:,.0f} tok/s   size on disk: {human_bytes(dir_size(path))}",
-                      markup=False)
+    out_console.print(
+        f"appended {added['documents']} document{'s' * (added['documents'] != 1)} "
+        f"({added['n_tokens']:,} tokens) to {path}",
+        markup=False,
+        soft_wrap=True,
+    )
+    out_console.print(
+        f"tokens: {manifest['n_tokens']:,} in all, {stats.n_tokens:,} computed   time: {stats.seconds:.2f} s   "
+        f"throughput: {stats.tokens_per_s:,.0f} tok/s   size on disk: {human_bytes(dir_size(path))}",
+        markup=False,
+    )

@@ -4,8 +4,13 @@ import importlib
 
 # name → submodule; imported on first use, so importing a light submodule (sampling, messages) does
 # not pull in the engine and transformers' model code.
-_EXPORTS = {"Conversation": "engine", "StepStats": "engine", "TopKDecoder": "engine", "Window": "window",
-            "lse_merge": "merge"}
+_EXPORTS = {
+    "Conversation": "engine",
+    "StepStats": "engine",
+    "TopKDecoder": "engine",
+    "Window": "window",
+    "lse_merge": "merge",
+}
 
 
 def __getattr__(name: str):

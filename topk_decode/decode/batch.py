@@ -19,7 +19,7 @@ import time
 
 from topk_decode.decode.engine import Conversation, StepRequest, TopKDecoder, forward_batch
 
-GATHER_S = 0.05   # longest wait for a conversation of the last batch (a thread's work between steps takes ~1 ms)
+GATHER_S = 0.05  # longest wait for a conversation of the last batch (a thread's work between steps takes ~1 ms)
 
 
 class StepBatcher:
@@ -35,9 +35,9 @@ class StepBatcher:
         self.gather_s = gather_s
         self.cond = threading.Condition()
         self.queue: list[StepRequest] = []
-        self.members: set[int] = set()   # id() of the last batch's conversations that have not left
+        self.members: set[int] = set()  # id() of the last batch's conversations that have not left
         self.busy = False
-        self.batches = 0                 # batched steps run, and the conversation steps in them (counts)
+        self.batches = 0  # batched steps run, and the conversation steps in them (counts)
         self.stepped = 0
 
     def attach(self, decoders: list[TopKDecoder]) -> None:
@@ -66,7 +66,7 @@ class StepBatcher:
                     if left > 0:
                         self.cond.wait(left)
                         continue
-                batch, self.queue = self.queue[:self.max_batch], self.queue[self.max_batch:]
+                batch, self.queue = self.queue[: self.max_batch], self.queue[self.max_batch :]
                 self.busy = True
                 self.cond.release()
                 try:

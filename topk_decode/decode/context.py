@@ -86,26 +86,38 @@ class ContextAttention:
         # reused buffers, and the empty-slot handling only when needed. (numpy's ufuncs on the same
         # memory measured slower, docs/BENCHMARKS.md.)
         R = hkv * Q
-        w, w_low, rows, aux = self._buffers(R, K)            # (R, K) fp32, values' dtype, (R·K,) int64
+        w, w_low, rows, aux = self._buffers(R, K)  # (R, K) fp32, values' dtype, (R·K,) int64
         with omp_threads(self.small_op_threads):
-            torch.mul(sel.scores.view(R, K), self.scale, out=w)                      # scaled logits
+            torch.mul(sel.scores.view(R, K), self.scale, out=w)  # scaled logits
             ids = sel.ids.view(R, K)
             empty = not sel.no_empty_slots and bool(ids.min() < 0)
             if empty:
                 w.masked_fill_(ids < 0, float("-inf"))
                 ids = ids.clamp(min=0)
-            m = torch.amax(w, dim=-1, keepdim=True, out=mz[:, :1])                   # (R, 1)
-            if empty:   # a query with no valid slot: m = −inf; subtract 0 so its weights are exp(−inf) = 0
+            m = torch.amax(w, dim=-1, keepdim=True, out=mz[:, :1])  # (R, 1)
+            if empty:  # a query with no valid slot: m = −inf; subtract 0 so its weights are exp(−inf) = 0
                 m.masked_fill_(torch.isinf(m), 0.0)
-            w.sub_(m).exp_()                                                         # unnormalised weights ≤ 1
-            torch.sum(w, dim=-1, keepdim=True, out=mz[:, 1:])                        # z, (R, 1)
+            w.sub_(m).exp_()  # unnormalised weights ≤ 1
+            torch.sum(w, dim=-1, keepdim=True, out=mz[:, 1:])  # z, (R, 1)
             if w_low is not w:
                 w_low.copy_(w)
-            torch.add(ids.view(hkv, Q, K), self._row_base, out=rows.view(hkv, Q, K))   # rows of values_flat
+            torch.add(ids.view(hkv, Q, K), self._row_base, out=rows.view(hkv, Q, K))  # rows of values_flat
         # F.embedding_bag straight into `o` (mode 0 = sum; its .out form saves a copy)
         torch.ops.aten._embedding_bag_forward_only.out(
-            self.values_flat[layer], rows, self._bag_offsets(R, K), False, 0, False, w_low.view(-1), False, -1,
-            out0=o, out1=aux[0], out2=aux[1], out3=aux[2])
+            self.values_flat[layer],
+            rows,
+            self._bag_offsets(R, K),
+            False,
+            0,
+            False,
+            w_low.view(-1),
+            False,
+            -1,
+            out0=o,
+            out1=aux[0],
+            out2=aux[1],
+            out3=aux[2],
+        )
         if sel.rest is not None:
             merge_rest(o, mz, sel.rest)
         return int((sel.ids >= 0).sum()) if empty else ids.numel()
@@ -116,7 +128,7 @@ class ContextAttention:
         for fp32), (R·K,) row ids, and embedding_bag's other outputs (bag bookkeeping we do not use)."""
         bufs = self._weights.get((R, K))
         if bufs is None:
-            if len(self._weights) >= 8:      # prompt lengths vary: keep the pool bounded
+            if len(self._weights) >= 8:  # prompt lengths vary: keep the pool bounded
                 self._weights.clear()
             w = torch.empty((R, K), dtype=torch.float32)
             w_low = w if self.dtype == torch.float32 else torch.empty_like(w, dtype=self.dtype)
@@ -138,12 +150,12 @@ def merge_rest(o: torch.Tensor, mz: torch.Tensor, rest: RestPart) -> None:
         rest: out (Hkv, Q, D) and lse (Hkv, Q), float32.
     """
     R, D = o.shape
-    lse = rest.lse.reshape(R, 1)                                            # (R, 1)
+    lse = rest.lse.reshape(R, 1)  # (R, 1)
     m, z = mz[:, :1], mz[:, 1:]
-    m_new = torch.maximum(m, lse)                                           # lse −inf: m stays
-    a = (m - m_new).exp_()                                                  # (R, 1) rescales the selected part
-    b = (lse - m_new).exp_()                                                # (R, 1) 0 where nothing is left out
-    merged = o.float().mul_(a).add_(rest.out.reshape(R, D) * b)             # (R, D) fp32
+    m_new = torch.maximum(m, lse)  # lse −inf: m stays
+    a = (m - m_new).exp_()  # (R, 1) rescales the selected part
+    b = (lse - m_new).exp_()  # (R, 1) 0 where nothing is left out
+    merged = o.float().mul_(a).add_(rest.out.reshape(R, D) * b)  # (R, D) fp32
     o.copy_(merged)
     z.mul_(a).add_(b)
     m.copy_(m_new)

@@ -17,8 +17,9 @@ import gc
 import threading
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -83,7 +84,7 @@ class StepStats:
             "d2h_ms": 1e3 * self.d2h_s / n,
             "h2d_ms": 1e3 * self.h2d_s / n,
             "transfer_ms": 1e3 * self.transfer_s / n,
-            "gpu_ms": 1e3 * rest / n,          # the rest of the step (see the class docstring)
+            "gpu_ms": 1e3 * rest / n,  # the rest of the step (see the class docstring)
             "launch_ms": 1e3 * self.launch_s / n,
             "wait_ms": 1e3 * self.wait_s / n,
             "retrieved_per_step": self.retrieved / n,
@@ -100,7 +101,7 @@ class Conversation:
     stats: StepStats = field(default_factory=StepStats)
     # Called as observer(layer, q, selection, conversation) after every search: q is (Hkv, G·T, D)
     # fp32 CPU, the window already holds this step's tokens. Used by the evaluation harness.
-    observer: Callable[[int, torch.Tensor, Selection, "Conversation"], None] | None = None
+    observer: Callable[[int, torch.Tensor, Selection, Conversation], None] | None = None
     # Polled before every layer of a multi-token step and before a one-token graph step; True raises StepCancelled
     # (the server's cancel flag: a long prompt of a client that left stops within a layer).
     should_stop: Callable[[], bool] | None = None
@@ -130,9 +131,16 @@ class TopKDecoder:
     at once.
     """
 
-    def __init__(self, model, ckv: ContextKV, config: DecodeConfig, last_logits: torch.Tensor | None = None,
-                 progress: Callable[[int, int], None] | None = None, graphs: bool | None = None,
-                 lock: threading.RLock | None = None) -> None:
+    def __init__(
+        self,
+        model,
+        ckv: ContextKV,
+        config: DecodeConfig,
+        last_logits: torch.Tensor | None = None,
+        progress: Callable[[int, int], None] | None = None,
+        graphs: bool | None = None,
+        lock: threading.RLock | None = None,
+    ) -> None:
         self.model = model
         self.ckv = ckv
         self.shape = ModelShape.from_config(model.config)
@@ -145,17 +153,17 @@ class TopKDecoder:
         self.n_tail = min(config.n_tail, n - self.n_sink)
         choice = auto.resolve(config.strategy, n)
         config.strategy = choice.strategy
-        self.strategy_reason = choice.reason        # why this strategy runs (`topk info`, /show)
+        self.strategy_reason = choice.reason  # why this strategy runs (`topk info`, /show)
         self.strategy = get_strategy(config.strategy)(ckv, self.n_sink, n - self.n_tail, config.strategy_options)
         self.strategy.prepare(progress)
         self.last_logits = last_logits
-        self.scale = self.shape.head_dim ** -0.5
+        self.scale = self.shape.head_dim**-0.5
         self._warned_positions = False
         self._cuda = self.device.type == "cuda"
         self.context = ContextAttention(ckv.values, self.scale)
         self._use_segments = self._cuda if graphs is None else graphs
         self._segments: StepSegments | None = None
-        self._segments_k: list[int] | None = None     # the k per layer the segments were built for
+        self._segments_k: list[int] | None = None  # the k per layer the segments were built for
         # Serialises steps over the shared scratch state (see the class docstring); re-entrant so an
         # observer or a progress callback may call back into the decoder.
         self.lock = lock if lock is not None else threading.RLock()
@@ -166,8 +174,12 @@ class TopKDecoder:
         # process may use): torch's own default ignores a cgroup CPU quota. Set on the stepping thread only.
         self.cpu_threads = default_threads()
         if self.shape.sliding_window and n > self.shape.sliding_window:
-            warnings.warn(f"the model's sliding window ({self.shape.sliding_window}) is shorter than the context "
-                          f"({n} tokens); top-k decoding attends over the whole context", TopkWarning, stacklevel=2)
+            warnings.warn(
+                f"the model's sliding window ({self.shape.sliding_window}) is shorter than the context "
+                f"({n} tokens); top-k decoding attends over the whole context",
+                TopkWarning,
+                stacklevel=2,
+            )
         # last: nothing after it may fail and leave the model changed
         want = config.host_embedding if config.host_embedding is not None else self._cuda and not embedding.tied(model)
         self.host_embedding = embedding.move_embedding_to_host(model, self.device) if want else None
@@ -181,8 +193,9 @@ class TopKDecoder:
         init_v = [v.index_select(1, idx).to(self.device, self.dtype) for v in self.ckv.values]
         return Conversation(Window(init_k, init_v, n), self.strategy.new_state())
 
-    def _context_part(self, layer: int, q_host: torch.Tensor, conv: Conversation, o: torch.Tensor,
-                      mz: torch.Tensor, route=None) -> None:
+    def _context_part(
+        self, layer: int, q_host: torch.Tensor, conv: Conversation, o: torch.Tensor, mz: torch.Tensor, route=None
+    ) -> None:
         """Search and the context part of one layer's attention, on the CPU.
 
         Args:
@@ -204,7 +217,7 @@ class TopKDecoder:
         fused = isinstance(self.strategy, FusedAttention) and self.strategy.attends(layer, k, o)
         if fused:
             sel = self.strategy.select_and_attend(layer, q_cpu, k, conv.strategy_state, o, mz, route=route)
-        elif route is not None:   # the device already merged its estimate: no second one
+        elif route is not None:  # the device already merged its estimate: no second one
             raise TopkError(f"internal: strategy {self.strategy.name} routed on the device but did not attend")
         else:
             sel = self.strategy.select(layer, q_cpu, k, conv.strategy_state)
@@ -214,15 +227,22 @@ class TopKDecoder:
         t2b = time.perf_counter()
         if not fused:
             st.retrieved += self.context.attend(layer, sel, o, mz)
-        else:   # counted by the strategy where it can: a torch op here (32K slots at k = 1024) runs on
+        else:  # counted by the strategy where it can: a torch op here (32K slots at k = 1024) runs on
             # torch's OpenMP threads, whose spinning then slows the next layer's compiled search
             st.retrieved += sel.filled if sel.filled is not None else int((sel.ids >= 0).sum())
         t3 = time.perf_counter()
         st.search_s += t2 - t1
         st.context_s += t3 - t2b
 
-    def _context_parts(self, layer: int, q_all: torch.Tensor, idx: list[int], convs: list[Conversation],
-                       o_all: torch.Tensor, mz_all: torch.Tensor) -> None:
+    def _context_parts(
+        self,
+        layer: int,
+        q_all: torch.Tensor,
+        idx: list[int],
+        convs: list[Conversation],
+        o_all: torch.Tensor,
+        mz_all: torch.Tensor,
+    ) -> None:
         """The context part of several conversations' one-token steps over this decoder's cache (forward_batch).
 
         Where the strategy's rows are independent (flat) and the conversations hold no strategy state, one
@@ -237,8 +257,12 @@ class TopKDecoder:
         """
         hkv, G, _, D = q_all.shape
         n = len(idx)
-        if not (n > 1 and self.strategy.n_searchable > 0 and self.strategy.rows_independent
-                and all(c.strategy_state is None for c in convs)):
+        if not (
+            n > 1
+            and self.strategy.n_searchable > 0
+            and self.strategy.rows_independent
+            and all(c.strategy_state is None for c in convs)
+        ):
             o = torch.empty((hkv * G, D), dtype=self.context.dtype)
             mz = torch.empty((hkv * G, 2), dtype=torch.float32)
             for b, conv in zip(idx, convs):
@@ -254,20 +278,25 @@ class TopKDecoder:
         t2 = time.perf_counter()
         K = sel.ids.shape[-1]
         for j, conv in enumerate(convs):
-            if conv.observer is not None:      # its own queries and selection, as alone
+            if conv.observer is not None:  # its own queries and selection, as alone
                 rows = slice(j * G, (j + 1) * G)
-                conv.observer(layer, q[:, rows].clone(), Selection(ids=sel.ids[:, rows].contiguous(),
-                                                                   scores=sel.scores[:, rows].contiguous()), conv)
+                conv.observer(
+                    layer,
+                    q[:, rows].clone(),
+                    Selection(ids=sel.ids[:, rows].contiguous(), scores=sel.scores[:, rows].contiguous()),
+                    conv,
+                )
         t3 = time.perf_counter()
         o = torch.empty((hkv * n * G, D), dtype=self.context.dtype)
         mz = torch.empty((hkv * n * G, 2), dtype=torch.float32)
         self.context.attend(layer, sel, o, mz)
         o_all[:, :, idx] = o.view(hkv, n, G, D).transpose(1, 2)
         mz_all[:, :, idx] = mz.view(hkv, n, G, 2).transpose(1, 2)
-        filled = ([hkv * G * K] * n if sel.no_empty_slots else
-                  sel.ids.view(hkv, n, G, K).ge(0).sum(dim=(0, 2, 3)).tolist())
+        filled = (
+            [hkv * G * K] * n if sel.no_empty_slots else sel.ids.view(hkv, n, G, K).ge(0).sum(dim=(0, 2, 3)).tolist()
+        )
         t4 = time.perf_counter()
-        for conv, count in zip(convs, filled):   # one search and one sum for all: each conversation its share
+        for conv, count in zip(convs, filled):  # one search and one sum for all: each conversation its share
             conv.stats.retrieved += count
             conv.stats.search_s += (t2 - t1) / n
             conv.stats.context_s += (t4 - t3) / n
@@ -314,7 +343,7 @@ class TopKDecoder:
         Args:
             compile: when given, set `config.compile` first, so the new segments are compiled or not.
         """
-        with self.lock:        # between steps, never inside one
+        with self.lock:  # between steps, never inside one
             if compile is not None:
                 self.config.compile = compile
             self._segments = None
@@ -322,19 +351,20 @@ class TopKDecoder:
     def close(self) -> None:
         """Stop the strategy's worker threads and give the model back its input embedding (`host_embedding`);
         later steps raise TopkError. Idempotent."""
-        with self.lock:        # after any step in flight
+        with self.lock:  # after any step in flight
             self.closed = True
             self.strategy.close()
             if self.host_embedding is not None:
-                if self._segments is not None:    # the step's buffers and tables first: room for the table
-                    self._segments.park()             # (a conversation's window resident there keeps them alive)
+                if self._segments is not None:  # the step's buffers and tables first: room for the table
+                    self._segments.park()  # (a conversation's window resident there keeps them alive)
                 self._segments = None
                 if self._cuda:
-                    gc.collect()                      # captured graphs hold their pool until collected
+                    gc.collect()  # captured graphs hold their pool until collected
                     torch.cuda.empty_cache()
                 if not embedding.restore(self.model, self.host_embedding):
-                    warnings.warn("the input embedding stays in CPU RAM: no room for it on the device",
-                                  TopkWarning, stacklevel=2)
+                    warnings.warn(
+                        "the input embedding stays in CPU RAM: no room for it on the device", TopkWarning, stacklevel=2
+                    )
                 self.host_embedding = None
 
     @torch.inference_mode()
@@ -361,13 +391,13 @@ class TopKDecoder:
                 # before it, so the result is the one-step result and memory stays bounded.
                 step = self.prompt_chunk_tokens()
                 for s in range(0, T, step):
-                    logits = self._forward_eager(ids[s:s + step], pos0 + s, conv)
+                    logits = self._forward_eager(ids[s : s + step], pos0 + s, conv)
         except BaseException:
             # A failed or interrupted step leaves the conversation as it was before it.
             win.length, conv.pending = length0, pending
             raise
         if self._cuda:
-            torch.cuda.current_stream(self.device).synchronize()   # the caller reads the logits next anyway
+            torch.cuda.current_stream(self.device).synchronize()  # the caller reads the logits next anyway
         conv.stats.steps += 1
         conv.stats.tokens += T
         conv.stats.total_s += time.perf_counter() - t_start
@@ -378,25 +408,37 @@ class TopKDecoder:
         limit = self.config.max_window_tokens
         if win.n_new + T > limit:
             held = f", with the {win.n_new} this conversation holds," if win.n_new else ""
-            raise TopkError(f"the prompt is too long: {T} tokens{held} pass the limit of {limit} tokens after the "
-                            f"context (max_window_tokens); shorten it or start a new conversation")
+            raise TopkError(
+                f"the prompt is too long: {T} tokens{held} pass the limit of {limit} tokens after the "
+                f"context (max_window_tokens); shorten it or start a new conversation"
+            )
         end = win.next_position + T
         if end > self.shape.max_positions and not self._warned_positions:
-            warnings.warn(f"position {end} is past the model's maximum positions "
-                          f"({self.shape.max_positions}); answers may degrade", TopkWarning, stacklevel=4)
+            warnings.warn(
+                f"position {end} is past the model's maximum positions "
+                f"({self.shape.max_positions}); answers may degrade",
+                TopkWarning,
+                stacklevel=4,
+            )
             self._warned_positions = True
 
     def _forward_one(self, token: int, position: int, conv: Conversation) -> torch.Tensor:
         """One token through fixed-buffer segments (CUDA graphs on CUDA): (V,) logits."""
         ks = [self.config.k_for_layer(layer) for layer in range(self.shape.n_layers)]
         if self._segments is not None and self._segments_k != ks:
-            self._segments = None           # the device's routing budgets are fixed in the step: new segments
+            self._segments = None  # the device's routing budgets are fixed in the step: new segments
         if self._segments is None:
-            routes = (self.strategy.device_routes(self.device, ks)
-                      if isinstance(self.strategy, DeviceStaged) else None)
-            self._segments = StepSegments(self.model, self.shape, self.device, capture=self._cuda, scale=self.scale,
-                                          compile=self.config.compile, context_dtype=self.context.dtype,
-                                          routes=routes)
+            routes = self.strategy.device_routes(self.device, ks) if isinstance(self.strategy, DeviceStaged) else None
+            self._segments = StepSegments(
+                self.model,
+                self.shape,
+                self.device,
+                capture=self._cuda,
+                scale=self.scale,
+                compile=self.config.compile,
+                context_dtype=self.context.dtype,
+                routes=routes,
+            )
             self._segments_k = ks
         seg, win = self._segments, conv.window
         routes = seg.routes
@@ -407,11 +449,12 @@ class TopKDecoder:
         seg.run(0)
         for layer_idx in range(self.shape.n_layers):
             t1 = clock()
-            seg.wait_query(layer_idx)              # the GPU goes on with the window part meanwhile
+            seg.wait_query(layer_idx)  # the GPU goes on with the window part meanwhile
             t2 = clock()
             route = routes.host_route(layer_idx) if routes is not None and routes.handles(layer_idx) else None
-            self._context_part(layer_idx, seg.q_host[layer_idx], conv, seg.part_o[layer_idx], seg.part_mz[layer_idx],
-                               route)
+            self._context_part(
+                layer_idx, seg.q_host[layer_idx], conv, seg.part_o[layer_idx], seg.part_mz[layer_idx], route
+            )
             t3 = clock()
             seg.run(layer_idx + 1)
             st.launch_s += t1 - t0
@@ -419,7 +462,7 @@ class TopKDecoder:
             t0 = t3
         st.launch_s += clock() - t0
         win.advance(1)
-        return seg.logits[0].clone()                  # the segment's buffer is overwritten next step
+        return seg.logits[0].clone()  # the segment's buffer is overwritten next step
 
     def _forward_eager(self, ids: list[int], pos0: int, conv: Conversation) -> torch.Tensor:
         """Any number of tokens through the model's modules, launched one by one: (V,) logits."""
@@ -427,19 +470,19 @@ class TopKDecoder:
         T = len(ids)
         H, hkv, G, D = self.shape.n_heads, self.shape.n_kv_heads, self.shape.group_size, self.shape.head_dim
         positions = torch.arange(pos0, pos0 + T, device=self.device)
-        x = self.model.model.embed_tokens(torch.tensor([ids], device=self.device))   # (1, T, C)
+        x = self.model.model.embed_tokens(torch.tensor([ids], device=self.device))  # (1, T, C)
         cos, sin = rope(self.model, x, positions)
         W0 = win.length
-        win.reserve(W0 + T)          # (a window resident in the step's buffers moves out if they are too small)
+        win.reserve(W0 + T)  # (a window resident in the step's buffers moves out if they are too small)
         part_o = torch.empty((H * T, D), dtype=self.context.dtype)
         part_mz = torch.empty((H * T, 2), dtype=torch.float32)
         for layer_idx, layer in enumerate(self.model.model.layers):
             check_stop(conv)
-            q, k, v = attention_inputs(layer, x, cos, sin, self.shape)           # (1,H,T,D), (1,Hkv,T,D)
-            wk, wv = win.update(layer_idx, W0, k[0], v[0])                       # (Hkv, W0+T, D)
-            out_w, lse_w = chunk_window_attention(q[0], wk, wv, self.scale)      # (H, T, D), (H, T)
+            q, k, v = attention_inputs(layer, x, cos, sin, self.shape)  # (1,H,T,D), (1,Hkv,T,D)
+            wk, wv = win.update(layer_idx, W0, k[0], v[0])  # (Hkv, W0+T, D)
+            out_w, lse_w = chunk_window_attention(q[0], wk, wv, self.scale)  # (H, T, D), (H, T)
             t0 = time.perf_counter()
-            q_host = q[0].float().reshape(hkv, G * T, D).cpu()                   # (Hkv, G·T, D)
+            q_host = q[0].float().reshape(hkv, G * T, D).cpu()  # (Hkv, G·T, D)
             t1 = time.perf_counter()
             self._context_part(layer_idx, q_host, conv, part_o, part_mz)
             t2 = time.perf_counter()
@@ -450,8 +493,14 @@ class TopKDecoder:
         win.advance(T)
         return final_logits(self.model, x[:, -1:])[0]
 
-    def stream(self, conv: Conversation, prompt_ids: list[int], max_new_tokens: int,
-               eos_ids: set[int] | None = None, sampling: Sampling | None = None) -> Iterator[int]:
+    def stream(
+        self,
+        conv: Conversation,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        eos_ids: set[int] | None = None,
+        sampling: Sampling | None = None,
+    ) -> Iterator[int]:
         """Continuation token by token (greedy unless `sampling` says otherwise); the last token stays
         pending so a next turn continues exactly.
 
@@ -476,11 +525,17 @@ class TopKDecoder:
                 yield tok
                 logits = self.forward([tok], conv)
         finally:
-            if self.batcher is not None:   # no more steps of this answer: the next batch need not wait for it
+            if self.batcher is not None:  # no more steps of this answer: the next batch need not wait for it
                 self.batcher.leave(conv)
 
-    def generate(self, conv: Conversation, prompt_ids: list[int], max_new_tokens: int,
-                 eos_ids: set[int] | None = None, sampling: Sampling | None = None) -> list[int]:
+    def generate(
+        self,
+        conv: Conversation,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        eos_ids: set[int] | None = None,
+        sampling: Sampling | None = None,
+    ) -> list[int]:
         """All of `stream` as a list."""
         return list(self.stream(conv, prompt_ids, max_new_tokens, eos_ids, sampling))
 
@@ -576,19 +631,19 @@ def _forward_batch_locked(reqs: list[StepRequest]) -> torch.Tensor:
     groups: dict[int, tuple[TopKDecoder, list[int]]] = {}
     for b, r in enumerate(reqs):
         groups.setdefault(id(r.decoder), (r.decoder, []))[1].append(b)
-    x = model.model.embed_tokens(torch.tensor([tokens], device=device))     # (1, B, C)
-    cos, sin = rope(model, x, positions)                                    # (1, B, D): each token its position
+    x = model.model.embed_tokens(torch.tensor([tokens], device=device))  # (1, B, C)
+    cos, sin = rope(model, x, positions)  # (1, B, D): each token its position
     out_w = torch.empty((H, B, D), dtype=torch.float32, device=device)
     lse_w = torch.empty((H, B), dtype=torch.float32, device=device)
     o = torch.empty((hkv, G, B, D), dtype=lead.context.dtype)
     mz = torch.empty((hkv, G, B, 2), dtype=torch.float32)
     for layer_idx, layer in enumerate(model.model.layers):
-        q, k, v = attention_inputs(layer, x, cos, sin, shape)               # (1, H, B, D), (1, Hkv, B, D)
-        for b, (w, s) in enumerate(zip(wins, starts)):                      # each token over its own window
-            wk, wv = w.update(layer_idx, s, k[0, :, b:b + 1], v[0, :, b:b + 1])
-            out_w[:, b:b + 1], lse_w[:, b:b + 1] = chunk_window_attention(q[0, :, b:b + 1], wk, wv, lead.scale)
+        q, k, v = attention_inputs(layer, x, cos, sin, shape)  # (1, H, B, D), (1, Hkv, B, D)
+        for b, (w, s) in enumerate(zip(wins, starts)):  # each token over its own window
+            wk, wv = w.update(layer_idx, s, k[0, :, b : b + 1], v[0, :, b : b + 1])
+            out_w[:, b : b + 1], lse_w[:, b : b + 1] = chunk_window_attention(q[0, :, b : b + 1], wk, wv, lead.scale)
         q_host = q[0].float().reshape(hkv, G, B, D).cpu()
-        for decoder, idx in groups.values():                                # each cache its own search
+        for decoder, idx in groups.values():  # each cache its own search
             decoder._context_parts(layer_idx, q_host, idx, [reqs[b].conv for b in idx], o, mz)
         x = finish_layer(layer, x, out_w, lse_w, o.view(H, B, D).to(device), mz.view(H, B, 2).to(device), shape)
     for w in wins:

@@ -57,8 +57,17 @@ class StepSegments:
     # fewest window slots per layer (window.py's rule doubles it as conversations grow past it)
     min_capacity: int = 256
 
-    def __init__(self, model, shape: ModelShape, device: torch.device, capture: bool, scale: float,
-                 compile: bool = False, context_dtype: torch.dtype = torch.float32, routes=None) -> None:
+    def __init__(
+        self,
+        model,
+        shape: ModelShape,
+        device: torch.device,
+        capture: bool,
+        scale: float,
+        compile: bool = False,
+        context_dtype: torch.dtype = torch.float32,
+        routes=None,
+    ) -> None:
         self.model, self.shape, self.device, self.scale = model, shape, device, scale
         self.routes = routes
         self.capture = capture and device.type == "cuda"
@@ -68,8 +77,11 @@ class StepSegments:
         self.token = torch.zeros((1, 1), dtype=torch.int64, device=device)
         # an input embedding in CPU RAM (decode/embedding.py) writes the token's row here before each step
         self.host_embedding = model.model.embed_tokens if isinstance(model.model.embed_tokens, HostEmbedding) else None
-        self.x_in = torch.zeros((1, 1, shape.hidden_size), dtype=self.dtype, device=device) \
-            if self.host_embedding is not None else None
+        self.x_in = (
+            torch.zeros((1, 1, shape.hidden_size), dtype=self.dtype, device=device)
+            if self.host_embedding is not None
+            else None
+        )
         self.position = torch.zeros((1,), dtype=torch.int64, device=device)
         H, hkv, D, L = shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.n_layers
         pin = device.type == "cuda"
@@ -82,9 +94,8 @@ class StepSegments:
         self.part_o_dev = [t.to(device) for t in self.part_o]
         self.part_mz_dev = [t.to(device) for t in self.part_mz]
         # layer l's queries grouped by KV head, (Hkv, G, D) fp32, copied to the host by segment l
-        self.q_host = [torch.zeros((hkv, shape.group_size, D), dtype=torch.float32, pin_memory=pin)
-                       for _ in range(L)]
-        self.win_len = torch.zeros((1,), dtype=torch.int64, device=device)   # valid window slots before this step
+        self.q_host = [torch.zeros((hkv, shape.group_size, D), dtype=torch.float32, pin_memory=pin) for _ in range(L)]
+        self.win_len = torch.zeros((1,), dtype=torch.int64, device=device)  # valid window slots before this step
         # the step's own window buffers, per layer (Hkv, capacity, D), and the window resident in them
         self.capacity = 0
         self.win_k: list[torch.Tensor] = []
@@ -98,9 +109,9 @@ class StepSegments:
             try:
                 self.q_ready = [torch.cuda.Event(external=True) for _ in range(L)]
                 self.events_in_graph = True
-            except TypeError:   # an older torch: recorded after each replay instead
+            except TypeError:  # an older torch: recorded after each replay instead
                 self.q_ready = [torch.cuda.Event() for _ in range(L)]
-        self.xs: list[torch.Tensor | None] = [None] * (shape.n_layers + 1)    # residual entering layer l
+        self.xs: list[torch.Tensor | None] = [None] * (shape.n_layers + 1)  # residual entering layer l
         self.logits: torch.Tensor | None = None
         self.cos = self.sin = None
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
@@ -114,7 +125,7 @@ class StepSegments:
         if window.host is self and need <= self.capacity:
             return
         if window.host is not None and window.host is not self:
-            window.host.park()                           # resident in earlier segments (reset_segments)
+            window.host.park()  # resident in earlier segments (reset_segments)
         if self.resident is not None and self.resident is not window:
             self.park()
         if need > self.capacity:
@@ -144,7 +155,7 @@ class StepSegments:
         """Segment 0: embedding, RoPE, the window mask, then layer 0's attention inputs and window part."""
         x = self.x_in if self.host_embedding is not None else self.model.model.embed_tokens(self.token)  # (1, 1, C)
         self.cos, self.sin = rope(self.model, x, self.position)
-        torch.le(self._slots, self.win_len, out=self.visible[0])               # old slots and this token's
+        torch.le(self._slots, self.win_len, out=self.visible[0])  # old slots and this token's
         self.bias.masked_fill_(self.visible, 0.0).masked_fill_(~self.visible, float("-inf"))
         self._attend_window(0, x, *start_layer(self.model.model.layers[0], x, self.cos, self.sin, self.shape))
 
@@ -158,33 +169,35 @@ class StepSegments:
         """Segment L: finish the last layer with its context part, final norm and LM head."""
         L = self.shape.n_layers
         x = finish_layer(self.model.model.layers[L - 1], *self._ends(L - 1), self.shape)
-        self.logits = final_logits(self.model, x)                              # (1, V) fp32
+        self.logits = final_logits(self.model, x)  # (1, V) fp32
 
     def _ends(self, l: int) -> tuple[torch.Tensor, ...]:
         """Layer l's residual and both attention parts, the context part copied in from the host first."""
-        if self.part_o_dev[l] is not self.part_o[l]:          # (on the CPU they are the same tensors)
+        if self.part_o_dev[l] is not self.part_o[l]:  # (on the CPU they are the same tensors)
             self.part_o_dev[l].copy_(self.part_o[l], non_blocking=True)
             self.part_mz_dev[l].copy_(self.part_mz[l], non_blocking=True)
         return self.xs[l], self.win_out[l], self.win_lse[l], self.part_o_dev[l], self.part_mz_dev[l]
 
-    def _attend_window(self, l: int, x: torch.Tensor, q: torch.Tensor, q32: torch.Tensor, k: torch.Tensor,
-                       v: torch.Tensor) -> None:
+    def _attend_window(
+        self, l: int, x: torch.Tensor, q: torch.Tensor, q32: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
         """Layer l after its attention inputs: the query to the host (the critical path ends here: the CPU
         searches meanwhile), this token's k/v into the window, and the window part of the attention."""
         self.xs[l] = x
         self.q_host[l].copy_(q32, non_blocking=True)
         routed = self.routes is not None and self.routes.handles(l)
         if routed:
-            self.routes.route(l, q32)                  # the ranking follows the query to the host
+            self.routes.route(l, q32)  # the ranking follows the query to the host
         if self.events_in_graph:
             self.q_ready[l].record()
-        self.win_k[l].index_copy_(1, self.win_len, k[0])                      # (Hkv, C, D) ← (Hkv, 1, D)
+        self.win_k[l].index_copy_(1, self.win_len, k[0])  # (Hkv, C, D) ← (Hkv, 1, D)
         self.win_v[l].index_copy_(1, self.win_len, v[0])
-        out_w, lse_w = fixed_window_attention(q[0], self.win_k[l], self.win_v[l], self.bias, self.visible,
-                                              self.scale)                 # (H, 1, D), (H, 1)
+        out_w, lse_w = fixed_window_attention(
+            q[0], self.win_k[l], self.win_v[l], self.bias, self.visible, self.scale
+        )  # (H, 1, D), (H, 1)
         out_w, lse_w = out_w.view_as(self.win_out[l]), lse_w.view_as(self.win_lse[l])
         rest = self.routes.estimate_part(l) if routed else None
-        if rest is not None:   # the unread clusters: a third disjoint part of the softmax (index/routed/device.py)
+        if rest is not None:  # the unread clusters: a third disjoint part of the softmax (index/routed/device.py)
             out_w, lse_w = lse_merge(out_w, lse_w, rest[0].view_as(out_w), rest[1].view_as(lse_w))
         self.win_out[l].copy_(out_w)
         self.win_lse[l].copy_(lse_w)
@@ -215,14 +228,17 @@ class StepSegments:
                 except Exception as e:  # noqa: BLE001 - compilation is an optimisation too
                     if not self.compiled:
                         raise
-                    warnings.warn(f"torch.compile of the decode step failed ({type(e).__name__}: {e}); "
-                                  "running it uncompiled", TopkWarning, stacklevel=3)
+                    warnings.warn(
+                        f"torch.compile of the decode step failed ({type(e).__name__}: {e}); running it uncompiled",
+                        TopkWarning,
+                        stacklevel=3,
+                    )
                     self.compiled, self._boundary = False, layer_boundary
                     self._warm_up()
             torch.cuda.current_stream(self.device).wait_stream(side)
             pool = torch.cuda.graph_pool_handle()
             graphs = []
-            for l in range(L + 1):                      # captured in replay order, sharing one pool
+            for l in range(L + 1):  # captured in replay order, sharing one pool
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool):
                     self._segment(l)
@@ -230,8 +246,9 @@ class StepSegments:
             self.graphs = graphs
         except Exception as e:  # noqa: BLE001 - graphs are an optimisation: fall back to eager
             self.graphs = None
-            warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); decoding eagerly",
-                          TopkWarning, stacklevel=2)
+            warnings.warn(
+                f"CUDA graph capture failed ({type(e).__name__}: {e}); decoding eagerly", TopkWarning, stacklevel=2
+            )
 
     def run(self, l: int) -> None:
         """Run (replay) segment l."""

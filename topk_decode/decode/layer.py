@@ -25,8 +25,15 @@ def start_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sh
     return q, q.float().reshape(shape.n_kv_heads, shape.group_size, shape.head_dim), k, v
 
 
-def finish_layer(layer, x: torch.Tensor, win_out: torch.Tensor, win_lse: torch.Tensor, o: torch.Tensor,
-                 mz: torch.Tensor, shape: ModelShape) -> torch.Tensor:
+def finish_layer(
+    layer,
+    x: torch.Tensor,
+    win_out: torch.Tensor,
+    win_lse: torch.Tensor,
+    o: torch.Tensor,
+    mz: torch.Tensor,
+    shape: ModelShape,
+) -> torch.Tensor:
     """Merge a layer's window and context parts and finish the layer: (1, T, C) residual leaving it.
 
     Args:
@@ -35,13 +42,23 @@ def finish_layer(layer, x: torch.Tensor, win_out: torch.Tensor, win_lse: torch.T
             context part (merge.context_part).
         shape: the model's ModelShape.
     """
-    attn = merge_with_context(win_out, win_lse, o, mz)                        # (H, [T,] D) fp32
+    attn = merge_with_context(win_out, win_lse, o, mz)  # (H, [T,] D) fp32
     attn = attn.to(x.dtype).view(1, shape.n_heads, -1, shape.head_dim)
     return finish_block(layer, x, attn)
 
 
-def layer_boundary(prev, layer, x: torch.Tensor, win_out: torch.Tensor, win_lse: torch.Tensor, o: torch.Tensor,
-                   mz: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shape: ModelShape):
+def layer_boundary(
+    prev,
+    layer,
+    x: torch.Tensor,
+    win_out: torch.Tensor,
+    win_lse: torch.Tensor,
+    o: torch.Tensor,
+    mz: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    shape: ModelShape,
+):
     """The critical path between two layers of a one-token step: finish layer l-1 (`prev`), then
     layer l's attention inputs.
 

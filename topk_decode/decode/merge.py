@@ -30,8 +30,9 @@ def lse_merge(
 _FLASH_OK = True
 
 
-def window_attention(q: torch.Tensor, win_k: torch.Tensor, win_v: torch.Tensor, win_visible: torch.Tensor | None,
-                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def window_attention(
+    q: torch.Tensor, win_k: torch.Tensor, win_v: torch.Tensor, win_visible: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The window part of attention, normalised within the window, with its log-sum-exp.
 
     On CUDA in fp16/bf16 with no mask (a one-token step sees the whole window) this is one flash-kernel
@@ -50,17 +51,18 @@ def window_attention(q: torch.Tensor, win_k: torch.Tensor, win_v: torch.Tensor, 
     hkv, W, _ = win_k.shape
     if _FLASH_OK and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and win_visible is None:
         try:
-            res = torch.ops.aten._scaled_dot_product_flash_attention(q[None], win_k[None], win_v[None], 0.0,
-                                                                     False, False, scale=scale)
+            res = torch.ops.aten._scaled_dot_product_flash_attention(
+                q[None], win_k[None], win_v[None], 0.0, False, False, scale=scale
+            )
             return res[0][0].float(), res[1][0]
-        except RuntimeError:   # an older torch without GQA in its flash kernel: the fp32 path below
+        except RuntimeError:  # an older torch without GQA in its flash kernel: the fp32 path below
             _FLASH_OK = False
     G = H // hkv
-    qf = q.float().reshape(hkv, G * T, D)                                    # (Hkv, G·T, D)
-    b = torch.bmm(qf, win_k.float().transpose(1, 2)).view(H, T, W) * scale   # (H, T, W)
+    qf = q.float().reshape(hkv, G * T, D)  # (Hkv, G·T, D)
+    b = torch.bmm(qf, win_k.float().transpose(1, 2)).view(H, T, W) * scale  # (H, T, W)
     if win_visible is not None:
         b = b.masked_fill(~win_visible, float("-inf"))
-    lse = torch.logsumexp(b, dim=-1)                                         # (H, T)
+    lse = torch.logsumexp(b, dim=-1)  # (H, T)
     p = torch.exp(b - lse[..., None])
     out = torch.bmm(p.reshape(hkv, G * T, W), win_v.float()).view(H, T, D)
     return out, lse
@@ -73,8 +75,9 @@ FUSED_KERNELS = {"cpu": True, "cuda": True}
 KEY_BLOCK = 1024
 
 
-def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of (B, H, T, D) queries over (B, H, S, D) keys/values (same heads) with its log-sum-exp,
     through torch's fused kernels: memory linear in T and S, never a (T, S) score matrix.
 
@@ -89,24 +92,26 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     if FUSED_KERNELS.get(dev, False):
         try:
             if dev == "cpu":
-                out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
-                                                                                    scale=scale)
+                out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
             elif q.dtype in (torch.float16, torch.bfloat16):
-                out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
-                                                                              scale=scale)[:2]
+                out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[
+                    :2
+                ]
             else:
-                out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
-                                                                                  scale=scale)[:2]
-            return out.float(), lse[..., :q.shape[2]].float()      # (efficient pads lse's T to 32)
+                out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+                    q, k, v, None, True, 0.0, causal, scale=scale
+                )[:2]
+            return out.float(), lse[..., : q.shape[2]].float()  # (efficient pads lse's T to 32)
         except torch.OutOfMemoryError:
             raise
-        except RuntimeError:   # a build or head size without the kernel: the blocked fp32 path from now on
+        except RuntimeError:  # a build or head size without the kernel: the blocked fp32 path from now on
             FUSED_KERNELS[dev] = False
     return blocked_attention(q, k, v, causal, scale)
 
 
-def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def blocked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`fused_attention` in fp32 over blocks of `KEY_BLOCK` keys, the blocks merged by their log-sum-exps."""
     B, H, T, D = q.shape
     S = k.shape[2]
@@ -114,22 +119,23 @@ def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     out = lse = None
     for s in range(0, S, KEY_BLOCK):
         e = min(s + KEY_BLOCK, S)
-        t0 = min(s, T) if causal else 0      # causal: queries before s see nothing in this block
+        t0 = min(s, T) if causal else 0  # causal: queries before s see nothing in this block
         if t0 >= T:
             break
         visible = None
-        if causal:                          # key j visible to query t iff j <= t
+        if causal:  # key j visible to query t iff j <= t
             visible = torch.arange(s, e, device=q.device)[None, :] <= torch.arange(t0, T, device=q.device)[:, None]
         o_b, l_b = window_attention(q3[:, t0:], k3[:, s:e], v3[:, s:e], visible, scale)
-        if out is None:                     # s = 0: every query sees key 0
+        if out is None:  # s = 0: every query sees key 0
             out, lse = o_b, l_b
         else:
             out[:, t0:], lse[:, t0:] = lse_merge(out[:, t0:], lse[:, t0:], o_b, l_b)
     return out.reshape(B, H, T, D), lse.reshape(B, H, T)
 
 
-def chunk_window_attention(q: torch.Tensor, win_k: torch.Tensor, win_v: torch.Tensor,
-                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_window_attention(
+    q: torch.Tensor, win_k: torch.Tensor, win_v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The window part of a chunk of T tokens that are the window's last T slots, causal, with its lse.
 
     Query t sees every earlier slot and the chunk's slots up to its own (a bottom-right causal mask).
@@ -152,13 +158,13 @@ def chunk_window_attention(q: torch.Tensor, win_k: torch.Tensor, win_v: torch.Te
         return window_attention(q, win_k, win_v, None, scale)
     G = H // hkv
     W0 = W - T
-    own_k = win_k[:, W0:].repeat_interleave(G, dim=0)[None]                  # (1, H, T, D)
+    own_k = win_k[:, W0:].repeat_interleave(G, dim=0)[None]  # (1, H, T, D)
     own_v = win_v[:, W0:].repeat_interleave(G, dim=0)[None]
     out, lse = fused_attention(q[None].contiguous(), own_k, own_v, True, scale)
-    out, lse = out[0], lse[0]                                                # (H, T, D), (H, T)
+    out, lse = out[0], lse[0]  # (H, T, D), (H, T)
     if W0 == 0:
         return out, lse
-    qg = q.reshape(hkv, G * T, D)[None]                                      # (1, Hkv, G·T, D)
+    qg = q.reshape(hkv, G * T, D)[None]  # (1, Hkv, G·T, D)
     out_p, lse_p = fused_attention(qg, win_k[None, :, :W0], win_v[None, :, :W0], False, scale)
     return lse_merge(out_p.reshape(H, T, D), lse_p.reshape(H, T), out, lse)
 
@@ -166,8 +172,9 @@ def chunk_window_attention(q: torch.Tensor, win_k: torch.Tensor, win_v: torch.Te
 _EFFICIENT_OK = True
 
 
-def fixed_window_attention(q: torch.Tensor, win_k: torch.Tensor, win_v: torch.Tensor, bias: torch.Tensor,
-                           visible: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def fixed_window_attention(
+    q: torch.Tensor, win_k: torch.Tensor, win_v: torch.Tensor, bias: torch.Tensor, visible: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The window part of one token's attention over fixed-capacity buffers with a visibility mask.
 
     Used inside the CUDA-graph segments (graphs.py), whose tensors cannot change shape as the window
@@ -192,10 +199,15 @@ def fixed_window_attention(q: torch.Tensor, win_k: torch.Tensor, win_v: torch.Te
     if _EFFICIENT_OK and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and T == 1:
         try:
             out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-                q.view(hkv, 1, G, D), win_k.view(hkv, 1, C, D), win_v.view(hkv, 1, C, D),
-                bias.expand(hkv, 1, G, C), True, scale=scale)[:2]              # (Hkv,1,G,D), (Hkv,1,≥G)
+                q.view(hkv, 1, G, D),
+                win_k.view(hkv, 1, C, D),
+                win_v.view(hkv, 1, C, D),
+                bias.expand(hkv, 1, G, C),
+                True,
+                scale=scale,
+            )[:2]  # (Hkv,1,G,D), (Hkv,1,≥G)
             return out.float().view(H, 1, D), lse[..., :G].reshape(H, 1)
-        except RuntimeError:   # a build without this kernel: the fp32 path
+        except RuntimeError:  # a build without this kernel: the fp32 path
             _EFFICIENT_OK = False
     return window_attention(q, win_k, win_v, visible, scale)
 

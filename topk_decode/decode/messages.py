@@ -59,7 +59,7 @@ def conversation_text(messages: list[dict], fmt: PromptFormat, tokenizer) -> str
             elif role == "user":
                 text += ("\n" if asked else "") + RAW_QUESTION.format(question=content)
                 asked = True
-            else:   # the model's answers follow "Answer:" after a space, as it generates them
+            else:  # the model's answers follow "Answer:" after a space, as it generates them
                 text += " " + content.strip()
         return text
     if pairs[0][0] == "user":
@@ -71,10 +71,14 @@ def conversation_text(messages: list[dict], fmt: PromptFormat, tokenizer) -> str
     try:
         rendered = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # noqa: BLE001 - templates raise whatever they like (e.g. roles must alternate)
-        raise TopkError(f"the model's chat template cannot render this conversation after the documents: "
-                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        raise TopkError(
+            f"the model's chat template cannot render this conversation after the documents: "
+            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from None
     before, sep, after = rendered.partition(_DOCS)
     if not sep or before != fmt.prefix or _DOCS in after:
-        raise TopkError("the model's chat template does not place this conversation after the cached documents "
-                        "(e.g. it moves a system message in front of them); drop the system message")
+        raise TopkError(
+            "the model's chat template does not place this conversation after the cached documents "
+            "(e.g. it moves a system message in front of them); drop the system message"
+        )
     return after

@@ -12,9 +12,9 @@ if TYPE_CHECKING:  # for annotations: imported where used, so start-up does with
 
 from topk_decode.errors import TopkError
 
-PENALTY_MAX = 2.0        # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
-LOGIT_BIAS_MAX = 100.0   # OpenAI's range for a logit_bias value: [-100, 100]
-TOP_LOGPROBS_MAX = 20    # OpenAI's most alternatives per token (top_logprobs)
+PENALTY_MAX = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
+LOGIT_BIAS_MAX = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+TOP_LOGPROBS_MAX = 20  # OpenAI's most alternatives per token (top_logprobs)
 
 
 @dataclass
@@ -41,7 +41,7 @@ class Sampling:
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
     generator: torch.Generator = field(init=False, repr=False)
-    counts: dict[int, int] = field(init=False, repr=False, default_factory=dict)   # this answer's tokens
+    counts: dict[int, int] = field(init=False, repr=False, default_factory=dict)  # this answer's tokens
     # this answer's tokens as (id, logprob, [(alternative id, logprob), ...] most likely first), when logprobs is set
     picked: list[tuple[int, float, list[tuple[int, float]]]] = field(init=False, repr=False, default_factory=list)
 
@@ -60,16 +60,20 @@ class Sampling:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise TopkError(f"logit_bias keys must be token ids (integers ≥ 0), got {t!r}")
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not -LOGIT_BIAS_MAX <= v <= LOGIT_BIAS_MAX:
-                raise TopkError(f"logit_bias values must be numbers in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}], "
-                                f"got {v!r}")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= TOP_LOGPROBS_MAX):
+                raise TopkError(
+                    f"logit_bias values must be numbers in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}], got {v!r}"
+                )
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool)
+            or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= TOP_LOGPROBS_MAX
+        ):
             raise TopkError(f"logprobs must be an integer in [0, {TOP_LOGPROBS_MAX}], got {self.logprobs!r}")
         import torch  # after the checks: a bad option is reported without importing torch
 
         self.generator = torch.Generator(device="cpu")
         seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        self.generator.manual_seed(seed % (2 ** 63))
+        self.generator.manual_seed(seed % (2**63))
 
     @property
     def greedy(self) -> bool:
@@ -78,8 +82,13 @@ class Sampling:
     @property
     def plain(self) -> bool:
         """Greedy with nothing to apply or record: the decoder's own argmax gives the same tokens."""
-        return (self.greedy and not self.presence_penalty and not self.frequency_penalty and not self.logit_bias
-                and self.logprobs is None)
+        return (
+            self.greedy
+            and not self.presence_penalty
+            and not self.frequency_penalty
+            and not self.logit_bias
+            and self.logprobs is None
+        )
 
     def start_answer(self) -> None:
         """Forget the tokens counted and recorded so far: penalties count within one answer, as OpenAI's do."""
@@ -98,7 +107,7 @@ class Sampling:
         if self.greedy:
             tok = int(torch.argmax(scores))
         else:
-            probs = torch.softmax(scores.detach().float().cpu() / self.temperature, dim=-1)   # (V,)
+            probs = torch.softmax(scores.detach().float().cpu() / self.temperature, dim=-1)  # (V,)
             if self.top_p < 1.0:
                 sorted_p, order = torch.sort(probs, descending=True)
                 # keep a token while the mass before it is still short of top_p (the first token always stays)
@@ -127,8 +136,9 @@ class Sampling:
             out[ids] -= n * self.frequency_penalty + self.presence_penalty
         if self.logit_bias:
             if max(self.logit_bias) >= out.shape[0]:
-                raise TopkError(f"logit_bias names token {max(self.logit_bias)}; this model's vocabulary has "
-                                f"{out.shape[0]} tokens")
+                raise TopkError(
+                    f"logit_bias names token {max(self.logit_bias)}; this model's vocabulary has {out.shape[0]} tokens"
+                )
             ids = torch.tensor(list(self.logit_bias), device=out.device)
             out[ids] += torch.tensor(list(self.logit_bias.values()), dtype=torch.float32, device=out.device)
         return out

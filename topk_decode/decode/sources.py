@@ -30,8 +30,9 @@ class SourceTracker:
         first_layer: default n_layers - max(1, n_layers // 4), the last quarter.
     """
 
-    def __init__(self, documents: list[dict], scale: float, group_size: int, n_layers: int,
-                 first_layer: int | None = None) -> None:
+    def __init__(
+        self, documents: list[dict], scale: float, group_size: int, n_layers: int, first_layer: int | None = None
+    ) -> None:
         self.names = [d["name"] for d in documents]
         # Segments: each document from its start, cut at its places (pages, slides ...) where the table has them.
         starts, self.segment_doc, self.segment_label = [], [], []
@@ -41,7 +42,7 @@ class SourceTracker:
             self.segment_label.append(None)
             for place in d.get("places", []):
                 if not d["start"] <= place["start"] < d["end"] or place["start"] < starts[-1]:
-                    continue           # outside its document, or out of order: not a cut
+                    continue  # outside its document, or out of order: not a cut
                 if place["start"] == starts[-1]:
                     self.segment_label[-1] = place["label"]
                 else:
@@ -53,7 +54,7 @@ class SourceTracker:
         self.scale = scale
         self.first_layer = n_layers - max(1, n_layers // 4) if first_layer is None else first_layer
         self.group_size = group_size
-        self.mass = torch.zeros(len(starts) + 1, dtype=torch.float64)   # [0]: before the first document
+        self.mass = torch.zeros(len(starts) + 1, dtype=torch.float64)  # [0]: before the first document
         self.steps = 0
 
     def reset(self) -> None:
@@ -70,14 +71,14 @@ class SourceTracker:
         hkv, n_q, k = sel.ids.shape
         t = n_q // self.group_size
         # only the step's last position predicts an answer token (a prompt's earlier positions do not)
-        ids = sel.ids.view(hkv, self.group_size, t, k)[:, :, -1]                  # (Hkv, G, K)
-        scores = sel.scores.view(hkv, self.group_size, t, k)[:, :, -1].float()    # (Hkv, G, K)
+        ids = sel.ids.view(hkv, self.group_size, t, k)[:, :, -1]  # (Hkv, G, K)
+        scores = sel.scores.view(hkv, self.group_size, t, k)[:, :, -1].float()  # (Hkv, G, K)
         valid = ids >= 0
         if not bool(valid.any()):
             return
         w = torch.softmax(torch.where(valid, scores * self.scale, float("-inf")), dim=-1)
-        w = torch.nan_to_num(w, nan=0.0)          # a head with no valid slot has no retrieved mass
-        bucket = torch.bucketize(ids.clamp_min(0).contiguous(), self.starts, right=True)   # (Hkv, G, K)
+        w = torch.nan_to_num(w, nan=0.0)  # a head with no valid slot has no retrieved mass
+        bucket = torch.bucketize(ids.clamp_min(0).contiguous(), self.starts, right=True)  # (Hkv, G, K)
         self.mass.index_add_(0, bucket[valid].reshape(-1), w[valid].reshape(-1).double())
 
     def sources(self, min_weight: float = 0.01) -> list[dict]:

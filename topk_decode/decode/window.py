@@ -34,8 +34,10 @@ def new_buffers(like: torch.Tensor, n_layers: int, capacity: int) -> tuple[list[
     must therefore hold finite values.
     """
     hkv, _, d = like.shape
-    return tuple([torch.zeros((hkv, capacity, d), dtype=like.dtype, device=like.device) for _ in range(n_layers)]
-                 for _ in range(2))
+    return tuple(
+        [torch.zeros((hkv, capacity, d), dtype=like.dtype, device=like.device) for _ in range(n_layers)]
+        for _ in range(2)
+    )
 
 
 class Window:
@@ -84,7 +86,7 @@ class Window:
             host: the StepSegments that owns them (the window is then resident there), or None.
         """
         for dst, src in zip(k_bufs + v_bufs, self.k + self.v):
-            dst[:, :self.length] = src[:, :self.length]
+            dst[:, : self.length] = src[:, : self.length]
         self.k, self.v, self.host = k_bufs, v_bufs, host
 
     def relocate(self, need: int | None = None) -> None:

@@ -16,9 +16,9 @@ import datetime
 import platform
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -26,8 +26,15 @@ from topk_decode.api import KVStore
 from topk_decode.config import DecodeConfig
 from topk_decode.errors import TopkError
 from topk_decode.eval.metrics import dense_reference, is_correct
-from topk_decode.eval.runs import (InstanceResult, LoadedModel, RunResult, method_name, resolve_k,  # noqa: F401 - re-exported
-                                 run_one, strategy_options)
+from topk_decode.eval.runs import (  # noqa: F401 - re-exported
+    InstanceResult,
+    LoadedModel,
+    RunResult,
+    method_name,
+    resolve_k,
+    run_one,
+    strategy_options,
+)
 from topk_decode.index import check_requested_strategy, split_options
 from topk_decode.index.auto import AUTO
 from topk_decode.model.loading import eos_token_ids, load_model, load_tokenizer, model_fingerprint
@@ -120,7 +127,7 @@ class EvalConfig:
             if sch not in SCHEDULES:
                 raise TopkError(f"unknown k schedule {sch!r} (available: {', '.join(SCHEDULES)})")
         for k in self.ks:
-            resolve_k(k, 1)     # raises on a bad value
+            resolve_k(k, 1)  # raises on a bad value
         if self.questions < 1:
             raise TopkError(f"--questions must be at least 1, got {self.questions}")
         if self.seeds < 1:
@@ -144,14 +151,18 @@ class EvalResult:
     config: dict
     environment: dict
     instances: list[InstanceResult] = field(default_factory=list)
-    contexts: list[dict] = field(default_factory=list)    # real tasks: one entry per prefilled context
+    contexts: list[dict] = field(default_factory=list)  # real tasks: one entry per prefilled context
 
     def to_dict(self) -> dict:
         """Plain dict: config, environment, per-instance results and the aggregated summary."""
         from topk_decode.eval.report import summarize
 
-        out = {"config": self.config, "environment": self.environment, "summary": summarize(self),
-               "instances": [asdict(i) for i in self.instances]}
+        out = {
+            "config": self.config,
+            "environment": self.environment,
+            "summary": summarize(self),
+            "instances": [asdict(i) for i in self.instances],
+        }
         if self.contexts:
             out["contexts"] = self.contexts
         return out
@@ -171,11 +182,15 @@ def environment(model_dir: Path, trained: bool | None, device: torch.device) -> 
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()} {platform.processor() or platform.system()}, "
-                   f"{torch.get_num_threads()} torch threads",
+        f"{torch.get_num_threads()} torch threads",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "python": platform.python_version(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "faiss": faiss_version,
-        "model": str(model_dir), "model_fingerprint": model_fingerprint(model_dir), "trained_demo_model": trained,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "faiss": faiss_version,
+        "model": str(model_dir),
+        "model_fingerprint": model_fingerprint(model_dir),
+        "trained_demo_model": trained,
     }
 
 
@@ -197,8 +212,15 @@ def _context_cache(inst, tokenizer, model_dir: Path, cfg: EvalConfig, tmp: Path)
     t0 = time.perf_counter()
     # allow_long_context: dense and top-k run over the same positions, so fidelity stays like for like
     # past the model's maximum (build_cache still warns); the user picked the lengths
-    cache, _ = build_cache(doc, tmp / "cache", model_dir, chunk_size=cfg.chunk_size, device=cfg.device,
-                           dtype=cfg.dtype, allow_long_context=True)
+    cache, _ = build_cache(
+        doc,
+        tmp / "cache",
+        model_dir,
+        chunk_size=cfg.chunk_size,
+        device=cfg.device,
+        dtype=cfg.dtype,
+        allow_long_context=True,
+    )
     seconds = time.perf_counter() - t0
     ids = tokenizer(inst.context, add_special_tokens=False).input_ids
     bos = getattr(tokenizer, "bos_token_id", None)
@@ -212,11 +234,13 @@ def _eval_instance(inst, seed: int, m: LoadedModel, cfg: EvalConfig, log: Callab
     with tempfile.TemporaryDirectory(prefix="topk-eval-", dir=cfg.work_dir) as tmp:
         cache, ctx_ids, layout, prefill_s = _context_cache(inst, m.tokenizer, m.model_dir, cfg, Path(tmp))
         if layout != "raw":
-            log("note: the tokenizer's chat template puts the context in a user turn; dense and top-k share "
-                "that layout")
+            log(
+                "note: the tokenizer's chat template puts the context in a user turn; dense and top-k share that layout"
+            )
         prompt_ids = m.tokenizer(inst.question, add_special_tokens=False).input_ids
-        head = dict(task=inst.task, length=inst.length, depth=inst.depth, seed=seed, layout=layout,
-                    prefill_seconds=prefill_s)
+        head = dict(
+            task=inst.task, length=inst.length, depth=inst.depth, seed=seed, layout=layout, prefill_seconds=prefill_s
+        )
         return _measure(cache, ctx_ids, prompt_ids, inst.answer, head, m, cfg, log)
 
 
@@ -226,59 +250,98 @@ def _eval_documents(m: LoadedModel, cfg: EvalConfig, log: Callable[[str], None])
 
     with tempfile.TemporaryDirectory(prefix="topk-eval-", dir=cfg.work_dir) as tmp:
         t0 = time.perf_counter()
-        cache, _ = build_cache(cfg.docs, Path(tmp) / "cache", m.model_dir, chunk_size=cfg.chunk_size,
-                               device=cfg.device, dtype=cfg.dtype)
+        cache, _ = build_cache(
+            cfg.docs, Path(tmp) / "cache", m.model_dir, chunk_size=cfg.chunk_size, device=cfg.device, dtype=cfg.dtype
+        )
         prefill_s = time.perf_counter() - t0
         ckv = open_cache(cache, verify=False)
         fmt = PromptFormat(**ckv.manifest.get("prompt", {"kind": "raw"}))
         prompt_ids = m.tokenizer(fmt.question_text(cfg.question, first_turn=True), add_special_tokens=False).input_ids
-        head = dict(task="documents", length=ckv.n_tokens, depth=None, seed=None, layout=fmt.kind,
-                    prefill_seconds=prefill_s)
+        head = dict(
+            task="documents", length=ckv.n_tokens, depth=None, seed=None, layout=fmt.kind, prefill_seconds=prefill_s
+        )
         return _measure(cache, ckv.tokens, prompt_ids, None, head, m, cfg, log)
 
 
-def _measure(cache: Path, ctx_ids: list[int], prompt_ids: list[int], answer: str | None, head: dict, m: LoadedModel,
-             cfg: EvalConfig, log: Callable[[str], None]) -> InstanceResult:
+def _measure(
+    cache: Path,
+    ctx_ids: list[int],
+    prompt_ids: list[int],
+    answer: str | None,
+    head: dict,
+    m: LoadedModel,
+    cfg: EvalConfig,
+    log: Callable[[str], None],
+) -> InstanceResult:
     """Dense reference, then every strategy × schedule × k on one prefilled context."""
     tok = m.tokenizer
     answer_steps = _answer_steps(tok, answer) if answer is not None else 0
     t0 = time.perf_counter()
-    dense_tokens, dense_logits = dense_reference(m.model, ctx_ids + prompt_ids,
-                                                 max(answer_steps, cfg.fidelity_steps, 1), m.eos)
+    dense_tokens, dense_logits = dense_reference(
+        m.model, ctx_ids + prompt_ids, max(answer_steps, cfg.fidelity_steps, 1), m.eos
+    )
     dense_s = time.perf_counter() - t0
-    dense_text = tok.decode(dense_tokens[:answer_steps or len(dense_tokens)], skip_special_tokens=True)
-    ir = InstanceResult(**head, answer=answer, n_context_tokens=len(ctx_ids), n_prompt_tokens=len(prompt_ids),
-                        dense_generated=dense_text, dense_seconds=dense_s,
-                        dense_correct=is_correct(dense_text, answer) if answer is not None else None)
+    dense_text = tok.decode(dense_tokens[: answer_steps or len(dense_tokens)], skip_special_tokens=True)
+    ir = InstanceResult(
+        **head,
+        answer=answer,
+        n_context_tokens=len(ctx_ids),
+        n_prompt_tokens=len(prompt_ids),
+        dense_generated=dense_text,
+        dense_seconds=dense_s,
+        dense_correct=is_correct(dense_text, answer) if answer is not None else None,
+    )
     verdict = "" if answer is None else ("correct " if ir.dense_correct else "wrong ") + f"(expected {answer!r})"
-    log(f"{head['task']} len={head['length']} depth={head['depth']} seed={head['seed']}: {len(ctx_ids)} tokens, "
-        f"dense {dense_text.strip()!r} {verdict}")
-    ks = sorted({(resolve_k(k, len(ctx_ids)), None if isinstance(k, int) else str(k)) for k in cfg.ks},
-                key=lambda kl: (kl[0], kl[1] or ""))
+    log(
+        f"{head['task']} len={head['length']} depth={head['depth']} seed={head['seed']}: {len(ctx_ids)} tokens, "
+        f"dense {dense_text.strip()!r} {verdict}"
+    )
+    ks = sorted(
+        {(resolve_k(k, len(ctx_ids)), None if isinstance(k, int) else str(k)) for k in cfg.ks},
+        key=lambda kl: (kl[0], kl[1] or ""),
+    )
     check_plain_options(cfg)
     for strategy in cfg.strategies:
         # one store per strategy (its indices are built once); k only changes what a search returns
-        dc = DecodeConfig(k=ks[-1][0], strategy=strategy,
-                          strategy_options=strategy_options(cfg.strategy_options, strategy),
-                          n_sink=cfg.n_sink, n_tail=cfg.n_tail)
+        dc = DecodeConfig(
+            k=ks[-1][0],
+            strategy=strategy,
+            strategy_options=strategy_options(cfg.strategy_options, strategy),
+            n_sink=cfg.n_sink,
+            n_tail=cfg.n_tail,
+        )
         store = KVStore(open_cache(cache, verify=False), m.model, tok, dc)
         for schedule in cfg.k_schedules:
             store.decoder.config.k_schedule = schedule
             for k, label in ks:
-                run = run_one(store, strategy, schedule, k, prompt_ids, dense_tokens, dense_logits,
-                               answer, answer_steps, cfg.fidelity_steps > 0, k_label=label)
+                run = run_one(
+                    store,
+                    strategy,
+                    schedule,
+                    k,
+                    prompt_ids,
+                    dense_tokens,
+                    dense_logits,
+                    answer,
+                    answer_steps,
+                    cfg.fidelity_steps > 0,
+                    k_label=label,
+                )
                 ir.runs.append(run)
                 mr = "-" if run.mass_recall is None else f"{run.mass_recall:.4f}"
                 verdict = "" if run.correct is None else ("correct, " if run.correct else "wrong, ")
-                log(f"  {method_name(strategy, schedule, label or k)}: {verdict}mass recall {mr}, "
-                    f"KL {run.kl_mean:.2e}, agreement {run.agreement:.2f}")
+                log(
+                    f"  {method_name(strategy, schedule, label or k)}: {verdict}mass recall {mr}, "
+                    f"KL {run.kl_mean:.2e}, agreement {run.agreement:.2f}"
+                )
         store.close()  # its search threads
         del store  # release the strategy's indices before the cache directory goes
     return ir
 
 
-def run_eval(cfg: EvalConfig, log: Callable[[str], None] | None = None,
-             checkpoint: Callable[[EvalResult], None] | None = None) -> EvalResult:
+def run_eval(
+    cfg: EvalConfig, log: Callable[[str], None] | None = None, checkpoint: Callable[[EvalResult], None] | None = None
+) -> EvalResult:
     """Run dense and every (strategy, k) on the same seeded instances (or on `cfg.docs`, fidelity only).
 
     Args:
@@ -310,8 +373,8 @@ def run_eval(cfg: EvalConfig, log: Callable[[str], None] | None = None,
     if cfg.docs is not None:
         result.instances.append(_eval_documents(loaded, cfg, log))
         return result
-    from topk_decode.eval.realtext import REAL_TASKS, make_suite
     from topk_decode.eval.realrun import eval_suite
+    from topk_decode.eval.realtext import REAL_TASKS, make_suite
 
     real = [t for t in cfg.tasks if t in REAL_TASKS]
     for length in cfg.lengths if real else []:
@@ -320,9 +383,11 @@ def run_eval(cfg: EvalConfig, log: Callable[[str], None] | None = None,
                 suite = make_suite(real, length, seed, tokenizer, per_task=cfg.questions)
             except ValueError as e:
                 raise TopkError(str(e)) from None
+
             def partial(done: list[InstanceResult], info: dict) -> None:
-                checkpoint(EvalResult(result.config, result.environment, result.instances + done,
-                                      result.contexts + [info]))
+                checkpoint(
+                    EvalResult(result.config, result.environment, result.instances + done, result.contexts + [info])
+                )
 
             instances, info = eval_suite(suite, loaded, cfg, log, partial if checkpoint else None)
             result.instances += instances

@@ -8,8 +8,8 @@ observer hook (`FidelityObserver`, one layer and step at a time), the HF dense r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -104,9 +104,18 @@ class AttentionFidelity:
     output_rel_error: torch.Tensor
 
 
-def attention_fidelity(q: torch.Tensor, scale: float, ctx_keys: torch.Tensor, ctx_values: torch.Tensor, lo: int,
-                       win_k: torch.Tensor, win_v: torch.Tensor, win_visible: torch.Tensor,
-                       selected: torch.Tensor, k: int) -> AttentionFidelity:
+def attention_fidelity(
+    q: torch.Tensor,
+    scale: float,
+    ctx_keys: torch.Tensor,
+    ctx_values: torch.Tensor,
+    lo: int,
+    win_k: torch.Tensor,
+    win_v: torch.Tensor,
+    win_visible: torch.Tensor,
+    selected: torch.Tensor,
+    k: int,
+) -> AttentionFidelity:
     """Compare the selected ∪ window attention with dense attention over searchable context ∪ window.
 
     The window (sinks, context tail, new tokens) is attended exactly by both, so dense mass outside
@@ -127,31 +136,30 @@ def attention_fidelity(q: torch.Tensor, scale: float, ctx_keys: torch.Tensor, ct
     hkv, Q, _ = q.shape
     M = ctx_keys.shape[1]
     q = q.float()
-    ctx = torch.bmm(q, ctx_keys.float().transpose(1, 2))                       # (Hkv, Q, M) raw q·k
-    win = torch.bmm(q, win_k.float().transpose(1, 2)) * scale                  # (Hkv, Q, W)
+    ctx = torch.bmm(q, ctx_keys.float().transpose(1, 2))  # (Hkv, Q, M) raw q·k
+    win = torch.bmm(q, win_k.float().transpose(1, 2)) * scale  # (Hkv, Q, W)
     win = win.masked_fill(~win_visible[None], float("-inf"))
-    logits = torch.cat([ctx * scale, win], dim=-1)                             # (Hkv, Q, M+W)
+    logits = torch.cat([ctx * scale, win], dim=-1)  # (Hkv, Q, M+W)
     keep_ctx = torch.zeros((hkv, Q, M + 1), dtype=torch.bool)
     # empty slots (-1) and anything out of range land in the extra column M, which is dropped
     rel = selected - lo
     rel = torch.where((rel >= 0) & (rel < M), rel, torch.full_like(rel, M))
     keep_ctx.scatter_(2, rel, True)
     keep = torch.cat([keep_ctx[..., :M], torch.ones_like(win, dtype=torch.bool)], dim=-1)
-    p = torch.softmax(logits, dim=-1)                                          # (Hkv, Q, M+W)
-    recall = (p * keep).sum(-1)                                                # (Hkv, Q)
-    values = torch.cat([ctx_values.float(), win_v.float()], dim=1)            # (Hkv, M+W, D)
-    dense_out = torch.bmm(p, values)                                           # (Hkv, Q, D)
+    p = torch.softmax(logits, dim=-1)  # (Hkv, Q, M+W)
+    recall = (p * keep).sum(-1)  # (Hkv, Q)
+    values = torch.cat([ctx_values.float(), win_v.float()], dim=1)  # (Hkv, M+W, D)
+    dense_out = torch.bmm(p, values)  # (Hkv, Q, D)
     p_sel = p * keep / recall.clamp(min=1e-30)[..., None]
     sel_out = torch.bmm(p_sel, values)
     kk = min(k, M)
     if kk > 0:
-        exact = ctx.topk(kk, dim=-1).indices                                   # (Hkv, Q, kk)
+        exact = ctx.topk(kk, dim=-1).indices  # (Hkv, Q, kk)
         exact_mask = torch.zeros((hkv, Q, M), dtype=torch.bool).scatter_(2, exact, True)
         id_rec = (exact_mask & keep_ctx[..., :M]).sum(-1).float() / kk
     else:
         id_rec = torch.ones((hkv, Q))
-    return AttentionFidelity(mass_recall=recall, id_recall=id_rec,
-                             output_rel_error=relative_error(sel_out, dense_out))
+    return AttentionFidelity(mass_recall=recall, id_recall=id_rec, output_rel_error=relative_error(sel_out, dense_out))
 
 
 @dataclass
@@ -161,9 +169,9 @@ class FidelitySummary:
     mass_recall: float
     id_recall: float
     output_rel_error: float
-    score_error: float                             # max |returned score − exact q·k| over selected ids
-    layer_mass_recall: list[float | None]         # (layers,), None where a layer was never observed
-    head_mass_recall: list[list[float | None]]    # (layers, query heads)
+    score_error: float  # max |returned score − exact q·k| over selected ids
+    layer_mass_recall: list[float | None]  # (layers,), None where a layer was never observed
+    head_mass_recall: list[list[float | None]]  # (layers, query heads)
 
 
 class FidelityObserver:
@@ -191,16 +199,26 @@ class FidelityObserver:
         hkv, Q, _ = q.shape
         T = Q // G
         lo, hi = dec.strategy.lo, dec.strategy.hi
-        W = conv.window.length + T                       # the window already holds this step's tokens
+        W = conv.window.length + T  # the window already holds this step's tokens
         win_k = conv.window.k[layer][:, :W].cpu()
         win_v = conv.window.v[layer][:, :W].cpu()
         w0 = conv.window.length
-        visible = torch.arange(W)[None, :] <= (w0 + torch.arange(T))[:, None]   # (T, W)
-        visible = visible.repeat(G, 1)                                          # (G·T, W), head-major
-        fid = attention_fidelity(q, dec.scale, dec.ckv.keys[layer][:, lo:hi], dec.ckv.values[layer][:, lo:hi], lo,
-                                 win_k, win_v, visible, selection.ids, dec.config.k_for_layer(layer))
+        visible = torch.arange(W)[None, :] <= (w0 + torch.arange(T))[:, None]  # (T, W)
+        visible = visible.repeat(G, 1)  # (G·T, W), head-major
+        fid = attention_fidelity(
+            q,
+            dec.scale,
+            dec.ckv.keys[layer][:, lo:hi],
+            dec.ckv.values[layer][:, lo:hi],
+            lo,
+            win_k,
+            win_v,
+            visible,
+            selection.ids,
+            dec.config.k_for_layer(layer),
+        )
         for name, t in (("mass", fid.mass_recall), ("ids", fid.id_recall), ("err", fid.output_rel_error)):
-            self.sums[name][layer] += t.view(hkv, G, T).mean(-1).reshape(-1).double()   # (H,)
+            self.sums[name][layer] += t.view(hkv, G, T).mean(-1).reshape(-1).double()  # (H,)
         self.counts[layer] += 1
         # the decoder attends with the scores the strategy returns: check they are the exact q·k
         valid = selection.ids >= 0
@@ -214,14 +232,17 @@ class FidelityObserver:
         seen = self.counts > 0
         if not bool(seen.any()):
             return None
-        per = {name: s[seen] / self.counts[seen, None] for name, s in self.sums.items()}   # (L', H)
+        per = {name: s[seen] / self.counts[seen, None] for name, s in self.sums.items()}  # (L', H)
         head = torch.full_like(self.sums["mass"], float("nan"))
         head[seen] = per["mass"]
         return FidelitySummary(
-            mass_recall=float(per["mass"].mean()), id_recall=float(per["ids"].mean()),
-            output_rel_error=float(per["err"].mean()), score_error=self.score_error,
+            mass_recall=float(per["mass"].mean()),
+            id_recall=float(per["ids"].mean()),
+            output_rel_error=float(per["err"].mean()),
+            score_error=self.score_error,
             layer_mass_recall=[_num(x) for x in head.mean(-1)],
-            head_mass_recall=[[_num(x) for x in row] for row in head])
+            head_mass_recall=[[_num(x) for x in row] for row in head],
+        )
 
 
 def _num(x: torch.Tensor) -> float | None:
@@ -247,14 +268,13 @@ def dense_reference(model, ids: list[int], n_steps: int, eos_ids: set[int]) -> t
     tokens: list[int] = []
     logits: list[torch.Tensor] = []
     for _ in range(n_steps):
-        step_logits = out.logits[0, -1].float().cpu()                     # (V,)
+        step_logits = out.logits[0, -1].float().cpu()  # (V,)
         tok = int(torch.argmax(step_logits))
         tokens.append(tok)
         logits.append(step_logits)
         if tok in eos_ids or len(tokens) == n_steps:
             break
-        out = model(input_ids=torch.tensor([[tok]], device=dev), past_key_values=out.past_key_values,
-                    use_cache=True)
+        out = model(input_ids=torch.tensor([[tok]], device=dev), past_key_values=out.past_key_values, use_cache=True)
     return tokens, torch.stack(logits)
 
 
@@ -267,8 +287,14 @@ class TeacherForced:
     kl_max: float
 
 
-def teacher_forced(decoder, prompt_ids: list[int], dense_tokens: list[int], dense_logits: torch.Tensor,
-                   observer: Callable | None = None, observe_steps: int | None = None) -> TeacherForced:
+def teacher_forced(
+    decoder,
+    prompt_ids: list[int],
+    dense_tokens: list[int],
+    dense_logits: torch.Tensor,
+    observer: Callable | None = None,
+    observe_steps: int | None = None,
+) -> TeacherForced:
     """Feed the prompt, then the dense tokens, through the top-k decoder; compare every step's logits.
 
     Args:

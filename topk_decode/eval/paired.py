@@ -20,8 +20,8 @@ import math
 import re
 from collections import defaultdict
 
-NUMBER_TASKS = ("real_needle", "real_multi_key", "real_vt")     # one number answers the question
-SET_TASKS = ("real_multi_value",)                                # a set of numbers answers it
+NUMBER_TASKS = ("real_needle", "real_multi_key", "real_vt")  # one number answers the question
+SET_TASKS = ("real_multi_value",)  # a set of numbers answers it
 
 
 def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -92,8 +92,9 @@ def paired_rows(instances: list[dict]) -> list[dict]:
             c["k"].append(r["k"])
             c["correct"].append(bool(r["correct"]))
             c["dense_correct"].append(bool(inst["dense_correct"]))
-            c["agree"].append(same_answer(inst["task"], r["generated"], r["correct"], inst["dense_generated"],
-                                          inst["dense_correct"]))
+            c["agree"].append(
+                same_answer(inst["task"], r["generated"], r["correct"], inst["dense_generated"], inst["dense_correct"])
+            )
             c["same_tokens"].append(bool(r.get("same_as_dense")))
             for f in ("mass_recall", "id_recall", "kl_mean", "agreement", "keys_read"):
                 c[f].append(r.get(f))
@@ -101,16 +102,30 @@ def paired_rows(instances: list[dict]) -> list[dict]:
     for (n_len, m), c in sorted(cells.items(), key=lambda kv: (kv[0][0], kv[0][1] != "dense", kv[0][1])):
         n = len(c["correct"])
         right = sum(c["correct"])
-        row = {"length": n_len, "method": m, "n": n, "correct": right, "accuracy": right / n,
-               "accuracy_ci": wilson(right, n)}
+        row = {
+            "length": n_len,
+            "method": m,
+            "n": n,
+            "correct": right,
+            "accuracy": right / n,
+            "accuracy_ci": wilson(right, n),
+        }
         if m != "dense":
             both = sum(a and b for a, b in zip(c["correct"], c["dense_correct"]))
             agree = sum(c["agree"])
-            row.update(strategy=c["strategy"], k=sorted(set(c["k"])), dense_correct=sum(c["dense_correct"]),
-                       both=both, only_method=right - both, only_dense=sum(c["dense_correct"]) - both,
-                       agree=agree, agree_rate=agree / n, agree_ci=wilson(agree, n),
-                       same_tokens=sum(c["same_tokens"]),
-                       **{f: _mean(c[f]) for f in ("mass_recall", "id_recall", "kl_mean", "agreement", "keys_read")})
+            row.update(
+                strategy=c["strategy"],
+                k=sorted(set(c["k"])),
+                dense_correct=sum(c["dense_correct"]),
+                both=both,
+                only_method=right - both,
+                only_dense=sum(c["dense_correct"]) - both,
+                agree=agree,
+                agree_rate=agree / n,
+                agree_ci=wilson(agree, n),
+                same_tokens=sum(c["same_tokens"]),
+                **{f: _mean(c[f]) for f in ("mass_recall", "id_recall", "kl_mean", "agreement", "keys_read")},
+            )
         rows.append(row)
     return rows
 
@@ -123,8 +138,10 @@ def task_rows(instances: list[dict]) -> list[dict]:
             cell = acc[(inst["length"], inst["task"])]
             cell[0] += bool(inst["dense_correct"])
             cell[1] += 1
-    return [{"length": n_len, "task": t, "dense_correct": c, "n": n, "dense_accuracy": c / n}
-            for (n_len, t), (c, n) in sorted(acc.items())]
+    return [
+        {"length": n_len, "task": t, "dense_correct": c, "n": n, "dense_accuracy": c / n}
+        for (n_len, t), (c, n) in sorted(acc.items())
+    ]
 
 
 def _pct(x: float | None, digits: int = 1) -> str:
@@ -133,9 +150,11 @@ def _pct(x: float | None, digits: int = 1) -> str:
 
 def markdown(instances: list[dict]) -> str:
     """The paired table (and dense accuracy per task) as GitHub markdown."""
-    out = ["| length | method | k | n | correct (95 % CI) | both | only method | only dense | **same answer as "
-           "dense** (95 % CI) | same tokens | mass recall | KL mean | greedy agree | keys read |",
-           "|" + "---|" * 14]
+    out = [
+        "| length | method | k | n | correct (95 % CI) | both | only method | only dense | **same answer as "
+        "dense** (95 % CI) | same tokens | mass recall | KL mean | greedy agree | keys read |",
+        "|" + "---|" * 14,
+    ]
     for r in paired_rows(instances):
         acc = f"{r['correct']}/{r['n']} = {_pct(r['accuracy'])} % ({_pct(r['accuracy_ci'][0])}–{_pct(r['accuracy_ci'][1])})"
         if r["method"] == "dense":
@@ -143,12 +162,16 @@ def markdown(instances: list[dict]) -> str:
             continue
         agree = f"{r['agree']}/{r['n']} = {_pct(r['agree_rate'])} % ({_pct(r['agree_ci'][0])}–{_pct(r['agree_ci'][1])})"
         ks = ",".join(map(str, r["k"]))
-        fmt = lambda x, s: "—" if x is None else format(x, s)   # noqa: E731
-        out.append(f"| {r['length']} | {r['method']} | {ks} | {r['n']} | {acc} | {r['both']} | {r['only_method']} | "
-                   f"{r['only_dense']} | {agree} | {r['same_tokens']} | {fmt(r['mass_recall'], '.3f')} | "
-                   f"{fmt(r['kl_mean'], '.3f')} | {fmt(r['agreement'], '.3f')} | "
-                   f"{'—' if r['keys_read'] is None else _pct(r['keys_read'], 2) + ' %'} |")
+        fmt = lambda x, s: "—" if x is None else format(x, s)  # noqa: E731
+        out.append(
+            f"| {r['length']} | {r['method']} | {ks} | {r['n']} | {acc} | {r['both']} | {r['only_method']} | "
+            f"{r['only_dense']} | {agree} | {r['same_tokens']} | {fmt(r['mass_recall'], '.3f')} | "
+            f"{fmt(r['kl_mean'], '.3f')} | {fmt(r['agreement'], '.3f')} | "
+            f"{'—' if r['keys_read'] is None else _pct(r['keys_read'], 2) + ' %'} |"
+        )
     out += ["", "| length | task | dense correct |", "|---|---|---|"]
-    out += [f"| {r['length']} | {r['task']} | {r['dense_correct']}/{r['n']} ({_pct(r['dense_accuracy'], 0)} %) |"
-            for r in task_rows(instances)]
+    out += [
+        f"| {r['length']} | {r['task']} | {r['dense_correct']}/{r['n']} ({_pct(r['dense_accuracy'], 0)} %) |"
+        for r in task_rows(instances)
+    ]
     return "\n".join(out) + "\n"

@@ -17,15 +17,15 @@ from __future__ import annotations
 import contextlib
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 
 from topk_decode.api import KVStore
 from topk_decode.config import DecodeConfig
-from topk_decode.eval.runs import InstanceResult, LoadedModel, method_name, resolve_k, run_one, strategy_options
 from topk_decode.eval.realtext import RealSuite
+from topk_decode.eval.runs import InstanceResult, LoadedModel, method_name, resolve_k, run_one, strategy_options
 from topk_decode.prefill.build import build_cache
 from topk_decode.prefill.documents import PromptFormat
 from topk_decode.store.cache_dir import ContextKV, open_cache
@@ -43,18 +43,20 @@ class DenseContext:
         p = next(model.parameters())
         self.model = model
         # (1, Hkv, N, D) per layer, as the HF cache holds them
-        self.kv = [(ckv.keys[i][None].to(p.device, p.dtype), ckv.values[i][None].to(p.device, p.dtype))
-                   for i in range(ckv.n_layers)]
+        self.kv = [
+            (ckv.keys[i][None].to(p.device, p.dtype), ckv.values[i][None].to(p.device, p.dtype))
+            for i in range(ckv.n_layers)
+        ]
 
     def _cache(self):
         from transformers import DynamicCache
 
         try:
             c = DynamicCache(config=self.model.config)
-        except TypeError:      # transformers versions whose DynamicCache takes no config
+        except TypeError:  # transformers versions whose DynamicCache takes no config
             c = DynamicCache()
         for i, (k, v) in enumerate(self.kv):
-            c.update(k, v, i)      # the first update keeps the tensors; later steps concatenate copies
+            c.update(k, v, i)  # the first update keeps the tensors; later steps concatenate copies
         return c
 
     @torch.inference_mode()
@@ -70,20 +72,23 @@ class DenseContext:
         """
         dev = self.kv[0][0].device
         cache = self._cache()
-        out = self.model(input_ids=torch.tensor([prompt_ids], device=dev), past_key_values=cache, use_cache=True,
-                         logits_to_keep=1)
+        out = self.model(
+            input_ids=torch.tensor([prompt_ids], device=dev), past_key_values=cache, use_cache=True, logits_to_keep=1
+        )
         tokens: list[int] = []
         logits: list[torch.Tensor] = []
         for _ in range(n_steps):
-            step = out.logits[0, -1].float().cpu()                       # (V,)
+            step = out.logits[0, -1].float().cpu()  # (V,)
             tok = int(torch.argmax(step))
             tokens.append(tok)
             logits.append(step)
             if tok in eos_ids or len(tokens) == n_steps:
                 break
-            out = self.model(input_ids=torch.tensor([[tok]], device=dev), past_key_values=out.past_key_values,
-                             use_cache=True)
+            out = self.model(
+                input_ids=torch.tensor([[tok]], device=dev), past_key_values=out.past_key_values, use_cache=True
+            )
         return tokens, torch.stack(logits)
+
 
 _DENSE_FILE = "dense_refs.pt"
 
@@ -100,7 +105,10 @@ def _suite_dir(suite: RealSuite, m: LoadedModel, cfg) -> Iterator[tuple[str, boo
         with tempfile.TemporaryDirectory(prefix="topk-eval-", dir=cfg.work_dir) as tmp:
             yield tmp, False
         return
-    d = Path(cfg.keep_dir) / f"{Path(m.model_dir).name}_{suite.length}_{suite.seed}_{suite.sha}_{cfg.device}_{cfg.dtype}"
+    d = (
+        Path(cfg.keep_dir)
+        / f"{Path(m.model_dir).name}_{suite.length}_{suite.seed}_{suite.sha}_{cfg.device}_{cfg.dtype}"
+    )
     d.mkdir(parents=True, exist_ok=True)
     yield str(d), True
 
@@ -113,18 +121,25 @@ def _load_dense(d: Path) -> dict:
 
 def _means(runs: list) -> str:
     """A progress summary of one (strategy, k) over the questions (the JSON has every value)."""
+
     def mean(xs):
         xs = [x for x in xs if x is not None]
         return sum(xs) / len(xs) if xs else float("nan")
 
-    return (f"mass recall {mean([r.mass_recall for r in runs]):.4f}, id recall {mean([r.id_recall for r in runs]):.4f}, "
-            f"KL {mean([r.kl_mean for r in runs]):.2e} (max {max(r.kl_max for r in runs):.2e}), "
-            f"agreement {mean([r.agreement for r in runs]):.3f}, {sum(r.seconds for r in runs):.0f} s")
+    return (
+        f"mass recall {mean([r.mass_recall for r in runs]):.4f}, id recall {mean([r.id_recall for r in runs]):.4f}, "
+        f"KL {mean([r.kl_mean for r in runs]):.2e} (max {max(r.kl_max for r in runs):.2e}), "
+        f"agreement {mean([r.agreement for r in runs]):.3f}, {sum(r.seconds for r in runs):.0f} s"
+    )
 
 
-def eval_suite(suite: RealSuite, m: LoadedModel, cfg, log: Callable[[str], None],
-               checkpoint: Callable[[list[InstanceResult], dict], None] | None = None
-               ) -> tuple[list[InstanceResult], dict]:
+def eval_suite(
+    suite: RealSuite,
+    m: LoadedModel,
+    cfg,
+    log: Callable[[str], None],
+    checkpoint: Callable[[list[InstanceResult], dict], None] | None = None,
+) -> tuple[list[InstanceResult], dict]:
     """Prefill one suite, answer every question densely, then with every strategy × schedule × k.
 
     Args:
@@ -148,14 +163,23 @@ def eval_suite(suite: RealSuite, m: LoadedModel, cfg, log: Callable[[str], None]
             doc.write_text(suite.context, encoding="utf-8")
             # allow_long_context: dense and top-k run over the same positions, so fidelity stays like for
             # like past the model's maximum (build_cache still warns); the user picked the lengths
-            cache, _ = build_cache(doc, Path(tmp) / "cache", m.model_dir, chunk_size=cfg.chunk_size,
-                                   device=cfg.device, dtype=cfg.dtype, allow_long_context=True)
+            cache, _ = build_cache(
+                doc,
+                Path(tmp) / "cache",
+                m.model_dir,
+                chunk_size=cfg.chunk_size,
+                device=cfg.device,
+                dtype=cfg.dtype,
+                allow_long_context=True,
+            )
         prefill_s = time.perf_counter() - t0
         ckv = open_cache(cache, verify=False)
         n_ctx = ckv.n_tokens
         fmt = PromptFormat(**ckv.manifest.get("prompt", {"kind": "raw"}))
-        log(f"real suite len={suite.length} seed={suite.seed}: {n_ctx} context tokens ({fmt.kind} layout), "
-            f"prefill {prefill_s:.1f} s, {len(suite.questions)} questions")
+        log(
+            f"real suite len={suite.length} seed={suite.seed}: {n_ctx} context tokens ({fmt.kind} layout), "
+            f"prefill {prefill_s:.1f} s, {len(suite.questions)} questions"
+        )
         dense = None
         kept_refs = _load_dense(Path(tmp)) if kept else {}
         results: list[InstanceResult] = []
@@ -171,25 +195,53 @@ def eval_suite(suite: RealSuite, m: LoadedModel, cfg, log: Callable[[str], None]
                     torch.save(kept_refs, Path(tmp) / _DENSE_FILE)
             d_tokens, d_logits = kept_refs[key]
             d_text = tok.decode(d_tokens, skip_special_tokens=True)
-            ir = InstanceResult(task=q.task, length=suite.length, depth=q.depth, seed=suite.seed, answer=q.answer,
-                                layout=fmt.kind, n_context_tokens=n_ctx, n_prompt_tokens=len(prompt_ids),
-                                dense_generated=d_text, dense_correct=q.check(d_text), prefill_seconds=prefill_s,
-                                dense_seconds=time.perf_counter() - t1, question=q.question)
-            log(f"  {q.task} depth={q.depth:.2f}: dense {d_text.strip()!r} "
-                f"{'correct' if ir.dense_correct else 'wrong'} (expected {q.answer!r})")
+            ir = InstanceResult(
+                task=q.task,
+                length=suite.length,
+                depth=q.depth,
+                seed=suite.seed,
+                answer=q.answer,
+                layout=fmt.kind,
+                n_context_tokens=n_ctx,
+                n_prompt_tokens=len(prompt_ids),
+                dense_generated=d_text,
+                dense_correct=q.check(d_text),
+                prefill_seconds=prefill_s,
+                dense_seconds=time.perf_counter() - t1,
+                question=q.question,
+            )
+            log(
+                f"  {q.task} depth={q.depth:.2f}: dense {d_text.strip()!r} "
+                f"{'correct' if ir.dense_correct else 'wrong'} (expected {q.answer!r})"
+            )
             results.append(ir)
             refs.append((q, prompt_ids, d_tokens, d_logits))
         del dense
-        info = {"length": suite.length, "seed": suite.seed, "n_context_tokens": n_ctx, "layout": fmt.kind,
-                "prefill_seconds": prefill_s, "python": suite.python, "context_sha": suite.sha,
-                "qa_topics": suite.qa_topics, "questions": len(suite.questions)}
-        ks = sorted({(resolve_k(k, n_ctx), None if isinstance(k, int) else str(k)) for k in cfg.ks},
-                    key=lambda kl: (kl[0], kl[1] or ""))
+        info = {
+            "length": suite.length,
+            "seed": suite.seed,
+            "n_context_tokens": n_ctx,
+            "layout": fmt.kind,
+            "prefill_seconds": prefill_s,
+            "python": suite.python,
+            "context_sha": suite.sha,
+            "qa_topics": suite.qa_topics,
+            "questions": len(suite.questions),
+        }
+        ks = sorted(
+            {(resolve_k(k, n_ctx), None if isinstance(k, int) else str(k)) for k in cfg.ks},
+            key=lambda kl: (kl[0], kl[1] or ""),
+        )
         for strategy in cfg.strategies:
             t1 = time.perf_counter()
-            dc = DecodeConfig(k=max(k for k, _ in ks), strategy=strategy,
-                              strategy_options=strategy_options(cfg.strategy_options, strategy),
-                              n_sink=cfg.n_sink, n_tail=cfg.n_tail, compile=False)
+            dc = DecodeConfig(
+                k=max(k for k, _ in ks),
+                strategy=strategy,
+                strategy_options=strategy_options(cfg.strategy_options, strategy),
+                n_sink=cfg.n_sink,
+                n_tail=cfg.n_tail,
+                compile=False,
+            )
             store = KVStore(ckv, m.model, tok, dc)
             log(f"  {strategy}: opened in {time.perf_counter() - t1:.1f} s")
             for schedule in cfg.k_schedules:
@@ -198,12 +250,24 @@ def eval_suite(suite: RealSuite, m: LoadedModel, cfg, log: Callable[[str], None]
                     right = same = 0
                     runs = []
                     read_counter = getattr(store.decoder.strategy, "keys_read_fraction", None)
-                    if read_counter is not None:       # count this (schedule, k) alone
+                    if read_counter is not None:  # count this (schedule, k) alone
                         store.decoder.strategy.stats.extra.update(keys_read=0, keys_searchable=0)
                     for (q, prompt_ids, d_tokens, d_logits), ir in zip(refs, results):
-                        run = run_one(store, strategy, schedule, k, prompt_ids, d_tokens, d_logits, q.answer,
-                                       q.max_new_tokens, cfg.fidelity_steps > 0, check=q.check, k_label=label,
-                                       observe_steps=cfg.fidelity_steps)
+                        run = run_one(
+                            store,
+                            strategy,
+                            schedule,
+                            k,
+                            prompt_ids,
+                            d_tokens,
+                            d_logits,
+                            q.answer,
+                            q.max_new_tokens,
+                            cfg.fidelity_steps > 0,
+                            check=q.check,
+                            k_label=label,
+                            observe_steps=cfg.fidelity_steps,
+                        )
                         ir.runs.append(run)
                         runs.append(run)
                         right += bool(run.correct)
@@ -211,9 +275,11 @@ def eval_suite(suite: RealSuite, m: LoadedModel, cfg, log: Callable[[str], None]
                     read = read_counter() if read_counter is not None else None
                     for run in runs:
                         run.keys_read = read
-                    log(f"    {method_name(strategy, schedule, label or k)} (k={k}): {right}/{len(refs)} correct, "
+                    log(
+                        f"    {method_name(strategy, schedule, label or k)} (k={k}): {right}/{len(refs)} correct, "
                         f"{same}/{len(refs)} same as dense, {_means(runs)}"
-                        + ("" if read is None else f", keys read {100 * read:.2f} %"))
+                        + ("" if read is None else f", keys read {100 * read:.2f} %")
+                    )
             store.close()  # its search threads
             del store
             if checkpoint is not None:

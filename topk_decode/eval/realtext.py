@@ -33,9 +33,9 @@ from typing import Any
 from topk_decode.eval.tasks import count_tokens, random_keys
 
 REAL_TASKS: tuple[str, ...] = ("real_needle", "real_multi_key", "real_multi_value", "real_vt", "real_qa")
-MULTI_KEY_GROUP = 4          # confusable keys per real_multi_key question (1 asked + 3 distractors)
-MULTI_VALUE_COUNT = 3        # numbers per real_multi_value key
-VT_HOPS = 3                  # assignments per real_vt chain: VAR A = N, VAR B = VAR A, VAR C = VAR B
+MULTI_KEY_GROUP = 4  # confusable keys per real_multi_key question (1 asked + 3 distractors)
+MULTI_VALUE_COUNT = 3  # numbers per real_multi_value key
+VT_HOPS = 3  # assignments per real_vt chain: VAR A = N, VAR B = VAR A, VAR C = VAR B
 MAX_NEW_TOKENS = {"real_needle": 24, "real_multi_key": 24, "real_multi_value": 48, "real_vt": 24, "real_qa": 24}
 
 
@@ -57,30 +57,64 @@ class QAPair:
 
 
 QA_PAIRS: tuple[QAPair, ...] = (
-    QAPair("dynamic-features", "the following code will print 42",
-           "In the section 'Interaction with dynamic features', what number does the example code print?", ("42",)),
-    QAPair("power", '"-1**2" results in "-1"',
-           "According to the section on the power operator, what does -1**2 result in?", ("-1",)),
-    QAPair("imaginary", "complex number with a real part of 0.0",
-           "According to the section on imaginary literals, what real part does the complex number they "
-           "yield have?", ("0.0", "zero")),
-    QAPair("pass", "when it is executed, nothing happens",
-           "According to the documentation of the pass statement, what happens when it is executed?", ("nothing",)),
-    QAPair("shifting", 'A right shift by *n* bits is defined as floor division by "pow(2,n)"',
-           "According to the section on shifting operations, a right shift by n bits is defined as floor "
-           "division by what?", ("pow(2,n)", "pow(2, n)", "2**n", "2 ** n", "2^n")),
-    QAPair("integers", "apart from what can be stored in available memory",
-           "According to the section on integer literals, what limits the length of an integer literal?",
-           ("memory",)),
-    QAPair("floating", 'denotes the same number as "77e10"',
-           "According to the section on floating point literals, the literal 077e010 denotes the same number "
-           "as which literal?", ("77e10",)),
-    QAPair("break", "the loop control target keeps its current value",
-           "According to the documentation of the break statement, what happens to the loop control target "
-           "of a for loop terminated by break?", ("current value",)),
-    QAPair("assert", "if __debug__:",
-           "According to the documentation of the assert statement, which built-in variable is tested "
-           "before the assertion is checked?", ("__debug__",)),
+    QAPair(
+        "dynamic-features",
+        "the following code will print 42",
+        "In the section 'Interaction with dynamic features', what number does the example code print?",
+        ("42",),
+    ),
+    QAPair(
+        "power",
+        '"-1**2" results in "-1"',
+        "According to the section on the power operator, what does -1**2 result in?",
+        ("-1",),
+    ),
+    QAPair(
+        "imaginary",
+        "complex number with a real part of 0.0",
+        "According to the section on imaginary literals, what real part does the complex number they yield have?",
+        ("0.0", "zero"),
+    ),
+    QAPair(
+        "pass",
+        "when it is executed, nothing happens",
+        "According to the documentation of the pass statement, what happens when it is executed?",
+        ("nothing",),
+    ),
+    QAPair(
+        "shifting",
+        'A right shift by *n* bits is defined as floor division by "pow(2,n)"',
+        "According to the section on shifting operations, a right shift by n bits is defined as floor "
+        "division by what?",
+        ("pow(2,n)", "pow(2, n)", "2**n", "2 ** n", "2^n"),
+    ),
+    QAPair(
+        "integers",
+        "apart from what can be stored in available memory",
+        "According to the section on integer literals, what limits the length of an integer literal?",
+        ("memory",),
+    ),
+    QAPair(
+        "floating",
+        'denotes the same number as "77e10"',
+        "According to the section on floating point literals, the literal 077e010 denotes the same number "
+        "as which literal?",
+        ("77e10",),
+    ),
+    QAPair(
+        "break",
+        "the loop control target keeps its current value",
+        "According to the documentation of the break statement, what happens to the loop control target "
+        "of a for loop terminated by break?",
+        ("current value",),
+    ),
+    QAPair(
+        "assert",
+        "if __debug__:",
+        "According to the documentation of the assert statement, which built-in variable is tested "
+        "before the assertion is checked?",
+        ("__debug__",),
+    ),
 )
 
 
@@ -108,8 +142,9 @@ class RealQuestion:
 
     def check(self, text: str) -> bool:
         """The task rule on a decoded generation (see the module table)."""
-        return all(any(_contains(text, a) for a in group) for group in self.accept) and \
-            not any(_contains(text, f) for f in self.forbid)
+        return all(any(_contains(text, a) for a in group) for group in self.accept) and not any(
+            _contains(text, f) for f in self.forbid
+        )
 
 
 @dataclass
@@ -202,11 +237,13 @@ class _Item:
 
     text: str
     depth: float
-    question: RealQuestion | None = None    # the question whose asked fact this item is
+    question: RealQuestion | None = None  # the question whose asked fact this item is
     tokens: int = 0
 
 
-def _plan(tasks: list[str], per_task: int, rng: random.Random, qa: list[QAPair]) -> tuple[list[_Item], list[RealQuestion]]:
+def _plan(
+    tasks: list[str], per_task: int, rng: random.Random, qa: list[QAPair]
+) -> tuple[list[_Item], list[RealQuestion]]:
     """Facts and questions of every task. The asked facts' depths spread evenly over [0.05, 0.95]."""
     items: list[_Item] = []
     questions: list[RealQuestion] = []
@@ -218,34 +255,48 @@ def _plan(tasks: list[str], per_task: int, rng: random.Random, qa: list[QAPair])
     for task in tasks:
         for _ in range(per_task if task != "real_qa" else min(per_task, len(qa))):
             if task == "real_needle":
-                key, = _keys(rng, 1, keys, hard=False)
-                v, = _numbers(rng, 1, nums)
+                (key,) = _keys(rng, 1, keys, hard=False)
+                (v,) = _numbers(rng, 1, nums)
                 q = RealQuestion(task, f"What is the special magic number for {key}?{only}", str(v), [[str(v)]])
                 needle_values.append(str(v))
                 items.append(_Item(f"The special magic number for {key} is {v}.", 0.0, q))
             elif task == "real_multi_key":
                 group = _keys(rng, MULTI_KEY_GROUP, keys, hard=True)
                 vals = _numbers(rng, MULTI_KEY_GROUP, nums)
-                q = RealQuestion(task, f"What is the special magic number for {group[0]}?{only}", str(vals[0]),
-                                 [[str(vals[0])]], forbid=[str(x) for x in vals[1:]])
+                q = RealQuestion(
+                    task,
+                    f"What is the special magic number for {group[0]}?{only}",
+                    str(vals[0]),
+                    [[str(vals[0])]],
+                    forbid=[str(x) for x in vals[1:]],
+                )
                 items.append(_Item(f"The special magic number for {group[0]} is {vals[0]}.", 0.0, q))
-                items += [_Item(f"The special magic number for {k} is {x}.", rng.random()) for k, x in
-                          zip(group[1:], vals[1:])]
+                items += [
+                    _Item(f"The special magic number for {k} is {x}.", rng.random())
+                    for k, x in zip(group[1:], vals[1:])
+                ]
             elif task == "real_multi_value":
-                key, = _keys(rng, 1, keys, hard=False)
+                (key,) = _keys(rng, 1, keys, hard=False)
                 vals = _numbers(rng, MULTI_VALUE_COUNT, nums)
-                q = RealQuestion(task, f"What are all the special magic numbers for {key}? Answer with the "
-                                       f"numbers only.", ", ".join(map(str, vals)), [[str(x)] for x in vals],
-                                 max_new_tokens=MAX_NEW_TOKENS[task])
+                q = RealQuestion(
+                    task,
+                    f"What are all the special magic numbers for {key}? Answer with the numbers only.",
+                    ", ".join(map(str, vals)),
+                    [[str(x)] for x in vals],
+                    max_new_tokens=MAX_NEW_TOKENS[task],
+                )
                 items.append(_Item(f"One of the special magic numbers for {key} is {vals[0]}.", 0.0, q))
-                items += [_Item(f"One of the special magic numbers for {key} is {x}.", rng.random())
-                          for x in vals[1:]]
+                items += [_Item(f"One of the special magic numbers for {key} is {x}.", rng.random()) for x in vals[1:]]
             elif task == "real_vt":
                 names = _var_names(rng, VT_HOPS, keys)
-                v, = _numbers(rng, 1, nums)
-                q = RealQuestion(task, f"The document assigns numbers to variables with VAR statements, directly "
-                                       f"or through other variables. What number does VAR {names[-1]} equal?{only}",
-                                 str(v), [[str(v)]])
+                (v,) = _numbers(rng, 1, nums)
+                q = RealQuestion(
+                    task,
+                    f"The document assigns numbers to variables with VAR statements, directly "
+                    f"or through other variables. What number does VAR {names[-1]} equal?{only}",
+                    str(v),
+                    [[str(v)]],
+                )
                 vt_values.append(str(v))
                 first = _Item(f"VAR {names[0]} = {v}.", 0.0, q)
                 # the later hops follow the first in reading order (their depths are set in _depths)
@@ -253,9 +304,8 @@ def _plan(tasks: list[str], per_task: int, rng: random.Random, qa: list[QAPair])
                 items += [_Item(f"VAR {b} = VAR {a}.", -1.0) for a, b in zip(names, names[1:])]
             elif task == "real_qa":
                 pair = qa[len([x for x in questions if x.task == "real_qa"])]
-                q = RealQuestion(task, pair.question + " Answer in a few words.", pair.accept[0],
-                                 [list(pair.accept)])
-                items.append(_Item(pair.topic, 0.0, q))     # the topic's text is filled in by the caller
+                q = RealQuestion(task, pair.question + " Answer in a few words.", pair.accept[0], [list(pair.accept)])
+                items.append(_Item(pair.topic, 0.0, q))  # the topic's text is filled in by the caller
             else:
                 raise ValueError(f"unknown real task {task!r}; expected one of {REAL_TASKS}")
             questions.append(q)
@@ -280,7 +330,7 @@ def _depths(items: list[_Item], questions: list[RealQuestion], rng: random.Rando
         if it.question is not None:
             it.depth = last = by_q[id(it.question)]
             it.question.depth = it.depth
-        elif it.depth < 0:       # a chain hop: somewhere after the previous hop
+        elif it.depth < 0:  # a chain hop: somewhere after the previous hop
             it.depth = last = last + (1.0 - last) * rng.random() * 0.5
 
 
@@ -327,12 +377,12 @@ def make_suite(tasks: list[str], length: int, seed: int, tokenizer: Any, per_tas
     filler: list[str] = []
     lens: list[int] = []
     total, i = 0, 0
-    source = paras * 4                 # repeats the text only past its length (~110K tokens)
+    source = paras * 4  # repeats the text only past its length (~110K tokens)
     while i < len(source):
-        batch = ["\n\n" + p for p in source[i:i + 64]]
+        batch = ["\n\n" + p for p in source[i : i + 64]]
         i += 64
         for s, n in zip(batch, count_tokens(tokenizer, batch)):
-            if total + n <= budget:      # a paragraph too long for what is left is skipped, not cut
+            if total + n <= budget:  # a paragraph too long for what is left is skipped, not cut
                 filler.append(s)
                 lens.append(n)
                 total += n
@@ -349,7 +399,7 @@ def make_suite(tasks: list[str], length: int, seed: int, tokenizer: Any, per_tas
     at, n_all = 0, total + sum(item_tokens)
     for j in range(len(filler) + 1):
         for it in slots.get(j, []):
-            if it.question is not None:     # the realised depth: tokens before the fact / all tokens
+            if it.question is not None:  # the realised depth: tokens before the fact / all tokens
                 it.question.depth = round(at / n_all, 4)
             out.append("\n\n" + it.text)
             at += it.tokens
@@ -358,5 +408,12 @@ def make_suite(tasks: list[str], length: int, seed: int, tokenizer: Any, per_tas
             at += lens[j]
     context = "".join(out).strip() + "\n"
     sha = hashlib.blake2b(context.encode(), digest_size=8).hexdigest()
-    return RealSuite(context=context, questions=questions, length=int(length), seed=int(seed),
-                     python=".".join(map(str, sys.version_info[:3])), sha=sha, qa_topics=qa_topics)
+    return RealSuite(
+        context=context,
+        questions=questions,
+        length=int(length),
+        seed=int(seed),
+        python=".".join(map(str, sys.version_info[:3])),
+        sha=sha,
+        qa_topics=qa_topics,
+    )

@@ -6,9 +6,9 @@ one (strategy, k)) and its result records.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -46,7 +46,7 @@ def strategy_options(options: dict, strategy: str) -> dict:
         options: all strategy options of the run.
         strategy: the strategy's name.
     """
-    if strategy == AUTO:       # the decoder resolves it per context; its options go to what it resolves to
+    if strategy == AUTO:  # the decoder resolves it per context; its options go to what it resolves to
         return {k.split(".", 1)[1]: v for k, v in options.items() if k.startswith(AUTO + ".")}
     cls = get_strategy(strategy)
     # plain keys go to the strategies that declare them (index.split_options checks that each belongs to one)
@@ -62,22 +62,22 @@ class RunResult:
     strategy: str
     k: int
     schedule: str
-    generated: str | None      # None in documents mode (fidelity only)
+    generated: str | None  # None in documents mode (fidelity only)
     correct: bool | None
     steps: int
-    agreement: float          # teacher-forced steps whose argmax equals the dense token / steps
-    kl_mean: float            # nats, mean over steps of KL(dense ‖ top-k) next-token distributions
+    agreement: float  # teacher-forced steps whose argmax equals the dense token / steps
+    kl_mean: float  # nats, mean over steps of KL(dense ‖ top-k) next-token distributions
     kl_max: float
     mass_recall: float | None
     id_recall: float | None
     output_rel_error: float | None
-    score_error: float | None       # max |strategy's score − exact q·k| over selected ids (should be ~0)
+    score_error: float | None  # max |strategy's score − exact q·k| over selected ids (should be ~0)
     layer_mass_recall: list[float] | None = None
-    head_mass_recall: list[list[float]] | None = None   # (layers, query heads)
+    head_mass_recall: list[list[float]] | None = None  # (layers, query heads)
     seconds: float = 0.0
-    k_label: str | None = None          # the budget as requested ("1%"), when it differs from k
-    same_as_dense: bool | None = None   # the generated tokens equal dense's, token for token
-    keys_read: float | None = None      # share of the searchable keys the strategy's searches read (routed)
+    k_label: str | None = None  # the budget as requested ("1%"), when it differs from k
+    same_as_dense: bool | None = None  # the generated tokens equal dense's, token for token
+    keys_read: float | None = None  # share of the searchable keys the strategy's searches read (routed)
 
 
 def method_name(strategy: str, schedule: str, k: int | str) -> str:
@@ -89,12 +89,12 @@ def method_name(strategy: str, schedule: str, k: int | str) -> str:
 class InstanceResult:
     """One seeded task instance: its dense reference and every (strategy, k) run."""
 
-    task: str                  # a task name, or "documents" (fidelity on the user's documents)
+    task: str  # a task name, or "documents" (fidelity on the user's documents)
     length: int
     depth: float | None
     seed: int | None
     answer: str | None
-    layout: str                # "raw": [bos] + tokenize(context), as the tasks define; "template": chat prefix
+    layout: str  # "raw": [bos] + tokenize(context), as the tasks define; "template": chat prefix
     n_context_tokens: int
     n_prompt_tokens: int
     dense_generated: str
@@ -102,13 +102,24 @@ class InstanceResult:
     prefill_seconds: float
     dense_seconds: float
     runs: list[RunResult] = field(default_factory=list)
-    question: str | None = None     # real tasks: the question asked (several share one context)
+    question: str | None = None  # real tasks: the question asked (several share one context)
 
 
-def run_one(store: KVStore, strategy: str, schedule: str, k: int, prompt_ids: list[int], dense_tokens: list[int],
-             dense_logits: torch.Tensor, answer: str | None, answer_steps: int, observe: bool,
-             check: Callable[[str], bool] | None = None, k_label: str | None = None,
-             observe_steps: int | None = None) -> RunResult:
+def run_one(
+    store: KVStore,
+    strategy: str,
+    schedule: str,
+    k: int,
+    prompt_ids: list[int],
+    dense_tokens: list[int],
+    dense_logits: torch.Tensor,
+    answer: str | None,
+    answer_steps: int,
+    observe: bool,
+    check: Callable[[str], bool] | None = None,
+    k_label: str | None = None,
+    observe_steps: int | None = None,
+) -> RunResult:
     """Teacher-forced fidelity + free-running correctness of one (strategy, k).
 
     `check` judges the decoded generation (default: `is_correct` against `answer`); `k_label` is
@@ -120,7 +131,7 @@ def run_one(store: KVStore, strategy: str, schedule: str, k: int, prompt_ids: li
     tf = teacher_forced(store.decoder, prompt_ids, dense_tokens, dense_logits, obs, observe_steps)
     n_ans = min(answer_steps, len(dense_tokens))
     if answer is None:
-        gen = None   # fidelity only: no answer to check
+        gen = None  # fidelity only: no answer to check
     elif all(tf.matches[:n_ans]):
         # every step the answer needs chose the dense token from the same inputs: the free-running
         # generation is the dense one, token for token
@@ -131,14 +142,25 @@ def run_one(store: KVStore, strategy: str, schedule: str, k: int, prompt_ids: li
     fid = obs.result() if obs is not None else None
     correct = None if answer is None or text is None else (check(text) if check else is_correct(text, answer))
     return RunResult(
-        strategy=strategy, k=k, schedule=schedule, generated=text,
-        correct=correct, steps=len(tf.matches), k_label=k_label,
+        strategy=strategy,
+        k=k,
+        schedule=schedule,
+        generated=text,
+        correct=correct,
+        steps=len(tf.matches),
+        k_label=k_label,
         same_as_dense=None if gen is None else list(gen) == list(dense_tokens[:answer_steps]),
-        agreement=sum(tf.matches) / max(len(tf.matches), 1), kl_mean=tf.kl_mean, kl_max=tf.kl_max,
-        mass_recall=fid.mass_recall if fid else None, id_recall=fid.id_recall if fid else None,
-        output_rel_error=fid.output_rel_error if fid else None, score_error=fid.score_error if fid else None,
+        agreement=sum(tf.matches) / max(len(tf.matches), 1),
+        kl_mean=tf.kl_mean,
+        kl_max=tf.kl_max,
+        mass_recall=fid.mass_recall if fid else None,
+        id_recall=fid.id_recall if fid else None,
+        output_rel_error=fid.output_rel_error if fid else None,
+        score_error=fid.score_error if fid else None,
         layer_mass_recall=fid.layer_mass_recall if fid else None,
-        head_mass_recall=fid.head_mass_recall if fid else None, seconds=time.perf_counter() - t0)
+        head_mass_recall=fid.head_mass_recall if fid else None,
+        seconds=time.perf_counter() - t0,
+    )
 
 
 @dataclass

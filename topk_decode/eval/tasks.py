@@ -27,8 +27,9 @@ byte-level BPE tokenizer (the lengths below rely on it).
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 TASKS: tuple[str, ...] = ("single_needle", "multi_key", "multi_value", "variable_tracking")
 """Names accepted by :func:`make_instance`."""
@@ -65,14 +66,61 @@ ANIMALS: tuple[str, ...] = tuple(
 # The filler language: a generated vocabulary and a small grammar.
 # --------------------------------------------------------------------------------------------
 
-_ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z",
-           "br", "dr", "gl", "kr", "pl", "st", "th", "tr", "sh", "ch")
+_ONSETS = (
+    "b",
+    "d",
+    "f",
+    "g",
+    "k",
+    "l",
+    "m",
+    "n",
+    "p",
+    "r",
+    "s",
+    "t",
+    "v",
+    "z",
+    "br",
+    "dr",
+    "gl",
+    "kr",
+    "pl",
+    "st",
+    "th",
+    "tr",
+    "sh",
+    "ch",
+)
 _VOWELS = ("a", "e", "i", "o", "u", "ai", "ou", "ea", "y")
 _CODAS = ("", "", "", "n", "r", "l", "s", "m", "th", "nd", "rk", "sk")
-_RESERVED = set(ADJECTIVES) | set(ANIMALS) | {
-    "the", "a", "is", "are", "of", "for", "and", "one", "special", "magic", "number", "numbers",
-    "variable", "equals", "which", "question", "answer", "what", "all", "does", "equal",
-}
+_RESERVED = (
+    set(ADJECTIVES)
+    | set(ANIMALS)
+    | {
+        "the",
+        "a",
+        "is",
+        "are",
+        "of",
+        "for",
+        "and",
+        "one",
+        "special",
+        "magic",
+        "number",
+        "numbers",
+        "variable",
+        "equals",
+        "which",
+        "question",
+        "answer",
+        "what",
+        "all",
+        "does",
+        "equal",
+    }
+)
 
 
 def _make_words(rng: random.Random, n: int, syllables: tuple[int, int], suffix: str = "") -> list[str]:
@@ -134,9 +182,14 @@ class FillerGrammar:
         """
         t = rng.choice(self.templates)
         s = t.format(
-            a=rng.choice(self.adjectives), a2=rng.choice(self.adjectives),
-            n=rng.choice(self.nouns), n2=rng.choice(self.nouns), n3=rng.choice(self.nouns),
-            v=rng.choice(self.verbs), v2=rng.choice(self.verbs), P=rng.choice(self.places),
+            a=rng.choice(self.adjectives),
+            a2=rng.choice(self.adjectives),
+            n=rng.choice(self.nouns),
+            n2=rng.choice(self.nouns),
+            n3=rng.choice(self.nouns),
+            v=rng.choice(self.verbs),
+            v2=rng.choice(self.verbs),
+            P=rng.choice(self.places),
         )
         lead = "\n\n" if rng.random() < 0.06 else " "
         return lead + s
@@ -156,6 +209,7 @@ def grammar() -> FillerGrammar:
 # --------------------------------------------------------------------------------------------
 # Fact and question templates (shared with training).
 # --------------------------------------------------------------------------------------------
+
 
 def magic_fact(key: str, value: int | str) -> str:
     """Context sentence of ``single_needle`` / ``multi_key``.
@@ -191,11 +245,9 @@ def chat_query(task: str, key: str) -> tuple[str, str]:
         (question, answer prefix).
     """
     if task in ("single_needle", "multi_key"):
-        return (f"What is the special magic number for {key}?",
-                f"The special magic number for {key} is")
+        return (f"What is the special magic number for {key}?", f"The special magic number for {key} is")
     if task == "multi_value":
-        return (f"What are all the special magic numbers for {key}?",
-                f"The special magic numbers for {key} are")
+        return (f"What are all the special magic numbers for {key}?", f"The special magic numbers for {key} are")
     if task == "variable_tracking":
         return f"Which number does variable {key} equal?", f"Variable {key} equals"
     raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
@@ -300,6 +352,7 @@ def random_values(rng: random.Random, n: int) -> list[int]:
 # --------------------------------------------------------------------------------------------
 # Instances.
 # --------------------------------------------------------------------------------------------
+
 
 @dataclass
 class TaskInstance:
@@ -440,5 +493,6 @@ def make_instance(task: str, length: int, depth: float, seed: int, tokenizer: An
         if i < len(sentences):
             pieces.append(sentences[i])
     context = "".join(pieces)
-    return TaskInstance(task=task, context=context, question=question, answer=answer,
-                        length=int(length), depth=float(depth))
+    return TaskInstance(
+        task=task, context=context, question=question, answer=answer, length=int(length), depth=float(depth)
+    )

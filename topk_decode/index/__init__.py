@@ -72,7 +72,17 @@ def get_strategy(name: str):
 
 def __getattr__(name: str):
     # The interface and flat's class, imported on first use like the strategies (they need torch).
-    if name in ("Selection", "SelectionStrategy", "FusedAttention", "DeviceStage", "DeviceStaged", "FusedAttention", "DeviceStage", "DeviceStaged", "exact_scores"):
+    if name in (
+        "Selection",
+        "SelectionStrategy",
+        "FusedAttention",
+        "DeviceStage",
+        "DeviceStaged",
+        "FusedAttention",
+        "DeviceStage",
+        "DeviceStaged",
+        "exact_scores",
+    ):
         from topk_decode.index import base
 
         return getattr(base, name)
@@ -100,10 +110,11 @@ def split_options(names: list[str], options: dict | None) -> dict:
     known = set().union(*[set(c.OPTIONS) for c in classes])
     unknown = sorted(set(options) - known)
     if unknown:
-        raise TopkError(f"unknown option {unknown[0]!r} for strategies {', '.join(names)} "
-                        f"(valid options: {', '.join(sorted(known)) or 'none'})")
-    return {n: c.parse_options({k: v for k, v in options.items() if k in c.OPTIONS})
-            for n, c in zip(names, classes)}
+        raise TopkError(
+            f"unknown option {unknown[0]!r} for strategies {', '.join(names)} "
+            f"(valid options: {', '.join(sorted(known)) or 'none'})"
+        )
+    return {n: c.parse_options({k: v for k, v in options.items() if k in c.OPTIONS}) for n, c in zip(names, classes)}
 
 
 def prepare_artifacts(ckv, names: list[str], options=None, progress=None) -> None:
@@ -124,6 +135,22 @@ def prepare_artifacts(ckv, names: list[str], options=None, progress=None) -> Non
         get_strategy(name).build_artifacts(ckv, opts, progress)
 
 
-__all__ = ["prepare_artifacts", "split_options", "artifact_dir", "artifacts_complete", "Selection", "SelectionStrategy", "FusedAttention", "DeviceStage", "DeviceStaged",
-           "STRATEGIES", "StrategyRegistry", "check_requested_strategy", "check_strategy_name", "keeps_artifacts", "get_strategy", "exact_scores",
-           "FlatStrategy"]
+__all__ = [
+    "prepare_artifacts",
+    "split_options",
+    "artifact_dir",
+    "artifacts_complete",
+    "Selection",
+    "SelectionStrategy",
+    "FusedAttention",
+    "DeviceStage",
+    "DeviceStaged",
+    "STRATEGIES",
+    "StrategyRegistry",
+    "check_requested_strategy",
+    "check_strategy_name",
+    "keeps_artifacts",
+    "get_strategy",
+    "exact_scores",
+    "FlatStrategy",
+]

@@ -18,9 +18,10 @@ neutral on random-model keys, so it is on by default; spherical k-means gave mix
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import faiss
 import numpy as np
@@ -41,8 +42,6 @@ from topk_decode.index.threads import HeadPool, default_threads
 from topk_decode.store.cache_dir import ContextKV
 
 _SQ_TYPES = {torch.float16: "QT_fp16", torch.bfloat16: "QT_bf16"}
-
-
 
 
 # ---- the shared Faiss strategy ---------------------------------------------------------------------
@@ -82,8 +81,9 @@ class FaissAnnStrategy(SelectionStrategy):
 
     # ---- build ----
     @classmethod
-    def build_artifacts(cls, ckv: ContextKV, options: dict | None = None,
-                        progress: Callable[[int, int], None] | None = None) -> None:
+    def build_artifacts(
+        cls, ckv: ContextKV, options: dict | None = None, progress: Callable[[int, int], None] | None = None
+    ) -> None:
         opts = cls.build_options(ckv, cls.parse_options(options))
         d = start_artifacts(ckv.path, cls.name)
         # Building (k-means, graph insertion) is parallel inside Faiss: undo the single-thread setting
@@ -98,14 +98,15 @@ class FaissAnnStrategy(SelectionStrategy):
             faiss.omp_set_num_threads(saved_threads)
 
     @classmethod
-    def _build_heads(cls, ckv: ContextKV, opts: dict, d: Path,
-                     progress: Callable[[int, int], None] | None) -> list[Path]:
+    def _build_heads(
+        cls, ckv: ContextKV, opts: dict, d: Path, progress: Callable[[int, int], None] | None
+    ) -> list[Path]:
         """Build and save one index per (layer, KV head); returns the files written."""
         L, H, D = ckv.n_layers, ckv.n_kv_heads, ckv.head_dim
         files = []
         for layer in range(L):
             for h in range(H):
-                x = ckv.keys[layer][h].float().numpy()                          # (N, D)
+                x = ckv.keys[layer][h].float().numpy()  # (N, D)
                 if opts["center"]:
                     # Queries are not shifted: q·(k − μ) ranks one query's keys exactly as q·k, and
                     # scores are recomputed exactly after the search, so μ is not needed later.
@@ -114,7 +115,7 @@ class FaissAnnStrategy(SelectionStrategy):
                 index = cls.new_index(D, x.shape[0], ckv.dtype, opts)
                 if not index.is_trained:
                     index.train(x)
-                index.add(x)                                                    # ids 0..N-1 = positions
+                index.add(x)  # ids 0..N-1 = positions
                 files.append(d / f"l{layer:03d}.h{h:02d}.faiss")
                 write_file(files[-1], faiss.serialize_index(index))
                 if progress:
@@ -125,13 +126,15 @@ class FaissAnnStrategy(SelectionStrategy):
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
         wanted = {k: v for k, v in self.build_options(self.ckv, self.options).items() if k in self.options.given}
         d = artifact_dir(self.ckv.path, self.name)
-        self.built = ensure_artifacts(self.ckv, self.name, wanted,
-                                      lambda: self.build_artifacts(self.ckv, self.options, progress))
+        self.built = ensure_artifacts(
+            self.ckv, self.name, wanted, lambda: self.build_artifacts(self.ckv, self.options, progress)
+        )
         L, H = self.ckv.n_layers, self.ckv.n_kv_heads
         # mmap=False reads the indices into RAM (faster searches, RAM = artifact bytes).
         flags = self.IO_FLAGS if self.options.mmap else 0
-        self.indices = [[faiss.read_index(str(d / f"l{layer:03d}.h{h:02d}.faiss"), flags)
-                         for h in range(H)] for layer in range(L)]
+        self.indices = [
+            [faiss.read_index(str(d / f"l{layer:03d}.h{h:02d}.faiss"), flags) for h in range(H)] for layer in range(L)
+        ]
         self.threads = self.options.threads or default_threads()
         self.pool = HeadPool(self.threads)  # parallel heads, each search single-threaded (threads.py)
         # The selector must outlive every search that uses it: keep it on the instance.
@@ -143,15 +146,15 @@ class FaissAnnStrategy(SelectionStrategy):
         if k >= self.n_searchable:
             return self.all_tokens(q, layer)
         self.stats.searches += 1
-        qn = np.ascontiguousarray(q.numpy(), dtype=np.float32)                  # (Hkv, Q, D)
+        qn = np.ascontiguousarray(q.numpy(), dtype=np.float32)  # (Hkv, Q, D)
         row, params = self.indices[layer], self.params_for(k)
 
         def one(h: int) -> np.ndarray:
-            return row[h].search(qn[h], k, params=params)[1]                    # (Q, k) ids, -1 = none
+            return row[h].search(qn[h], k, params=params)[1]  # (Q, k) ids, -1 = none
 
         parts = self.pool.map(one, range(q.shape[0]))
-        ids = torch.from_numpy(np.stack(parts))                                 # (Hkv, Q, k)
-        scores = exact_scores(self.ckv.keys[layer], q, ids)                     # (Hkv, Q, k) exact q·k
+        ids = torch.from_numpy(np.stack(parts))  # (Hkv, Q, k)
+        scores = exact_scores(self.ckv.keys[layer], q, ids)  # (Hkv, Q, k) exact q·k
         return Selection(ids=ids, scores=scores)
 
 
@@ -159,8 +162,9 @@ class FaissAnnStrategy(SelectionStrategy):
 class IvfOptions(AnnOptions):
     """ivf's options."""
 
-    nlist: int | None = option(None, "Number of clusters (default 4·√N, at most N/39 so k-means has data).",
-                               build=True, check=POSITIVE)
+    nlist: int | None = option(
+        None, "Number of clusters (default 4·√N, at most N/39 so k-means has data).", build=True, check=POSITIVE
+    )
     nprobe: int | None = option(None, "Clusters scanned per query (default max(1, nlist/8)).", check=POSITIVE)
     spherical: bool = option(False, "Spherical k-means for the centroids (mixed results).", build=True)
 

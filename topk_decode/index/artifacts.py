@@ -59,7 +59,7 @@ def build_lock(cache: str | os.PathLike, name: str) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError:
-            pass            # no flock on this filesystem: builds may then race, done.json still checks them
+            pass  # no flock on this filesystem: builds may then race, done.json still checks them
         yield
     finally:
         os.close(fd)
@@ -75,9 +75,11 @@ def writing(d: Path, name: str) -> Iterator[None]:
     except BaseException as e:
         remove_contents(d)
         if isinstance(e, OSError):
-            raise TopkError(f"cannot write the {name} artifacts into {d} ({e.strerror or e}); the partial files "
-                            f"were removed; free some space or build them where the cache is writable: "
-                            f"topk prefill ... --strategy {name}") from None
+            raise TopkError(
+                f"cannot write the {name} artifacts into {d} ({e.strerror or e}); the partial files "
+                f"were removed; free some space or build them where the cache is writable: "
+                f"topk prefill ... --strategy {name}"
+            ) from None
         raise
 
 
@@ -96,7 +98,7 @@ def remove_contents(d: Path) -> None:
             else:
                 os.unlink(e.path)
         except OSError:
-            pass            # best effort: what stays has no done.json, so it never counts as built
+            pass  # best effort: what stays has no done.json, so it never counts as built
 
 
 def write_file(path: Path, data) -> None:
@@ -120,8 +122,10 @@ def start_artifacts(cache: str | os.PathLike, name: str) -> Path:
         d.mkdir(parents=True, exist_ok=True)
         (d / DONE).unlink(missing_ok=True)
     except OSError as e:
-        raise TopkError(f"cannot write the {name} index into {d} ({e.strerror}); build it where the cache "
-                        f"is writable: topk prefill ... --strategy {name}") from None
+        raise TopkError(
+            f"cannot write the {name} index into {d} ({e.strerror}); build it where the cache "
+            f"is writable: topk prefill ... --strategy {name}"
+        ) from None
     return d
 
 
@@ -138,9 +142,9 @@ def write_done(d: Path, files: list[Path], meta: dict, cache_id: str = "") -> No
     for p in files:
         p = Path(p)
         try:
-            rel = p.relative_to(d).as_posix()          # a path under d, as given (relative caches too)
+            rel = p.relative_to(d).as_posix()  # a path under d, as given (relative caches too)
         except ValueError:
-            rel = p.as_posix()                         # a name already relative to d
+            rel = p.as_posix()  # a name already relative to d
         table[rel] = {"bytes": (d / rel).stat().st_size, "blake2b": blake2_file(d / rel)}
     tmp = d / (DONE + ".tmp")
     with open(tmp, "w") as f:
@@ -156,10 +160,16 @@ def read_done(d: Path) -> dict | None:
         done = json.loads((d / DONE).read_text())
     except (OSError, ValueError):
         return None
-    ok = (isinstance(done, dict) and done.get("version") == DONE_VERSION and isinstance(done.get("meta"), dict)
-          and isinstance(done.get("files"), dict)
-          and all(isinstance(f, dict) and isinstance(f.get("bytes"), int) and isinstance(f.get("blake2b"), str)
-                  for f in done["files"].values()))
+    ok = (
+        isinstance(done, dict)
+        and done.get("version") == DONE_VERSION
+        and isinstance(done.get("meta"), dict)
+        and isinstance(done.get("files"), dict)
+        and all(
+            isinstance(f, dict) and isinstance(f.get("bytes"), int) and isinstance(f.get("blake2b"), str)
+            for f in done["files"].values()
+        )
+    )
     return done if ok else None
 
 
@@ -185,8 +195,10 @@ def verify_done(d: Path, full: bool | None = None) -> dict:
         if Path(rel).is_absolute() or ".." in Path(rel).parts or not p.is_file():
             raise TopkError(f"corrupted cache: missing file {p} (delete {d} to rebuild)")
         if p.stat().st_size != rec["bytes"]:
-            raise TopkError(f"corrupted cache: {p} has {p.stat().st_size} bytes, expected {rec['bytes']} "
-                            f"(truncated?; delete {d} to rebuild)")
+            raise TopkError(
+                f"corrupted cache: {p} has {p.stat().st_size} bytes, expected {rec['bytes']} "
+                f"(truncated?; delete {d} to rebuild)"
+            )
         if full and blake2_file(p) != rec["blake2b"]:
             raise TopkError(f"corrupted cache: checksum mismatch in {p} (delete {d} to rebuild)")
     return done["meta"]
@@ -242,5 +254,19 @@ def ensure_artifacts(ckv, name: str, wanted: dict, build: Callable[[], None]) ->
         return recorded_options(ckv.path, name)
 
 
-__all__ = ["DONE", "ensure_artifacts", "artifact_dir", "build_lock", "writing", "remove_contents", "write_file", "start_artifacts", "write_done", "read_done", "verify_done",
-           "artifacts_complete", "recorded_options", "artifacts_match"]
+__all__ = [
+    "DONE",
+    "ensure_artifacts",
+    "artifact_dir",
+    "build_lock",
+    "writing",
+    "remove_contents",
+    "write_file",
+    "start_artifacts",
+    "write_done",
+    "read_done",
+    "verify_done",
+    "artifacts_complete",
+    "recorded_options",
+    "artifacts_match",
+]

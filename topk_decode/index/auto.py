@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 AUTO = "auto"
-EXACT_MAX_TOKENS = 32_768    # at most this many context tokens: flat (exact); more: routed
+EXACT_MAX_TOKENS = 32_768  # at most this many context tokens: flat (exact); more: routed
 FAST = "routed"
 EXACT = "flat"
 
@@ -29,10 +29,10 @@ class AutoChoice:
 def choose(n_tokens: int) -> AutoChoice:
     """The strategy `auto` picks for a context of `n_tokens` tokens."""
     if n_tokens <= EXACT_MAX_TOKENS:
-        return AutoChoice(EXACT, f"auto: {n_tokens:,} context tokens ≤ {EXACT_MAX_TOKENS:,}, "
-                                 "the exact scan is cheap")
-    return AutoChoice(FAST, f"auto: {n_tokens:,} context tokens > {EXACT_MAX_TOKENS:,}, "
-                            "routed reads ~4 % of the keys per step")
+        return AutoChoice(EXACT, f"auto: {n_tokens:,} context tokens ≤ {EXACT_MAX_TOKENS:,}, the exact scan is cheap")
+    return AutoChoice(
+        FAST, f"auto: {n_tokens:,} context tokens > {EXACT_MAX_TOKENS:,}, routed reads ~4 % of the keys per step"
+    )
 
 
 def resolve(name: str, n_tokens: int) -> AutoChoice:

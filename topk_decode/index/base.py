@@ -16,8 +16,9 @@ tail from `hi` on live in the decoder's exact GPU window, and the two sets must 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -128,8 +129,12 @@ class SelectionStrategy(ABC):
         return max(0, self.hi - self.lo)
 
     @classmethod  # noqa: B027 - an optional hook: strategies without artifacts build nothing
-    def build_artifacts(cls, ckv: ContextKV, options: dict | StrategyOptions | None = None,
-                        progress: Callable[[int, int], None] | None = None) -> None:
+    def build_artifacts(
+        cls,
+        ckv: ContextKV,
+        options: dict | StrategyOptions | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
         """Build and save, under `artifact_dir(ckv.path, cls.name)`, what the strategy needs on disk.
 
         Called by `topk prefill --strategy NAME` (and by `prepare` on first open when missing).
@@ -172,15 +177,15 @@ class SelectionStrategy(ABC):
                 their keys are never read. None: every head.
         """
         if heads is None:
-            keys = self.ckv.keys[layer][:, self.lo:self.hi]             # (Hkv, M, D)
-            scores = torch.bmm(q, keys.float().transpose(1, 2))         # (Hkv, Q, M)
+            keys = self.ckv.keys[layer][:, self.lo : self.hi]  # (Hkv, M, D)
+            scores = torch.bmm(q, keys.float().transpose(1, 2))  # (Hkv, Q, M)
             ids = torch.arange(self.lo, self.hi, dtype=torch.int64).expand_as(scores)
             return Selection(ids=ids, scores=scores)
         hkv, Q, _ = q.shape
         ids = torch.full((hkv, Q, self.n_searchable), -1, dtype=torch.int64)
         scores = torch.zeros((hkv, Q, self.n_searchable), dtype=torch.float32)
         idx = torch.tensor(heads, dtype=torch.int64)
-        keys = self.ckv.keys[layer].index_select(0, idx)[:, self.lo:self.hi]   # (R, M, D)
+        keys = self.ckv.keys[layer].index_select(0, idx)[:, self.lo : self.hi]  # (R, M, D)
         scores[idx] = torch.bmm(q[idx], keys.float().transpose(1, 2))
         ids[idx] = torch.arange(self.lo, self.hi, dtype=torch.int64)
         return Selection(ids=ids, scores=scores)
@@ -214,8 +219,16 @@ class FusedAttention(ABC):
         """Whether `select_and_attend` runs for this layer, budget and output buffer (dtype, layout)."""
 
     @abstractmethod
-    def select_and_attend(self, layer: int, q: torch.Tensor, k: int, state: Any, o: torch.Tensor,
-                          mz: torch.Tensor, route: tuple[torch.Tensor, torch.Tensor] | None = None) -> Selection:
+    def select_and_attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: int,
+        state: Any,
+        o: torch.Tensor,
+        mz: torch.Tensor,
+        route: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Selection:
         """`select` and the context part in one pass: writes what `ContextAttention.attend` would (estimate
         included) into o and mz and returns the selection (for observers and counts).
 

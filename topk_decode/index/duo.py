@@ -12,9 +12,10 @@ head has no index, no search and no CPU→GPU traffic: its slots come back as -1
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import faiss
 import numpy as np
@@ -23,8 +24,8 @@ import torch
 from topk_decode.errors import TopkError
 from topk_decode.index.artifacts import artifact_dir, read_done, start_artifacts, verify_done, write_done, writing
 from topk_decode.index.base import Selection
-from topk_decode.index.options import StrategyOptions, option
 from topk_decode.index.flat import FlatStrategy, add_in_blocks, new_flat_index
+from topk_decode.index.options import StrategyOptions, option
 from topk_decode.index.threads import HeadPool, default_threads
 
 PATTERN_FILE = "full_attention_heads.tsv"
@@ -49,14 +50,17 @@ def parse_pattern(path: str | Path, n_layers: int, n_kv_heads: int) -> torch.Ten
         raise TopkError(f"unreadable duo pattern file {path}: {e}") from None
     rows = [line for line in text.splitlines() if line.strip()]
     if len(rows) != n_layers:
-        raise TopkError(f"duo pattern {path} has {len(rows)} rows, the model has {n_layers} layers "
-                        f"(one row per layer expected)")
+        raise TopkError(
+            f"duo pattern {path} has {len(rows)} rows, the model has {n_layers} layers (one row per layer expected)"
+        )
     gates = []
     for i, line in enumerate(rows):
         cells = line.strip().split("\t")
         if len(cells) != n_kv_heads:
-            raise TopkError(f"duo pattern {path} row {i + 1} has {len(cells)} columns, the model has "
-                            f"{n_kv_heads} KV heads (tab-separated, one column per KV head expected)")
+            raise TopkError(
+                f"duo pattern {path} row {i + 1} has {len(cells)} columns, the model has "
+                f"{n_kv_heads} KV heads (tab-separated, one column per KV head expected)"
+            )
         try:
             vals = [float(c) for c in cells]
         except ValueError:
@@ -108,12 +112,16 @@ def retrieval_mask(gates: torch.Tensor, sparsity: float) -> torch.Tensor:
 class DuoOptions(StrategyOptions):
     """duo's options."""
 
-    pattern: str | None = option(None, "Path of a `full_attention_heads.tsv` (DuoAttention's file or `topk "
-                                 "calibrate-duo` output); default: the one stored in the cache's duo artifacts.",
-                                 build=True)
+    pattern: str | None = option(
+        None,
+        "Path of a `full_attention_heads.tsv` (DuoAttention's file or `topk "
+        "calibrate-duo` output); default: the one stored in the cache's duo artifacts.",
+        build=True,
+    )
     sparsity: float = option(0.5, "Fraction of KV heads that become streaming heads.")
-    backend: str = option("faiss", "The retrieval heads' exact search: faiss or torch (as flat's).",
-                          check=("faiss", "torch"))
+    backend: str = option(
+        "faiss", "The retrieval heads' exact search: faiss or torch (as flat's).", check=("faiss", "torch")
+    )
     threads: int | None = option(None, "Parallel head searches (default: CPU cores).")
 
 
@@ -124,8 +132,9 @@ class DuoStrategy(FlatStrategy):
     Options = DuoOptions
 
     @classmethod
-    def build_artifacts(cls, ckv, options: dict | None = None,
-                        progress: Callable[[int, int], None] | None = None) -> None:
+    def build_artifacts(
+        cls, ckv, options: dict | None = None, progress: Callable[[int, int], None] | None = None
+    ) -> None:
         """Validate the `pattern` option against the cache's model and store it in the cache.
 
         Args:
@@ -135,8 +144,10 @@ class DuoStrategy(FlatStrategy):
         """
         src = cls.parse_options(options).pattern
         if not src:
-            raise TopkError("duo needs a head pattern: pass pattern=PATH (DuoAttention's full_attention_heads.tsv "
-                            "or the output of `topk calibrate-duo`)")
+            raise TopkError(
+                "duo needs a head pattern: pass pattern=PATH (DuoAttention's full_attention_heads.tsv "
+                "or the output of `topk calibrate-duo`)"
+            )
         parse_pattern(src, ckv.n_layers, ckv.n_kv_heads)
         out = start_artifacts(ckv.path, cls.name)
         with writing(out, cls.name):
@@ -149,19 +160,22 @@ class DuoStrategy(FlatStrategy):
             return Path(given)
         d = artifact_dir(self.ckv.path, self.name)
         if read_done(d) is not None:
-            verify_done(d)          # the stored pattern is the one that was validated at build
+            verify_done(d)  # the stored pattern is the one that was validated at build
             return d / PATTERN_FILE
-        raise TopkError("duo needs a head pattern: pass strategy option pattern=PATH (DuoAttention's "
-                        "full_attention_heads.tsv or `topk calibrate-duo` output)")
+        raise TopkError(
+            "duo needs a head pattern: pass strategy option pattern=PATH (DuoAttention's "
+            "full_attention_heads.tsv or `topk calibrate-duo` output)"
+        )
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
         sparsity = self.options.sparsity
         self.gates = parse_pattern(self._pattern_path(), self.ckv.n_layers, self.ckv.n_kv_heads)
-        self.retrieval = retrieval_mask(self.gates, sparsity)                # (L, Hkv) bool
+        self.retrieval = retrieval_mask(self.gates, sparsity)  # (L, Hkv) bool
         self.retrieval_heads = [torch.nonzero(r).flatten().tolist() for r in self.retrieval]
         n_stream = int((~self.retrieval).sum())
-        self.stats.extra.update(streaming_heads=0, pattern_streaming=n_stream,
-                                pattern_retrieval=int(self.retrieval.sum()))
+        self.stats.extra.update(
+            streaming_heads=0, pattern_streaming=n_stream, pattern_retrieval=int(self.retrieval.sum())
+        )
         # Flat's search machinery (backend, per-head thread pool) without its all-heads index build.
         self.backend = self.options.backend
         self.threads = self.options.threads or default_threads()
@@ -173,7 +187,7 @@ class DuoStrategy(FlatStrategy):
         todo = [(layer, h) for layer, hs in enumerate(self.retrieval_heads) for h in hs]
         for i, (layer, h) in enumerate(todo):
             index = new_flat_index(self.ckv.head_dim, self.ckv.dtype)
-            add_in_blocks(index, self.ckv.keys[layer][h, self.lo:self.hi])
+            add_in_blocks(index, self.ckv.keys[layer][h, self.lo : self.hi])
             self.head_index[(layer, h)] = index
             if progress:
                 progress(i + 1, len(todo))
@@ -200,7 +214,7 @@ class DuoStrategy(FlatStrategy):
             empty = torch.empty((hkv, Q, 0))
             return Selection(ids=empty.long(), scores=empty, searched=False)
         if k >= self.n_searchable:
-            return self.all_tokens(q, layer, heads)          # retrieval heads only, exact
+            return self.all_tokens(q, layer, heads)  # retrieval heads only, exact
         ids = torch.full((hkv, Q, k), -1, dtype=torch.int64)
         scores = torch.zeros((hkv, Q, k), dtype=torch.float32)
         self.stats.searches += 1

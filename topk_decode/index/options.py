@@ -16,9 +16,9 @@ from typing import Any, ClassVar
 
 from topk_decode.errors import TopkError
 
-POSITIVE = "positive"   # check: an integer > 0
-FRACTION = "fraction"   # check: a number in (0, 1]
-NON_NEGATIVE = "non-negative"   # check: an integer ≥ 0
+POSITIVE = "positive"  # check: an integer > 0
+FRACTION = "fraction"  # check: a number in (0, 1]
+NON_NEGATIVE = "non-negative"  # check: an integer ≥ 0
 
 _TYPE_WORDS = {int: "an integer", float: "a number", bool: "a boolean (true/false)", str: "a string"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -58,9 +58,9 @@ def coerce(value: Any, kind: type) -> Any:
             return float(value.strip())
     elif kind is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)   # e.g. pattern=2024.tsv stays a path even if it looked like a number
+            return str(value)  # e.g. pattern=2024.tsv stays a path even if it looked like a number
         if isinstance(value, bool):
-            return str(value).lower()   # device_route=false: the CLI reads it as a boolean
+            return str(value).lower()  # device_route=false: the CLI reads it as a boolean
     raise ValueError(value)
 
 
@@ -132,8 +132,9 @@ class StrategyOptions:
             try:
                 value = coerce(value, kinds[key])
             except (ValueError, TypeError):
-                raise TopkError(f"option {key} of strategy {name} must be {_TYPE_WORDS[kinds[key]]}, "
-                                f"got {value!r}") from None
+                raise TopkError(
+                    f"option {key} of strategy {name} must be {_TYPE_WORDS[kinds[key]]}, got {value!r}"
+                ) from None
             values[key] = _check(key, value, fields[key].metadata["check"])
         return cls(given=frozenset(values), **values)
 
@@ -157,5 +158,7 @@ class StrategyOptions:
 def doc_table(options: type[StrategyOptions]) -> list[tuple[str, str, Any, bool, str]]:
     """(name, type name, default, build, doc) per option: for docs and `--help` texts."""
     kinds = options.types()
-    return [(name, kinds[name].__name__, f.default, f.metadata["build"], f.metadata["doc"])
-            for name, f in options.fields().items()]
+    return [
+        (name, kinds[name].__name__, f.default, f.metadata["build"], f.metadata["doc"])
+        for name, f in options.fields().items()
+    ]

@@ -12,9 +12,10 @@ the retrieved set never overlaps the decoder's window.
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,11 +47,11 @@ def page_bounds(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch
     full = n // page_size
     mins, maxs = [], []
     if full:
-        pages = keys[:, :full * page_size].reshape(hkv, full, page_size, d)     # (Hkv, P_full, S, D)
+        pages = keys[:, : full * page_size].reshape(hkv, full, page_size, d)  # (Hkv, P_full, S, D)
         mins.append(pages.amin(dim=2))
         maxs.append(pages.amax(dim=2))
     if n % page_size:
-        rest = keys[:, full * page_size:]                                        # (Hkv, r, D)
+        rest = keys[:, full * page_size :]  # (Hkv, r, D)
         mins.append(rest.amin(dim=1, keepdim=True))
         maxs.append(rest.amax(dim=1, keepdim=True))
     return torch.cat(mins, dim=1), torch.cat(maxs, dim=1)
@@ -66,7 +67,9 @@ def page_scores(q: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor) -> torc
         (Hkv, Q, P) float32.
     """
     # max(q_d·min_d, q_d·max_d) = q_d⁺·max_d + q_d⁻·min_d (q⁺ = max(q, 0), q⁻ = min(q, 0)): two matmuls.
-    return torch.bmm(q.clamp(min=0), maxs.float().transpose(1, 2)) + torch.bmm(q.clamp(max=0), mins.float().transpose(1, 2))
+    return torch.bmm(q.clamp(min=0), maxs.float().transpose(1, 2)) + torch.bmm(
+        q.clamp(max=0), mins.float().transpose(1, 2)
+    )
 
 
 @dataclass(frozen=True)
@@ -84,8 +87,9 @@ class QuestStrategy(SelectionStrategy):
     Options = QuestOptions
 
     @classmethod
-    def build_artifacts(cls, ckv: ContextKV, options: dict | None = None,
-                        progress: Callable[[int, int], None] | None = None) -> None:
+    def build_artifacts(
+        cls, ckv: ContextKV, options: dict | None = None, progress: Callable[[int, int], None] | None = None
+    ) -> None:
         opts = cls.parse_options(options).build_values()
         d = start_artifacts(ckv.path, cls.name)
         files = []
@@ -101,8 +105,12 @@ class QuestStrategy(SelectionStrategy):
             write_done(d, files, {"options": dict(opts, dtype=dtype_name(ckv.dtype))}, ckv.cache_id)
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
-        built = ensure_artifacts(self.ckv, self.name, self.options.given_build_values(),
-                                 lambda: self.build_artifacts(self.ckv, self.options, progress))
+        built = ensure_artifacts(
+            self.ckv,
+            self.name,
+            self.options.given_build_values(),
+            lambda: self.build_artifacts(self.ckv, self.options, progress),
+        )
         self.page_size = int(built["page_size"])
         self.dense_layers = self.options.dense_layers
         d = artifact_dir(self.ckv.path, self.name)
@@ -124,12 +132,12 @@ class QuestStrategy(SelectionStrategy):
         if layer < self.dense_layers or k >= self.n_searchable or n_pages >= self.p_hi - self.p_lo:
             return self.all_tokens(q, layer)
         self.stats.searches += 1
-        mins = self.mins[layer][:, self.p_lo:self.p_hi - 1]                   # (Hkv, P', D), last page apart
-        maxs = self.maxs[layer][:, self.p_lo:self.p_hi - 1]
+        mins = self.mins[layer][:, self.p_lo : self.p_hi - 1]  # (Hkv, P', D), last page apart
+        maxs = self.maxs[layer][:, self.p_lo : self.p_hi - 1]
         top = page_scores(q, mins, maxs).topk(n_pages - 1, dim=-1).indices + self.p_lo  # (Hkv, Q, n-1)
         last = torch.full((*top.shape[:2], 1), self.p_hi - 1, dtype=torch.int64)
-        pages = torch.cat([top, last], dim=-1)                                 # (Hkv, Q, n_pages)
-        ids = (pages.unsqueeze(-1) * S + torch.arange(S)).flatten(2)           # (Hkv, Q, n_pages·S)
+        pages = torch.cat([top, last], dim=-1)  # (Hkv, Q, n_pages)
+        ids = (pages.unsqueeze(-1) * S + torch.arange(S)).flatten(2)  # (Hkv, Q, n_pages·S)
         ids = torch.where((ids >= self.lo) & (ids < self.hi), ids, -1)
-        scores = exact_scores(self.ckv.keys[layer], q, ids)                    # (Hkv, Q, K)
+        scores = exact_scores(self.ckv.keys[layer], q, ids)  # (Hkv, Q, K)
         return Selection(ids=ids, scores=scores)

@@ -21,7 +21,7 @@ def _linear(k: int, n_layers: int) -> tuple[int, ...]:
     ideal = [total * w / sum(weights) for w in weights]
     out = [int(x) for x in ideal]
     by_remainder = sorted(range(n_layers), key=lambda l: ideal[l] - out[l], reverse=True)
-    for l in by_remainder[:total - sum(out)]:
+    for l in by_remainder[: total - sum(out)]:
         out[l] += 1
     # Every layer retrieves at least one token: take it from the largest budgets.
     for l in range(n_layers):

@@ -15,10 +15,11 @@ the per-head searches, torch's OpenMP threads and Faiss's never multiply.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -36,16 +37,19 @@ def default_threads() -> int:
 def _torch_openmp():
     """The OpenMP runtime torch's CPU ops run on, if it can be reached and is per-thread; else None."""
     lib_dir = Path(torch.__file__).parent / "lib"
-    candidates = [p for pattern in ("libgomp*.so*", "libiomp*.so*", "libomp*.so*", "libomp*.dylib")
-                  for p in sorted(lib_dir.glob(pattern))]
-    for path in [str(p) for p in candidates] + [None]:   # None: the symbols the process has already loaded
+    candidates = [
+        p
+        for pattern in ("libgomp*.so*", "libiomp*.so*", "libomp*.so*", "libomp*.dylib")
+        for p in sorted(lib_dir.glob(pattern))
+    ]
+    for path in [str(p) for p in candidates] + [None]:  # None: the symbols the process has already loaded
         try:
             lib = ctypes.CDLL(path)
             set_n, get_n = lib.omp_set_num_threads, lib.omp_get_max_threads
         except (OSError, AttributeError):
             continue
         set_n.argtypes, get_n.restype = [ctypes.c_int], ctypes.c_int
-        torch.get_num_threads()          # torch sets this thread's count lazily once: let it happen first
+        torch.get_num_threads()  # torch sets this thread's count lazily once: let it happen first
         before = get_n()
         set_n(1)
         works = torch.get_num_threads() == 1 or before == 1
@@ -69,7 +73,7 @@ def omp_threads(n: int | None) -> Iterator[None]:
     if n is None:
         yield
         return
-    if _OMP is None:   # no per-thread control reachable: fall back to torch's process-wide setting
+    if _OMP is None:  # no per-thread control reachable: fall back to torch's process-wide setting
         before = torch.get_num_threads()
         torch.set_num_threads(min(n, before))
         try:
@@ -92,7 +96,7 @@ def _single_threaded_worker() -> None:
     # Faiss parallelises one search over its queries only (G·T of them per head): the pool runs the
     # heads in parallel, so each search stays on one thread. Set on the worker only (see the module doc).
     try:
-        import faiss   # optional at import time: the torch scan paths (flat, routed) run without it
+        import faiss  # optional at import time: the torch scan paths (flat, routed) run without it
     except ImportError:
         faiss = None
     if faiss is not None:
@@ -110,8 +114,11 @@ class HeadPool:
 
     def __init__(self, threads: int) -> None:
         self.threads = threads
-        self._pool = (ThreadPoolExecutor(threads, thread_name_prefix="topk-heads", initializer=_single_threaded_worker)
-                      if threads > 1 else None)
+        self._pool = (
+            ThreadPoolExecutor(threads, thread_name_prefix="topk-heads", initializer=_single_threaded_worker)
+            if threads > 1
+            else None
+        )
 
     def map(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
         """[fn(i) for i in items], in parallel when the pool has threads.

@@ -10,8 +10,9 @@ it stays above `threshold` — only the exact scores of the reused ids are recom
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -48,7 +49,7 @@ def scan_scores(q: torch.Tensor, keys: torch.Tensor, lo: int, hi: int, block: in
     out = torch.empty(q.shape[0], q.shape[1], hi - lo)
     for s in range(lo, hi, block):
         e = min(s + block, hi)
-        torch.bmm(q, keys[:, s:e].float().transpose(1, 2), out=out[:, :, s - lo:e - lo])
+        torch.bmm(q, keys[:, s:e].float().transpose(1, 2), out=out[:, :, s - lo : e - lo])
     return out
 
 
@@ -64,8 +65,9 @@ class SelectionCache:
 class TokenSelectOptions(StrategyOptions):
     """tokenselect's options."""
 
-    threshold: float = option(0.9, "Cosine similarity above which the last selection is reused (a value above 1 "
-                              "disables the cache).")
+    threshold: float = option(
+        0.9, "Cosine similarity above which the last selection is reused (a value above 1 disables the cache)."
+    )
 
 
 class TokenSelectStrategy(SelectionStrategy):
@@ -76,7 +78,7 @@ class TokenSelectStrategy(SelectionStrategy):
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
         self.threshold = self.options.threshold
-        self.scale = self.ckv.head_dim ** -0.5
+        self.scale = self.ckv.head_dim**-0.5
 
     def new_state(self) -> SelectionCache:
         return SelectionCache()
@@ -94,12 +96,12 @@ class TokenSelectStrategy(SelectionStrategy):
                 if float(cos) >= self.threshold:
                     self.stats.reused += 1
                     self.stats.extra["hit_rate"] = self.hit_rate()
-                    full = ids.expand(q.shape[0], q.shape[1], k)                  # (Hkv, Q, k)
+                    full = ids.expand(q.shape[0], q.shape[1], k)  # (Hkv, Q, k)
                     return Selection(ids=full, scores=exact_scores(keys, q, full), searched=False)
         self.stats.searches += 1
         self.stats.extra["hit_rate"] = self.hit_rate()
-        scores = scan_scores(q, keys, self.lo, self.hi)                          # (Hkv, Q, M)
-        ids = soft_vote(scores, self.scale).topk(k).indices                      # (k,) offsets in [lo, hi)
+        scores = scan_scores(q, keys, self.lo, self.hi)  # (Hkv, Q, M)
+        ids = soft_vote(scores, self.scale).topk(k).indices  # (k,) offsets in [lo, hi)
         full = ids.expand(q.shape[0], q.shape[1], k)
         sel = Selection(ids=full + self.lo, scores=scores.gather(2, full))
         if state is not None:

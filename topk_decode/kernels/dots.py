@@ -17,9 +17,8 @@ kernels/jit.py's `instruction_set` makes once per process.
 
 from __future__ import annotations
 
-import numpy as np
-
 import llvmlite.binding as llvm
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -27,15 +26,16 @@ from numba.extending import intrinsic, overload
 
 from topk_decode.kernels import jit
 
-_LANES = 32    # bf16 elements per 512-bit register: D must be a multiple
-GROUP = 4      # queries per `dot4` call: each key element is loaded once for four products
+_LANES = 32  # bf16 elements per 512-bit register: D must be a multiple
+GROUP = 4  # queries per `dot4` call: each key element is loaded once for four products
 
 
 def bf16_available(head_dim: int) -> bool:
     """Whether `dot4` can take bf16 queries here, for rows of `head_dim` elements (`jit.instruction_set`)."""
     return head_dim % _LANES == 0 and jit.instruction_set() == jit.BF16_DOT
 
-llvm.initialize_native_asmparser()   # numba's JIT needs it to assemble inline asm
+
+llvm.initialize_native_asmparser()  # numba's JIT needs it to assemble inline asm
 _V16F = ir.VectorType(ir.FloatType(), 16)
 _V32H = ir.VectorType(ir.IntType(16), _LANES)
 _I64 = ir.IntType(64)
@@ -63,16 +63,21 @@ def _sum_lanes4(builder, a):
     separate halving trees (28 instructions per key, as much as the dot products themselves)."""
     lo, hi = list(range(8)), list(range(8, 16))
     # (a0 | a1) halves: lanes 0-7 partial sums of a0, 8-15 of a1; likewise a2, a3
-    b01 = builder.fadd(_shuffle(builder, a[0], a[1], lo + [16 + x for x in lo]),
-                       _shuffle(builder, a[0], a[1], hi + [16 + x for x in hi]))
-    b23 = builder.fadd(_shuffle(builder, a[2], a[3], lo + [16 + x for x in lo]),
-                       _shuffle(builder, a[2], a[3], hi + [16 + x for x in hi]))
+    b01 = builder.fadd(
+        _shuffle(builder, a[0], a[1], lo + [16 + x for x in lo]),
+        _shuffle(builder, a[0], a[1], hi + [16 + x for x in hi]),
+    )
+    b23 = builder.fadd(
+        _shuffle(builder, a[2], a[3], lo + [16 + x for x in lo]),
+        _shuffle(builder, a[2], a[3], hi + [16 + x for x in hi]),
+    )
     # lanes 4j..4j+3: four partial sums of a_j
     q0 = [0, 1, 2, 3, 8, 9, 10, 11]
     q1 = [4, 5, 6, 7, 12, 13, 14, 15]
-    c = builder.fadd(_shuffle(builder, b01, b23, q0 + [16 + x for x in q0]),
-                     _shuffle(builder, b01, b23, q1 + [16 + x for x in q1]))
-    c = builder.fadd(c, _shuffle(builder, c, c, [x ^ 2 for x in range(16)]))   # within each group of 4
+    c = builder.fadd(
+        _shuffle(builder, b01, b23, q0 + [16 + x for x in q0]), _shuffle(builder, b01, b23, q1 + [16 + x for x in q1])
+    )
+    c = builder.fadd(c, _shuffle(builder, c, c, [x ^ 2 for x in range(16)]))  # within each group of 4
     c = builder.fadd(c, _shuffle(builder, c, c, [x ^ 1 for x in range(16)]))
     return [builder.extract_element(c, ir.Constant(ir.IntType(32), 4 * j)) for j in range(4)]
 
@@ -81,8 +86,12 @@ def _sum_lanes4(builder, a):
 def _dot4_bf16(typingctx, keys, t, q, i):
     """(row t of keys) · (rows i .. i+3 of q), four float32: keys (N, D) and q (Qp, D) bf16 bits (uint16,
     rows contiguous), D a multiple of 32. Only where `bf16_available(D)`."""
-    if not (isinstance(keys, types.Array) and isinstance(q, types.Array)
-            and keys.dtype == types.uint16 and q.dtype == types.uint16):
+    if not (
+        isinstance(keys, types.Array)
+        and isinstance(q, types.Array)
+        and keys.dtype == types.uint16
+        and q.dtype == types.uint16
+    ):
         return None
     sig = types.UniTuple(types.float32, 4)(keys, t, q, i)
 
@@ -100,8 +109,8 @@ def _dot4_bf16(typingctx, keys, t, q, i):
         accs = [[cgutils.alloca_once_value(builder, ir.Constant(_V16F, None)) for _ in range(4)] for _ in range(2)]
         dp = _vdpbf16ps()
 
-        def chunk(c, acc):   # chunk c (32 elements) of the row into acc[0..3]
-            off = builder.mul(c, ir.Constant(_I64, 2 * _LANES))                   # bytes
+        def chunk(c, acc):  # chunk c (32 elements) of the row into acc[0..3]
+            off = builder.mul(c, ir.Constant(_I64, 2 * _LANES))  # bytes
             kv = _load_v32h(builder, kbase, off)
             for g in range(4):
                 qv = _load_v32h(builder, qbase, builder.add(off, builder.mul(ir.Constant(_I64, g), qstride)))
@@ -113,7 +122,7 @@ def _dot4_bf16(typingctx, keys, t, q, i):
             c = builder.shl(loop.index, one)
             chunk(c, accs[0])
             chunk(builder.add(c, one), accs[1])
-        with builder.if_then(builder.trunc(chunks, ir.IntType(1))):              # an odd last chunk (D = 96)
+        with builder.if_then(builder.trunc(chunks, ir.IntType(1))):  # an odd last chunk (D = 96)
             chunk(builder.sub(chunks, one), accs[0])
         sums = _sum_lanes4(builder, [builder.fadd(builder.load(e), builder.load(o)) for e, o in zip(*accs)])
         return context.make_tuple(builder, signature.return_type, sums)
@@ -124,8 +133,9 @@ def _dot4_bf16(typingctx, keys, t, q, i):
 def _rows4_codegen(context, builder, signature, args):
     """`score_rows4` for bf16 queries: the loop over rows in IR, so that the four queries' vectors are
     loaded once for all rows (D = 64 or 128: 8 or 16 registers) rather than once per row."""
-    ka, qa, cuta, sca, rowsa = (context.make_array(signature.args[j])(context, builder, args[j])
-                                for j in (0, 1, 6, 7, 8))
+    ka, qa, cuta, sca, rowsa = (
+        context.make_array(signature.args[j])(context, builder, args[j]) for j in (0, 1, 6, 7, 8)
+    )
     t0, t1, ahead, e = (context.cast(builder, args[j], signature.args[j], types.int64) for j in (2, 3, 4, 5))
     i8p, f32 = ir.IntType(8).as_pointer(), ir.FloatType()
     kdata = builder.bitcast(ka.data, i8p)
@@ -141,18 +151,24 @@ def _rows4_codegen(context, builder, signature, args):
     dp = _vdpbf16ps()
     zero = ir.Constant(_V16F, None)
 
-    def emit(nchunks):   # the row loop for rows of nchunks × 32 elements
-        qv = [[_load_v32h(builder, qdata, builder.add(builder.mul(ir.Constant(_I64, g), qstride),
-                                                      ir.Constant(_I64, 64 * c)))
-               for c in range(nchunks)] for g in range(GROUP)]
+    def emit(nchunks):  # the row loop for rows of nchunks × 32 elements
+        qv = [
+            [
+                _load_v32h(
+                    builder, qdata, builder.add(builder.mul(ir.Constant(_I64, g), qstride), ir.Constant(_I64, 64 * c))
+                )
+                for c in range(nchunks)
+            ]
+            for g in range(GROUP)
+        ]
         with cgutils.for_range_slice(builder, t0, t1, ir.Constant(_I64, 1), inc=True) as (t, _):
             ahead_row = builder.add(t, ahead)
             with builder.if_then(builder.icmp_signed("<", ahead_row, e)):
                 base = builder.gep(kdata, [builder.mul(ahead_row, kstride)])
-                for c in range(nchunks):   # a chunk is one 64-byte line
+                for c in range(nchunks):  # a chunk is one 64-byte line
                     jit.emit_prefetch(builder, builder.gep(base, [ir.Constant(_I64, 64 * c)]))
             row = builder.gep(kdata, [builder.mul(t, kstride)])
-            acc = [[zero] * GROUP, [zero] * GROUP]   # even and odd chunks: two chains per query
+            acc = [[zero] * GROUP, [zero] * GROUP]  # even and odd chunks: two chains per query
             for c in range(nchunks):
                 kv = _load_v32h(builder, row, ir.Constant(_I64, 64 * c))
                 for g in range(GROUP):
@@ -229,7 +245,7 @@ def dot4_f32(keys, t, q, i):
     a2 = np.float32(0.0)
     a3 = np.float32(0.0)
     for j in range(keys.shape[1]):
-        x = jit.bf16_float(keys[t, j])   # bf16 → fp32 is exact; vectorizes with the FMAs
+        x = jit.bf16_float(keys[t, j])  # bf16 → fp32 is exact; vectorizes with the FMAs
         a0 += q[i, j] * x
         a1 += q[i + 1, j] * x
         a2 += q[i + 2, j] * x
@@ -254,7 +270,7 @@ def pad_queries(q, qf, qb):
     for i in range(qf.shape[0]):
         for j in range(qf.shape[1]):
             qf[i, j] = q[i, j] if i < q.shape[0] else np.float32(0.0)
-    if qb.itemsize != 2:               # float32 qb (no bf16 path here, or qb is qf itself): left as it is
+    if qb.itemsize != 2:  # float32 qb (no bf16 path here, or qb is qf itself): left as it is
         return False
     exact = True
     bits = qf.view(np.uint32)
@@ -277,12 +293,11 @@ def _dot4_typed(keys, t, q, i):
 @overload(score_rows4, jit_options={"nogil": True, "fastmath": jit.FASTMATH})
 def _score_rows4_typed(keys, q, t0, t1, ahead, e, cut, sc, rows):
     if q.dtype == types.uint16:
+
         def bf16_rows(keys, q, t0, t1, ahead, e, cut, sc, rows):
             if keys.shape[1] == 128 or keys.shape[1] == 64:
                 return _score_rows4_bf16(keys, q, t0, t1, ahead, e, cut, sc, rows)
             return score_rows4_f32(keys, q, t0, t1, ahead, e, cut, sc, rows)
+
         return bf16_rows
-    return (lambda keys, q, t0, t1, ahead, e, cut, sc, rows:
-            score_rows4_f32(keys, q, t0, t1, ahead, e, cut, sc, rows))
-
-
+    return lambda keys, q, t0, t1, ahead, e, cut, sc, rows: score_rows4_f32(keys, q, t0, t1, ahead, e, cut, sc, rows)

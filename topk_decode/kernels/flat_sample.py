@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from topk_decode.kernels.jit import jit, pjit, prange, prefetch_row
 from topk_decode.kernels.dots import GROUP, dot4
+from topk_decode.kernels.jit import jit, pjit, prange, prefetch_row
 
 # The sample's cut is its _SAMPLE_RANK-th largest score, with the stride that aims it at SURVIVORS_PER_K·k
 # rows of the head. Two, not one: a guess that lets fewer than k rows through costs the head a second pass
@@ -19,7 +19,7 @@ from topk_decode.kernels.dots import GROUP, dot4
 _SAMPLE_RANK = 64
 SURVIVORS_PER_K = 2
 _MIN_STRIDE = 8
-_SAMPLE_AHEAD = 8   # sample rows prefetched ahead
+_SAMPLE_AHEAD = 8  # sample rows prefetched ahead
 
 
 def sample_plan(m: int, k: int) -> tuple[int, int, int]:
@@ -35,7 +35,7 @@ def sample_plan(m: int, k: int) -> tuple[int, int, int]:
 def _sample_rows(keys, qp, s, stride, r0, r1, sc):
     """sc[:, r] = the scores of sample row r (key row s + r·stride) against every padded query, r in [r0, r1)."""
     for r in range(r0, r1):
-        if r + _SAMPLE_AHEAD < r1:                    # rows far apart: no hardware prefetcher follows them
+        if r + _SAMPLE_AHEAD < r1:  # rows far apart: no hardware prefetcher follows them
             prefetch_row(keys, s + (r + _SAMPLE_AHEAD) * stride)
         for i in range(0, qp.shape[0], GROUP):
             sc[i, r], sc[i + 1, r], sc[i + 2, r], sc[i + 3, r] = dot4(keys, s + r * stride, qp, i)
@@ -73,9 +73,9 @@ def head_cuts(keys: np.ndarray, q: np.ndarray, lo: int, hi: int, k: int, workers
     if ns == 0:
         return spec
     qn = -(-Q // GROUP) * GROUP
-    qp = np.zeros((hkv, qn, q.shape[2]), dtype=q.dtype)              # (Hkv, Qp, D) padded
+    qp = np.zeros((hkv, qn, q.shape[2]), dtype=q.dtype)  # (Hkv, Qp, D) padded
     qp[:, :Q] = q
-    sc = np.empty((hkv, qn, ns), dtype=np.float32)                   # (Hkv, Qp, ns) the samples' scores
+    sc = np.empty((hkv, qn, ns), dtype=np.float32)  # (Hkv, Qp, ns) the samples' scores
     parts = max(1, min(workers // hkv, ns // (4 * rank)))
     _sample_par(keys, qp, lo, stride, rank, parts, Q, sc, spec)
     return spec

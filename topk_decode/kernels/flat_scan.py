@@ -33,9 +33,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from topk_decode.kernels.jit import jit, pjit, prange, prefetch_row
 from topk_decode.kernels.dots import GROUP, dot4, score_rows4
 from topk_decode.kernels.flat_sample import SURVIVORS_PER_K
+from topk_decode.kernels.jit import jit, pjit, prange, prefetch_row
+
 
 class Tasks(NamedTuple):
     """(T,) int64 each: a task's KV head, its rows [start, end) and the candidate slot it writes."""
@@ -60,7 +61,7 @@ class Candidates(NamedTuple):
     scores: np.ndarray
 
 
-_CHUNK = 64    # rows scored between two refreshes of the cuts (the other blocks' published ones)
+_CHUNK = 64  # rows scored between two refreshes of the cuts (the other blocks' published ones)
 # Rows prefetched ahead of the dot products: the hardware prefetcher alone left a task's reads and its
 # arithmetic one after the other (docs/BENCHMARKS.md "flat's numba scan against the DRAM floor").
 AHEAD = 16
@@ -74,14 +75,14 @@ def _keep_top(cs, cr, n, kb):
         cs: (cap,) float32 scores; cr: (cap,) int64 positions, in insertion (= position) order.
         n: candidates held (> kb); kb: how many to keep.
     """
-    cut = np.partition(cs[:n], n - kb)[n - kb]   # the kb-th largest score
+    cut = np.partition(cs[:n], n - kb)[n - kb]  # the kb-th largest score
     above = 0
     for x in range(n):
         if cs[x] > cut:
             above += 1
-    ties = kb - above                             # candidates equal to the cut that stay: the earliest
+    ties = kb - above  # candidates equal to the cut that stay: the earliest
     o = 0
-    for x in range(n):                            # in place: o ≤ x, so nothing unread is overwritten
+    for x in range(n):  # in place: o ≤ x, so nothing unread is overwritten
         v = cs[x]
         if v > cut or (v == cut and ties > 0):
             if v == cut:
@@ -138,10 +139,10 @@ def _block_pass(keys, qp, Q, s, e, kb, publish, bar, spec, cs, cr, cnt, thr, ahe
     published cuts); within a chunk they only rise, which the per-query test below applies exactly.
     """
     qn = qp.shape[0]
-    cap = cs.shape[1] - 1                           # the last column: where a row not kept is written
-    sc = np.empty(_CHUNK * qn, dtype=np.float32)    # (CHUNK·Qp,) the kept rows' scores, row-major
+    cap = cs.shape[1] - 1  # the last column: where a row not kept is written
+    sc = np.empty(_CHUNK * qn, dtype=np.float32)  # (CHUNK·Qp,) the kept rows' scores, row-major
     rows = np.empty(_CHUNK, dtype=np.int64)
-    cutv = np.full(qn, np.inf, dtype=np.float32)   # (Qp,) combined cuts; +inf for the padding queries
+    cutv = np.full(qn, np.inf, dtype=np.float32)  # (Qp,) combined cuts; +inf for the padding queries
     for t0 in range(s, e, _CHUNK):
         t1 = min(t0 + _CHUNK, e)
         for u in range(Q):
@@ -165,7 +166,7 @@ def _block_pass(keys, qp, Q, s, e, kb, publish, bar, spec, cs, cr, cnt, thr, ahe
                     thr[u] = own
                     cnt[u] = kb
                     cutv[u] = max(cutv[u], own)
-                    if publish and own > bar[u]:   # racy max: any published cut is a valid bound
+                    if publish and own > bar[u]:  # racy max: any published cut is a valid bound
                         bar[u] = own
 
 
@@ -180,7 +181,7 @@ def _padded_copy(q):
     pad = 64 // q.itemsize
     buf = np.zeros(qn * d + pad, dtype=q.dtype)
     off = ((64 - buf.ctypes.data % 64) % 64) // q.itemsize
-    qp = buf[off:off + qn * d].reshape((qn, d))
+    qp = buf[off : off + qn * d].reshape((qn, d))
     for i in range(Q):
         for j in range(d):
             qp[i, j] = q[i, j]
@@ -208,13 +209,13 @@ def _block_topk(keys, q, s, e, k, bar, spec, ids_out, sc_out, ahead):
     """
     Q = q.shape[0]
     kb = ids_out.shape[1]
-    publish = kb >= k                       # a cut of k candidates bounds the final k-th score
+    publish = kb >= k  # a cut of k candidates bounds the final k-th score
     qp = _padded_copy(q)
-    cap = (SURVIVORS_PER_K + 1) * kb + 64            # room to insert before a compaction
-    cs = np.empty((Q, cap + 1), dtype=np.float32)     # (Q, cap + 1) candidate scores, one spare slot
-    cr = np.empty((Q, cap + 1), dtype=np.int64)       # (Q, cap + 1) candidate positions
+    cap = (SURVIVORS_PER_K + 1) * kb + 64  # room to insert before a compaction
+    cs = np.empty((Q, cap + 1), dtype=np.float32)  # (Q, cap + 1) candidate scores, one spare slot
+    cr = np.empty((Q, cap + 1), dtype=np.int64)  # (Q, cap + 1) candidate positions
     cnt = np.zeros(Q, dtype=np.int64)
-    thr = np.full(Q, -np.inf, dtype=np.float32)       # each query's own cut: keep only scores above it
+    thr = np.full(Q, -np.inf, dtype=np.float32)  # each query's own cut: keep only scores above it
     _block_pass(keys, qp, Q, s, e, kb, publish, bar, spec, cs, cr, cnt, thr, ahead)
     for i in range(Q):
         n = cnt[i]
@@ -283,7 +284,7 @@ def _merge_query(ids_in, sc_in, i, low, k, ids_out, sc_out):
         k: results per query; ids_out, sc_out: (k,) out (−1 / 0 in unfilled slots).
     """
     nb, _, kb = ids_in.shape
-    cs = np.empty(nb * kb, dtype=np.float32)   # (B·kb,) the candidates, position order
+    cs = np.empty(nb * kb, dtype=np.float32)  # (B·kb,) the candidates, position order
     cr = np.empty(nb * kb, dtype=np.int64)
     n = 0
     for b in range(nb):

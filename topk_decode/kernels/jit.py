@@ -24,7 +24,7 @@ log = logging.getLogger("topk_decode.kernels")
 
 # Reassociation lets the dot products use SIMD lanes; no "ninf"/"nnan": −inf marks rows, slots, clusters.
 FASTMATH = {"reassoc", "contract"}
-BF16_DOT = "avx512bf16"   # `instruction_set()`'s answer where the hardware bf16 dot product runs
+BF16_DOT = "avx512bf16"  # `instruction_set()`'s answer where the hardware bf16 dot product runs
 FP32_DOT = "fp32"
 
 
@@ -65,7 +65,7 @@ def pjit(fn):
 prange = numba.prange
 
 
-_SET = threading.local()   # the count this thread last set through `set_threads` (numba's is per thread too)
+_SET = threading.local()  # the count this thread last set through `set_threads` (numba's is per thread too)
 
 
 def set_threads(n: int) -> None:
@@ -96,8 +96,9 @@ def prefetch(typingctx, addr):
 def emit_prefetch(builder, ptr) -> None:
     """IR for a prefetch of the line at `ptr` (an i8*): read, highest temporal locality, data cache."""
     i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                        "llvm.prefetch.p0")
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0"
+    )
     builder.call(fn, [ptr, i32(0), i32(3), i32(1)])
 
 
@@ -107,7 +108,7 @@ def prefetch_row(a, row):
     base = a.ctypes.data + row * a.strides[0]
     for b in range(0, a.strides[0], 64):
         prefetch(base + b)
-    prefetch(base + a.strides[0] - 1)                   # a row that straddles one more line
+    prefetch(base + a.strides[0] - 1)  # a row that straddles one more line
 
 
 @intrinsic
@@ -128,9 +129,11 @@ def bf16_float(typingctx, b):
 @intrinsic
 def cycles(typingctx):
     """The CPU's cycle counter (x86: rdtsc, constant rate), int64: timestamps inside compiled code."""
+
     def codegen(context, builder, signature, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
-                                            "llvm.readcyclecounter")
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.IntType(64), []), "llvm.readcyclecounter"
+        )
         return builder.call(fn, [])
 
     return numba.types.int64(), codegen
@@ -145,7 +148,7 @@ def now() -> int:
 @functools.lru_cache(maxsize=1)
 def cycles_per_second() -> float:
     """The rate of `cycles`, measured once per process against time.perf_counter over ~20 ms."""
-    now()                                              # compile first
+    now()  # compile first
     t0, c0 = time.perf_counter(), now()
     time.sleep(0.02)
     t1, c1 = time.perf_counter(), now()

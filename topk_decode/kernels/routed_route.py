@@ -8,7 +8,6 @@ index/routed/compiled.py `search_layer`.
 from __future__ import annotations
 
 import math
-
 from typing import NamedTuple
 
 import numpy as np
@@ -64,7 +63,7 @@ def _cluster_order(logit, lz, offsets, budget, n):
     Returns (order, taken, m): the first `taken` clusters of `order` hold m ≥ budget keys (or all of them).
     """
     C, Q = logit.shape
-    neg = np.full(C, np.inf, dtype=np.float32)            # −share, ascending = by priority
+    neg = np.full(C, np.inf, dtype=np.float32)  # −share, ascending = by priority
     for c in range(C):
         for i in range(Q):
             if lz[i] > -np.inf:
@@ -115,7 +114,7 @@ def _unread(e, size_factor, vmeans, order, taken, bounds, factor, mxs, rest_o, r
     vf = widened.view(np.float32)
     rest_o[:, :] = 0.0
     for p in range(bounds.shape[0] - 1):
-        for c in range(bounds[p], bounds[p + 1]):   # clusters outer: each mean value is read once for all queries
+        for c in range(bounds[p], bounds[p + 1]):  # clusters outer: each mean value is read once for all queries
             if read[c] or size_factor[c] == 0.0:
                 continue
             for i in range(Q):
@@ -136,9 +135,32 @@ def _unread(e, size_factor, vmeans, order, taken, bounds, factor, mxs, rest_o, r
 
 
 @jit
-def finish_head(keys, pos, offsets, size_factor, vmeans, qh, budget, k, scale, estimate, vals,
-                 values_by_row, attend, logit, e, bounds, mx_parts, z_parts, ids_out, sc_out, rest_o, rest_lse,
-                 o_out, mz_out):
+def finish_head(
+    keys,
+    pos,
+    offsets,
+    size_factor,
+    vmeans,
+    qh,
+    budget,
+    k,
+    scale,
+    estimate,
+    vals,
+    values_by_row,
+    attend,
+    logit,
+    e,
+    bounds,
+    mx_parts,
+    z_parts,
+    ids_out,
+    sc_out,
+    rest_o,
+    rest_lse,
+    o_out,
+    mz_out,
+):
     """One KV head after its routing tasks: cluster choice, scan up to `budget` keys, top-k, [estimate],
     [context part]. Returns the keys read.
 
@@ -163,7 +185,7 @@ def finish_head(keys, pos, offsets, size_factor, vmeans, qh, budget, k, scale, e
     for p in range(J):
         for i in range(Q):
             mxs[i] = max(mxs[i], mx_parts[p, i])
-    factor = np.zeros((J, Q), dtype=np.float32)             # each range's exponentials → the head's max
+    factor = np.zeros((J, Q), dtype=np.float32)  # each range's exponentials → the head's max
     lz = np.full(Q, -np.inf, dtype=np.float32)
     for i in range(Q):
         if mxs[i] == -np.inf:
@@ -177,8 +199,26 @@ def finish_head(keys, pos, offsets, size_factor, vmeans, qh, budget, k, scale, e
     order, taken, m = _cluster_order(logit, lz, offsets, budget, keys.shape[0])
     if estimate:
         _unread(e, size_factor, vmeans, order, taken, bounds, factor, mxs, rest_o, rest_lse)
-    read_clusters(keys, pos, offsets, order, taken, m, qh, scale, vals, values_by_row, rest_o, rest_lse,
-                   estimate, attend, ids_out, sc_out, o_out, mz_out)
+    read_clusters(
+        keys,
+        pos,
+        offsets,
+        order,
+        taken,
+        m,
+        qh,
+        scale,
+        vals,
+        values_by_row,
+        rest_o,
+        rest_lse,
+        estimate,
+        attend,
+        ids_out,
+        sc_out,
+        o_out,
+        mz_out,
+    )
     return m
 
 
@@ -220,11 +260,33 @@ def search_layer_par(a, q, budget, k, scale, estimate, attend, route, out, rest,
     for t in prange(hkv * J):
         h, p = t // J, t % J
         c0, c1 = bounds[p], bounds[p + 1]
-        route_chunk(q[h], cent[h, c0:c1], bias[h, c0:c1], scale, logit[h, c0:c1], e[h, c0:c1], mx_p[h, p],
-                    z_p[h, p])
+        route_chunk(q[h], cent[h, c0:c1], bias[h, c0:c1], scale, logit[h, c0:c1], e[h, c0:c1], mx_p[h, p], z_p[h, p])
     for h in prange(hkv):
         clock[h, 0] = cycles()
-        read[h] = finish_head(keys[h], pos[h], offsets[h], size_factor[h], vmeans[h], q[h], budget, k,
-                              scale, estimate, vals[h], values_by_row, attend, logit[h], e[h], bounds, mx_p[h],
-                              z_p[h], ids[h], scores[h], rest_o[h], rest_lse[h], o[h], mz[h])
+        read[h] = finish_head(
+            keys[h],
+            pos[h],
+            offsets[h],
+            size_factor[h],
+            vmeans[h],
+            q[h],
+            budget,
+            k,
+            scale,
+            estimate,
+            vals[h],
+            values_by_row,
+            attend,
+            logit[h],
+            e[h],
+            bounds,
+            mx_p[h],
+            z_p[h],
+            ids[h],
+            scores[h],
+            rest_o[h],
+            rest_lse[h],
+            o[h],
+            mz[h],
+        )
         clock[h, 1] = cycles()

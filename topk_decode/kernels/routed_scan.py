@@ -27,8 +27,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from topk_decode.kernels.jit import cycles, jit, pjit, prange, prefetch_row
 from topk_decode.kernels.dots import GROUP, dot4, pad_queries
+from topk_decode.kernels.jit import cycles, jit, pjit, prange, prefetch_row
 from topk_decode.kernels.topk import top_k_rows
 
 
@@ -68,6 +68,7 @@ class HeadClock(NamedTuple):
     read: np.ndarray
     clock: np.ndarray
 
+
 @jit
 def exp_into(x, out, bits):
     """out = exp(x) elementwise (float32), as a loop the compiler vectorizes (math.exp stays scalar).
@@ -86,7 +87,7 @@ def exp_into(x, out, bits):
         p = p * r + np.float32(1.6666665459e-1)
         p = p * r + np.float32(5.0000001201e-1)
         out[j] = p * r * r + r + np.float32(1.0)
-        bits[j] = (np.int32(k) + np.int32(127)) << 23                 # 2^k as float32 bits
+        bits[j] = (np.int32(k) + np.int32(127)) << 23  # 2^k as float32 bits
     scale = bits.view(np.float32)
     for j in range(x.shape[0]):
         out[j] *= scale[j]
@@ -165,7 +166,7 @@ def _scan(keys, pos, rows, qh):
     Q, d = qh.shape
     scores = np.empty((Q, m), dtype=np.float32)
     rpos = np.empty(m, dtype=np.int64)
-    qf = np.empty(((Q + GROUP - 1) // GROUP * GROUP, d), dtype=np.float32)   # (Qp, D) padded queries
+    qf = np.empty(((Q + GROUP - 1) // GROUP * GROUP, d), dtype=np.float32)  # (Qp, D) padded queries
     pad_queries(qh, qf, qf)
     scan_range(keys, pos, rows, 0, m, qf, qf, False, rpos, scores)
     return rpos, scores
@@ -303,8 +304,26 @@ def _attend(vals, src, cols, sc, scale, rest_o, rest_lse, with_rest, o_out, mz_o
 
 
 @jit
-def read_clusters(keys, pos, offsets, order, taken, m, qh, scale, vals, values_by_row, rest_o, rest_lse,
-                   with_rest, attend, ids_out, sc_out, o_out, mz_out):
+def read_clusters(
+    keys,
+    pos,
+    offsets,
+    order,
+    taken,
+    m,
+    qh,
+    scale,
+    vals,
+    values_by_row,
+    rest_o,
+    rest_lse,
+    with_rest,
+    attend,
+    ids_out,
+    sc_out,
+    o_out,
+    mz_out,
+):
     """What a head does once its clusters are chosen: the exact scan of the first `taken` of `order` (m rows),
     each query's top-k into ids_out / sc_out, and with `attend` the context part (merged with rest_o /
     rest_lse when `with_rest`) into o_out / mz_out."""
@@ -312,14 +331,12 @@ def read_clusters(keys, pos, offsets, order, taken, m, qh, scale, vals, values_b
     rpos, scores = _scan(keys, pos, rows, qh)
     cols = np.empty(ids_out.shape, dtype=np.int64)
     top_k_rows(scores, rpos, ids_out, sc_out, cols)
-    if attend:   # the values' row of each scan column: its layout row (values stored by row) or its position
-        _attend(vals, rows if values_by_row else rpos, cols, sc_out, scale, rest_o, rest_lse, with_rest, o_out,
-                mz_out)
+    if attend:  # the values' row of each scan column: its layout row (values stored by row) or its position
+        _attend(vals, rows if values_by_row else rpos, cols, sc_out, scale, rest_o, rest_lse, with_rest, o_out, mz_out)
 
 
 @jit
-def scan_head(keys, pos, offsets, order, taken, qh, k, scale, vals, values_by_row, ids_out, sc_out,
-              o_out, mz_out):
+def scan_head(keys, pos, offsets, order, taken, qh, k, scale, vals, values_by_row, ids_out, sc_out, o_out, mz_out):
     """One KV head whose clusters were chosen elsewhere (index/routed/device.py, on the decode device): scan the
     first `taken` clusters of `order`, top-k, context part (without an estimate: the device merges its
     own). Returns the keys read.
@@ -328,8 +345,26 @@ def scan_head(keys, pos, offsets, order, taken, qh, k, scale, vals, values_by_ro
     """
     m = count_rows(offsets, order, taken)
     no_rest_o, no_rest_lse = np.zeros((1, o_out.shape[1]), np.float32), np.zeros(1, np.float32)
-    read_clusters(keys, pos, offsets, order, taken, m, qh, scale, vals, values_by_row, no_rest_o,
-                   no_rest_lse, False, True, ids_out, sc_out, o_out, mz_out)
+    read_clusters(
+        keys,
+        pos,
+        offsets,
+        order,
+        taken,
+        m,
+        qh,
+        scale,
+        vals,
+        values_by_row,
+        no_rest_o,
+        no_rest_lse,
+        False,
+        True,
+        ids_out,
+        sc_out,
+        o_out,
+        mz_out,
+    )
     return m
 
 
@@ -347,6 +382,20 @@ def scan_layer_par(a, order, take, q, k, scale, out, heads):
     read, clock = heads
     for h in prange(keys.shape[0]):
         clock[h, 0] = cycles()
-        read[h] = scan_head(keys[h], pos[h], offsets[h], order[h], take[h], q[h], k, scale, vals[h],
-                            values_by_row, ids[h], scores[h], o[h], mz[h])
+        read[h] = scan_head(
+            keys[h],
+            pos[h],
+            offsets[h],
+            order[h],
+            take[h],
+            q[h],
+            k,
+            scale,
+            vals[h],
+            values_by_row,
+            ids[h],
+            scores[h],
+            o[h],
+            mz[h],
+        )
         clock[h, 1] = cycles()

@@ -24,28 +24,39 @@ from typing import NamedTuple
 
 import numpy as np
 
-from topk_decode.kernels.jit import cycles, jit, pjit, prange
 from topk_decode.kernels.dots import pad_queries
+from topk_decode.kernels.jit import cycles, jit, pjit, prange
+from topk_decode.kernels.routed_scan import (
+    cluster_rows_into,
+    count_rows,
+    hit_rows,
+    round_bf16,
+    scan_range,
+    slot_weights,
+    sum_values,
+)
 from topk_decode.kernels.topk import top_k_one
-from topk_decode.kernels.routed_scan import (cluster_rows_into, count_rows, hit_rows, round_bf16, scan_range,
-                                             slot_weights, sum_values)
 
 
 class SplitScratch(NamedTuple):
     """The split call's buffers for `cap` rows per head (`new_scratch`)."""
 
-    rows: np.ndarray      # (Hkv, cap) int64 layout rows of the chosen clusters
-    rpos: np.ndarray      # (Hkv, cap) int64 their positions
-    scores: np.ndarray    # (Hkv, Q, cap) float32 exact scores
-    w: np.ndarray         # (Hkv, Q, cap) float32 softmax weights of the selected rows (0 elsewhere)
-    part: np.ndarray      # (pieces, Hkv, Q, D) float32 partial outputs
+    rows: np.ndarray  # (Hkv, cap) int64 layout rows of the chosen clusters
+    rpos: np.ndarray  # (Hkv, cap) int64 their positions
+    scores: np.ndarray  # (Hkv, Q, cap) float32 exact scores
+    w: np.ndarray  # (Hkv, Q, cap) float32 softmax weights of the selected rows (0 elsewhere)
+    part: np.ndarray  # (pieces, Hkv, Q, D) float32 partial outputs
 
 
 def new_scratch(hkv: int, Q: int, d: int, cap: int, pieces: int) -> SplitScratch:
     """Buffers for a split call of `pieces` pieces over Hkv heads of Q queries, up to `cap` rows per head."""
-    return SplitScratch(np.empty((hkv, cap), np.int64), np.empty((hkv, cap), np.int64),
-                        np.empty((hkv, Q, cap), np.float32), np.empty((hkv, Q, cap), np.float32),
-                        np.empty((pieces, hkv, Q, d), np.float32))
+    return SplitScratch(
+        np.empty((hkv, cap), np.int64),
+        np.empty((hkv, cap), np.int64),
+        np.empty((hkv, Q, cap), np.float32),
+        np.empty((hkv, Q, cap), np.float32),
+        np.empty((pieces, hkv, Q, d), np.float32),
+    )
 
 
 @jit
@@ -76,10 +87,23 @@ def _pad_heads(q, qf, qb, use_b):
 
 # What a split call reports, one record: keys read (all heads, the most in one head), slots filled, the pieces'
 # work (sum, most, span) in `cycles`, then the `cycles` at the call's start and at the end of each round.
-TALLY = np.dtype([("read", np.int64), ("most_read", np.int64), ("filled", np.int64), ("work", np.int64),
-                  ("slowest", np.int64), ("span", np.int64), ("start", np.int64), ("rows", np.int64),
-                  ("scan", np.int64), ("top_k", np.int64), ("values", np.int64), ("sums", np.int64)])
-ROUNDS = ("rows", "scan", "top_k", "values", "sums")   # TALLY's round stamps, in order
+TALLY = np.dtype(
+    [
+        ("read", np.int64),
+        ("most_read", np.int64),
+        ("filled", np.int64),
+        ("work", np.int64),
+        ("slowest", np.int64),
+        ("span", np.int64),
+        ("start", np.int64),
+        ("rows", np.int64),
+        ("scan", np.int64),
+        ("top_k", np.int64),
+        ("values", np.int64),
+        ("sums", np.int64),
+    ]
+)
+ROUNDS = ("rows", "scan", "top_k", "values", "sums")  # TALLY's round stamps, in order
 
 
 def new_tally() -> np.ndarray:
@@ -187,10 +211,11 @@ def split_layer_par(a, order, take, q, qf, qb, k, scale, pieces, buf, out, o16, 
         # zeroed by the task that scatters into it (its lines then sit in this core's cache, not in the scan
         # pieces' caches); no measurable change on the host either way (docs/BENCHMARKS.md "segmented k-means, Qwen2.5-7B at 1M, one position array, huge pages")
         w[h, i, :n] = 0.0
-        ms[h, i], zs[h, i] = slot_weights(scores[h, i], cols, scale, w[h, i], np.empty(K, np.float32),
-                                           np.empty(K, np.float32), np.empty(K, np.int32))
+        ms[h, i], zs[h, i] = slot_weights(
+            scores[h, i], cols, scale, w[h, i], np.empty(K, np.float32), np.empty(K, np.float32), np.empty(K, np.int32)
+        )
     tally[0].top_k = cycles()
-    for p in prange(pieces):   # the same row ranges as the scan: each piece sums the rows it scanned that were chosen
+    for p in prange(pieces):  # the same row ranges as the scan: each piece sums the rows it scanned that were chosen
         hits = np.empty(cap, np.int64)
         for h in range(hkv):
             r0, r1 = seg[p, h, 0], seg[p, h, 1]
@@ -203,7 +228,7 @@ def split_layer_par(a, order, take, q, qf, qb, k, scale, pieces, buf, out, o16, 
     for h in prange(hkv):
         o[h] = 0.0
         for p in range(pieces):
-            if seg[p, h, 1] > seg[p, h, 0]:        # pieces with rows of this head wrote a partial for it
+            if seg[p, h, 1] > seg[p, h, 0]:  # pieces with rows of this head wrote a partial for it
                 for i in range(Q):
                     for j in range(d):
                         o[h, i, j] += part[p, h, i, j]

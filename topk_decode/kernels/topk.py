@@ -61,14 +61,14 @@ def _kth_key(keys, n, need):
         counts[:] = 0
         for x in range(n):
             counts[(keys[x] >> shift) & mask] += 1
-        d, above = _bucket(counts[:int(mask) + 1], need)
+        d, above = _bucket(counts[: int(mask) + 1], need)
         kept = 0
-        for x in range(n):                         # keep the keys with digit d, in place (no branch)
+        for x in range(n):  # keep the keys with digit d, in place (no branch)
             kx = keys[x]
             keys[kept] = kx
             kept += ((kx >> shift) & mask) == d
         n, need = kept, need - above
-    return keys[0]                                  # all 32 bits fixed: the keys left are equal
+    return keys[0]  # all 32 bits fixed: the keys left are equal
 
 
 @jit

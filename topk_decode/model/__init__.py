@@ -4,8 +4,10 @@ import importlib
 
 # name → submodule; imported on first use, so checking a model path (loading, gguf) does not pull in
 # torch and transformers' model code.
-_EXPORTS = {**dict.fromkeys(("ModelShape", "attention_inputs", "finish_block", "final_logits", "rope"), "blocks"),
-            **dict.fromkeys(("eos_token_ids", "load_model", "load_tokenizer", "model_fingerprint"), "loading")}
+_EXPORTS = {
+    **dict.fromkeys(("ModelShape", "attention_inputs", "finish_block", "final_logits", "rope"), "blocks"),
+    **dict.fromkeys(("eos_token_ids", "load_model", "load_tokenizer", "model_fingerprint"), "loading"),
+}
 
 
 def __getattr__(name: str):

@@ -33,7 +33,7 @@ class ModelShape:
         return self.n_heads // self.n_kv_heads
 
     @classmethod
-    def from_config(cls, config) -> "ModelShape":
+    def from_config(cls, config) -> ModelShape:
         """Read the shape from a transformers config.
 
         Args:

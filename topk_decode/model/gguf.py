@@ -19,9 +19,9 @@ import shutil
 import struct
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 from topk_decode.errors import TopkError
 
@@ -89,8 +89,10 @@ def _require_packages() -> None:
         except ImportError:
             missing.append(name)
     if missing:
-        raise TopkError(f"reading GGUF files needs the package(s) {' and '.join(missing)}: "
-                        f"pip install {' '.join(missing)}  (or pip install 'topk-decode[gguf]')")
+        raise TopkError(
+            f"reading GGUF files needs the package(s) {' and '.join(missing)}: "
+            f"pip install {' '.join(missing)}  (or pip install 'topk-decode[gguf]')"
+        )
 
 
 # GGUF metadata value types → byte size (8 = string, 9 = array are variable).
@@ -320,13 +322,24 @@ def converted_dir(path: str | os.PathLike, progress: Progress | None = stderr_pr
         for stale in root.glob(f".{digest}.partial-*"):
             shutil.rmtree(stale, ignore_errors=True)
         tmp = root / f".{digest}.partial-{os.getpid()}"
-        say(f"converting {src.name} ({info.architecture}, {info.size / 2**20:.0f} MiB) to a bf16 checkpoint "
-            f"once, into {final}")
+        say(
+            f"converting {src.name} ({info.architecture}, {info.size / 2**20:.0f} MiB) to a bf16 checkpoint "
+            f"once, into {final}"
+        )
         t0 = time.perf_counter()
         try:
             _convert(src, tmp, say)
-            (tmp / MARKER).write_text(json.dumps({"source": str(src.resolve()), "sha256": digest,
-                                                  "architecture": info.architecture, "bytes": info.size}, indent=1))
+            (tmp / MARKER).write_text(
+                json.dumps(
+                    {
+                        "source": str(src.resolve()),
+                        "sha256": digest,
+                        "architecture": info.architecture,
+                        "bytes": info.size,
+                    },
+                    indent=1,
+                )
+            )
             if final.exists():  # an incomplete directory (no marker) left by hand or an old crash
                 shutil.rmtree(final)
             os.rename(tmp, final)
@@ -358,8 +371,9 @@ def _convert(src: Path, out: Path, say: Progress) -> None:
         say("reading the tokenizer")
         tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name, local_files_only=True)
         say("dequantizing the weights")
-        loaded = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.bfloat16,
-                                                      local_files_only=True)
+        loaded = AutoModelForCausalLM.from_pretrained(
+            src.parent, gguf_file=src.name, dtype=torch.bfloat16, local_files_only=True
+        )
     except Exception as e:  # transformers raises many types (ValueError, KeyError, RuntimeError, ...)
         msg = " ".join(str(e).split())
         if "accelerate" in msg.lower():
@@ -376,16 +390,20 @@ def _convert(src: Path, out: Path, say: Progress) -> None:
     state = loaded.state_dict()
     packed = [k for k, v in state.items() if not torch.is_floating_point(v)]
     if packed:
-        raise TopkError(f"transformers kept {src.name}'s weights packed ({packed[0]}, ...); "
-                        f"cannot save a dequantized checkpoint with this transformers version")
+        raise TopkError(
+            f"transformers kept {src.name}'s weights packed ({packed[0]}, ...); "
+            f"cannot save a dequantized checkpoint with this transformers version"
+        )
     try:
         missing, unexpected = fresh.load_state_dict(state, strict=False)
     except RuntimeError as e:  # shape mismatches
         raise TopkError(f"dequantized weights of {src.name} do not fit the model: {str(e).splitlines()[0]}") from None
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:
-        raise TopkError(f"dequantized weights of {src.name} do not match the model: missing {sorted(missing)[:3]}, "
-                        f"unexpected {sorted(unexpected)[:3]}")
+        raise TopkError(
+            f"dequantized weights of {src.name} do not match the model: missing {sorted(missing)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]}"
+        )
     fresh.tie_weights()
     fresh.generation_config = loaded.generation_config
     del loaded, state

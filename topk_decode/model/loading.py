@@ -16,8 +16,17 @@ from topk_decode.errors import TopkError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 # Config fields that do not change the math of the model (and so must not change its fingerprint).
-_FINGERPRINT_IGNORED = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures",
-                        "use_cache", "output_attentions", "output_hidden_states", "return_dict"}
+_FINGERPRINT_IGNORED = {
+    "_name_or_path",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "architectures",
+    "use_cache",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+}
 _SAMPLE_BYTES = 1 << 20
 
 
@@ -71,8 +80,14 @@ def check_model_path(path: str | os.PathLike) -> None:
 
 
 # --dtype names → torch dtype attribute names (torch is imported only once a name checks out)
-DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-          "fp32": "float32", "float32": "float32"}
+DTYPES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+}
 
 
 def parse_dtype(name: str | None) -> torch.dtype | None:
@@ -178,7 +193,7 @@ def load_tokenizer(path: str | os.PathLike):
     """
     from transformers import AutoTokenizer
 
-    _quiet_transformers()   # e.g. its "sequence length is longer than the maximum" line: we say that ourselves
+    _quiet_transformers()  # e.g. its "sequence length is longer than the maximum" line: we say that ourselves
     path = resolve_model_path(path)
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -26,8 +26,9 @@ _CORPUS = [
 ]
 
 
-def make_tokenizer(out: str | os.PathLike, vocab_size: int = 512, chat_template: str | None = None,
-                   texts: list[str] | None = None):
+def make_tokenizer(
+    out: str | os.PathLike, vocab_size: int = 512, chat_template: str | None = None, texts: list[str] | None = None
+):
     """Train a byte-level BPE tokenizer (milliseconds) and save it as a HF fast tokenizer.
 
     Args:
@@ -43,8 +44,12 @@ def make_tokenizer(out: str | os.PathLike, vocab_size: int = 512, chat_template:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<s>", "</s>", "<pad>", "<|user|>", "<|assistant|>", "<|end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator((texts or _CORPUS) * 4, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     if chat_template:
@@ -61,8 +66,14 @@ SIMPLE_CHAT_TEMPLATE = (
 )
 
 
-def make_random_model(out: str | os.PathLike, family: str = "llama", seed: int = 0, tokenizer=None,
-                      dtype: torch.dtype = torch.float32, **config_overrides):
+def make_random_model(
+    out: str | os.PathLike,
+    family: str = "llama",
+    seed: int = 0,
+    tokenizer=None,
+    dtype: torch.dtype = torch.float32,
+    **config_overrides,
+):
     """Build a random-weight checkpoint of a family from a small config and save it (with tokenizer).
 
     Args:
@@ -77,9 +88,19 @@ def make_random_model(out: str | os.PathLike, family: str = "llama", seed: int =
 
     cfg_name, model_name = _FAMILIES[family]
     vocab = len(tokenizer) if tokenizer is not None else 512
-    cfg = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-               bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False)
+    cfg = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        tie_word_embeddings=False,
+    )
     if family == "qwen2":
         cfg["use_sliding_window"] = False
     if family == "mistral":

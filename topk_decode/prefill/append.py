@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from topk_decode.errors import TopkError
 from topk_decode.prefill.documents import collect_documents, has_headers, layout_more, safe_name
@@ -46,7 +46,7 @@ def strategies_to_rebuild(cache: Path, n_tokens: int) -> dict[str, dict]:
             continue
         declared = get_strategy(name).OPTIONS
         opts = {k: v for k, v in (recorded_options(cache, name) or {}).items() if declared is None or k in declared}
-        if name == "duo":   # its artifact is the head pattern itself (per model, not per token): built again from it
+        if name == "duo":  # its artifact is the head pattern itself (per model, not per token): built again from it
             files = list(read_done(artifact_dir(cache, name))["files"])
             opts["pattern"] = str(artifact_dir(cache, name) / files[0])
         out[name] = opts
@@ -62,8 +62,10 @@ def check_new_names(cached: list[dict], names: list[str]) -> None:
     clash = [n for n in names if safe_name(n) in have]
     if clash:
         shown = ", ".join(safe_name(n) for n in clash[:3]) + (f" and {len(clash) - 3} more" if len(clash) > 3 else "")
-        raise TopkError(f"the cache already holds {shown}: appending a document of the same name is refused "
-                        f"(replacing one, --replace, is not supported yet; rename it or prefill again)")
+        raise TopkError(
+            f"the cache already holds {shown}: appending a document of the same name is refused "
+            f"(replacing one, --replace, is not supported yet; rename it or prefill again)"
+        )
 
 
 def append_cache(
@@ -115,17 +117,19 @@ def append_cache(
     from topk_decode.store.manifest import CHECKSUM_FIELD
 
     cache = Path(cache)
-    read_manifest(cache)                          # "cache not found" / not a cache: before anything is locked
+    read_manifest(cache)  # "cache not found" / not a cache: before anything is locked
     if chunk_size is not None and chunk_size <= 0:
         raise TopkError(f"--chunk-size must be positive, got {chunk_size}")
     documents, skipped = collect_documents(docs, follow_symlinks=follow_symlinks, include=include, exclude=exclude)
-    writer = CacheWriter(cache, overwrite=True)   # the writer lock: no prefill or append of this cache meanwhile
+    writer = CacheWriter(cache, overwrite=True)  # the writer lock: no prefill or append of this cache meanwhile
     try:
-        old = open_cache(cache)                   # under the lock: the version this append extends
+        old = open_cache(cache)  # under the lock: the version this append extends
         manifest = old.manifest
         if not has_headers(manifest.get("documents", []), manifest.get("prompt", {})):
-            raise TopkError(f"{cache} holds one raw-text document without a document header; documents appended "
-                            f"after it would change its tokens: prefill all the documents together instead")
+            raise TopkError(
+                f"{cache} holds one raw-text document without a document header; documents appended "
+                f"after it would change its tokens: prefill all the documents together instead"
+            )
         check_new_names(manifest.get("documents", []), [d.name for d in documents])
         recorded = manifest["model"]
         model_dir = Path(model_dir) if model_dir is not None else Path(recorded["path"])
@@ -133,12 +137,15 @@ def append_cache(
             raise TopkError(f"the cache's model {model_dir} is not there any more; pass --model DIR")
         fingerprint = model_fingerprint(model_dir)
         if fingerprint != recorded["fingerprint"]:
-            raise TopkError(f"model {model_dir} (fingerprint {fingerprint}) is not the model this cache was built "
-                            f"with ({recorded['path']}, fingerprint {recorded['fingerprint']})")
+            raise TopkError(
+                f"model {model_dir} (fingerprint {fingerprint}) is not the model this cache was built "
+                f"with ({recorded['path']}, fingerprint {recorded['fingerprint']})"
+            )
         kv_dtype = torch_dtype(manifest["kv_dtype"])
         if dtype is not None and parse_dtype(dtype) != kv_dtype:
-            raise TopkError(f"{cache} holds {manifest['kv_dtype']} keys and values: append with that dtype "
-                            f"(leave --dtype out)")
+            raise TopkError(
+                f"{cache} holds {manifest['kv_dtype']} keys and values: append with that dtype (leave --dtype out)"
+            )
         prefill_record = manifest.get("prefill", {})
         chunk = chunk_size or prefill_record.get("chunk_size", CHUNK_SIZE)
         tokenizer = load_tokenizer(model_dir)
@@ -153,30 +160,51 @@ def append_cache(
             on_start(len(ids) - start, shape.n_layers, skipped)
         model = load_model(model_dir, "cpu" if offload_weights else dev, kv_dtype)
         last_logits, stats = prefill_layers(
-            model, ids[start:], writer.write_layer, chunk, progress, offload_weights=offload_weights, device=dev,
-            past=lambda layer: (old.keys[layer][:, :start], old.values[layer][:, :start]))
+            model,
+            ids[start:],
+            writer.write_layer,
+            chunk,
+            progress,
+            offload_weights=offload_weights,
+            device=dev,
+            past=lambda layer: (old.keys[layer][:, :start], old.values[layer][:, :start]),
+        )
         writer.write_tokens(ids)
         writer.write_array(LAST_LOGITS, last_logits.float())
-        kept = {k: v for k, v in manifest.items() if k not in ("format", "format_version", "files", "created",
-                                                                CHECKSUM_FIELD)}
-        appends = list(prefill_record.get("appended", [])) + [{
-            "documents": len(documents), "n_tokens": len(new_ids), "computed_from": start, "chunk_size": chunk,
-            "device": str(dev), "seconds": round(stats.seconds, 3)}]
-        new_manifest = dict(kept, model=dict(recorded, path=str(model_dir.resolve())), n_tokens=len(ids),
-                            documents=manifest.get("documents", []) + new_table,
-                            skipped=list(manifest.get("skipped", [])) + skipped,
-                            prefill=dict(prefill_record, appended=appends))
-        old = None                                # the old cache's maps: not needed past here
+        kept = {
+            k: v
+            for k, v in manifest.items()
+            if k not in ("format", "format_version", "files", "created", CHECKSUM_FIELD)
+        }
+        appends = list(prefill_record.get("appended", [])) + [
+            {
+                "documents": len(documents),
+                "n_tokens": len(new_ids),
+                "computed_from": start,
+                "chunk_size": chunk,
+                "device": str(dev),
+                "seconds": round(stats.seconds, 3),
+            }
+        ]
+        new_manifest = dict(
+            kept,
+            model=dict(recorded, path=str(model_dir.resolve())),
+            n_tokens=len(ids),
+            documents=manifest.get("documents", []) + new_table,
+            skipped=list(manifest.get("skipped", [])) + skipped,
+            prefill=dict(prefill_record, appended=appends),
+        )
+        old = None  # the old cache's maps: not needed past here
         built = writer.finish(new_manifest)
         wanted = {**strategies_to_rebuild(cache, len(ids)), **(strategies or {})}
         if wanted:
-            ckv = open_cache(built, verify=False)   # just written and checksummed by us
+            ckv = open_cache(built, verify=False)  # just written and checksummed by us
             for name, opts in wanted.items():
                 prepare_artifacts(ckv, [name], opts, on_strategy(name) if on_strategy is not None else None)
             del ckv
         return writer.swap(), stats, skipped
     except BaseException as e:
-        writer.abort()                            # the old cache stays exactly as it was
+        writer.abort()  # the old cache stays exactly as it was
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
             raise TopkError(f"{unwritable(cache, e)}; the cache is unchanged") from None
         raise

@@ -7,16 +7,21 @@ import hashlib
 import os
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
 
 from topk_decode.errors import TopkError, TopkWarning
 from topk_decode.model.blocks import ModelShape
-from topk_decode.model.loading import (load_config, load_model, load_tokenizer, model_fingerprint,  # noqa: F401
-                                       parse_dtype)  # parse_dtype re-exported (api, eval, bench import it from here)
+from topk_decode.model.loading import (  # noqa: F401
+    load_config,
+    load_model,
+    load_tokenizer,
+    model_fingerprint,
+    parse_dtype,  # parse_dtype re-exported (api, eval, bench import it from here)
+)
 from topk_decode.prefill.documents import collect_documents, layout_context
 from topk_decode.prefill.layerwise import CHUNK_SIZE, PrefillStats, prefill_layers
 from topk_decode.store.cache_dir import CacheWriter, check_output
@@ -44,8 +49,12 @@ def warn_leftovers(out: Path) -> None:
     """
     for partial in sorted(out.parent.glob(f".{out.name}.partial-*")):
         size = sum(f.stat().st_size for f in partial.rglob("*") if f.is_file())
-        warnings.warn(f"{partial} ({size / 2**30:.2f} GiB) is left over from an interrupted prefill "
-                      f"and is not a cache; delete it to free the space", TopkWarning, stacklevel=3)
+        warnings.warn(
+            f"{partial} ({size / 2**30:.2f} GiB) is left over from an interrupted prefill "
+            f"and is not a cache; delete it to free the space",
+            TopkWarning,
+            stacklevel=3,
+        )
 
 
 def _say(on_note: Callable[[str], None] | None, text: str) -> None:
@@ -62,8 +71,11 @@ def _check_space(out: Path, need: int, on_note: Callable[[str], None] | None) ->
     except OSError:
         return
     if free < need:
-        _say(on_note, f"the cache needs about {need / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB are free "
-                      f"in {out.parent}; the prefill will fail when the disk is full")
+        _say(
+            on_note,
+            f"the cache needs about {need / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB are free "
+            f"in {out.parent}; the prefill will fail when the disk is full",
+        )
 
 
 def check_context_length(n_tokens: int, max_positions: int, allow_long_context: bool = False) -> None:
@@ -73,12 +85,18 @@ def check_context_length(n_tokens: int, max_positions: int, allow_long_context: 
     if n_tokens <= max_positions:
         return
     if not allow_long_context:
-        raise TopkError(f"the context has {n_tokens:,} tokens but the model has {max_positions:,} positions "
-                        f"(max_position_embeddings): prefill fewer documents or a model with more positions, or "
-                        f"pass --allow-long-context (Python: allow_long_context=True) to prefill it anyway, "
-                        f"with answers that degrade past the model's positions")
-    warnings.warn(f"the context has {n_tokens:,} tokens, more than the model's maximum positions "
-                  f"({max_positions:,}); answers may degrade", TopkWarning, stacklevel=3)
+        raise TopkError(
+            f"the context has {n_tokens:,} tokens but the model has {max_positions:,} positions "
+            f"(max_position_embeddings): prefill fewer documents or a model with more positions, or "
+            f"pass --allow-long-context (Python: allow_long_context=True) to prefill it anyway, "
+            f"with answers that degrade past the model's positions"
+        )
+    warnings.warn(
+        f"the context has {n_tokens:,} tokens, more than the model's maximum positions "
+        f"({max_positions:,}); answers may degrade",
+        TopkWarning,
+        stacklevel=3,
+    )
 
 
 def build_cache(
@@ -141,17 +159,24 @@ def build_cache(
     layout = layout_context(documents, tokenizer)
     shape = ModelShape.from_config(load_config(model_dir))
     n = len(layout.ids)
-    check_context_length(n, shape.max_positions, allow_long_context)   # before the weights load
+    check_context_length(n, shape.max_positions, allow_long_context)  # before the weights load
     dev = pick_device(device)
     weights_dtype = parse_dtype(dtype) or (torch.bfloat16 if dev.type == "cuda" else None)
-    writer = CacheWriter(out, overwrite=overwrite, resume=resume)   # the writer lock: one prefill per --out
+    writer = CacheWriter(out, overwrite=overwrite, resume=resume)  # the writer lock: one prefill per --out
     warn_leftovers(out)
     try:
         model = load_model(model_dir, "cpu" if offload_weights else dev, weights_dtype)
         model_dtype = next(model.parameters()).dtype
-        key = {"model": fingerprint, "n_tokens": n, "n_layers": shape.n_layers, "chunk_size": chunk_size,
-               "tokens": hashlib.blake2b(np.asarray(layout.ids, dtype=np.int32).tobytes(), digest_size=16).hexdigest(),
-               "dtype": dtype_name(model_dtype), "device": dev.type, "offload_weights": offload_weights}
+        key = {
+            "model": fingerprint,
+            "n_tokens": n,
+            "n_layers": shape.n_layers,
+            "chunk_size": chunk_size,
+            "tokens": hashlib.blake2b(np.asarray(layout.ids, dtype=np.int32).tobytes(), digest_size=16).hexdigest(),
+            "dtype": dtype_name(model_dtype),
+            "device": dev.type,
+            "offload_weights": offload_weights,
+        }
         start, hidden = 0, None
         if resume:
             start, hidden, why = writer.resume_point(key)
@@ -172,24 +197,48 @@ def build_cache(
         # the next layer's compute); prefill_layers returns or raises only once it is done, so neither
         # commit() nor abort() below can race a write.
         last_logits, stats = (prefill_fn or prefill_layers)(
-            model, layout.ids, writer.write_layer, chunk_size, progress, offload_weights=offload_weights,
-            device=dev, start_layer=start, hidden=hidden, checkpoint_every=checkpoint_every,
-            checkpoint=lambda next_layer, h: writer.checkpoint(key, next_layer, h))
+            model,
+            layout.ids,
+            writer.write_layer,
+            chunk_size,
+            progress,
+            offload_weights=offload_weights,
+            device=dev,
+            start_layer=start,
+            hidden=hidden,
+            checkpoint_every=checkpoint_every,
+            checkpoint=lambda next_layer, h: writer.checkpoint(key, next_layer, h),
+        )
         writer.write_tokens(layout.ids)
         writer.write_array(LAST_LOGITS, last_logits.float())
         manifest = {
-            "model": {"path": str(model_dir.resolve()), "fingerprint": fingerprint,
-                      "model_type": shape.model_type, "dtype": dtype_name(model_dtype)},
-            "shape": {"n_layers": shape.n_layers, "n_heads": shape.n_heads, "n_kv_heads": shape.n_kv_heads,
-                      "head_dim": shape.head_dim, "vocab_size": shape.vocab_size},
+            "model": {
+                "path": str(model_dir.resolve()),
+                "fingerprint": fingerprint,
+                "model_type": shape.model_type,
+                "dtype": dtype_name(model_dtype),
+            },
+            "shape": {
+                "n_layers": shape.n_layers,
+                "n_heads": shape.n_heads,
+                "n_kv_heads": shape.n_kv_heads,
+                "head_dim": shape.head_dim,
+                "vocab_size": shape.vocab_size,
+            },
             "kv_dtype": dtype_name(model_dtype),
             "n_tokens": n,
             "documents": layout.documents,
             "skipped": skipped,
             "prompt": layout.prompt.to_dict(),
-            "prefill": {"chunk_size": chunk_size, "device": str(dev), "seconds": round(stats.seconds, 3),
-                        "tokens_per_s": round(stats.tokens_per_s, 1), "peak_device_bytes": stats.peak_device_bytes,
-                        "resumed_at_layer": start, "ranks": stats.ranks},
+            "prefill": {
+                "chunk_size": chunk_size,
+                "device": str(dev),
+                "seconds": round(stats.seconds, 3),
+                "tokens_per_s": round(stats.tokens_per_s, 1),
+                "peak_device_bytes": stats.peak_device_bytes,
+                "resumed_at_layer": start,
+                "ranks": stats.ranks,
+            },
         }
         return writer.commit(manifest), stats
     except BaseException as e:
@@ -198,8 +247,11 @@ def build_cache(
         # keeps a partial prefill that has a checkpoint, for --resume.
         if writer.abort(keep_resumable=not disk):
             n_kept = writer.resumable_layers
-            _say(on_note, f"kept {n_kept} finished layer{'s' if n_kept > 1 else ''} in {writer.tmp}: run the same "
-                          f"command with --resume to continue (or delete that directory)")
+            _say(
+                on_note,
+                f"kept {n_kept} finished layer{'s' if n_kept > 1 else ''} in {writer.tmp}: run the same "
+                f"command with --resume to continue (or delete that directory)",
+            )
         if disk:
             raise TopkError(f"{unwritable(out, e)}; the partial cache was removed") from None
         raise

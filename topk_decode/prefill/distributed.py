@@ -22,9 +22,9 @@ not by token count: with equal slices the last rank would do 7/16 of a 4-rank pr
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -34,10 +34,10 @@ from topk_decode.model.blocks import ModelShape, attention_inputs, final_logits,
 from topk_decode.prefill.drain import KVDrain
 from topk_decode.prefill.layerwise import LayerStreamer, PrefillStats, chunk_attention, device_room
 
-POLL_S = 0.0005          # sleep between polls of a pending collective (the peers are checked meanwhile)
-GO, STOP = 1, 0          # the first word of the start message rank 0 sends the others
-PEER_EXIT_S = 3.0         # after a failed collective: how long to wait for the failed rank's exit code
-PIECE_BYTES = 256 * 2**20   # residual-stream rows move between ranks in pieces of this size (checkpoint, resume)
+POLL_S = 0.0005  # sleep between polls of a pending collective (the peers are checked meanwhile)
+GO, STOP = 1, 0  # the first word of the start message rank 0 sends the others
+PEER_EXIT_S = 3.0  # after a failed collective: how long to wait for the failed rank's exit code
+PIECE_BYTES = 256 * 2**20  # residual-stream rows move between ranks in pieces of this size (checkpoint, resume)
 
 
 @dataclass
@@ -68,20 +68,21 @@ class Ranks:
                 self.check()
                 time.sleep(POLL_S)
             work.wait()
-        except RuntimeError as e:   # gloo notices a dead peer itself ("Connection closed by peer")
+        except RuntimeError as e:  # gloo notices a dead peer itself ("Connection closed by peer")
             deadline = time.monotonic() + PEER_EXIT_S
-            while time.monotonic() < deadline:     # name the rank and its exit code when it is one we watch
+            while time.monotonic() < deadline:  # name the rank and its exit code when it is one we watch
                 self.check()
                 time.sleep(0.05)
-            raise TopkError(f"a prefill rank stopped: {str(e).splitlines()[0] if str(e) else type(e).__name__}") \
-                from None
+            raise TopkError(
+                f"a prefill rank stopped: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            ) from None
 
 
 @dataclass
 class RankStats(PrefillStats):
     """What a sequence-parallel prefill measured (on rank 0)."""
 
-    exchange_seconds: float = 0.0    # rank 0's time in the layers' all-gathers: transfer + waiting for slower ranks
+    exchange_seconds: float = 0.0  # rank 0's time in the layers' all-gathers: transfer + waiting for slower ranks
     slices: list[tuple[int, int]] = field(default_factory=list)
 
 
@@ -113,7 +114,7 @@ def plan_slices(n: int, world: int, chunk_size: int, flops: tuple[float, float])
     total, acc, cuts = sum(costs), 0.0, [0]
     for i, c in enumerate(costs):
         target = total * len(cuts) / world
-        if len(cuts) < world and acc + c / 2 >= target:   # cut before chunk i when its middle passes the target
+        if len(cuts) < world and acc + c / 2 >= target:  # cut before chunk i when its middle passes the target
             cuts.append(i)
         acc += c
     while len(cuts) < world:
@@ -175,8 +176,7 @@ def _pieces(slices: list[tuple[int, int]], row_bytes: int) -> list[tuple[int, in
     return [(j, min(j + step, t_max)) for j in range(0, t_max, step)]
 
 
-def scatter_rows(ranks: Ranks, full: torch.Tensor | None, local: torch.Tensor,
-                 slices: list[tuple[int, int]]) -> None:
+def scatter_rows(ranks: Ranks, full: torch.Tensor | None, local: torch.Tensor, slices: list[tuple[int, int]]) -> None:
     """Rank 0 sends each rank its slice of the (N, C) CPU tensor `full`; every rank fills `local` (T, C).
 
     Collectives only (piece by piece, padded to the longest slice): gloo completes point-to-point
@@ -191,10 +191,10 @@ def scatter_rows(ranks: Ranks, full: torch.Tensor | None, local: torch.Tensor,
             parts = [torch.zeros_like(recv) for _ in slices]
             for part, (s, e) in zip(parts, slices):
                 rows = max(0, min(e - s, j1) - j0)
-                part[:rows] = full[s + j0:s + j0 + rows]
+                part[:rows] = full[s + j0 : s + j0 + rows]
         ranks.wait(dist.scatter(recv, parts, src=0, async_op=True))
         rows = max(0, min(b - a, j1) - j0)
-        local[j0:j0 + rows].copy_(recv[:rows])
+        local[j0 : j0 + rows].copy_(recv[:rows])
 
 
 def gather_rows(ranks: Ranks, local: torch.Tensor, slices: list[tuple[int, int]]) -> torch.Tensor | None:
@@ -205,13 +205,13 @@ def gather_rows(ranks: Ranks, local: torch.Tensor, slices: list[tuple[int, int]]
     for j0, j1 in _pieces(slices, width * local.element_size()):
         send = torch.zeros((j1 - j0, width), dtype=local.dtype, device=ranks.comm_device)
         rows = max(0, min(b - a, j1) - j0)
-        send[:rows] = local[j0:j0 + rows]
+        send[:rows] = local[j0 : j0 + rows]
         parts = [torch.empty_like(send) for _ in slices] if ranks.rank == 0 else None
         ranks.wait(dist.gather(send, parts, dst=0, async_op=True))
         if ranks.rank == 0:
             for part, (s, e) in zip(parts, slices):
                 rows = max(0, min(e - s, j1) - j0)
-                out[s + j0:s + j0 + rows].copy_(part[:rows])
+                out[s + j0 : s + j0 + rows].copy_(part[:rows])
     return out
 
 
@@ -221,13 +221,14 @@ def last_row(ranks: Ranks, local: torch.Tensor, slices: list[tuple[int, int]]) -
     owner = next(r for r, (a, b) in enumerate(slices) if a <= n - 1 < b)
     row = torch.empty((1, local.shape[1]), dtype=local.dtype, device=ranks.comm_device)
     if ranks.rank == owner:
-        row.copy_(local[n - 1 - slices[owner][0]:])
+        row.copy_(local[n - 1 - slices[owner][0] :])
     ranks.wait(dist.broadcast(row, owner, async_op=True))
     return row
 
 
-def _exchange_kv(ranks: Ranks, send: torch.Tensor, slices: list[tuple[int, int]], shape: ModelShape,
-                 n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _exchange_kv(
+    ranks: Ranks, send: torch.Tensor, slices: list[tuple[int, int]], shape: ModelShape, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather the ranks' (Tmax, 2, Hkv, D) token-major K/V into the layer's (1, Hkv, N, D) keys and values."""
     parts = [torch.empty_like(send) for _ in range(ranks.world)]
     ranks.wait(dist.all_gather(parts, send, async_op=True))
@@ -235,13 +236,22 @@ def _exchange_kv(ranks: Ranks, send: torch.Tensor, slices: list[tuple[int, int]]
     values = torch.empty_like(keys)
     for (a, b), part in zip(slices, parts):
         if b > a:
-            keys[0, :, a:b] = part[:b - a, 0].transpose(0, 1)
-            values[0, :, a:b] = part[:b - a, 1].transpose(0, 1)
+            keys[0, :, a:b] = part[: b - a, 0].transpose(0, 1)
+            values[0, :, a:b] = part[: b - a, 1].transpose(0, 1)
     return keys, values
 
 
-def _layer(model, layer, ranks: Ranks, hidden: torch.Tensor, slices: list[tuple[int, int]], shape: ModelShape,
-           chunk_size: int, stats: RankStats, on_chunk: Callable[[int], None]) -> tuple[torch.Tensor, torch.Tensor]:
+def _layer(
+    model,
+    layer,
+    ranks: Ranks,
+    hidden: torch.Tensor,
+    slices: list[tuple[int, int]],
+    shape: ModelShape,
+    chunk_size: int,
+    stats: RankStats,
+    on_chunk: Callable[[int], None],
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer over this rank's slice (`hidden` (T, C) updated in place); returns the layer's K/V."""
     a, b = slices[ranks.rank]
     n, device, dtype = slices[-1][1], ranks.device, hidden.dtype
@@ -251,22 +261,22 @@ def _layer(model, layer, ranks: Ranks, hidden: torch.Tensor, slices: list[tuple[
     queries = torch.empty((1, b - a, shape.n_heads, shape.head_dim), dtype=dtype, device=device).transpose(1, 2)
     chunks = [(s, min(s + chunk_size, b)) for s in range(a, b, chunk_size)]
     for s, e in chunks:
-        x = hidden[s - a:e - a].to(device, non_blocking=True)[None]               # (1, T, C)
+        x = hidden[s - a : e - a].to(device, non_blocking=True)[None]  # (1, T, C)
         cos, sin = rope(model, x, torch.arange(s, e, device=device))
-        q, k, v = attention_inputs(layer, x, cos, sin, shape)                   # (1, H|Hkv, T, D)
-        queries[:, :, s - a:e - a] = q
-        send[s - a:e - a, 0] = k[0].transpose(0, 1)
-        send[s - a:e - a, 1] = v[0].transpose(0, 1)
+        q, k, v = attention_inputs(layer, x, cos, sin, shape)  # (1, H|Hkv, T, D)
+        queries[:, :, s - a : e - a] = q
+        send[s - a : e - a, 0] = k[0].transpose(0, 1)
+        send[s - a : e - a, 1] = v[0].transpose(0, 1)
     if device.type == "cuda":
-        torch.cuda.synchronize(device)       # the timer below then sees the exchange, not this rank's projections
+        torch.cuda.synchronize(device)  # the timer below then sees the exchange, not this rank's projections
     t0 = time.perf_counter()
     keys, values = _exchange_kv(ranks, send, slices, shape, n)
     stats.exchange_seconds += time.perf_counter() - t0
     del send
     for s, e in chunks:
-        x = hidden[s - a:e - a].to(device, non_blocking=True)[None]
-        out = chunk_attention(queries[:, :, s - a:e - a], keys[:, :, :e], values[:, :, :e])    # (1, H, T, D)
-        hidden[s - a:e - a].copy_(finish_block(layer, x, out)[0], non_blocking=True)
+        x = hidden[s - a : e - a].to(device, non_blocking=True)[None]
+        out = chunk_attention(queries[:, :, s - a : e - a], keys[:, :, :e], values[:, :, :e])  # (1, H, T, D)
+        hidden[s - a : e - a].copy_(finish_block(layer, x, out)[0], non_blocking=True)
         on_chunk(e - s)
     return keys, values
 
@@ -330,7 +340,7 @@ def run_rank(
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     stats = RankStats(n, 0.0, None, start_layer, ranks=ranks.world, slices=slices)
-    local = _residual(b - a, shape, n, dtype, device)                            # (T, C)
+    local = _residual(b - a, shape, n, dtype, device)  # (T, C)
     if start_layer:
         scatter_rows(ranks, hidden, local, slices)
         hidden = None
@@ -338,7 +348,7 @@ def run_rank(
         embed = model.model.embed_tokens
         tokens = torch.tensor(ids[a:b], dtype=torch.int64)
         for s in range(0, b - a, chunk_size):
-            local[s:s + chunk_size].copy_(embed(tokens[s:s + chunk_size].to(embed.weight.device)))
+            local[s : s + chunk_size].copy_(embed(tokens[s : s + chunk_size].to(embed.weight.device)))
     streamer = rotary_host = None
     if offload_weights:
         rotary = model.model.rotary_emb
@@ -364,15 +374,19 @@ def run_rank(
                 tell.layer_done()
                 del keys, values
                 due = torch.zeros(1, dtype=torch.int64, device=ranks.comm_device)
-                if lead and checkpoint is not None and layer_idx + 1 < shape.n_layers \
-                        and time.monotonic() - last_checkpoint >= checkpoint_every:
+                if (
+                    lead
+                    and checkpoint is not None
+                    and layer_idx + 1 < shape.n_layers
+                    and time.monotonic() - last_checkpoint >= checkpoint_every
+                ):
                     due.fill_(1)
                 ranks.wait(dist.broadcast(due, 0, async_op=True))
                 if int(due.item()):
                     if drain is not None:
-                        drain.wait()                       # the layers below the checkpoint are on disk first
+                        drain.wait()  # the layers below the checkpoint are on disk first
                     if device.type == "cuda" and not local.is_cuda:
-                        torch.cuda.synchronize(device)     # async copies into the pinned slice have landed
+                        torch.cuda.synchronize(device)  # async copies into the pinned slice have landed
                     full = gather_rows(ranks, local, slices)
                     if lead:
                         checkpoint(layer_idx + 1, full)

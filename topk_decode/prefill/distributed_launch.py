@@ -20,11 +20,11 @@ import queue as queue_module
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Iterator
 
 from topk_decode.errors import TopkError
 from topk_decode.prefill.layerwise import CHUNK_SIZE
@@ -32,7 +32,7 @@ from topk_decode.prefill.layerwise import CHUNK_SIZE
 # Collectives may wait long legitimately (rank 0 tokenizing a million tokens, a layer of a slow CPU
 # prefill); a dead peer is noticed by watching processes (or by torchrun), not by this timeout.
 GROUP_TIMEOUT = timedelta(hours=6)
-STOP_WAIT_S = 30.0           # how long rank 0 tries to tell waiting torchrun ranks that it failed
+STOP_WAIT_S = 30.0  # how long rank 0 tries to tell waiting torchrun ranks that it failed
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
@@ -53,8 +53,8 @@ class GroupPlan:
     world: int
     rank: int
     local_rank: int
-    device_type: str      # "cuda" or "cpu"
-    torchrun: bool        # started by torchrun (else rank 0 spawns the others)
+    device_type: str  # "cuda" or "cpu"
+    torchrun: bool  # started by torchrun (else rank 0 spawns the others)
 
     @property
     def device_name(self) -> str:
@@ -90,8 +90,9 @@ def plan_group(gpus: int | None, device: str | None) -> GroupPlan | None:
         except ValueError:
             raise TopkError("RANK, WORLD_SIZE and LOCAL_RANK must be integers (as torchrun sets them)") from None
         if gpus is not None and gpus != world:
-            raise TopkError(f"--gpus {gpus} but torchrun started {world} processes (WORLD_SIZE): drop --gpus "
-                            "or make them agree")
+            raise TopkError(
+                f"--gpus {gpus} but torchrun started {world} processes (WORLD_SIZE): drop --gpus or make them agree"
+            )
     else:
         if gpus is None:
             return None
@@ -100,13 +101,17 @@ def plan_group(gpus: int | None, device: str | None) -> GroupPlan | None:
         kind = "cpu"
     else:
         if device not in (None, "cuda") and not torchrun and world > 1:
-            raise TopkError(f"--gpus {world} runs on cuda:0..cuda:{world - 1}: pass --device cuda (choose the GPUs "
-                            f"with CUDA_VISIBLE_DEVICES), not --device {device}")
+            raise TopkError(
+                f"--gpus {world} runs on cuda:0..cuda:{world - 1}: pass --device cuda (choose the GPUs "
+                f"with CUDA_VISIBLE_DEVICES), not --device {device}"
+            )
         import torch
 
         if not torch.cuda.is_available():
-            raise TopkError(f"--gpus {world} runs one process per CUDA GPU, but no CUDA GPU is visible here; "
-                            f"--device cpu --gpus {world} runs {world} CPU processes instead")
+            raise TopkError(
+                f"--gpus {world} runs one process per CUDA GPU, but no CUDA GPU is visible here; "
+                f"--device cpu --gpus {world} runs {world} CPU processes instead"
+            )
         count = torch.cuda.device_count()
         if local_world > count:
             raise TopkError(f"--gpus {local_world} but only {count} CUDA GPU{'s are' if count > 1 else ' is'} visible")
@@ -115,10 +120,15 @@ def plan_group(gpus: int | None, device: str | None) -> GroupPlan | None:
         return None
     import torch.distributed as dist
 
-    if not dist.is_available() or (kind == "cuda" and not dist.is_nccl_available()) or \
-            (kind == "cpu" and not dist.is_gloo_available()):
-        raise TopkError(f"this torch build has no {'NCCL' if kind == 'cuda' else 'gloo'} backend for "
-                        f"torch.distributed: prefill with one process (drop --gpus)")
+    if (
+        not dist.is_available()
+        or (kind == "cuda" and not dist.is_nccl_available())
+        or (kind == "cpu" and not dist.is_gloo_available())
+    ):
+        raise TopkError(
+            f"this torch build has no {'NCCL' if kind == 'cuda' else 'gloo'} backend for "
+            f"torch.distributed: prefill with one process (drop --gpus)"
+        )
     return GroupPlan(world, rank, local, kind, torchrun)
 
 
@@ -137,8 +147,9 @@ def _init_group(plan: GroupPlan, rank: int, init_method: str) -> None:
 
     if plan.device_type == "cuda":
         torch.cuda.set_device(torch.device(plan.device_name if plan.torchrun else f"cuda:{rank}"))
-    dist.init_process_group(plan.backend, init_method=init_method, rank=rank, world_size=plan.world,
-                            timeout=GROUP_TIMEOUT)
+    dist.init_process_group(
+        plan.backend, init_method=init_method, rank=rank, world_size=plan.world, timeout=GROUP_TIMEOUT
+    )
 
 
 def _load(spec: RankSpec, device):
@@ -164,8 +175,7 @@ def serve_rank(ranks, spec: RankSpec) -> None:
     ids, start_layer, slices = start
     if model is None:
         model = _load(spec, ranks.device)
-    run_rank(model, ids, ranks, slices, spec.chunk_size, offload_weights=spec.offload_weights,
-             start_layer=start_layer)
+    run_rank(model, ids, ranks, slices, spec.chunk_size, offload_weights=spec.offload_weights, start_layer=start_layer)
 
 
 def parent_alive_check():
@@ -175,6 +185,7 @@ def parent_alive_check():
     def check() -> None:
         if parent is not None and not parent.is_alive():
             raise TopkError("rank 0 is gone")
+
     return check
 
 
@@ -204,11 +215,14 @@ def _spawned_rank(rank: int, plan: GroupPlan, init_method: str, spec: RankSpec, 
     except BaseException as e:  # noqa: BLE001 - a rank's failure is one line; rank 0 reports the prefill failed
         if os.environ.get("TOPK_DEBUG") == "1":
             raise
-        print(f"error: prefill rank {rank}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-              file=sys.stderr, flush=True)
+        print(
+            f"error: prefill rank {rank}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+            file=sys.stderr,
+            flush=True,
+        )
         code = 1
     sys.stdout.flush()
-    os._exit(code)     # no interpreter teardown: nothing of this process is left to clean up
+    os._exit(code)  # no interpreter teardown: nothing of this process is left to clean up
 
 
 class _Watch:
@@ -242,8 +256,20 @@ class LeaderPrefill:
             self.ranks = self.connect()
         return self.ranks
 
-    def __call__(self, model, ids, on_layer, chunk_size=CHUNK_SIZE, progress=None, offload_weights=False, device=None,
-                 start_layer=0, hidden=None, checkpoint=None, checkpoint_every=60.0):
+    def __call__(
+        self,
+        model,
+        ids,
+        on_layer,
+        chunk_size=CHUNK_SIZE,
+        progress=None,
+        offload_weights=False,
+        device=None,
+        start_layer=0,
+        hidden=None,
+        checkpoint=None,
+        checkpoint_every=60.0,
+    ):
         """`prefill_layers`' signature; `device` is this rank's (given at the group's start)."""
         from topk_decode.prefill.distributed import layer_flops, plan_slices, run_rank, send_start
 
@@ -253,8 +279,20 @@ class LeaderPrefill:
         slices = plan_slices(len(ids), ranks.world, chunk_size, layer_flops(model.config))
         send_start(ranks, ids, start_layer, slices)
         self.started = True
-        return run_rank(model, ids, ranks, slices, chunk_size, on_layer, progress, offload_weights,
-                        start_layer, hidden, checkpoint, checkpoint_every)
+        return run_rank(
+            model,
+            ids,
+            ranks,
+            slices,
+            chunk_size,
+            on_layer,
+            progress,
+            offload_weights,
+            start_layer,
+            hidden,
+            checkpoint,
+            checkpoint_every,
+        )
 
 
 @contextmanager
@@ -274,14 +312,21 @@ def leader(plan: GroupPlan, spec: RankSpec) -> Iterator[LeaderPrefill]:
         init_method = f"file://{Path(store_dir) / 'store'}"
         ctx = multiprocessing.get_context("spawn")
         ready = ctx.Queue()
-        procs = [ctx.Process(target=_spawned_rank, args=(r, plan, init_method, spec, ready), daemon=True,
-                             name=f"topk-prefill-rank-{r}") for r in range(1, plan.world)]
+        procs = [
+            ctx.Process(
+                target=_spawned_rank,
+                args=(r, plan, init_method, spec, ready),
+                daemon=True,
+                name=f"topk-prefill-rank-{r}",
+            )
+            for r in range(1, plan.world)
+        ]
         for p in procs:
             p.start()
     watch = _Watch(procs)
 
     def connect() -> Ranks:
-        for _ in procs:          # once they have imported torch, what is left of joining the group is quick
+        for _ in procs:  # once they have imported torch, what is left of joining the group is quick
             while True:
                 watch.check()
                 try:
@@ -296,19 +341,19 @@ def leader(plan: GroupPlan, spec: RankSpec) -> Iterator[LeaderPrefill]:
     try:
         if plan.device_type == "cpu":
             _threads_per_rank(plan.world)
-        if plan.torchrun:        # torchrun's ranks join at once: join them, so a failure can tell them to stop
+        if plan.torchrun:  # torchrun's ranks join at once: join them, so a failure can tell them to stop
             prefill.connect_now()
         yield prefill
-        for p in procs:          # they finish right after the last collective
+        for p in procs:  # they finish right after the last collective
             while p.exitcode is None:
                 watch.check()
                 p.join(0.05)
         watch.check()
     except BaseException:
         if plan.torchrun and prefill.ranks is not None and not prefill.started:
-            try:                 # torchrun's ranks wait for the token ids: tell them there are none
+            try:  # torchrun's ranks wait for the token ids: tell them there are none
                 send_stop(prefill.ranks, STOP_WAIT_S)
-            except Exception:    # noqa: BLE001 - best effort: torchrun stops them anyway once we exit
+            except Exception:  # noqa: BLE001 - best effort: torchrun stops them anyway once we exit
                 pass
         raise
     finally:
@@ -342,8 +387,17 @@ def run_torchrun_rank(plan: GroupPlan, spec: RankSpec) -> None:
         dist.destroy_process_group()
 
 
-def build_cache_ranks(docs, out, model_dir, ranks: int, device: str | None = None, chunk_size: int = CHUNK_SIZE,
-                      dtype: str | None = None, offload_weights: bool = False, **kwargs):
+def build_cache_ranks(
+    docs,
+    out,
+    model_dir,
+    ranks: int,
+    device: str | None = None,
+    chunk_size: int = CHUNK_SIZE,
+    dtype: str | None = None,
+    offload_weights: bool = False,
+    **kwargs,
+):
     """`build_cache` on `ranks` processes (sequence-parallel; one per GPU, or CPU processes with device="cpu").
 
     Under torchrun, call it on every rank with the same arguments: rank 0 returns (path, stats), the
@@ -361,9 +415,28 @@ def build_cache_ranks(docs, out, model_dir, ranks: int, device: str | None = Non
         run_torchrun_rank(plan, spec)
         return None
     with leader(plan, spec) if plan is not None else nullcontext() as prefill_fn:
-        return build_cache(docs, out, model_dir, chunk_size=chunk_size, device=plan.device_name if plan else device,
-                           dtype=dtype, offload_weights=offload_weights, prefill_fn=prefill_fn, **kwargs)
+        return build_cache(
+            docs,
+            out,
+            model_dir,
+            chunk_size=chunk_size,
+            device=plan.device_name if plan else device,
+            dtype=dtype,
+            offload_weights=offload_weights,
+            prefill_fn=prefill_fn,
+            **kwargs,
+        )
 
 
-__all__ = ["GroupPlan", "RankSpec", "plan_group", "leader", "serve_rank", "run_torchrun_rank", "build_cache_ranks",
-           "under_torchrun", "LeaderPrefill", "parent_alive_check"]
+__all__ = [
+    "GroupPlan",
+    "RankSpec",
+    "plan_group",
+    "leader",
+    "serve_rank",
+    "run_torchrun_rank",
+    "build_cache_ranks",
+    "under_torchrun",
+    "LeaderPrefill",
+    "parent_alive_check",
+]

@@ -93,21 +93,28 @@ EMPTY = "empty"
 
 # Names skipped by default (an --include matching them reads them): as files too, since a git worktree's
 # or submodule's `.git` is a file.
-DEFAULT_SKIPS = {".git": VCS, ".hg": VCS, ".svn": VCS, ".venv": VENV, "venv": VENV,
-                 "node_modules": NODE_MODULES, "__pycache__": PYCACHE}
-SNIFF_BYTES = 8192   # the prefix read to tell binary from text before a file is read whole
+DEFAULT_SKIPS = {
+    ".git": VCS,
+    ".hg": VCS,
+    ".svn": VCS,
+    ".venv": VENV,
+    "venv": VENV,
+    "node_modules": NODE_MODULES,
+    "__pycache__": PYCACHE,
+}
+SNIFF_BYTES = 8192  # the prefix read to tell binary from text before a file is read whole
 
 
 def compile_globs(patterns: list[str] | tuple[str, ...], option: str):
     """Patterns (gitignore syntax, relative to the documents folder) as one pathspec, None when there are none."""
-    import pathspec   # light, pure Python; imported here so `topk --help` does not pay for it
+    import pathspec  # light, pure Python; imported here so `topk --help` does not pay for it
 
     if not patterns:
         return None
     for pattern in patterns:
         try:
             pathspec.GitIgnoreSpec.from_lines([pattern])
-        except Exception as e:   # pathspec's pattern errors have no common public base class across versions
+        except Exception as e:  # pathspec's pattern errors have no common public base class across versions
             raise TopkError(f"{option} {pattern!r} is not a valid pattern ({e})") from None
     return pathspec.GitIgnoreSpec.from_lines(list(patterns))
 
@@ -120,7 +127,7 @@ def gitignore_spec(text: str):
     for line in text.splitlines():
         try:
             pathspec.GitIgnoreSpec.from_lines([line])
-        except Exception:   # an invalid line: git ignores it, so do we
+        except Exception:  # an invalid line: git ignores it, so do we
             continue
         good.append(line)
     return pathspec.GitIgnoreSpec.from_lines(good)
@@ -133,11 +140,11 @@ def default_skip(path: Path, name: str, is_dir: bool) -> str | None:
     why = DEFAULT_SKIPS.get(name)
     if why == VCS or (is_dir and why):
         return why
-    if is_dir and (path / "pyvenv.cfg").is_file():   # a virtual environment under any name
+    if is_dir and (path / "pyvenv.cfg").is_file():  # a virtual environment under any name
         return VENV
-    if is_dir and (path / keys_file(0)).is_file():   # a cache, or a prefill's partial one, e.g. `--out` in the folder
+    if is_dir and (path / keys_file(0)).is_file():  # a cache, or a prefill's partial one, e.g. `--out` in the folder
         return TOPK_CACHE
-    if name.startswith("."):   # dotfiles and dot-folders (.env, .github, .vscode): skipped as ripgrep skips them
+    if name.startswith("."):  # dotfiles and dot-folders (.env, .github, .vscode): skipped as ripgrep skips them
         return HIDDEN
     return None
 
@@ -160,8 +167,12 @@ def reaches_under(pattern: str, rel_dir: str) -> bool:
     return True
 
 
-def list_files(root: Path, follow_symlinks: bool = False, include: list[str] | tuple[str, ...] = (),
-               exclude: list[str] | tuple[str, ...] = ()) -> tuple[list[Path], list[str]]:
+def list_files(
+    root: Path,
+    follow_symlinks: bool = False,
+    include: list[str] | tuple[str, ...] = (),
+    exclude: list[str] | tuple[str, ...] = (),
+) -> tuple[list[Path], list[str]]:
     """The files to read under a folder (recursively, sorted), and the entries not listed, with why.
 
     Skipped by default: VCS folders (.git, .hg, .svn), virtual environments (`.venv`, `venv`, any folder
@@ -189,8 +200,8 @@ def list_files(root: Path, follow_symlinks: bool = False, include: list[str] | t
     skipped: list[str] = []
 
     def ignored(rel: str, is_dir: bool, specs: tuple) -> bool:
-        for base, spec in reversed(specs):   # the deepest .gitignore that has a say decides
-            verdict = spec.check_file(rel[len(base):] + "/" * is_dir).include
+        for base, spec in reversed(specs):  # the deepest .gitignore that has a say decides
+            verdict = spec.check_file(rel[len(base) :] + "/" * is_dir).include
             if verdict is not None:
                 return verdict
         return False
@@ -219,7 +230,7 @@ def list_files(root: Path, follow_symlinks: bool = False, include: list[str] | t
                 skipped.append(f"{safe_name(posix)}{'/' * slash} ({why})")
 
             try:
-                mode = os.stat(e.path).st_mode       # the link's target for a link
+                mode = os.stat(e.path).st_mode  # the link's target for a link
             except OSError as err:
                 skip("broken link" if link else err.strerror)
                 continue
@@ -244,7 +255,7 @@ def list_files(root: Path, follow_symlinks: bool = False, include: list[str] | t
                 if not (is_dir and any(reaches_under(pat, posix) for pat in include)):
                     skip(why, is_dir)
                     continue
-                entered_for = why   # only the paths an include names under it are read
+                entered_for = why  # only the paths an include names under it are read
             if is_dir:
                 if link and not follow_symlinks:
                     skip(LINK_TO_FOLDER)
@@ -280,7 +291,7 @@ def read_text_file(path: Path) -> str | None:
     """
     with open_regular(path) as f:
         head = f.read(SNIFF_BYTES)
-        try:   # text files hold no NUL bytes (git decides so too); a multi-byte character may be cut at the end
+        try:  # text files hold no NUL bytes (git decides so too); a multi-byte character may be cut at the end
             if b"\x00" in head:
                 return None
             codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
@@ -309,8 +320,12 @@ def read_document(path: Path) -> Extracted | None:
     return TEXT_FORMATS[suffix](text) if suffix in TEXT_FORMATS else Extracted(text)
 
 
-def collect_documents(path: str | os.PathLike, follow_symlinks: bool = False, include: list[str] | tuple[str, ...] = (),
-                      exclude: list[str] | tuple[str, ...] = ()) -> tuple[list[Document], list[str]]:
+def collect_documents(
+    path: str | os.PathLike,
+    follow_symlinks: bool = False,
+    include: list[str] | tuple[str, ...] = (),
+    exclude: list[str] | tuple[str, ...] = (),
+) -> tuple[list[Document], list[str]]:
     """Read every text file under a directory (recursively, sorted; see `list_files` for what is skipped) or one file.
 
     A text file is one that decodes as UTF-8 and holds no NUL byte, whatever its suffix; PDF, DOCX, PPTX,
@@ -334,7 +349,7 @@ def collect_documents(path: str | os.PathLike, follow_symlinks: bool = False, in
     docs = []
     for f in files:
         raw = str(f.relative_to(root))
-        rel = safe_name(raw)   # for messages; the Document keeps the raw name
+        rel = safe_name(raw)  # for messages; the Document keeps the raw name
         try:
             got = read_document(f)
         except NotReadable as e:
@@ -373,8 +388,8 @@ def summarize_skipped(skipped: list[str], names: int = 3) -> list[str]:
     lines = []
     for why, group in groups.items():
         shown = ", ".join(group[:names]) + (f" and {len(group) - names} more" if len(group) > names else "")
-        n_folders = sum(name.endswith("/") for name in group)   # a skipped folder is listed as "NAME/"
-        noun = ("folder" if n_folders == len(group) else "file" if not n_folders else "entr")
+        n_folders = sum(name.endswith("/") for name in group)  # a skipped folder is listed as "NAME/"
+        noun = "folder" if n_folders == len(group) else "file" if not n_folders else "entr"
         plural = ("ies" if len(group) != 1 else "y") if noun == "entr" else "s" * (len(group) != 1)
         lines.append(f"{len(group)} {noun}{plural} ({why}): {shown}")
     return lines
@@ -410,11 +425,18 @@ def prompt_format(tokenizer) -> PromptFormat:
     if not getattr(tokenizer, "chat_template", None):
         return PromptFormat("raw")
     try:
-        one = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL_Q}],
-                                            tokenize=False, add_generation_prompt=True)
+        one = tokenizer.apply_chat_template(
+            [{"role": "user", "content": _SENTINEL_Q}], tokenize=False, add_generation_prompt=True
+        )
         two = tokenizer.apply_chat_template(
-            [{"role": "user", "content": _SENTINEL_Q}, {"role": "assistant", "content": _SENTINEL_A},
-             {"role": "user", "content": _SENTINEL_Q2}], tokenize=False, add_generation_prompt=True)
+            [
+                {"role": "user", "content": _SENTINEL_Q},
+                {"role": "assistant", "content": _SENTINEL_A},
+                {"role": "user", "content": _SENTINEL_Q2},
+            ],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
     except Exception:
         return PromptFormat("raw")
     if one.count(_SENTINEL_Q) != 1 or _SENTINEL_A not in two or _SENTINEL_Q2 not in two:
@@ -494,7 +516,7 @@ def layout_context(docs: list[Document], tokenizer) -> ContextLayout:
         ids = [bos] + ids
     table = []
     for i, d in enumerate(docs):
-        name = safe_name(d.name)   # a name must not inject lines into the context (nor the terminal)
+        name = safe_name(d.name)  # a name must not inject lines into the context (nor the terminal)
         header = document_header(name) if i or fmt.kind == "chat" or len(docs) > 1 else ""
         piece, entry = document_span(d, header, tokenizer, len(ids))
         ids += piece

@@ -17,20 +17,24 @@ import torch
 
 OnLayer = Callable[[int, torch.Tensor, torch.Tensor], None]
 
-PIECE_BYTES = 64 * 2**20   # staging piece: two of them stay pinned (128 MiB), whatever the context length
+PIECE_BYTES = 64 * 2**20  # staging piece: two of them stay pinned (128 MiB), whatever the context length
 
 
-def _pieces(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], piece: int
-            ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def _pieces(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], piece: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Flat (src, dst) slices of at most `piece` elements, pair after pair."""
     for src, dst in pairs:
-        s, d = src.reshape(-1), dst.view(-1)       # src is contiguous (a view); dst is ours, contiguous
+        s, d = src.reshape(-1), dst.view(-1)  # src is contiguous (a view); dst is ours, contiguous
         for a in range(0, s.numel(), piece):
-            yield s[a:a + piece], d[a:a + piece]
+            yield s[a : a + piece], d[a : a + piece]
 
 
-def copy_to_host(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], staging: Sequence[torch.Tensor],
-                 stream: torch.cuda.Stream | None) -> None:
+def copy_to_host(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    staging: Sequence[torch.Tensor],
+    stream: torch.cuda.Stream | None,
+) -> None:
     """Copy each src into its CPU dst through two staging buffers, piece by piece.
 
     Piece i goes device→staging[i % 2] on `stream` while piece i-1 goes staging→dst on this thread,
@@ -45,14 +49,14 @@ def copy_to_host(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], staging: Se
     """
     piece = staging[0].numel()
     ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
-    pending = None                                  # (event, staging slice, dst slice) of the previous piece
+    pending = None  # (event, staging slice, dst slice) of the previous piece
     with ctx:
         for i, (src, dst) in enumerate(_pieces(pairs, piece)):
-            buf = staging[i % 2][:src.numel()]      # its last reader (piece i-2's landing) has returned
+            buf = staging[i % 2][: src.numel()]  # its last reader (piece i-2's landing) has returned
             buf.copy_(src, non_blocking=stream is not None)
             done = None
             if stream is not None:
-                done = torch.cuda.Event(blocking=True)   # sleep rather than spin while the layer computes
+                done = torch.cuda.Event(blocking=True)  # sleep rather than spin while the layer computes
                 done.record(stream)
             if pending is not None:
                 _land(*pending)
@@ -88,7 +92,7 @@ class KVDrain:
     the block already raises) and stops the worker.
     """
 
-    threaded_on_cpu = False   # run the worker on the CPU too (tests exercise the threaded path without a GPU)
+    threaded_on_cpu = False  # run the worker on the CPU too (tests exercise the threaded path without a GPU)
 
     def __init__(self, on_layer: OnLayer, device: torch.device, piece_bytes: int | None = None) -> None:
         self.on_layer = on_layer
@@ -108,7 +112,7 @@ class KVDrain:
             if exc_type is None:
                 self.wait()
             elif self.pending is not None:
-                self.pending.exception()            # let it finish (e.g. before the caller deletes its files)
+                self.pending.exception()  # let it finish (e.g. before the caller deletes its files)
                 self.pending = None
         finally:
             if self.pool is not None:
@@ -125,7 +129,7 @@ class KVDrain:
         if self.pool is None:
             self.on_layer(layer, keys.cpu(), values.cpu())
             return
-        self.wait()                                 # one layer in flight: bounds device memory, keeps order
+        self.wait()  # one layer in flight: bounds device memory, keeps order
         ready = None
         if self.stream is not None:
             ready = torch.cuda.Event()
@@ -140,7 +144,7 @@ class KVDrain:
         try:
             pending.result()
         finally:
-            if pending.done():      # not when this thread was interrupted: leaving the block waits again
+            if pending.done():  # not when this thread was interrupted: leaving the block waits again
                 self.pending = None
 
     @torch.inference_mode()
@@ -149,7 +153,7 @@ class KVDrain:
 
         keys/values (the device tensors) stay referenced by this call until it returns, after its copies.
         """
-        host_k = torch.empty(keys.shape, dtype=keys.dtype)          # (Hkv, N, D), owned by on_layer
+        host_k = torch.empty(keys.shape, dtype=keys.dtype)  # (Hkv, N, D), owned by on_layer
         host_v = torch.empty(values.shape, dtype=values.dtype)
         device_ctx = torch.cuda.device(self.device) if self.stream is not None else nullcontext()
         try:
@@ -159,7 +163,7 @@ class KVDrain:
                 copy_to_host([(keys, host_k), (values, host_v)], self._staging(keys), self.stream)
         finally:
             if self.stream is not None:
-                self.stream.synchronize()           # even on error: no copy may still read keys/values
+                self.stream.synchronize()  # even on error: no copy may still read keys/values
         self.on_layer(layer, host_k, host_v)
 
     def _staging(self, like: torch.Tensor) -> list[torch.Tensor]:

@@ -14,8 +14,9 @@ import html.parser
 import json
 import posixpath
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import BinaryIO, Callable
+from typing import BinaryIO
 from xml.etree import ElementTree
 
 EXTRA = "pip install 'topk-decode[docs]'"
@@ -43,7 +44,7 @@ def sections(parts: list[tuple[str, str, str]]) -> Extracted:
     for marker, label, body in parts:
         if not body.strip():
             continue
-        body = body.rstrip().lstrip("\n")     # leading blanks may be layout (a sheet's empty first column)
+        body = body.rstrip().lstrip("\n")  # leading blanks may be layout (a sheet's empty first column)
         if text:
             text += "\n\n"
         places.append((len(text), label))
@@ -66,7 +67,7 @@ def read_pdf(f: BinaryIO) -> Extracted:
     pypdf = needs_extra("PDF", "pypdf")
     try:
         pages = [page.extract_text() or "" for page in pypdf.PdfReader(f).pages]
-    except Exception as e:   # pypdf raises many kinds on a damaged file; any of them means "not read"
+    except Exception as e:  # pypdf raises many kinds on a damaged file; any of them means "not read"
         raise NotReadable(f"unreadable PDF: {type(e).__name__}") from None
     if not any(p.strip() for p in pages):
         raise NotReadable(NO_TEXT_LAYER)
@@ -79,7 +80,7 @@ def read_docx(f: BinaryIO) -> Extracted:
     docx = needs_extra("DOCX", "docx")
     try:
         d = docx.Document(f)
-    except Exception as e:   # a damaged or mislabelled file (python-docx raises zip, XML and its own errors)
+    except Exception as e:  # a damaged or mislabelled file (python-docx raises zip, XML and its own errors)
         raise NotReadable(f"unreadable DOCX: {type(e).__name__}") from None
     text, places = "", []
     for p in d.paragraphs:
@@ -95,7 +96,7 @@ def read_docx(f: BinaryIO) -> Extracted:
 def short(title: str, limit: int = 40) -> str:
     """A heading as a place label: one line, at most `limit` characters."""
     title = " ".join(title.split())
-    return title if len(title) <= limit else title[:limit - 1] + "…"
+    return title if len(title) <= limit else title[: limit - 1] + "…"
 
 
 def shape_text(shape) -> list[str]:
@@ -105,7 +106,7 @@ def shape_text(shape) -> list[str]:
         lines += [p.text for p in shape.text_frame.paragraphs if p.text.strip()]
     if getattr(shape, "has_table", False) and shape.has_table:
         lines += ["\t".join(cell.text for cell in row.cells) for row in shape.table.rows]
-    for member in getattr(shape, "shapes", ()):      # a group shape
+    for member in getattr(shape, "shapes", ()):  # a group shape
         lines += shape_text(member)
     return lines
 
@@ -124,7 +125,7 @@ def read_pptx(f: BinaryIO) -> Extracted:
                 if notes:
                     lines.append(f"Notes: {notes}")
             parts.append((f"[slide {i}]", f"slide {i}", "\n".join(lines)))
-    except Exception as e:   # a damaged or mislabelled file: zip, XML and python-pptx's own errors
+    except Exception as e:  # a damaged or mislabelled file: zip, XML and python-pptx's own errors
         raise NotReadable(f"unreadable PPTX: {type(e).__name__}") from None
     return sections(parts)
 
@@ -155,7 +156,7 @@ def read_xlsx(f: BinaryIO) -> Extracted:
                     rows.append("\t".join(cells))
             parts.append((f"[sheet {sheet.title}]", f"sheet {sheet.title}", "\n".join(rows)))
         book.close()
-    except Exception as e:   # a damaged or mislabelled file: zip, XML and openpyxl's own errors
+    except Exception as e:  # a damaged or mislabelled file: zip, XML and openpyxl's own errors
         raise NotReadable(f"unreadable XLSX: {type(e).__name__}") from None
     return sections(parts)
 
@@ -182,7 +183,7 @@ def read_epub(f: BinaryIO) -> Extracted:
                     continue
                 name = posixpath.normpath(posixpath.join(base, item.get("href")))
                 pages.append(html_text(z.read(name).decode("utf-8", "replace"), title=False))
-    except Exception as e:   # not a zip, no container or OPF, a missing page: the book is not readable
+    except Exception as e:  # not a zip, no container or OPF, a missing page: the book is not readable
         raise NotReadable(f"unreadable EPUB: {type(e).__name__}") from None
     pages = [p for p in pages if p.strip()]
     return sections([(f"[chapter {i}]", f"ch. {i}", p) for i, p in enumerate(pages, 1)])
@@ -202,8 +203,12 @@ def read_ipynb(text: str) -> Extracted:
             body = src
             if cell.get("cell_type") == "code" and src.strip():
                 body = f"```{lang}\n{src.rstrip()}\n```"
-                outs = [joined(o.get("text", "")) if o.get("output_type") == "stream"
-                        else joined((o.get("data") or {}).get("text/plain", "")) for o in cell.get("outputs", [])]
+                outs = [
+                    joined(o.get("text", ""))
+                    if o.get("output_type") == "stream"
+                    else joined((o.get("data") or {}).get("text/plain", ""))
+                    for o in cell.get("outputs", [])
+                ]
                 outs = [o.rstrip() for o in outs if o.strip()]
                 if outs:
                     body += "\nOutput:\n" + "\n".join(outs)
@@ -221,8 +226,32 @@ def joined(source) -> str:
 class _Text(html.parser.HTMLParser):
     """Collects an HTML page's visible text; block elements end lines, script/style/head are dropped."""
 
-    BLOCKS = {"p", "div", "br", "li", "tr", "h1", "h2", "h3", "h4", "h5", "h6", "pre", "section", "article",
-              "table", "ul", "ol", "blockquote", "header", "footer", "title", "dt", "dd", "hr"}
+    BLOCKS = {
+        "p",
+        "div",
+        "br",
+        "li",
+        "tr",
+        "h1",
+        "h2",
+        "h3",
+        "h4",
+        "h5",
+        "h6",
+        "pre",
+        "section",
+        "article",
+        "table",
+        "ul",
+        "ol",
+        "blockquote",
+        "header",
+        "footer",
+        "title",
+        "dt",
+        "dd",
+        "hr",
+    }
     HIDDEN = {"script", "style", "template", "noscript"}
 
     def __init__(self, title: bool = True) -> None:
@@ -264,9 +293,17 @@ def html_text(markup: str, title: bool = True) -> str:
 
 # suffix → reader of the open binary file
 BINARY_FORMATS: dict[str, Callable[[BinaryIO], Extracted]] = {
-    ".pdf": read_pdf, ".docx": read_docx, ".pptx": read_pptx, ".xlsx": read_xlsx, ".epub": read_epub}
+    ".pdf": read_pdf,
+    ".docx": read_docx,
+    ".pptx": read_pptx,
+    ".xlsx": read_xlsx,
+    ".epub": read_epub,
+}
 # suffix → converter of a file first read as UTF-8 text (so a binary file by that name is still turned away)
 TEXT_FORMATS: dict[str, Callable[[str], Extracted]] = {
-    ".html": lambda t: Extracted(html_text(t)), ".htm": lambda t: Extracted(html_text(t)),
-    ".xhtml": lambda t: Extracted(html_text(t)), ".ipynb": read_ipynb}
+    ".html": lambda t: Extracted(html_text(t)),
+    ".htm": lambda t: Extracted(html_text(t)),
+    ".xhtml": lambda t: Extracted(html_text(t)),
+    ".ipynb": read_ipynb,
+}
 HTML_SUFFIXES = (".html", ".htm", ".xhtml")

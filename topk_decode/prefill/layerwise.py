@@ -16,9 +16,9 @@ bf16 weights alone are 15 GiB.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -43,8 +43,8 @@ class PrefillStats:
     n_tokens: int
     seconds: float
     peak_device_bytes: int | None  # None on CPU
-    resumed_at_layer: int = 0      # > 0: the time covers only the layers from this one on (`--resume`)
-    ranks: int = 1                 # processes that computed it (`--gpus N`, prefill/distributed.py)
+    resumed_at_layer: int = 0  # > 0: the time covers only the layers from this one on (`--resume`)
+    ranks: int = 1  # processes that computed it (`--gpus N`, prefill/distributed.py)
 
     @property
     def tokens_per_s(self) -> float:
@@ -76,10 +76,10 @@ def _split_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, expand: bool
     if expand and k.shape[1] != q.shape[1]:
         G = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
-    out_d, lse_d = _flash_lse(q, k[:, :, S - T:], v[:, :, S - T:], True)
+    out_d, lse_d = _flash_lse(q, k[:, :, S - T :], v[:, :, S - T :], True)
     if S == T:
         return out_d
-    out_p, lse_p = _flash_lse(q, k[:, :, :S - T], v[:, :, :S - T], False)
+    out_p, lse_p = _flash_lse(q, k[:, :, : S - T], v[:, :, : S - T], False)
     lse = torch.logaddexp(lse_p, lse_d)
     out = out_p.float() * torch.exp(lse_p - lse)[..., None] + out_d.float() * torch.exp(lse_d - lse)[..., None]
     return out.to(q.dtype)
@@ -98,12 +98,15 @@ def _pick_mode(q: torch.Tensor, k: torch.Tensor) -> str:
         return _MODES[key]
     H, Hkv, D = q.shape[1], k.shape[1], q.shape[3]
     g = torch.Generator(device=q.device).manual_seed(0)
-    tq, tk, tv = (torch.randn((1, h, n, D), generator=g, device=q.device, dtype=q.dtype)
-                  for h, n in ((H, 128), (Hkv, 384), (Hkv, 384)))
-    visible = torch.ones(128, 384, dtype=torch.bool, device=q.device).tril(384 - 128)      # lower-right
+    tq, tk, tv = (
+        torch.randn((1, h, n, D), generator=g, device=q.device, dtype=q.dtype)
+        for h, n in ((H, 128), (Hkv, 384), (Hkv, 384))
+    )
+    visible = torch.ones(128, 384, dtype=torch.bool, device=q.device).tril(384 - 128)  # lower-right
     G = H // Hkv
-    ref = F.scaled_dot_product_attention(tq.float(), tk.float().repeat_interleave(G, 1),
-                                         tv.float().repeat_interleave(G, 1), attn_mask=visible)
+    ref = F.scaled_dot_product_attention(
+        tq.float(), tk.float().repeat_interleave(G, 1), tv.float().repeat_interleave(G, 1), attn_mask=visible
+    )
     mode = "sdpa"
     for candidate, expand in (("gqa", False), ("expand", True)):
         try:
@@ -158,7 +161,7 @@ class LayerStreamer:
             if self.stream is not None:
                 for t in tensors.values():
                     if not t.is_pinned():
-                        t.data = t.data.pin_memory()   # once: pinned copies are async and ~4x faster
+                        t.data = t.data.pin_memory()  # once: pinned copies are async and ~4x faster
             self.host.append({name: t.data for name, t in tensors.items()})
         self.ready: dict[int, torch.cuda.Event | None] = {}
 
@@ -238,9 +241,19 @@ def whole_layer_attention_fits(n: int, shape: ModelShape, dtype: torch.dtype, de
     return need <= (device_room(device) - 2 * kv_bytes) // 4
 
 
-def _run_layer(model, layer_idx: int, layer, hidden: torch.Tensor, shape: ModelShape, device: torch.device,
-               chunk_size: int, drain: KVDrain, progress: Callable[[int], None] | None,
-               whole: bool | None = None, past: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+def _run_layer(
+    model,
+    layer_idx: int,
+    layer,
+    hidden: torch.Tensor,
+    shape: ModelShape,
+    device: torch.device,
+    chunk_size: int,
+    drain: KVDrain,
+    progress: Callable[[int], None] | None,
+    whole: bool | None = None,
+    past: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
     """One decoder layer over all N tokens, chunk by chunk; `hidden` (N, C) is updated in place.
 
     The layer's keys/values (Hkv, N, D) live on the device while it runs, then go to `drain`, which
@@ -260,26 +273,26 @@ def _run_layer(model, layer_idx: int, layer, hidden: torch.Tensor, shape: ModelS
     if P:
         keys[0, :, :P].copy_(past[0])
         values[0, :, :P].copy_(past[1])
-    queries = torch.empty((1, shape.n_heads, N, shape.head_dim), dtype=hidden.dtype, device=device) \
-        if whole else None
+    queries = torch.empty((1, shape.n_heads, N, shape.head_dim), dtype=hidden.dtype, device=device) if whole else None
     for s in range(P, N, chunk_size):
         e = min(s + chunk_size, N)
-        x = hidden[s - P:e - P].to(device, non_blocking=True)[None]             # (1, T, C); a view if on device
+        x = hidden[s - P : e - P].to(device, non_blocking=True)[None]  # (1, T, C); a view if on device
         cos, sin = rope(model, x, torch.arange(s, e, device=device))
-        q, k, v = attention_inputs(layer, x, cos, sin, shape)                   # (1, H|Hkv, T, D)
+        q, k, v = attention_inputs(layer, x, cos, sin, shape)  # (1, H|Hkv, T, D)
         keys[:, :, s:e], values[:, :, s:e] = k, v
         if whole:
             queries[:, :, s:e] = q
             continue
-        out = chunk_attention(q, keys[:, :, :e], values[:, :, :e])              # (1, H, T, D)
+        out = chunk_attention(q, keys[:, :, :e], values[:, :, :e])  # (1, H, T, D)
         # pinned host: an async device→pinned copy; stream order keeps the next layer's read of it correct
-        hidden[s - P:e - P].copy_(finish_block(layer, x, out)[0], non_blocking=True)
+        hidden[s - P : e - P].copy_(finish_block(layer, x, out)[0], non_blocking=True)
         if progress is not None:
             progress(e - s)
     if whole:
         ATTENTION_PATHS.add("whole-layer sdpa")
-        attn = F.scaled_dot_product_attention(queries, keys, values, is_causal=True,
-                                              enable_gqa=shape.n_heads != shape.n_kv_heads)   # (1, H, N, D)
+        attn = F.scaled_dot_product_attention(
+            queries, keys, values, is_causal=True, enable_gqa=shape.n_heads != shape.n_kv_heads
+        )  # (1, H, N, D)
         del queries
         for s in range(0, N, chunk_size):
             e = min(s + chunk_size, N)
@@ -287,7 +300,7 @@ def _run_layer(model, layer_idx: int, layer, hidden: torch.Tensor, shape: ModelS
             hidden[s:e].copy_(finish_block(layer, x, attn[:, :, s:e])[0], non_blocking=True)
             if progress is not None:
                 progress(e - s)
-    drain.submit(layer_idx, keys[0], values[0])   # returns at once on CUDA: no sync, the GPU goes on
+    drain.submit(layer_idx, keys[0], values[0])  # returns at once on CUDA: no sync, the GPU goes on
 
 
 def _sync_host(hidden: torch.Tensor, device: torch.device) -> None:
@@ -299,13 +312,22 @@ def _sync_host(hidden: torch.Tensor, device: torch.device) -> None:
 class _Resume:
     """Where a prefill starts (layer 0 from the embeddings, or a checkpoint) and when it checkpoints."""
 
-    def __init__(self, start: int, hidden: torch.Tensor | None, fn: Callable[[int, torch.Tensor], None] | None,
-                 every: float) -> None:
+    def __init__(
+        self, start: int, hidden: torch.Tensor | None, fn: Callable[[int, torch.Tensor], None] | None, every: float
+    ) -> None:
         self.start, self.hidden, self.fn, self.every = start, hidden, fn, every
         self.last = time.monotonic()
 
-    def residual(self, model, ids: list[int], shape: ModelShape, dtype: torch.dtype, device: torch.device,
-                 embed_device: torch.device, chunk_size: int) -> torch.Tensor:
+    def residual(
+        self,
+        model,
+        ids: list[int],
+        shape: ModelShape,
+        dtype: torch.dtype,
+        device: torch.device,
+        embed_device: torch.device,
+        chunk_size: int,
+    ) -> torch.Tensor:
         """The (N, C) residual stream entering layer `start`: the embeddings, or the checkpoint's copy."""
         N = len(ids)
         hidden = _residual_stream(N, shape, dtype, device)
@@ -315,11 +337,12 @@ class _Resume:
             return hidden
         tokens = torch.tensor(ids, dtype=torch.int64)
         for s in range(0, N, chunk_size):
-            hidden[s:s + chunk_size].copy_(model.model.embed_tokens(tokens[s:s + chunk_size].to(embed_device)))
+            hidden[s : s + chunk_size].copy_(model.model.embed_tokens(tokens[s : s + chunk_size].to(embed_device)))
         return hidden
 
-    def after_layer(self, next_layer: int, n_layers: int, hidden: torch.Tensor, drain: KVDrain,
-                    device: torch.device) -> None:
+    def after_layer(
+        self, next_layer: int, n_layers: int, hidden: torch.Tensor, drain: KVDrain, device: torch.device
+    ) -> None:
         """Checkpoint when one is due: the layers below `next_layer` are on disk first (drain.wait)."""
         if self.fn is None or next_layer >= n_layers or time.monotonic() - self.last < self.every:
             return
@@ -386,49 +409,79 @@ def prefill_layers(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    hidden = resume.residual(model, ids, shape, dtype, device, device, chunk_size)     # (N, C)
-    with KVDrain(on_layer, device) as drain:     # leaving it waits for the last layer's on_layer
+    hidden = resume.residual(model, ids, shape, dtype, device, device, chunk_size)  # (N, C)
+    with KVDrain(on_layer, device) as drain:  # leaving it waits for the last layer's on_layer
         for layer_idx, layer in enumerate(model.model.layers):
             if layer_idx < resume.start:
                 continue
-            _run_layer(model, layer_idx, layer, hidden, shape, device, chunk_size, drain, progress,
-                       past=None if past is None else past(layer_idx))
+            _run_layer(
+                model,
+                layer_idx,
+                layer,
+                hidden,
+                shape,
+                device,
+                chunk_size,
+                drain,
+                progress,
+                past=None if past is None else past(layer_idx),
+            )
             resume.after_layer(layer_idx + 1, shape.n_layers, hidden, drain, device)
         _sync_host(hidden, device)
-        last = final_logits(model, hidden[N - 1:N].to(device)[None])[0].cpu()
+        last = final_logits(model, hidden[N - 1 : N].to(device)[None])[0].cpu()
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return last, PrefillStats(N, time.perf_counter() - t0, peak, resume.start)
 
 
-def _prefill_offloaded(model, ids, on_layer, chunk_size, progress, shape: ModelShape, dtype: torch.dtype,
-                       device: torch.device, resume: _Resume, past=None) -> tuple[torch.Tensor, PrefillStats]:
+def _prefill_offloaded(
+    model,
+    ids,
+    on_layer,
+    chunk_size,
+    progress,
+    shape: ModelShape,
+    dtype: torch.dtype,
+    device: torch.device,
+    resume: _Resume,
+    past=None,
+) -> tuple[torch.Tensor, PrefillStats]:
     """`prefill_layers` with the weights on the CPU: one decoder layer on the device at a time."""
     N = len(ids)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    embed_device = model.model.embed_tokens.weight.device   # the embedding lookup stays where it is
-    hidden = resume.residual(model, ids, shape, dtype, device, embed_device, chunk_size)   # (N, C)
+    embed_device = model.model.embed_tokens.weight.device  # the embedding lookup stays where it is
+    hidden = resume.residual(model, ids, shape, dtype, device, embed_device, chunk_size)  # (N, C)
     rotary = model.model.rotary_emb
     rotary_host = {name: b.data for name, b in rotary.named_buffers()}
     for b in rotary.buffers():
         b.data = b.data.to(device)
     streamer = LayerStreamer(model, device)
     try:
-        with KVDrain(on_layer, device) as drain:          # leaving it waits for the last layer's on_layer
+        with KVDrain(on_layer, device) as drain:  # leaving it waits for the last layer's on_layer
             for layer_idx, layer in enumerate(model.model.layers):
                 if layer_idx < resume.start:
                     continue
                 streamer.acquire(layer_idx)
-                streamer.prefetch(layer_idx + 1)           # overlaps with this layer's compute
-                _run_layer(model, layer_idx, layer, hidden, shape, device, chunk_size, drain, progress,
-                           past=None if past is None else past(layer_idx))
+                streamer.prefetch(layer_idx + 1)  # overlaps with this layer's compute
+                _run_layer(
+                    model,
+                    layer_idx,
+                    layer,
+                    hidden,
+                    shape,
+                    device,
+                    chunk_size,
+                    drain,
+                    progress,
+                    past=None if past is None else past(layer_idx),
+                )
                 streamer.release(layer_idx)
                 resume.after_layer(layer_idx + 1, shape.n_layers, hidden, drain, device)
             _sync_host(hidden, device)
             head_device = model.lm_head.weight.device
-            last = final_logits(model, hidden[N - 1:N].to(head_device)[None])[0].cpu()
+            last = final_logits(model, hidden[N - 1 : N].to(head_device)[None])[0].cpu()
     finally:
         for name, b in rotary.named_buffers():
             b.data = rotary_host[name]

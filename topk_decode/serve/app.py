@@ -29,8 +29,8 @@ from topk_decode.serve.metrics import CONTENT_TYPE, LOG, Metrics
 from topk_decode.serve.schemas import MAX_BODY_MB, APIError, GenerationRequest, parse_json, parse_request, too_large
 from topk_decode.serve.worker import MAX_BATCH, DecodeWorker, Job
 
-OPEN_PATHS = ("/health",)    # answered without the API key: liveness probes carry no credentials
-QUIET_PATHS = ("/health", "/metrics")   # polled every few seconds: logged only when they fail
+OPEN_PATHS = ("/health",)  # answered without the API key: liveness probes carry no credentials
+QUIET_PATHS = ("/health", "/metrics")  # polled every few seconds: logged only when they fail
 ROUTES = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
 
 
@@ -78,14 +78,22 @@ class Server:
         max_batch: requests decoded at once, their one-token steps batched (1: one at a time).
     """
 
-    def __init__(self, stores: dict, max_tokens_limit: int = 4096, default_max_tokens: int = 256,
-                 max_queue: int = 64, max_body_mb: float = MAX_BODY_MB, api_key: str | None = None,
-                 cors_origins: tuple[str, ...] = (), max_batch: int = MAX_BATCH) -> None:
+    def __init__(
+        self,
+        stores: dict,
+        max_tokens_limit: int = 4096,
+        default_max_tokens: int = 256,
+        max_queue: int = 64,
+        max_body_mb: float = MAX_BODY_MB,
+        api_key: str | None = None,
+        cors_origins: tuple[str, ...] = (),
+        max_batch: int = MAX_BATCH,
+    ) -> None:
         if not stores:
             raise ValueError("a server needs at least one store")
         self.stores = dict(stores)
         self.model_ids = list(self.stores)
-        self.max_body_bytes = int(max_body_mb * 2 ** 20)
+        self.max_body_bytes = int(max_body_mb * 2**20)
         self.max_tokens_limit = max_tokens_limit
         self.default_max_tokens = min(default_max_tokens, max_tokens_limit)
         self.api_key = api_key
@@ -99,15 +107,26 @@ class Server:
     async def health(self, request: Request) -> JSONResponse:
         """GET /health: liveness, the batching policy, the queue and the served models."""
         w = self.worker
-        body = {"status": "ok", "batching": batching(w.max_batch), "queue": w.waiting, "running": w.running,
-                "served": w.served, "cancelled": w.cancelled,
-                "batched_steps": sum(b.batches for b in w.batchers),
-                "batched_requests": sum(b.stepped for b in w.batchers),
-                "models": [{"id": name, "context_tokens": s.ckv.n_tokens, "documents": len(s.documents)}
-                           for name, s in self.stores.items()]}
-        if len(self.stores) == 1:    # one cache: its facts at the top level too (as before several were served)
-            body.update(model=self.model_ids[0], context_tokens=body["models"][0]["context_tokens"],
-                        documents=body["models"][0]["documents"])
+        body = {
+            "status": "ok",
+            "batching": batching(w.max_batch),
+            "queue": w.waiting,
+            "running": w.running,
+            "served": w.served,
+            "cancelled": w.cancelled,
+            "batched_steps": sum(b.batches for b in w.batchers),
+            "batched_requests": sum(b.stepped for b in w.batchers),
+            "models": [
+                {"id": name, "context_tokens": s.ckv.n_tokens, "documents": len(s.documents)}
+                for name, s in self.stores.items()
+            ],
+        }
+        if len(self.stores) == 1:  # one cache: its facts at the top level too (as before several were served)
+            body.update(
+                model=self.model_ids[0],
+                context_tokens=body["models"][0]["context_tokens"],
+                documents=body["models"][0]["documents"],
+            )
         return JSONResponse(body)
 
     async def prometheus(self, request: Request) -> Response:
@@ -116,10 +135,23 @@ class Server:
 
     async def models(self, request: Request) -> JSONResponse:
         """GET /v1/models: every served cache, with its document count and tokens (fields OpenAI's lacks)."""
-        return JSONResponse({"object": "list", "data": [
-            {"id": name, "object": "model", "created": self.created, "owned_by": "topk-decode",
-             "documents": len(s.documents), "context_tokens": s.ckv.n_tokens, "strategy": s.config.strategy}
-            for name, s in self.stores.items()]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": name,
+                        "object": "model",
+                        "created": self.created,
+                        "owned_by": "topk-decode",
+                        "documents": len(s.documents),
+                        "context_tokens": s.ckv.n_tokens,
+                        "strategy": s.config.strategy,
+                    }
+                    for name, s in self.stores.items()
+                ],
+            }
+        )
 
     # ---- generation ---------------------------------------------------------------------------------
     async def chat(self, request: Request):
@@ -134,9 +166,12 @@ class Server:
         try:
             raw = await read_body(request, self.max_body_bytes)
             req = parse_request(parse_json(raw), kind, self.model_ids, self.max_tokens_limit, self.default_max_tokens)
-            job = Job(req, asyncio.get_running_loop(), id=f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-"
-                                                         f"{uuid.uuid4().hex[:24]}")
-            request.state.job = job    # for the log line (Access)
+            job = Job(
+                req,
+                asyncio.get_running_loop(),
+                id=f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+            )
+            request.state.job = job  # for the log line (Access)
             self.worker.submit(job)
         except APIError as e:
             return _error(e)
@@ -148,7 +183,7 @@ class Server:
             watcher.cancel()
         if kind_ == "error":
             return _error(value)
-        if kind_ == "done":     # cancelled before it started: the client is gone, nobody reads this
+        if kind_ == "done":  # cancelled before it started: the client is gone, nobody reads this
             return JSONResponse({}, status_code=499)
         if req.stream:
             return _Stream(self._events(job, req, job.id), job)
@@ -172,19 +207,35 @@ class Server:
         text, info = "".join(parts), value
         logprobs = _logprobs(req, entries, 0)
         if req.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": info["finish_reason"], "logprobs": logprobs}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": info["finish_reason"],
+                "logprobs": logprobs,
+            }
         else:
             choice = {"index": 0, "text": text, "finish_reason": info["finish_reason"], "logprobs": logprobs}
-        return JSONResponse({"id": ident, "object": "chat.completion" if req.kind == "chat" else "text_completion",
-                             "created": int(time.time()), "model": req.model, "choices": [choice],
-                             "usage": _usage(info), "sources": info["sources"]})
+        return JSONResponse(
+            {
+                "id": ident,
+                "object": "chat.completion" if req.kind == "chat" else "text_completion",
+                "created": int(time.time()),
+                "model": req.model,
+                "choices": [choice],
+                "usage": _usage(info),
+                "sources": info["sources"],
+            }
+        )
 
     async def _events(self, job: Job, req: GenerationRequest, ident: str):
         """OpenAI's chunk stream: role, content deltas, a last chunk with finish_reason (and our sources)."""
         chat = req.kind == "chat"
-        base = {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": int(time.time()), "model": req.model}
+        base = {
+            "id": ident,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": req.model,
+        }
 
         def chunk(delta: dict | str, finish: str | None = None, logprobs: dict | None = None, **extra) -> str:
             choice = {"index": 0, "delta": delta} if chat else {"index": 0, "text": delta}
@@ -193,14 +244,14 @@ class Server:
 
         if chat:
             yield chunk({"role": "assistant", "content": ""})
-        offset = 0      # characters of the completion so far: completions' text_offset
+        offset = 0  # characters of the completion so far: completions' text_offset
         while True:
             kind_, value = await job.queue.get()
             if kind_ == "text":
                 text, entries = value
                 yield chunk({"content": text} if chat else text, logprobs=_logprobs(req, entries, offset))
                 offset += sum(len(e["token"]) for e in entries)
-            elif kind_ == "error":      # the answer has started: report in-band, as OpenAI does
+            elif kind_ == "error":  # the answer has started: report in-band, as OpenAI does
                 yield f"data: {value.json()}\n\n"
                 break
             else:
@@ -222,15 +273,21 @@ def _logprobs(req: GenerationRequest, entries: list[dict], offset: int) -> dict 
     for e in entries:
         offsets.append(offset)
         offset += len(e["token"])
-    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries],
-            "text_offset": offsets}
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+    }
 
 
 def _usage(info: dict) -> dict:
-    return {"prompt_tokens": info["prompt_tokens"], "completion_tokens": info["completion_tokens"],
-            "total_tokens": info["prompt_tokens"] + info["completion_tokens"],
-            "prompt_tokens_details": {"cached_tokens": info["cached_tokens"]}}
+    return {
+        "prompt_tokens": info["prompt_tokens"],
+        "completion_tokens": info["completion_tokens"],
+        "total_tokens": info["prompt_tokens"] + info["completion_tokens"],
+        "prompt_tokens_details": {"cached_tokens": info["cached_tokens"]},
+    }
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -304,8 +361,10 @@ class Access:
             if not (path in QUIET_PATHS and status < 400):
                 line = f"{job.id if job is not None else '-'} {scope['method']} {path} {status}"
                 if job is not None:
-                    line += (f" model={model} prompt_tokens={len(job.ids)} "
-                             f"completion_tokens={job.completion_tokens} finish={job.finish or '-'}")
+                    line += (
+                        f" model={model} prompt_tokens={len(job.ids)} "
+                        f"completion_tokens={job.completion_tokens} finish={job.finish or '-'}"
+                    )
                 LOG.info("%s seconds=%.3f", line, time.perf_counter() - t0)
 
     def authorized(self, scope) -> bool:
@@ -318,8 +377,11 @@ class Access:
 def unauthorized(scope) -> APIError:
     """The 401 OpenAI answers a missing or wrong key with."""
     given = b"authorization" in dict(scope["headers"])
-    message = ("Incorrect API key provided" if given else
-               "You didn't provide an API key; send it as the header Authorization: Bearer KEY")
+    message = (
+        "Incorrect API key provided"
+        if given
+        else "You didn't provide an API key; send it as the header Authorization: Bearer KEY"
+    )
     return APIError(401, message, code="invalid_api_key")
 
 
@@ -336,14 +398,26 @@ def create_app(server: Server) -> Starlette:
         Route("/v1/chat/completions", server.chat, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
     ]
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
         server.worker.close()
 
     middleware = [Middleware(Access, server=server)]
-    if server.cors_origins:   # outermost: a browser's preflight (OPTIONS, no key) is answered here
-        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(server.cors_origins),
-                                        allow_methods=["GET", "POST"], allow_headers=["*"]))
-    return Starlette(routes=routes, middleware=middleware,
-                     exception_handlers={HTTPException: _http_error, Exception: _internal_error}, lifespan=lifespan)
+    if server.cors_origins:  # outermost: a browser's preflight (OPTIONS, no key) is answered here
+        middleware.insert(
+            0,
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(server.cors_origins),
+                allow_methods=["GET", "POST"],
+                allow_headers=["*"],
+            ),
+        )
+    return Starlette(
+        routes=routes,
+        middleware=middleware,
+        exception_handlers={HTTPException: _http_error, Exception: _internal_error},
+        lifespan=lifespan,
+    )

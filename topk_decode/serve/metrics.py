@@ -24,40 +24,90 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("topk_requests", "HTTP requests answered, by route and status code",
-                                ["route", "status", "model"], registry=r)
+        self.requests = Counter(
+            "topk_requests",
+            "HTTP requests answered, by route and status code",
+            ["route", "status", "model"],
+            registry=r,
+        )
         self.queue = Gauge("topk_queue_depth", "Requests preparing or waiting for the decoder", registry=r)
         self.running = Gauge("topk_running", "Requests being decoded (at most --max-batch, together)", registry=r)
-        self.ttft = Histogram("topk_time_to_first_token_seconds",
-                              "From a generation request's arrival to its first generated text", ["model"],
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("topk_prompt_tokens", "Prompt tokens run through the model after the cached "
-                                     "documents", ["model"], registry=r)
+        self.ttft = Histogram(
+            "topk_time_to_first_token_seconds",
+            "From a generation request's arrival to its first generated text",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "topk_prompt_tokens",
+            "Prompt tokens run through the model after the cached documents",
+            ["model"],
+            registry=r,
+        )
         self.completion_tokens = Counter("topk_completion_tokens", "Tokens generated", ["model"], registry=r)
-        self.decode_seconds = Counter("topk_decode_seconds", "Seconds from each answer's first generated text to its "
-                                      "end (tokens after the first / this = decode tokens/s)", ["model"], registry=r)
-        self.tokens_per_second = Histogram("topk_decode_tokens_per_second", "Each answer's decode speed after its "
-                                           "first token", ["model"], buckets=TOKENS_PER_S_BUCKETS, registry=r)
-        self.steps = Counter("topk_steps", "Decoder steps of each request (one generated token, or one prompt); "
-                             "a batched step counts once for each request in it", ["model"], registry=r)
-        self.search_seconds = Counter("topk_search_seconds", "Seconds of top-k search on the CPU, over all steps "
-                                      "(a search shared by a batch: each request its share)", ["model"], registry=r)
-        self.search_ms = Histogram("topk_search_ms_per_step", "Each request's mean top-k search time per decoder step, "
-                                   "in ms", ["model"], buckets=SEARCH_MS_BUCKETS, registry=r)
-        self.keys_read = Counter("topk_keys_read", "Context keys read from the CPU store (retrieved keys summed over "
-                                 "steps, layers and heads)", ["model"], registry=r)
+        self.decode_seconds = Counter(
+            "topk_decode_seconds",
+            "Seconds from each answer's first generated text to its "
+            "end (tokens after the first / this = decode tokens/s)",
+            ["model"],
+            registry=r,
+        )
+        self.tokens_per_second = Histogram(
+            "topk_decode_tokens_per_second",
+            "Each answer's decode speed after its first token",
+            ["model"],
+            buckets=TOKENS_PER_S_BUCKETS,
+            registry=r,
+        )
+        self.steps = Counter(
+            "topk_steps",
+            "Decoder steps of each request (one generated token, or one prompt); "
+            "a batched step counts once for each request in it",
+            ["model"],
+            registry=r,
+        )
+        self.search_seconds = Counter(
+            "topk_search_seconds",
+            "Seconds of top-k search on the CPU, over all steps (a search shared by a batch: each request its share)",
+            ["model"],
+            registry=r,
+        )
+        self.search_ms = Histogram(
+            "topk_search_ms_per_step",
+            "Each request's mean top-k search time per decoder step, in ms",
+            ["model"],
+            buckets=SEARCH_MS_BUCKETS,
+            registry=r,
+        )
+        self.keys_read = Counter(
+            "topk_keys_read",
+            "Context keys read from the CPU store (retrieved keys summed over steps, layers and heads)",
+            ["model"],
+            registry=r,
+        )
 
     def watch(self, worker) -> None:
         """Read the queue gauges from `worker` at each scrape; every served model's series start at 0."""
         self.queue.set_function(lambda: worker.waiting)
         self.running.set_function(lambda: worker.running)
         for model in worker.stores:
-            for metric in (self.ttft, self.prompt_tokens, self.completion_tokens, self.decode_seconds,
-                           self.tokens_per_second, self.steps, self.search_seconds, self.search_ms, self.keys_read):
+            for metric in (
+                self.ttft,
+                self.prompt_tokens,
+                self.completion_tokens,
+                self.decode_seconds,
+                self.tokens_per_second,
+                self.steps,
+                self.search_seconds,
+                self.search_ms,
+                self.keys_read,
+            ):
                 metric.labels(model)
 
-    def decoded(self, model: str, prompt_tokens: int, completion_tokens: int, ttft_s: float | None,
-                decode_s: float, stats) -> None:
+    def decoded(
+        self, model: str, prompt_tokens: int, completion_tokens: int, ttft_s: float | None, decode_s: float, stats
+    ) -> None:
         """Count one request's decoding.
 
         Args:

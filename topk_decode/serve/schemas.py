@@ -12,13 +12,13 @@ from typing import Any
 
 from topk_decode.decode.sampling import LOGIT_BIAS_MAX, PENALTY_MAX, TOP_LOGPROBS_MAX
 
-MAX_STOP = 4            # OpenAI's limit on stop sequences
-TEMPERATURE_MAX = 2.0   # OpenAI's range for temperature
+MAX_STOP = 4  # OpenAI's limit on stop sequences
+TEMPERATURE_MAX = 2.0  # OpenAI's range for temperature
 # default request body limit (`topk serve --max-body-mb`): room for a prompt of the default max_window_tokens
 # (65,536 tokens) even written as \uXXXX escapes; bounds the memory and parse time a request can cost
 MAX_BODY_MB = 4.0
-MAX_LOGIT_BIAS = 1024   # entries of logit_bias a request may give: bounds what each decoding step adds
-COMPLETION_LOGPROBS_MAX = 5   # OpenAI's limit on /v1/completions' logprobs (chat's top_logprobs goes to 20)
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias a request may give: bounds what each decoding step adds
+COMPLETION_LOGPROBS_MAX = 5  # OpenAI's limit on /v1/completions' logprobs (chat's top_logprobs goes to 20)
 
 
 class APIError(Exception):
@@ -32,8 +32,14 @@ class APIError(Exception):
         type: OpenAI's error type.
     """
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
 
@@ -50,14 +56,14 @@ class APIError(Exception):
 class GenerationRequest:
     """A validated /v1/chat/completions or /v1/completions request."""
 
-    kind: str                                # "chat" or "completion"
+    kind: str  # "chat" or "completion"
     model: str
-    messages: list[dict] = field(default_factory=list)   # chat
-    prompt: str = ""                                     # completion
+    messages: list[dict] = field(default_factory=list)  # chat
+    prompt: str = ""  # completion
     stream: bool = False
     include_usage: bool = False
     max_tokens: int = 256
-    max_tokens_given: bool = False       # False: max_tokens is the server's default, cut to the room left
+    max_tokens_given: bool = False  # False: max_tokens is the server's default, cut to the room left
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
@@ -65,20 +71,23 @@ class GenerationRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
-    logprobs: int | None = None          # None: no logprobs; n: each token's and its n most likely alternatives
+    logprobs: int | None = None  # None: no logprobs; n: each token's and its n most likely alternatives
 
 
 def too_large(limit_bytes: int) -> APIError:
     """The 413 for a body past the server's limit."""
-    return APIError(413, f"the request body is larger than this server's limit of {limit_bytes / 2 ** 20:g} MB "
-                         f"(topk serve --max-body-mb)", code="request_too_large")
+    return APIError(
+        413,
+        f"the request body is larger than this server's limit of {limit_bytes / 2**20:g} MB (topk serve --max-body-mb)",
+        code="request_too_large",
+    )
 
 
 def parse_json(raw: bytes) -> dict:
     """The request body as a JSON object, or a 400."""
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:   # ValueError covers integers of over 4300 digits
+    except (ValueError, UnicodeDecodeError) as e:  # ValueError covers integers of over 4300 digits
         raise APIError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
     except RecursionError:
         raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
@@ -108,11 +117,15 @@ def _integer(body: dict, name: str) -> int | None:
 
 def _unicode(s: str, param: str) -> str:
     """`s` if it is valid Unicode text, else a 400."""
-    try:    # a JSON escape like "\\ud800" gives a lone surrogate, which the tokenizer cannot encode
+    try:  # a JSON escape like "\\ud800" gives a lone surrogate, which the tokenizer cannot encode
         s.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise APIError(400, f"{param} is not valid Unicode text: a lone surrogate ({s[e.start]!r}) at character "
-                            f"{e.start}", param=param, code="invalid_value") from None
+        raise APIError(
+            400,
+            f"{param} is not valid Unicode text: a lone surrogate ({s[e.start]!r}) at character {e.start}",
+            param=param,
+            code="invalid_value",
+        ) from None
     return s
 
 
@@ -124,12 +137,12 @@ def _text(content: Any, param: str) -> str:
         if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in content):
             raise APIError(400, "only text content parts are supported", param=param, code="invalid_value")
         return _unicode("".join(p["text"] for p in content), param)
-    raise APIError(400, "message content must be a string or a list of text parts", param=param,
-                   code="invalid_type")
+    raise APIError(400, "message content must be a string or a list of text parts", param=param, code="invalid_type")
 
 
-def parse_request(body: dict, kind: str, model_ids: list[str], max_tokens_limit: int,
-                  default_max_tokens: int) -> GenerationRequest:
+def parse_request(
+    body: dict, kind: str, model_ids: list[str], max_tokens_limit: int, default_max_tokens: int
+) -> GenerationRequest:
     """Validate a chat or completion request.
 
     Args:
@@ -144,21 +157,34 @@ def parse_request(body: dict, kind: str, model_ids: list[str], max_tokens_limit:
     if model is None and len(model_ids) == 1:
         model = model_ids[0]
     if not isinstance(model, str) or not model:
-        raise APIError(400, f"model is required: one of {listed} (GET /v1/models lists them)", param="model",
-                       code="missing_required_parameter")
+        raise APIError(
+            400,
+            f"model is required: one of {listed} (GET /v1/models lists them)",
+            param="model",
+            code="missing_required_parameter",
+        )
     if model not in model_ids:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {listed}", param="model",
-                       code="model_not_found")
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; this server serves {listed}",
+            param="model",
+            code="model_not_found",
+        )
     req = GenerationRequest(kind=kind, model=model)
     if kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise APIError(400, "messages must be a non-empty list", param="messages",
-                           code="missing_required_parameter" if messages is None else "invalid_value")
+            raise APIError(
+                400,
+                "messages must be a non-empty list",
+                param="messages",
+                code="missing_required_parameter" if messages is None else "invalid_value",
+            )
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise APIError(400, f"messages[{i}] must be an object with a role", param=f"messages[{i}]",
-                               code="invalid_value")
+                raise APIError(
+                    400, f"messages[{i}] must be an object with a role", param=f"messages[{i}]", code="invalid_value"
+                )
             req.messages.append({"role": m["role"], "content": _text(m.get("content"), f"messages[{i}].content")})
         _refuse_unsupported(body, CHAT_UNSUPPORTED)
     else:
@@ -184,8 +210,12 @@ def parse_request(body: dict, kind: str, model_ids: list[str], max_tokens_limit:
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _integer(body, name)
     if max_tokens is not None and not 1 <= max_tokens <= max_tokens_limit:
-        raise APIError(400, f"{name} must be between 1 and {max_tokens_limit} on this server, got {max_tokens}",
-                       param=name, code="invalid_value")
+        raise APIError(
+            400,
+            f"{name} must be between 1 and {max_tokens_limit} on this server, got {max_tokens}",
+            param=name,
+            code="invalid_value",
+        )
     req.max_tokens = max_tokens if max_tokens is not None else default_max_tokens
     req.max_tokens_given = max_tokens is not None
     # greedy unless asked: the served caches answer questions, and greedy is the exact path
@@ -199,18 +229,29 @@ def parse_request(body: dict, kind: str, model_ids: list[str], max_tokens_limit:
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
-    if stop is not None and (not isinstance(stop, list) or len(stop) > MAX_STOP
-                             or not all(isinstance(s, str) and s for s in stop)):
-        raise APIError(400, f"stop must be a non-empty string or a list of at most {MAX_STOP} of them", param="stop",
-                       code="invalid_value")
+    if stop is not None and (
+        not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop)
+    ):
+        raise APIError(
+            400,
+            f"stop must be a non-empty string or a list of at most {MAX_STOP} of them",
+            param="stop",
+            code="invalid_value",
+        )
     req.stop = [_unicode(s, "stop") for s in stop or []]
     return req
 
 
 # what a request may not ask for, as (parameter, the values that ask for nothing): refused with a 400 naming it
 # rather than accepted and ignored
-CHAT_UNSUPPORTED = (("tools", (None, [])), ("tool_choice", (None, "none")), ("functions", (None, [])),
-                    ("function_call", (None, "none")), ("audio", (None,)), ("modalities", (None, ["text"])))
+CHAT_UNSUPPORTED = (
+    ("tools", (None, [])),
+    ("tool_choice", (None, "none")),
+    ("functions", (None, [])),
+    ("function_call", (None, "none")),
+    ("audio", (None,)),
+    ("modalities", (None, ["text"])),
+)
 COMPLETION_UNSUPPORTED = (("echo", (None, False)), ("suffix", (None, "")), ("best_of", (None, 1)))
 
 
@@ -222,8 +263,12 @@ def _refuse_unsupported(body: dict, unsupported: tuple) -> None:
             raise APIError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
-        raise APIError(400, 'response_format is not supported by this server (only {"type": "text"})',
-                       param="response_format", code="unsupported_parameter")
+        raise APIError(
+            400,
+            'response_format is not supported by this server (only {"type": "text"})',
+            param="response_format",
+            code="unsupported_parameter",
+        )
 
 
 def _logprobs(body: dict, kind: str) -> int | None:
@@ -232,16 +277,24 @@ def _logprobs(body: dict, kind: str) -> int | None:
     if kind == "completion":
         n = _integer(body, "logprobs")
         if n is not None and not 0 <= n <= COMPLETION_LOGPROBS_MAX:
-            raise APIError(400, f"logprobs must be between 0 and {COMPLETION_LOGPROBS_MAX}, got {n}", param="logprobs",
-                           code="invalid_value")
+            raise APIError(
+                400,
+                f"logprobs must be between 0 and {COMPLETION_LOGPROBS_MAX}, got {n}",
+                param="logprobs",
+                code="invalid_value",
+            )
         return n
     wanted = body.get("logprobs")
     if wanted is not None and not isinstance(wanted, bool):
         raise APIError(400, "logprobs must be a boolean", param="logprobs", code="invalid_type")
     top = _integer(body, "top_logprobs")
     if top is not None and not 0 <= top <= TOP_LOGPROBS_MAX:
-        raise APIError(400, f"top_logprobs must be between 0 and {TOP_LOGPROBS_MAX}, got {top}", param="top_logprobs",
-                       code="invalid_value")
+        raise APIError(
+            400,
+            f"top_logprobs must be between 0 and {TOP_LOGPROBS_MAX}, got {top}",
+            param="top_logprobs",
+            code="invalid_value",
+        )
     if top is not None and not wanted:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
     return (top or 0) if wanted else None
@@ -253,15 +306,24 @@ def _logit_bias(body: dict) -> dict[int, float]:
     if bias is None:
         return {}
     if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
-        raise APIError(400, f"logit_bias must be an object of at most {MAX_LOGIT_BIAS} token ids", param="logit_bias",
-                       code="invalid_value")
+        raise APIError(
+            400,
+            f"logit_bias must be an object of at most {MAX_LOGIT_BIAS} token ids",
+            param="logit_bias",
+            code="invalid_value",
+        )
     out = {}
     for key, v in bias.items():
         if not (key.isascii() and key.isdigit() and len(key) <= 9):
-            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias",
-                           code="invalid_value")
+            raise APIError(
+                400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias", code="invalid_value"
+            )
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not -LOGIT_BIAS_MAX <= v <= LOGIT_BIAS_MAX:
-            raise APIError(400, f"logit_bias values must be numbers in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}], "
-                                f"got {v!r}", param="logit_bias", code="invalid_value")
+            raise APIError(
+                400,
+                f"logit_bias values must be numbers in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}], got {v!r}",
+                param="logit_bias",
+                code="invalid_value",
+            )
         out[int(key)] = float(v)
     return out

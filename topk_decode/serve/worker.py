@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from topk_decode.errors import StepCancelled, TopkError
 from topk_decode.serve.schemas import APIError, GenerationRequest
 
-LOGPROB_FLOOR = -9999.0   # what OpenAI reports for a token the model gives (almost) no chance; JSON has no -inf
-SLICE_CHARS = 1 << 16   # a long prompt is first counted slice by slice, so a huge one is refused early
-MAX_BATCH = 8           # answers decoded at once by default (`topk serve --max-batch`)
+LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token the model gives (almost) no chance; JSON has no -inf
+SLICE_CHARS = 1 << 16  # a long prompt is first counted slice by slice, so a huge one is refused early
+MAX_BATCH = 8  # answers decoded at once by default (`topk serve --max-batch`)
 
 
 class StopText:
@@ -51,7 +51,7 @@ class StopText:
         self.buf += piece
         hits = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
         if hits:
-            out, self.buf = self.buf[:min(hits)], ""
+            out, self.buf = self.buf[: min(hits)], ""
             return out, True
         cut = len(self.buf) - self.hold
         out, self.buf = (self.buf[:cut], self.buf[cut:]) if cut > 0 else ("", self.buf)
@@ -63,7 +63,7 @@ class StopText:
         return out
 
 
-@dataclass(eq=False)   # compared and hashed by identity (kept in a set)
+@dataclass(eq=False)  # compared and hashed by identity (kept in a set)
 class Job:
     """One request's generation: its events go to `queue` on the event loop."""
 
@@ -71,17 +71,17 @@ class Job:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    ids: list[int] = field(default_factory=list)   # the prompt's tokens, set by the preparing thread
-    id: str = "-"                                  # the response id, for the log line
-    t0: float = field(default_factory=time.perf_counter)   # arrival, for the time to first token
-    completion_tokens: int = 0                     # generated so far (the log line of a request cut short)
-    finish: str | None = None                      # the finish reason once decoded
+    ids: list[int] = field(default_factory=list)  # the prompt's tokens, set by the preparing thread
+    id: str = "-"  # the response id, for the log line
+    t0: float = field(default_factory=time.perf_counter)  # arrival, for the time to first token
+    completion_tokens: int = 0  # generated so far (the log line of a request cut short)
+    finish: str | None = None  # the finish reason once decoded
 
     def emit(self, kind: str, value) -> None:
         """Hand an event to the request's coroutine (callable from any thread)."""
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
-        except RuntimeError:   # the event loop is closed (server gone): nobody is waiting for this
+        except RuntimeError:  # the event loop is closed (server gone): nobody is waiting for this
             pass
 
     def cancel(self) -> None:
@@ -125,7 +125,7 @@ class DecodeWorker:
         self.max_queue = max_queue
         self.metrics = metrics
         self.max_batch = max_batch
-        self.tokenizers: dict[str, object] = {}   # the preparing thread's own copies (decoding threads use the stores')
+        self.tokenizers: dict[str, object] = {}  # the preparing thread's own copies (decoding threads use the stores')
         self.rooms: dict[str, int] = {}
         copies: dict[int, object] = {}
         for name, store in self.stores.items():
@@ -134,7 +134,7 @@ class DecodeWorker:
             # tokens a prompt and its answer may take after the documents: the window's limit, the model's positions
             self.rooms[name] = min(decoder.config.max_window_tokens, decoder.shape.max_positions - store.ckv.n_tokens)
         self.batchers = []
-        if max_batch > 1:        # one batcher per loaded model: its caches' steps go through it together
+        if max_batch > 1:  # one batcher per loaded model: its caches' steps go through it together
             models: dict[int, list] = {}
             for store in self.stores.values():
                 # Only a strategy whose rows are independent (flat: one scan serves every conversation) gains from
@@ -152,7 +152,7 @@ class DecodeWorker:
         self.waiting = 0
         self.running = 0
         self.served = 0
-        self.cancelled = 0   # jobs stopped early because their client went away
+        self.cancelled = 0  # jobs stopped early because their client went away
         self.current: set[Job] = set()
         self.pending: set[Job] = set()
         self.closing = False
@@ -165,8 +165,12 @@ class DecodeWorker:
         """
         with self._count:
             if self.waiting + self.running >= self.max_queue:
-                raise APIError(429, f"the queue is full ({self.max_queue} requests); retry later",
-                               code="queue_full", type="rate_limit_error")
+                raise APIError(
+                    429,
+                    f"the queue is full ({self.max_queue} requests); retry later",
+                    code="queue_full",
+                    type="rate_limit_error",
+                )
             if self.closing:
                 raise _shutting_down()
             self.waiting += 1
@@ -176,6 +180,7 @@ class DecodeWorker:
     def warm_up(self) -> None:
         """Decode two tokens over each store on a decoding thread, so that the one-time work of the first
         step (torch.compile, CUDA graph capture) happens before the first request."""
+
         def run(store) -> None:
             ids = store.tokenizer("Hello", add_special_tokens=False).input_ids
             store.generate_ids(ids, max_new_tokens=2)
@@ -208,8 +213,12 @@ class DecodeWorker:
         store, room = self.stores[req.model], self.rooms[req.model]
         vocab = store.decoder.shape.vocab_size
         if req.logit_bias and max(req.logit_bias) >= vocab:
-            raise APIError(400, f"logit_bias names token {max(req.logit_bias)}; this model's vocabulary has {vocab} "
-                                f"tokens", param="logit_bias", code="invalid_value")
+            raise APIError(
+                400,
+                f"logit_bias names token {max(req.logit_bias)}; this model's vocabulary has {vocab} tokens",
+                param="logit_bias",
+                code="invalid_value",
+            )
         if req.kind == "chat":
             from topk_decode.decode.messages import conversation_text
 
@@ -226,14 +235,23 @@ class DecodeWorker:
             n_context, window = store.ckv.n_tokens, store.decoder.config.max_window_tokens
             prompt = f"{n_prompt}" if ids is not None else f"more than {room}"
             if room == window:
-                limit = (f"this server takes at most {window} tokens of prompt and answer after the cached "
-                         f"documents (max_window_tokens)")
+                limit = (
+                    f"this server takes at most {window} tokens of prompt and answer after the cached "
+                    f"documents (max_window_tokens)"
+                )
             else:
-                limit = (f"this model's maximum context length is {store.decoder.shape.max_positions} tokens, "
-                         f"{n_context} of them the cached documents")
-            raise APIError(400, f"{limit}; the prompt ({prompt}) + max_tokens ({req.max_tokens}) exceed it",
-                           param="max_tokens" if ids is not None and n_prompt < room else
-                           ("messages" if req.kind == "chat" else "prompt"), code="context_length_exceeded")
+                limit = (
+                    f"this model's maximum context length is {store.decoder.shape.max_positions} tokens, "
+                    f"{n_context} of them the cached documents"
+                )
+            raise APIError(
+                400,
+                f"{limit}; the prompt ({prompt}) + max_tokens ({req.max_tokens}) exceed it",
+                param="max_tokens"
+                if ids is not None and n_prompt < room
+                else ("messages" if req.kind == "chat" else "prompt"),
+                code="context_length_exceeded",
+            )
         return ids
 
     def _leave_queue(self, job: Job) -> bool:
@@ -260,11 +278,11 @@ class DecodeWorker:
             return
         try:
             self._pool.submit(self._run, job)
-        except RuntimeError:     # shut down meanwhile: close() has answered the job
+        except RuntimeError:  # shut down meanwhile: close() has answered the job
             pass
 
     def _run(self, job: Job) -> None:
-        if not self._leave_queue(job):   # close() has answered it
+        if not self._leave_queue(job):  # close() has answered it
             return
         with self._count:
             self.running += 1
@@ -286,14 +304,21 @@ class DecodeWorker:
 
     def _generate(self, job: Job) -> None:
         req, store = job.request, self.stores[job.request.model]
-        session = store.session(temperature=req.temperature, top_p=req.top_p, seed=req.seed, sources=True,
-                                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                                logit_bias=req.logit_bias or None, logprobs=req.logprobs)
-        session.conv.should_stop = job.cancelled.is_set    # a client that leaves stops the prompt within a layer
+        session = store.session(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            seed=req.seed,
+            sources=True,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            logit_bias=req.logit_bias or None,
+            logprobs=req.logprobs,
+        )
+        session.conv.should_stop = job.cancelled.is_set  # a client that leaves stops the prompt within a layer
         pieces = session.complete(job.ids, req.max_tokens)
         job.emit("start", None)
         stopper, finish = StopText(req.stop), None
-        started = req.kind != "chat"   # a chat answer starts at its first non-space character
+        started = req.kind != "chat"  # a chat answer starts at its first non-space character
         first_at, logged = None, 0
         try:
             for piece in pieces:
@@ -320,23 +345,36 @@ class DecodeWorker:
         except StepCancelled:
             finish = "cancelled"
         finally:
-            pieces.close()   # stops decoding: the conversation is thrown away with the session
+            pieces.close()  # stops decoding: the conversation is thrown away with the session
             end = time.perf_counter()
             job.completion_tokens = session.n_generated
             if self.metrics is not None:
-                self.metrics.decoded(req.model, len(job.ids), session.n_generated, first_at and first_at - job.t0,
-                                     end - first_at if first_at else 0.0, session.conv.stats)
+                self.metrics.decoded(
+                    req.model,
+                    len(job.ids),
+                    session.n_generated,
+                    first_at and first_at - job.t0,
+                    end - first_at if first_at else 0.0,
+                    session.conv.stats,
+                )
         job.finish = finish or session.finish_reason or "length"
         if finish == "cancelled":
             with self._count:
                 self.cancelled += 1
-            if self.closing:      # the client is still there: tell it why the answer ends here
+            if self.closing:  # the client is still there: tell it why the answer ends here
                 job.emit("error", _shutting_down())
                 return
         n_context = store.ckv.n_tokens
-        job.emit("done", {"finish_reason": job.finish,
-                          "prompt_tokens": n_context + len(job.ids), "cached_tokens": n_context,
-                          "completion_tokens": session.n_generated, "sources": session.sources})
+        job.emit(
+            "done",
+            {
+                "finish_reason": job.finish,
+                "prompt_tokens": n_context + len(job.ids),
+                "cached_tokens": n_context,
+                "completion_tokens": session.n_generated,
+                "sources": session.sources,
+            },
+        )
 
     def _logprobs(self, store, session, done: int) -> tuple[list[dict], int]:
         """OpenAI's logprob entries of the tokens picked since the first `done` (none unless asked; the end of
@@ -345,15 +383,17 @@ class DecodeWorker:
         if sampling is None or sampling.logprobs is None:
             return [], done
         tok, eos = store.tokenizer, store.eos_ids
-        entries = [token_logprob(tok, t, lp, alternatives) for t, lp, alternatives in sampling.picked[done:]
-                   if t not in eos]
+        entries = [
+            token_logprob(tok, t, lp, alternatives) for t, lp, alternatives in sampling.picked[done:] if t not in eos
+        ]
         return entries, len(sampling.picked)
 
 
 def token_logprob(tokenizer, token: int, logprob: float, alternatives: list[tuple[int, float]]) -> dict:
     """One token's entry in OpenAI's chat logprobs: token text, logprob, UTF-8 bytes, top_logprobs."""
+
     def entry(t: int, lp: float) -> dict:
-        text = tokenizer.decode([t])   # a token holding part of a character decodes to U+FFFD
+        text = tokenizer.decode([t])  # a token holding part of a character decodes to U+FFFD
         return {"token": text, "logprob": max(lp, LOGPROB_FLOOR), "bytes": list(text.encode("utf-8"))}
 
     return {**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in alternatives]}

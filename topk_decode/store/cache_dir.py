@@ -24,12 +24,12 @@ if TYPE_CHECKING:  # for annotations: imported where used, so start-up needs nei
 
 from topk_decode.errors import TopkError
 from topk_decode.store.format import (
-    blake2_stream,
     FORMAT_MARKER,
     FORMAT_VERSION,
     MANIFEST,
     TOKENS,
     as_torch,
+    blake2_stream,
     dtype_name,
     keys_file,
     numpy_storage,
@@ -91,10 +91,12 @@ class CacheWriter:
             if self.tmp.exists():
                 kept = checkpoint_layers(self.tmp)
                 if kept and not resume:
-                    raise TopkError(f"an interrupted prefill of {self.out} left {kept} finished layer(s) in "
-                                    f"{self.tmp}: continue it with --resume, or delete that directory")
+                    raise TopkError(
+                        f"an interrupted prefill of {self.out} left {kept} finished layer(s) in "
+                        f"{self.tmp}: continue it with --resume, or delete that directory"
+                    )
                 if not kept:
-                    shutil.rmtree(self.tmp)        # nothing to resume: we hold the lock, nobody writes it
+                    shutil.rmtree(self.tmp)  # nothing to resume: we hold the lock, nobody writes it
             (self.tmp / "kv").mkdir(parents=True, exist_ok=True)
         except OSError as e:
             self.lock.release()
@@ -113,7 +115,7 @@ class CacheWriter:
             (first layer to compute, residual stream entering it or None, why nothing was kept or "").
         """
         layer, files, hidden, why = load_checkpoint(self.tmp, key)
-        if layer == 0:              # nothing usable: start from an empty partial directory
+        if layer == 0:  # nothing usable: start from an empty partial directory
             shutil.rmtree(self.tmp)
             (self.tmp / "kv").mkdir(parents=True)
         self.files.update(files)
@@ -160,10 +162,15 @@ class CacheWriter:
     def finish(self, manifest: dict) -> Path:
         """Write the manifest last: the partial directory is then a complete cache (still hidden, not yet at
         `out`), which may be opened to build strategy artifacts in it before `swap()` (`topk prefill --append`)."""
-        manifest = dict(manifest, format=FORMAT_MARKER, format_version=FORMAT_VERSION, files=self.files,
-                        created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        manifest = dict(
+            manifest,
+            format=FORMAT_MARKER,
+            format_version=FORMAT_VERSION,
+            files=self.files,
+            created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        )
         manifest[CHECKSUM_FIELD] = manifest_checksum(manifest)
-        validate_manifest(manifest, self.tmp / MANIFEST)        # never commit what a reader would refuse
+        validate_manifest(manifest, self.tmp / MANIFEST)  # never commit what a reader would refuse
         drop_checkpoint(self.tmp)
         tmp_manifest = self.tmp / (MANIFEST + ".tmp")
         with open(tmp_manifest, "w") as f:
@@ -175,14 +182,14 @@ class CacheWriter:
 
     def swap(self) -> Path:
         """Put the finished cache (`finish`) at `out` in one atomic rename; an old cache there is deleted."""
-        check_output(self.out, self.overwrite)     # the user may have put something there meanwhile
+        check_output(self.out, self.overwrite)  # the user may have put something there meanwhile
         if self.out.exists() and exchange(self.tmp, self.out):
             # self.tmp now names the old cache: delete it once no reader is still opening it.
             fd = lock_dir(self.tmp, shared=False)
             shutil.rmtree(self.tmp, ignore_errors=True)
             if fd is not None:
                 os.close(fd)
-        elif self.out.exists():                      # no RENAME_EXCHANGE: two renames
+        elif self.out.exists():  # no RENAME_EXCHANGE: two renames
             old = self.out.with_name(f".{self.out.name}.old-{os.getpid()}")
             os.replace(self.out, old)
             os.replace(self.tmp, self.out)
@@ -239,7 +246,7 @@ class ContextKV:
     tokens: list[int]
     keys: list[torch.Tensor] = field(repr=False)
     values: list[torch.Tensor] = field(repr=False)
-    cache_id: str = ""   # blake2b of the manifest file: strategy artifacts record it (built for this cache)
+    cache_id: str = ""  # blake2b of the manifest file: strategy artifacts record it (built for this cache)
 
     @property
     def n_tokens(self) -> int:
@@ -285,14 +292,17 @@ def _pinned(path: Path) -> PinnedDir:
     """Pin the cache directory at `path`, retrying when a commit removed the one we pinned."""
     if not path.is_dir():
         partial = partial_path(path)
-        hint = (f" (an interrupted prefill left {partial}: continue it with `topk prefill ... --out {path} "
-                f"--resume`)" if partial.is_dir() else "")
+        hint = (
+            f" (an interrupted prefill left {partial}: continue it with `topk prefill ... --out {path} --resume`)"
+            if partial.is_dir()
+            else ""
+        )
         raise TopkError(f"cache not found: {path}{hint}")
     for _ in range(5):
         d = PinnedDir(path)
         if not d.emptied() or not path.is_dir():
             return d
-        d.__exit__()            # an old cache, deleted by a commit after we pinned it: pin the new one
+        d.__exit__()  # an old cache, deleted by a commit after we pinned it: pin the new one
     return PinnedDir(path)
 
 
@@ -368,7 +378,7 @@ def open_cache(path: str | os.PathLike, verify: bool | None = None) -> ContextKV
         storage = numpy_storage(name)
 
         def mmap(rel: str) -> torch.Tensor:
-            with d.open(rel) as f:    # the map outlives the file object
+            with d.open(rel) as f:  # the map outlives the file object
                 arr = np.memmap(f, dtype=storage, mode="r", shape=(hkv, n, hd))
             return as_torch(arr, name)
 
@@ -379,5 +389,13 @@ def open_cache(path: str | os.PathLike, verify: bool | None = None) -> ContextKV
     return ContextKV(path=path, manifest=manifest, tokens=tokens, keys=keys, values=values, cache_id=cache_id)
 
 
-__all__ = ["check_output", "CacheWriter", "ContextKV", "open_cache", "check_cache", "read_manifest", "verify_files",
-           "dtype_name"]
+__all__ = [
+    "check_output",
+    "CacheWriter",
+    "ContextKV",
+    "open_cache",
+    "check_cache",
+    "read_manifest",
+    "verify_files",
+    "dtype_name",
+]

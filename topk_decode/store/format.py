@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING

@@ -32,7 +32,7 @@ def huge_copy(t: torch.Tensor) -> torch.Tensor:
         return t.contiguous().clone()
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     buf.madvise(mmap.MADV_HUGEPAGE)
-    out = torch.frombuffer(buf, dtype=t.dtype, count=t.numel()).view(t.shape)   # keeps `buf` alive
+    out = torch.frombuffer(buf, dtype=t.dtype, count=t.numel()).view(t.shape)  # keeps `buf` alive
     out.copy_(t)
     return out
 

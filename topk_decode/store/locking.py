@@ -59,8 +59,9 @@ class WriterLock:
             except BlockingIOError:
                 holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
                 os.close(fd)
-                raise TopkError(f"another prefill (pid {holder}) is writing {out}; wait for it to finish or "
-                                f"choose another --out") from None
+                raise TopkError(
+                    f"another prefill (pid {holder}) is writing {out}; wait for it to finish or choose another --out"
+                ) from None
             # The holder before us unlinks the file before unlocking it: a lock taken on an unlinked
             # file protects nothing, so try again on the file now at the path.
             try:
@@ -72,7 +73,7 @@ class WriterLock:
             os.close(fd)
         self.fd = fd
         os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)   # for the message above only
+        os.pwrite(fd, str(os.getpid()).encode(), 0)  # for the message above only
 
     def release(self) -> None:
         """Remove the lock file, then drop the lock (a writer waiting on the old file retries, see above)."""
@@ -113,7 +114,7 @@ def lock_dir(path: Path, shared: bool) -> int | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
     except OSError:
-        pass        # a filesystem without flock (some network mounts): the atomic swap still holds
+        pass  # a filesystem without flock (some network mounts): the atomic swap still holds
     return fd
 
 

@@ -15,13 +15,13 @@ from pathlib import Path
 from topk_decode.errors import TopkError
 from topk_decode.store.format import (
     FORMAT_MARKER,
+    KV_DTYPES,
     KV_FILE,
     LAST_LOGITS,
     MANIFEST,
     READABLE_VERSIONS,
     TOKENS,
     TOP_LEVEL,
-    KV_DTYPES,
     itemsize,
     keys_file,
     values_file,
@@ -63,6 +63,7 @@ def validate_manifest(manifest, where: Path) -> dict:
     Returns:
         the manifest.
     """
+
     def bad(why: str) -> TopkError:
         return TopkError(f"corrupted cache manifest {where}: {why}")
 
@@ -70,8 +71,10 @@ def validate_manifest(manifest, where: Path) -> dict:
         raise bad("not a JSON object")
     version = manifest.get("format_version")
     if version not in READABLE_VERSIONS:
-        raise TopkError(f"{where.parent} has cache format {version!r}, this version reads "
-                        f"{', '.join(map(str, READABLE_VERSIONS))}: prefill it again")
+        raise TopkError(
+            f"{where.parent} has cache format {version!r}, this version reads "
+            f"{', '.join(map(str, READABLE_VERSIONS))}: prefill it again"
+        )
     for key in ("shape", "kv_dtype", "n_tokens", "files", "model"):
         if key not in manifest:
             raise bad(f"missing {key!r}")
@@ -96,8 +99,12 @@ def validate_manifest(manifest, where: Path) -> dict:
     if not isinstance(files, dict):
         raise bad("'files' must be an object")
     for rel, meta in files.items():
-        if (not isinstance(meta, dict) or not _is_int(meta.get("bytes"))
-                or not isinstance(meta.get("blake2b"), str) or len(meta["blake2b"]) != 32):
+        if (
+            not isinstance(meta, dict)
+            or not _is_int(meta.get("bytes"))
+            or not isinstance(meta.get("blake2b"), str)
+            or len(meta["blake2b"]) != 32
+        ):
             raise bad(f"files[{rel!r}] must hold an integer 'bytes' and a 32-hex 'blake2b'")
         if Path(rel).is_absolute() or ".." in Path(rel).parts:
             raise bad(f"file name {rel!r} points outside the cache")
@@ -107,14 +114,16 @@ def validate_manifest(manifest, where: Path) -> dict:
         if files[rel]["bytes"] != size:
             raise bad(f"{rel} is listed with {files[rel]['bytes']} bytes, the shapes give {size}")
     docs = manifest.get("documents", [])
-    if not isinstance(docs, list) or not all(isinstance(d, dict) and _is_int(d.get("start"))
-                                             and _is_int(d.get("end")) and isinstance(d.get("name"), str)
-                                             for d in docs):
+    if not isinstance(docs, list) or not all(
+        isinstance(d, dict) and _is_int(d.get("start")) and _is_int(d.get("end")) and isinstance(d.get("name"), str)
+        for d in docs
+    ):
         raise bad("'documents' must be a list of {name, start, end}")
-    for d in docs:   # "places" (where a document's pages, slides ... start) is optional: older caches lack it
+    for d in docs:  # "places" (where a document's pages, slides ... start) is optional: older caches lack it
         places = d.get("places", [])
-        if not isinstance(places, list) or not all(isinstance(p, dict) and _is_int(p.get("start"))
-                                                   and isinstance(p.get("label"), str) for p in places):
+        if not isinstance(places, list) or not all(
+            isinstance(p, dict) and _is_int(p.get("start")) and isinstance(p.get("label"), str) for p in places
+        ):
             raise bad(f"the places of document {d['name']!r} must be a list of {{label, start}}")
     return manifest
 

@@ -58,14 +58,23 @@ def save_checkpoint(partial: Path, key: dict, next_layer: int, files: dict[str, 
     raw = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
     hidden_rel = _hidden_file(next_layer)
     with open(partial / hidden_rel, "wb") as f:
-        f.write(raw.reshape(-1).view(np.uint8).data)      # not tofile: a full disk must keep its errno
+        f.write(raw.reshape(-1).view(np.uint8).data)  # not tofile: a full disk must keep its errno
     kept = {rel: files[rel] for layer in range(next_layer) for rel in (keys_file(layer), values_file(layer))}
-    write_json_atomic(partial / STATE, {
-        "key": key, "next_layer": next_layer, "files": kept,
-        "hidden": {"file": hidden_rel, "shape": list(t.shape), "dtype": dtype_name(t.dtype),
-                   "blake2b": hashlib.blake2b(raw.reshape(-1).view(np.uint8).data, digest_size=16).hexdigest()},
-    })
-    for old in (partial / "resume").glob("hidden.*.bin"):      # earlier checkpoints' residual streams
+    write_json_atomic(
+        partial / STATE,
+        {
+            "key": key,
+            "next_layer": next_layer,
+            "files": kept,
+            "hidden": {
+                "file": hidden_rel,
+                "shape": list(t.shape),
+                "dtype": dtype_name(t.dtype),
+                "blake2b": hashlib.blake2b(raw.reshape(-1).view(np.uint8).data, digest_size=16).hexdigest(),
+            },
+        },
+    )
+    for old in (partial / "resume").glob("hidden.*.bin"):  # earlier checkpoints' residual streams
         if old.name != Path(hidden_rel).name:
             old.unlink(missing_ok=True)
 
@@ -128,5 +137,11 @@ def drop_checkpoint(partial: Path) -> None:
     shutil.rmtree(partial / "resume", ignore_errors=True)
 
 
-__all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_layers", "drop_checkpoint", "blake2_file",
-           "write_json_atomic"]
+__all__ = [
+    "save_checkpoint",
+    "load_checkpoint",
+    "checkpoint_layers",
+    "drop_checkpoint",
+    "blake2_file",
+    "write_json_atomic",
+]

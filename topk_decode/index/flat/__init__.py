@@ -5,7 +5,6 @@
 - index/flat/select_topk.py: the torch backend's sampled-threshold top-k for few cores.
 """
 
-from topk_decode.index.flat.strategy import (NUMBA_MIN_KEYS, FlatStrategy, add_in_blocks, auto_backend,
-                                             new_flat_index)
+from topk_decode.index.flat.strategy import NUMBA_MIN_KEYS, FlatStrategy, add_in_blocks, auto_backend, new_flat_index
 
 __all__ = ["FlatStrategy", "NUMBA_MIN_KEYS", "add_in_blocks", "auto_backend", "new_flat_index"]

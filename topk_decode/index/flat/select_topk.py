@@ -28,8 +28,12 @@ _MAX_SURVIVORS_PER_K = 8
 # Integers of the same width: for t >= +0, x >= t  <=>  bits(x) >= bits(t) as signed integers
 # (sign-magnitude floats, negatives have the sign bit), and integer compares vectorise where
 # bf16 / fp16 ones do not (faster: docs/BENCHMARKS.md, "Search floor on the 16-core host").
-_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
-         torch.float64: torch.int64}
+_BITS = {
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+}
 
 FALLBACK_KEY = "topk_fallback_rows"
 
@@ -59,13 +63,14 @@ def _flat_nonzero(buf: torch.Tensor) -> torch.Tensor:
     on the 16-core host").
     """
     words64 = buf.view(torch.int64)
-    words = words64.nonzero().view(-1)                                       # (Wd,) words with a flag
+    words = words64.nonzero().view(-1)  # (Wd,) words with a flag
     bits = words64.index_select(0, words).view(torch.bool).nonzero().view(-1)  # (P,) into (Wd·8)
-    return words.index_select(0, bits >> 3).mul_(8).add_(bits & 7)           # (P,) into buf
+    return words.index_select(0, bits >> 3).mul_(8).add_(bits & 7)  # (P,) into buf
 
 
-def topk_by_threshold(x: torch.Tensor, k: int, sorted: bool = True, counters: dict | None = None,
-                      buffers: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_by_threshold(
+    x: torch.Tensor, k: int, sorted: bool = True, counters: dict | None = None, buffers: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise top-k of x along its last dimension: exact, and faster than `x.topk(k)` for k << N.
 
     The values equal `x.topk(k, dim=-1, sorted=sorted).values` (as a multiset per row; in the same
@@ -86,22 +91,22 @@ def topk_by_threshold(x: torch.Tensor, k: int, sorted: bool = True, counters: di
     dev = x.device
     if n <= _DIRECT_FACTOR * k or k < _MIN_K:
         return tuple(x.topk(k, dim=-1, sorted=sorted))
-    rows = x.reshape(-1, n)                                                  # (R, N)
+    rows = x.reshape(-1, n)  # (R, N)
     R = rows.shape[0]
     stride, rank = sample_plan(k)
     t = rows[:, ::stride].topk(rank, dim=-1, sorted=False).values.amin(-1, keepdim=True)  # (R, 1)
 
     buf = _mask_buffer(buffers, R * n, dev)
-    mask = buf[:R * n].view(R, n)                                            # (R, N) survivors
+    mask = buf[: R * n].view(R, n)  # (R, N) survivors
     bits = _BITS.get(x.dtype)
     # The sign bit, not t >= 0: at t = -0 every bit pattern would compare >= it.
     if bits is not None and bool((t.view(bits) >= 0).all()):
-        torch.ge(rows.view(bits), t.view(bits), out=mask)   # misses -0 at t = +0: a tie, harmless
+        torch.ge(rows.view(bits), t.view(bits), out=mask)  # misses -0 at t = +0: a tie, harmless
     else:
         torch.ge(rows, t, out=mask)
-    flat = _flat_nonzero(buf)                                                # (P,) ascending r·N + col
-    start = torch.searchsorted(flat, torch.arange(R + 1, device=dev) * n)    # (R+1,) row r: flat[start[r]:start[r+1]]
-    count = start[1:] - start[:-1]                                           # (R,)
+    flat = _flat_nonzero(buf)  # (P,) ascending r·N + col
+    start = torch.searchsorted(flat, torch.arange(R + 1, device=dev) * n)  # (R+1,) row r: flat[start[r]:start[r+1]]
+    count = start[1:] - start[:-1]  # (R,)
     # Exact: every element > t survives and every survivor is >= t, so with >= k survivors the row's
     # k-th largest value is >= t and every element left out is <= it.
     good = (count >= k) & (count <= _MAX_SURVIVORS_PER_K * k)
@@ -113,15 +118,15 @@ def topk_by_threshold(x: torch.Tensor, k: int, sorted: bool = True, counters: di
 
     count = torch.where(good, count, 0)
     width = int(count.max())
-    pos = torch.arange(width, device=dev)                                    # (W,)
-    valid = pos < count[:, None]                                             # (R, W)
-    at = (start[:-1, None] + pos).clamp_(max=flat.numel() - 1)               # (R, W) into flat
-    cols = flat.index_select(0, at.view(-1))                                 # (R·W,) r·N + col
-    vals = rows.reshape(-1).index_select(0, cols).view(R, width)             # (R, W) survivors
+    pos = torch.arange(width, device=dev)  # (W,)
+    valid = pos < count[:, None]  # (R, W)
+    at = (start[:-1, None] + pos).clamp_(max=flat.numel() - 1)  # (R, W) into flat
+    cols = flat.index_select(0, at.view(-1))  # (R·W,) r·N + col
+    vals = rows.reshape(-1).index_select(0, cols).view(R, width)  # (R, W) survivors
     # Padding never wins: a good row has >= k survivors, all >= t > -inf (t = -inf lets all N through).
     vals.masked_fill_(~valid, float("-inf"))
     top = vals.topk(k, dim=-1, sorted=sorted)
-    values = top.values                                                      # (R, k)
+    values = top.values  # (R, k)
     indices = cols.view(R, width).gather(-1, top.indices) - (torch.arange(R, device=dev) * n)[:, None]  # (R, k)
     if n_bad:
         bad = (~good).nonzero().view(-1)

@@ -13,16 +13,17 @@ which decodes them exactly); Faiss is imported only when it is used.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from topk_decode.errors import TopkError
 from topk_decode.index.base import KERNEL_DTYPES, Selection, SelectionStrategy
-from topk_decode.index.options import StrategyOptions, option
 from topk_decode.index.flat.select_topk import topk_by_threshold
+from topk_decode.index.options import StrategyOptions, option
 from topk_decode.index.threads import HeadPool, default_threads
 from topk_decode.store.format import dtype_name
 
@@ -36,7 +37,7 @@ _SQ_TYPES = {torch.float16: "QT_fp16", torch.bfloat16: "QT_bf16"}
 _TORCH_BLOCK = 1 << 16  # keys per matmul block: bounds the fp32 temporary to ~32 MiB per head at D=128
 
 
-def new_flat_index(d: int, dtype: torch.dtype) -> "faiss.Index":
+def new_flat_index(d: int, dtype: torch.dtype) -> faiss.Index:
     """An exact inner-product index that stores vectors in `dtype`'s precision."""
     import faiss
 
@@ -46,21 +47,24 @@ def new_flat_index(d: int, dtype: torch.dtype) -> "faiss.Index":
     return faiss.IndexFlatIP(d)
 
 
-def add_in_blocks(index: "faiss.Index", keys: torch.Tensor, block: int = 1 << 18) -> None:
+def add_in_blocks(index: faiss.Index, keys: torch.Tensor, block: int = 1 << 18) -> None:
     """Add (M, D) keys to a Faiss index as fp32 blocks (bounded temporary memory)."""
     for s in range(0, keys.shape[0], block):
-        index.add(np.ascontiguousarray(keys[s:s + block].float().numpy()))
+        index.add(np.ascontiguousarray(keys[s : s + block].float().numpy()))
 
 
 @dataclass(frozen=True)
 class FlatOptions(StrategyOptions):
     """flat's options (all search options: flat builds nothing)."""
 
-    backend: str = option("auto", "auto (numba for bf16 keys when at least NUMBA_MIN_KEYS keys are searchable, else "
-                          "torch), torch (a batched half-precision matmul of the memory map and an exact rescoring), "
-                          "numba (compiled exact scan in (head, block of keys) tasks, index/flat/compiled.py; bf16 keys "
-                          "only) or faiss (indices copied into RAM at open). All are exact.",
-                          check=("auto", "torch", "numba", "faiss"))
+    backend: str = option(
+        "auto",
+        "auto (numba for bf16 keys when at least NUMBA_MIN_KEYS keys are searchable, else "
+        "torch), torch (a batched half-precision matmul of the memory map and an exact rescoring), "
+        "numba (compiled exact scan in (head, block of keys) tasks, index/flat/compiled.py; bf16 keys "
+        "only) or faiss (indices copied into RAM at open). All are exact.",
+        check=("auto", "torch", "numba", "faiss"),
+    )
     threads: int | None = option(None, "Parallel head searches, or the numba backend's threads (default: CPU cores).")
 
 
@@ -70,7 +74,7 @@ class FlatStrategy(SelectionStrategy):
     name = "flat"
     Options = FlatOptions
     keeps_query = False
-    rows_independent = True   # exact top-k per query row: one scan serves several conversations' rows
+    rows_independent = True  # exact top-k per query row: one scan serves several conversations' rows
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
         self.backend = self.options.backend
@@ -85,9 +89,11 @@ class FlatStrategy(SelectionStrategy):
         self.pool = HeadPool(self.threads)
         self.indices: list = []
         if self.backend == "numba":
-            from topk_decode.index.flat import compiled   # numba: imported where the backend runs
+            from topk_decode.index.flat import compiled  # numba: imported where the backend runs
 
-            compiled.warm_up(self.ckv.head_dim)   # compile (or load numba's disk cache) at open, not inside the first step
+            compiled.warm_up(
+                self.ckv.head_dim
+            )  # compile (or load numba's disk cache) at open, not inside the first step
         if self.backend != "faiss" or self.n_searchable == 0:
             return
         L, H = self.ckv.n_layers, self.ckv.n_kv_heads
@@ -95,7 +101,7 @@ class FlatStrategy(SelectionStrategy):
             row = []
             for h in range(H):
                 index = new_flat_index(self.ckv.head_dim, self.ckv.dtype)
-                add_in_blocks(index, self.ckv.keys[layer][h, self.lo:self.hi])
+                add_in_blocks(index, self.ckv.keys[layer][h, self.lo : self.hi])
                 row.append(index)
                 if progress:
                     progress(layer * H + h + 1, L * H)
@@ -118,15 +124,15 @@ class FlatStrategy(SelectionStrategy):
             return Selection(ids=ids, scores=scores, no_empty_slots=not bool((ids < 0).any()))
         qn = q.numpy()
         parts = self._map(lambda h: self.indices[layer][h].search(qn[h], k), range(q.shape[0]))
-        scores = torch.from_numpy(np.stack([p[0] for p in parts]))   # (Hkv, Q, k)
-        ids = torch.from_numpy(np.stack([p[1] for p in parts]))      # (Hkv, Q, k)
+        scores = torch.from_numpy(np.stack([p[0] for p in parts]))  # (Hkv, Q, k)
+        ids = torch.from_numpy(np.stack([p[1] for p in parts]))  # (Hkv, Q, k)
         ids = torch.where(ids >= 0, ids + self.lo, ids)
         return Selection(ids=ids, scores=scores)
 
     # ---- torch backend: one batched scan of all KV heads over the memory-mapped keys ----------
     def _torch_select(self, layer: int, q: torch.Tensor, k: int) -> Selection:
         """Exact top-k of every query head at once; the heads run in parallel inside the matmul."""
-        keys = self.ckv.keys[layer]                                          # (Hkv, N, D) memmap
+        keys = self.ckv.keys[layer]  # (Hkv, N, D) memmap
         half = keys.dtype in (torch.float16, torch.bfloat16)
         if half and torch.equal(q.to(keys.dtype).float(), q):
             # Reused buffers only for one-token steps (Q = G): prompt chunks vary in length, and a kept
@@ -144,8 +150,8 @@ class FlatStrategy(SelectionStrategy):
         Returns:
             (Q, k) scores and (Q, k) offsets into the searchable range [lo, hi).
         """
-        keys = self.ckv.keys[layer][h:h + 1]                                 # (1, N, D)
-        q1 = q[None]                                                         # (1, Q, D)
+        keys = self.ckv.keys[layer][h : h + 1]  # (1, N, D)
+        q1 = q[None]  # (1, Q, D)
         if keys.dtype in (torch.float16, torch.bfloat16) and torch.equal(q1.to(keys.dtype).float(), q1):
             sel = half_scan(keys, q1, k, self.lo, self.hi, self.stats)
             scores, ids = sel.scores, sel.ids
@@ -171,7 +177,7 @@ def fp32_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int) -> 
     best_s = best_i = None
     for s in range(lo, hi, _TORCH_BLOCK):
         e = min(s + _TORCH_BLOCK, hi)
-        sc = torch.bmm(q, keys[:, s:e].float().transpose(1, 2))              # (Hkv, Q, block)
+        sc = torch.bmm(q, keys[:, s:e].float().transpose(1, 2))  # (Hkv, Q, block)
         ids = torch.arange(s, e).expand_as(sc)
         if best_s is not None:
             sc, ids = torch.cat([best_s, sc], dim=-1), torch.cat([best_i, ids], dim=-1)
@@ -186,11 +192,12 @@ THRESHOLD_MAX_THREADS = 4
 
 # bf16 keeps 8 significant bits: a half-precision score is within 2^-8 relative of the fp32 one
 # (fp32 accumulation, one rounding). 2^-7 also covers fp32 summation-order differences.
-_HALF_REL_ERR = 2.0 ** -7
+_HALF_REL_ERR = 2.0**-7
 
 
-def half_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, stats,
-              buffers: dict | None = None) -> Selection:
+def half_scan(
+    keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, stats, buffers: dict | None = None
+) -> Selection:
     """Exact top-k through a half-precision scan: no fp32 copy of the keys is ever made.
 
     1. scores in the keys' dtype with one batched matmul over the memory map (fp32 accumulation);
@@ -216,7 +223,7 @@ def half_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, sta
             approx = buffers[(hkv, Q, n, keys.dtype)] = torch.empty((hkv, Q, n), dtype=keys.dtype)
         # one batched matmul q·Kᵀ: on the 16-core host K·qᵀ and threaded blocks lost to it (docs/STRATEGIES.md
         # "flat's default backend")
-        torch.bmm(q.to(keys.dtype), keys.transpose(1, 2), out=approx)      # (Hkv, Q, N) half
+        torch.bmm(q.to(keys.dtype), keys.transpose(1, 2), out=approx)  # (Hkv, Q, N) half
     else:
         approx = torch.bmm(q.to(keys.dtype), keys.transpose(1, 2))
     approx[..., :lo] = float("-inf")
@@ -227,8 +234,8 @@ def half_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, sta
         cand_s, cand_i = topk_by_threshold(approx, kc, sorted=False, counters=stats.extra, buffers=buffers)
     else:
         cand_s, cand_i = approx.topk(kc, dim=-1, sorted=False)
-    rows = cand_i + (torch.arange(hkv) * n).view(hkv, 1, 1)                 # (Hkv, Q, kc) rows of (Hkv·N, D)
-    if buffers is not None:   # 10-20 MiB per layer and step: reuse instead of fresh (page-faulting) memory
+    rows = cand_i + (torch.arange(hkv) * n).view(hkv, 1, 1)  # (Hkv, Q, kc) rows of (Hkv·N, D)
+    if buffers is not None:  # 10-20 MiB per layer and step: reuse instead of fresh (page-faulting) memory
         k_sel = buffers.get(("sel", hkv * Q * kc, d, keys.dtype))
         if k_sel is None:
             k_sel = buffers[("sel", hkv * Q * kc, d, keys.dtype)] = torch.empty((hkv * Q * kc, d), dtype=keys.dtype)
@@ -238,15 +245,15 @@ def half_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int, sta
         k32.copy_(k_sel)
     else:
         k32 = keys.reshape(hkv * n, d).index_select(0, rows.view(-1)).float()
-    exact = torch.bmm(k32.view(hkv * Q, kc, d), q.reshape(hkv * Q, d, 1)).view(hkv, Q, kc)   # (Hkv, Q, kc) fp32
+    exact = torch.bmm(k32.view(hkv * Q, kc, d), q.reshape(hkv * Q, d, 1)).view(hkv, Q, kc)  # (Hkv, Q, kc) fp32
     top = exact.topk(k, dim=-1)
     scores, ids = top.values, cand_i.gather(-1, top.indices)
     if kc < M:
-        c = cand_s.amin(-1).float()                                         # (Hkv, Q) ≥ every left-out key's
+        c = cand_s.amin(-1).float()  # (Hkv, Q) ≥ every left-out key's
         bound = torch.where(c >= 0, c / (1 - _HALF_REL_ERR), c / (1 + _HALF_REL_ERR))
         bad = (scores[..., -1] < bound).nonzero().tolist()
         for h, i in bad:
-            s, ix = fp32_scan(keys[h:h + 1], q[h:h + 1, i:i + 1], k, lo, hi)
+            s, ix = fp32_scan(keys[h : h + 1], q[h : h + 1, i : i + 1], k, lo, hi)
             scores[h, i], ids[h, i] = s[0, 0], ix[0, 0]
         stats.extra["fp32_rescans"] = stats.extra.get("fp32_rescans", 0) + len(bad)
-    return Selection(ids=ids, scores=scores, no_empty_slots=True)     # k < M here: every slot holds a token
+    return Selection(ids=ids, scores=scores, no_empty_slots=True)  # k < M here: every slot holds a token

@@ -84,14 +84,14 @@ class LayerLayout:
 
 def _assign(x: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
     """Nearest centroid of every row: argmax_c x·c − |c|²/2, in blocks. x (n, D), cent (C, D) → (n,) int64."""
-    half_norm = 0.5 * (cent.float() ** 2).sum(-1)                          # (C,)
-    c_t = cent.to(x.dtype).t().contiguous()                                 # (D, C)
+    half_norm = 0.5 * (cent.float() ** 2).sum(-1)  # (C,)
+    c_t = cent.to(x.dtype).t().contiguous()  # (D, C)
     block = max(1, _BLOCK_ELEMS // max(1, cent.shape[0]))
     out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
     for s in range(0, x.shape[0], block):
-        sc = (x[s:s + block] @ c_t).float()                                 # (b, C)
+        sc = (x[s : s + block] @ c_t).float()  # (b, C)
         sc -= half_norm
-        out[s:s + block] = sc.argmax(-1)
+        out[s : s + block] = sc.argmax(-1)
     return out
 
 
@@ -104,8 +104,9 @@ def _update(x: torch.Tensor, labels: torch.Tensor, cent: torch.Tensor) -> torch.
     return torch.where(counts[:, None] > 0, fresh, cent)
 
 
-def kmeans(keys: torch.Tensor, n_clusters: int, cfg: KMeansConfig,
-           device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def kmeans(
+    keys: torch.Tensor, n_clusters: int, cfg: KMeansConfig, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Cluster one head's keys (centred); return every key's cluster and each cluster's statistics.
 
     Args:
@@ -122,11 +123,11 @@ def kmeans(keys: torch.Tensor, n_clusters: int, cfg: KMeansConfig,
     on_gpu = device.type == "cuda"
     # bf16 keys are matmul'd in bf16 on the GPU (assignments only group keys; exact scores come later)
     work_dtype = keys.dtype if on_gpu and keys.dtype in (torch.bfloat16, torch.float16) else torch.float32
-    x = keys.to(device=device, dtype=work_dtype, copy=True)                 # never the (read-only) map itself
-    mean = x.mean(0, dtype=torch.float32)                                   # (D,)
-    x -= mean.to(work_dtype)                                                # (N, D) centred, in place
+    x = keys.to(device=device, dtype=work_dtype, copy=True)  # never the (read-only) map itself
+    mean = x.mean(0, dtype=torch.float32)  # (D,)
+    x -= mean.to(work_dtype)  # (N, D) centred, in place
     init = torch.randperm(n, generator=gen)[:n_clusters].to(device)
-    cent = x.index_select(0, init).float()                                  # (C, D)
+    cent = x.index_select(0, init).float()  # (C, D)
     if on_gpu:
         train = x
     else:
@@ -141,23 +142,24 @@ def kmeans(keys: torch.Tensor, n_clusters: int, cfg: KMeansConfig,
     del x, train
     # statistics of the final clusters from the exact keys (not the centred working copy), in blocks
     C = n_clusters
-    counts = torch.bincount(labels, minlength=C).clamp(min=1).float()       # (C,)
+    counts = torch.bincount(labels, minlength=C).clamp(min=1).float()  # (C,)
     cents = torch.zeros((C, d), device=device)
     spread = torch.zeros(C, device=device)
     step = 1 << 17
     for s in range(0, n, step):
-        cents.index_add_(0, labels[s:s + step], keys[s:s + step].to(device).float())
+        cents.index_add_(0, labels[s : s + step], keys[s : s + step].to(device).float())
     cents /= counts[:, None]
     for s in range(0, n, step):
-        lab = labels[s:s + step]
-        sq = ((keys[s:s + step].to(device).float() - cents.index_select(0, lab)) ** 2).sum(-1)   # (b,)
+        lab = labels[s : s + step]
+        sq = ((keys[s : s + step].to(device).float() - cents.index_select(0, lab)) ** 2).sum(-1)  # (b,)
         spread.index_add_(0, lab, sq)
     spread /= counts * d
     return labels.cpu(), cents.cpu(), spread.cpu()
 
 
-def kmeans_segmented(keys: torch.Tensor, cfg: KMeansConfig,
-                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def kmeans_segmented(
+    keys: torch.Tensor, cfg: KMeansConfig, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`kmeans` of one head's keys, segment by segment; labels numbered across segments, ⌈N / S⌉ clusters in all.
 
     Args:
@@ -168,14 +170,14 @@ def kmeans_segmented(keys: torch.Tensor, cfg: KMeansConfig,
         labels (N,) int64, centroids (C, D) float32, spread (C,) float32, as `kmeans`.
     """
     n, S = keys.shape[0], cfg.cluster_size
-    seg = -(-cfg.segment // S) * S if cfg.segment > 0 else n    # whole clusters per segment: C = ⌈N / S⌉
+    seg = -(-cfg.segment // S) * S if cfg.segment > 0 else n  # whole clusters per segment: C = ⌈N / S⌉
     if n <= seg:
         return kmeans(keys, max(1, -(-n // S)), cfg, device)
     labels, cents, spread = [], [], []
     base = 0
     for s in range(0, n, seg):
         c = -(-min(seg, n - s) // S)
-        lab, cen, spr = kmeans(keys[s:s + seg], c, cfg, device)
+        lab, cen, spr = kmeans(keys[s : s + seg], c, cfg, device)
         labels.append(lab + base)
         cents.append(cen)
         spread.append(spr)
@@ -183,8 +185,9 @@ def kmeans_segmented(keys: torch.Tensor, cfg: KMeansConfig,
     return torch.cat(labels), torch.cat(cents), torch.cat(spread)
 
 
-def build_layer(keys: torch.Tensor, values: torch.Tensor | None, cfg: KMeansConfig,
-                device: torch.device, store_values: bool = True) -> LayerLayout:
+def build_layer(
+    keys: torch.Tensor, values: torch.Tensor | None, cfg: KMeansConfig, device: torch.device, store_values: bool = True
+) -> LayerLayout:
     """Cluster every KV head of one layer and permute its keys (and values) cluster-contiguously.
 
     Args:
@@ -207,10 +210,10 @@ def build_layer(keys: torch.Tensor, values: torch.Tensor | None, cfg: KMeansConf
         kh = keys[h]
         try:
             labels, cents[h], spread[h] = kmeans_segmented(kh, cfg, device)
-        except torch.OutOfMemoryError:      # the GPU budget is taken (e.g. by the weights): the CPU path
+        except torch.OutOfMemoryError:  # the GPU budget is taken (e.g. by the weights): the CPU path
             torch.cuda.empty_cache()
             labels, cents[h], spread[h] = kmeans_segmented(kh, cfg, torch.device("cpu"))
-        perm = torch.sort(labels, stable=True).indices                        # (N,) rows grouped by cluster
+        perm = torch.sort(labels, stable=True).indices  # (N,) rows grouped by cluster
         offsets[h, 1:] = torch.cumsum(torch.bincount(labels, minlength=C), 0)
         pos[h] = perm
         torch.index_select(kh, 0, perm, out=out_k[h])
@@ -226,7 +229,7 @@ def _cluster_means(x: torch.Tensor, labels: torch.Tensor, n_clusters: int) -> to
     sums = torch.zeros((n_clusters, x.shape[1]), dtype=torch.float32)
     step = 1 << 17
     for s in range(0, x.shape[0], step):
-        sums.index_add_(0, labels[s:s + step], x[s:s + step].float())
+        sums.index_add_(0, labels[s : s + step], x[s : s + step].float())
     return sums / torch.bincount(labels, minlength=n_clusters).clamp(min=1).float()[:, None]
 
 

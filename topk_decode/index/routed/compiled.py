@@ -27,7 +27,7 @@ from topk_decode.kernels.routed_split import ROUNDS, SplitScratch, new_scratch, 
 _MIN_CLUSTERS_PER_TASK = 1024
 
 
-def warm_up(arrays: "LayerArrays") -> None:
+def warm_up(arrays: LayerArrays) -> None:
     """Compile the per-layer calls for these arrays' types now (seconds on a first run without numba's disk
     cache), not inside a decode step: a search of one query with k = 1, then a split scan of one cluster."""
     hkv, d = arrays.keys.shape[0], arrays.keys.shape[2]
@@ -58,7 +58,7 @@ class LayerResult(NamedTuple):
     rest_lse: torch.Tensor
     read: int
     filled: int
-    times: "HeadTimes"
+    times: HeadTimes
 
 
 # the parts of a split call (kernels/routed_split.py), as HeadTimes.rounds times them: from the Python side's call to the
@@ -82,8 +82,9 @@ def head_times(clock: np.ndarray) -> HeadTimes:
     """HeadTimes of a call's clock (Hkv, 2) `cycles` (start, end) per head."""
     rate = jit.cycles_per_second()
     work = clock[:, 1] - clock[:, 0]
-    return HeadTimes(float(work.mean()) / rate, float(work.max()) / rate,
-                     float(clock[:, 1].max() - clock[:, 0].min()) / rate)
+    return HeadTimes(
+        float(work.mean()) / rate, float(work.max()) / rate, float(clock[:, 1].max() - clock[:, 0].min()) / rate
+    )
 
 
 def team_size(cores: int) -> int:
@@ -104,9 +105,18 @@ def reused_buffer(scratch: dict | None, name: str, shape: tuple, dtype: type) ->
     return buf
 
 
-def search_layer(arrays: LayerArrays, q: torch.Tensor, budget: int, k: int, scale: float, estimate: bool,
-                 threads: int, o: np.ndarray | None = None, mz: np.ndarray | None = None,
-                 scratch: dict | None = None) -> LayerResult:
+def search_layer(
+    arrays: LayerArrays,
+    q: torch.Tensor,
+    budget: int,
+    k: int,
+    scale: float,
+    estimate: bool,
+    threads: int,
+    o: np.ndarray | None = None,
+    mz: np.ndarray | None = None,
+    scratch: dict | None = None,
+) -> LayerResult:
     """routed's search of one layer (and, given o and mz, its context part), every KV head in parallel.
 
     Args:
@@ -136,15 +146,42 @@ def search_layer(arrays: LayerArrays, q: torch.Tensor, budget: int, k: int, scal
     logit, e = (reused_buffer(scratch, name, (hkv, C, Q), np.float32) for name in ("logit", "e"))
     mx_p, z_p = (reused_buffer(scratch, name, (hkv, J, Q), np.float32) for name in ("mx", "z"))
     read, clock = np.zeros(hkv, dtype=np.int64), np.zeros((hkv, 2), dtype=np.int64)
-    jit.set_threads(min(threads, hkv * J))      # no idle team members (see `team_size`)
-    search_layer_par(a, qn, budget, k, s, estimate, attend, RouteBuffers(logit, e, bounds, mx_p, z_p),
-                     LayerOut(ids, scores, o, mz), RestOut(rest_o, rest_lse), HeadClock(read, clock))
-    return LayerResult(torch.from_numpy(ids), torch.from_numpy(scores), torch.from_numpy(rest_o),
-                       torch.from_numpy(rest_lse), int(read.sum()), int(np.count_nonzero(ids >= 0)), head_times(clock))
+    jit.set_threads(min(threads, hkv * J))  # no idle team members (see `team_size`)
+    search_layer_par(
+        a,
+        qn,
+        budget,
+        k,
+        s,
+        estimate,
+        attend,
+        RouteBuffers(logit, e, bounds, mx_p, z_p),
+        LayerOut(ids, scores, o, mz),
+        RestOut(rest_o, rest_lse),
+        HeadClock(read, clock),
+    )
+    return LayerResult(
+        torch.from_numpy(ids),
+        torch.from_numpy(scores),
+        torch.from_numpy(rest_o),
+        torch.from_numpy(rest_lse),
+        int(read.sum()),
+        int(np.count_nonzero(ids >= 0)),
+        head_times(clock),
+    )
 
 
-def scan_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take: torch.Tensor, k: int,
-               scale: float, threads: int, o: np.ndarray, mz: np.ndarray) -> LayerResult:
+def scan_layer(
+    arrays: LayerArrays,
+    q: torch.Tensor,
+    order: torch.Tensor,
+    take: torch.Tensor,
+    k: int,
+    scale: float,
+    threads: int,
+    o: np.ndarray,
+    mz: np.ndarray,
+) -> LayerResult:
     """One layer routed on the device (index/routed/device.py), one task per KV head (the split's reference in the
     tests; `split_layer` decodes): every KV head scans its chosen clusters,
     takes the top-k and writes the context part, in parallel. No estimate here (the device
@@ -165,14 +202,30 @@ def scan_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take: 
     read, clock = np.zeros(hkv, dtype=np.int64), np.zeros((hkv, 2), dtype=np.int64)
     jit.set_threads(min(threads, hkv))
     scan_layer_par(a, order_n, take_n, qn, k, s, LayerOut(ids, scores, o, mz), HeadClock(read, clock))
-    return LayerResult(torch.from_numpy(ids), torch.from_numpy(scores), torch.zeros(hkv, Q, d),
-                       torch.full((hkv, Q), -float("inf")), int(read.sum()), int(np.count_nonzero(ids >= 0)),
-                       head_times(clock))
+    return LayerResult(
+        torch.from_numpy(ids),
+        torch.from_numpy(scores),
+        torch.zeros(hkv, Q, d),
+        torch.full((hkv, Q), -float("inf")),
+        int(read.sum()),
+        int(np.count_nonzero(ids >= 0)),
+        head_times(clock),
+    )
 
 
-def split_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take: torch.Tensor, k: int,
-                scale: float, threads: int, o: np.ndarray, mz: np.ndarray, scratch: dict,
-                o_bf16: np.ndarray | None = None) -> LayerResult:
+def split_layer(
+    arrays: LayerArrays,
+    q: torch.Tensor,
+    order: torch.Tensor,
+    take: torch.Tensor,
+    k: int,
+    scale: float,
+    threads: int,
+    o: np.ndarray,
+    mz: np.ndarray,
+    scratch: dict,
+    o_bf16: np.ndarray | None = None,
+) -> LayerResult:
     """`scan_layer` with the heads' work cut into `threads` equal pieces per round (kernels/routed_split.py), so every
     thread of the team has work however few the KV heads are.
 
@@ -201,8 +254,21 @@ def split_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take:
         buf: SplitScratch | None = scratch.get("split")
         if buf is None or buf.part.shape[:2] != (threads, hkv) or buf.scores.shape[1] != Q:
             buf = scratch["split"] = new_scratch(hkv, Q, d, 0, threads)
-        split_layer_par(arrays, order.numpy(), take.numpy(), qn, qf, qb, k, np.float32(scale), threads, buf,
-                        LayerOut(ids, scores, o, mz), o_bf16, tally)
+        split_layer_par(
+            arrays,
+            order.numpy(),
+            take.numpy(),
+            qn,
+            qf,
+            qb,
+            k,
+            np.float32(scale),
+            threads,
+            buf,
+            LayerOut(ids, scores, o, mz),
+            o_bf16,
+            tally,
+        )
         c_out = jit.now()
         need = int(tally[0]["most_read"])
         if need <= buf.rows.shape[1]:
@@ -214,6 +280,12 @@ def split_layer(arrays: LayerArrays, q: torch.Tensor, order: torch.Tensor, take:
         no_rest = scratch["no_rest"] = (torch.zeros(hkv, Q, d), torch.full((hkv, Q), -float("inf")))
     t, rate = tally[0], jit.cycles_per_second()
     marks = (c_in, int(t["start"]), *(int(t[name]) for name in ROUNDS), c_out)
-    times = HeadTimes(int(t["work"]) / threads / rate, int(t["slowest"]) / rate, int(t["span"]) / rate,
-                      tuple([(b - a) / rate for a, b in zip(marks, marks[1:])]))
-    return LayerResult(torch.from_numpy(ids), torch.from_numpy(scores), *no_rest, int(t["read"]), int(t["filled"]), times)
+    times = HeadTimes(
+        int(t["work"]) / threads / rate,
+        int(t["slowest"]) / rate,
+        int(t["span"]) / rate,
+        tuple([(b - a) / rate for a, b in zip(marks, marks[1:])]),
+    )
+    return LayerResult(
+        torch.from_numpy(ids), torch.from_numpy(scores), *no_rest, int(t["read"]), int(t["filled"]), times
+    )

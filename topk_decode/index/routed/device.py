@@ -98,8 +98,19 @@ class DeviceRoutes:
         reserve: device bytes to leave free (CUDA only).
     """
 
-    def __init__(self, stats, sizes, bias, budgets: list[int], n_tokens: int, scale: float, estimate: bool,
-                 device: torch.device, values: str = "auto", reserve: int = DEFAULT_RESERVE) -> None:
+    def __init__(
+        self,
+        stats,
+        sizes,
+        bias,
+        budgets: list[int],
+        n_tokens: int,
+        scale: float,
+        estimate: bool,
+        device: torch.device,
+        values: str = "auto",
+        reserve: int = DEFAULT_RESERVE,
+    ) -> None:
         self.device, self.scale, self.estimate = device, scale, estimate
         self.n_layers = len(stats)
         hkv = sizes[0].shape[0]
@@ -120,18 +131,20 @@ class DeviceRoutes:
                 torch.cuda.empty_cache()
         # per layer, what the device sends the CPU: ranked clusters (Hkv, W) int32 and how many to read
         pin = device.type == "cuda"
-        self.order_host = [None if t is None else torch.zeros((hkv, t.width), dtype=torch.int32, pin_memory=pin)
-                           for t in self.tables]
-        self.take_host = [None if t is None else torch.zeros((hkv,), dtype=torch.int32, pin_memory=pin)
-                          for t in self.tables]
-        self._read: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.n_layers   # for `estimate`
+        self.order_host = [
+            None if t is None else torch.zeros((hkv, t.width), dtype=torch.int32, pin_memory=pin) for t in self.tables
+        ]
+        self.take_host = [
+            None if t is None else torch.zeros((hkv,), dtype=torch.int32, pin_memory=pin) for t in self.tables
+        ]
+        self._read: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.n_layers  # for `estimate`
 
     def _place(self, stats, sizes, bias, budgets, n_tokens, kind, reserve) -> None:
         """Copy the layers' tables to the device in layer order while they fit beside `reserve`."""
         for layer, st in enumerate(stats):
             try:
                 self.tables[layer] = self._layer(st, sizes[layer], bias[layer], budgets[layer], n_tokens, kind)
-                if self.device.type == "cuda":          # the step's own memory must still fit
+                if self.device.type == "cuda":  # the step's own memory must still fit
                     probe = torch.empty(reserve, dtype=torch.uint8, device=self.device)
                     del probe
             except torch.OutOfMemoryError:
@@ -146,10 +159,17 @@ class DeviceRoutes:
             vmeans, vscale = _to_fp8(st.value_means) if kind != "keys" else (st.value_means, None)
             vmeans, vscale = vmeans.to(dev), None if vscale is None else vscale.to(dev)
         cent, cscale = _to_fp8(st.centroids) if kind == "fp8" else (st.centroids, None)
-        return LayerTables(cent=cent.to(dev), cscale=None if cscale is None else cscale.to(dev),
-                           bias=bias.float().to(dev), log_n=st.log_n.float().to(dev),
-                           sizes=sizes.to(dev, torch.int64), vmeans=vmeans, vscale=vscale, budget=budget,
-                           width=ranked_width(budget, C, n_tokens))
+        return LayerTables(
+            cent=cent.to(dev),
+            cscale=None if cscale is None else cscale.to(dev),
+            bias=bias.float().to(dev),
+            log_n=st.log_n.float().to(dev),
+            sizes=sizes.to(dev, torch.int64),
+            vmeans=vmeans,
+            vscale=vscale,
+            budget=budget,
+            width=ranked_width(budget, C, n_tokens),
+        )
 
     def handles(self, layer: int) -> bool:
         """Whether this layer routes on the device."""
@@ -170,13 +190,13 @@ class DeviceRoutes:
             q32: (Hkv, G, D) float32 queries on the device.
         """
         t = self.tables[layer]
-        q = q32 if t.cscale is None else q32 * t.cscale          # float8 centroids: their scale moves to q
-        base = self.bmm(q, t.cent.transpose(1, 2)).mul_(self.scale)            # (Hkv, G, C) s·q·μ_c
+        q = q32 if t.cscale is None else q32 * t.cscale  # float8 centroids: their scale moves to q
+        base = self.bmm(q, t.cent.transpose(1, 2)).mul_(self.scale)  # (Hkv, G, C) s·q·μ_c
         logit = base + t.bias
         share = logit - torch.logsumexp(logit, dim=-1, keepdim=True)
-        order = share.amax(1).topk(t.width, dim=-1, sorted=True).indices          # (Hkv, W) by priority
+        order = share.amax(1).topk(t.width, dim=-1, sorted=True).indices  # (Hkv, W) by priority
         sz = t.sizes.gather(1, order)
-        take = ((sz.cumsum(1) - sz) < t.budget).sum(1)                            # (Hkv,) clusters to read
+        take = ((sz.cumsum(1) - sz) < t.budget).sum(1)  # (Hkv,) clusters to read
         self.order_host[layer].copy_(order, non_blocking=True)
         self.take_host[layer].copy_(take, non_blocking=True)
         self._read[layer] = (base, order, take)
@@ -189,12 +209,14 @@ class DeviceRoutes:
         t = self.tables[layer]
         base, order, take = self._read[layer]
         hkv, W = order.shape
-        taken = torch.arange(W, device=order.device) < take[:, None]             # (Hkv, W)
+        taken = torch.arange(W, device=order.device) < take[:, None]  # (Hkv, W)
         read = torch.zeros(base.shape[0], base.shape[2], dtype=torch.bool, device=base.device)
-        read.scatter_(1, order, taken)                                            # (Hkv, C)
+        read.scatter_(1, order, taken)  # (Hkv, C)
+
         def p_times_means(p: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
-            out = self.bmm(p, means)                                              # (Hkv, G, D)
+            out = self.bmm(p, means)  # (Hkv, G, D)
             return out if t.vscale is None else out.mul_(t.vscale)
+
         rest = unread_part(base + t.log_n, read, t.vmeans, bmm=p_times_means)
         return rest.out, rest.lse
 

@@ -40,11 +40,13 @@ class SearchableStats:
     value_means: torch.Tensor | None
     log_n: torch.Tensor
 
-    def stored_as(self, dtype: torch.dtype) -> "SearchableStats":
+    def stored_as(self, dtype: torch.dtype) -> SearchableStats:
         """The same statistics with the centroids and mean values stored in `dtype` (log_n stays fp32)."""
-        return SearchableStats(centroids=self.centroids.to(dtype),
-                               value_means=None if self.value_means is None else self.value_means.to(dtype),
-                               log_n=self.log_n)
+        return SearchableStats(
+            centroids=self.centroids.to(dtype),
+            value_means=None if self.value_means is None else self.value_means.to(dtype),
+            log_n=self.log_n,
+        )
 
 
 def searchable_stats(lay: LayerLayout, outside: torch.Tensor, values: torch.Tensor) -> SearchableStats:
@@ -57,22 +59,25 @@ def searchable_stats(lay: LayerLayout, outside: torch.Tensor, values: torch.Tens
     """
     hkv, C, d = lay.centroids.shape
     n = lay.pos.shape[1]
-    sizes = lay.sizes.float()                                                   # (Hkv, C)
-    key_sums = lay.centroids * sizes[..., None]                                 # (Hkv, C, D)
+    sizes = lay.sizes.float()  # (Hkv, C)
+    key_sums = lay.centroids * sizes[..., None]  # (Hkv, C, D)
     value_sums = lay.value_means * sizes[..., None] if lay.value_means is not None else None
     out = outside.view(hkv, n)
     for h in range(hkv):
-        rows = out[h].nonzero().squeeze(1)                                      # (r,) layout rows of head h
+        rows = out[h].nonzero().squeeze(1)  # (r,) layout rows of head h
         if rows.numel() == 0:
             continue
-        cluster = torch.searchsorted(lay.offsets[h], rows, right=True) - 1      # (r,)
+        cluster = torch.searchsorted(lay.offsets[h], rows, right=True) - 1  # (r,)
         key_sums[h].index_add_(0, cluster, lay.keys[h].index_select(0, rows).float(), alpha=-1)
         if value_sums is not None:
             value_sums[h].index_add_(0, cluster, values[h].index_select(0, lay.pos[h, rows]).float(), alpha=-1)
         sizes[h].index_add_(0, cluster, torch.ones(rows.numel()), alpha=-1)
     denom = sizes.clamp(min=1)[..., None]
-    return SearchableStats(centroids=key_sums / denom, value_means=None if value_sums is None else value_sums / denom,
-                           log_n=sizes.log().unsqueeze(1))
+    return SearchableStats(
+        centroids=key_sums / denom,
+        value_means=None if value_sums is None else value_sums / denom,
+        log_n=sizes.log().unsqueeze(1),
+    )
 
 
 def unread_part(logit: torch.Tensor, read: torch.Tensor, value_means: torch.Tensor, bmm=torch.bmm) -> RestPart:
@@ -85,14 +90,15 @@ def unread_part(logit: torch.Tensor, read: torch.Tensor, value_means: torch.Tens
         bmm: the batched product p·v̄ (index/routed/device.py passes one that reads stored low-precision means).
     """
     logit = logit.masked_fill(read[:, None, :], float("-inf"))
-    lse = torch.logsumexp(logit, dim=-1)                                        # (Hkv, Q)
+    lse = torch.logsumexp(logit, dim=-1)  # (Hkv, Q)
     finite = torch.isfinite(lse)
-    p = (logit - torch.where(finite, lse, 0.0)[..., None]).exp_()               # (Hkv, Q, C), 0 where −inf
+    p = (logit - torch.where(finite, lse, 0.0)[..., None]).exp_()  # (Hkv, Q, C), 0 where −inf
     return RestPart(out=bmm(p, value_means), lse=lse)
 
 
-def read_rest_part(scaled: torch.Tensor, top: torch.Tensor, run: torch.Tensor, run_clusters: torch.Tensor,
-                   value_means: torch.Tensor) -> RestPart:
+def read_rest_part(
+    scaled: torch.Tensor, top: torch.Tensor, run: torch.Tensor, run_clusters: torch.Tensor, value_means: torch.Tensor
+) -> RestPart:
     """The read keys outside each query's top-k: exact weights, their cluster's mean value.
 
     Args:
@@ -103,14 +109,14 @@ def read_rest_part(scaled: torch.Tensor, top: torch.Tensor, run: torch.Tensor, r
         value_means: (Hkv, C, D) float32 v̄_c.
     """
     hkv, Q, M = scaled.shape
-    rest = scaled.scatter(-1, top, float("-inf"))                               # (Hkv, Q, M)
-    mx = rest.amax(-1, keepdim=True)                                            # (Hkv, Q, 1)
+    rest = scaled.scatter(-1, top, float("-inf"))  # (Hkv, Q, M)
+    mx = rest.amax(-1, keepdim=True)  # (Hkv, Q, 1)
     finite = torch.isfinite(mx)
-    w = (rest - torch.where(finite, mx, 0.0)).exp_()                            # (Hkv, Q, M)
+    w = (rest - torch.where(finite, mx, 0.0)).exp_()  # (Hkv, Q, M)
     W = run_clusters.shape[1]
-    per_run = torch.zeros((hkv, Q, W)).scatter_add_(-1, run[:, None, :].expand(hkv, Q, M), w)   # (Hkv, Q, W)
-    v_runs = value_means.gather(1, run_clusters[..., None].expand(hkv, W, value_means.shape[2]))   # (Hkv, W, D)
-    total = per_run.sum(-1)                                                     # (Hkv, Q)
+    per_run = torch.zeros((hkv, Q, W)).scatter_add_(-1, run[:, None, :].expand(hkv, Q, M), w)  # (Hkv, Q, W)
+    v_runs = value_means.gather(1, run_clusters[..., None].expand(hkv, W, value_means.shape[2]))  # (Hkv, W, D)
+    total = per_run.sum(-1)  # (Hkv, Q)
     out = torch.bmm(per_run, v_runs) / total.clamp(min=1e-30)[..., None]
     lse = torch.where(finite.squeeze(-1) & (total > 0), mx.squeeze(-1) + total.log(), float("-inf"))
     return RestPart(out=out, lse=lse)
@@ -118,8 +124,8 @@ def read_rest_part(scaled: torch.Tensor, top: torch.Tensor, run: torch.Tensor, r
 
 def combine(a: RestPart, b: RestPart) -> RestPart:
     """Two disjoint rest parts as one (log-sum-exp merge, as docs/DESIGN.md "The merge")."""
-    lse = torch.logaddexp(a.lse, b.lse)                                         # (Hkv, Q)
+    lse = torch.logaddexp(a.lse, b.lse)  # (Hkv, Q)
     safe = torch.where(torch.isfinite(lse), lse, 0.0)
-    wa = (a.lse - safe).exp()[..., None]                                        # 0 where a is empty
+    wa = (a.lse - safe).exp()[..., None]  # 0 where a is empty
     wb = (b.lse - safe).exp()[..., None]
     return RestPart(out=a.out * wa + b.out * wb, lse=lse)

@@ -8,8 +8,8 @@ permuted keys and values are memory-mapped, the small per-cluster arrays read in
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -43,8 +43,13 @@ def layer_layouts(ckv: ContextKV, opts: dict, progress: Callable[[int, int], Non
 
 def _files(lay: LayerLayout) -> dict[str, torch.Tensor]:
     """A layer's arrays by file tag (what `load_layouts` reads back)."""
-    arrays = {"keys": lay.keys, "pos": lay.pos.to(torch.int32), "offsets": lay.offsets,
-              "centroids": lay.centroids, "spread": lay.spread}
+    arrays = {
+        "keys": lay.keys,
+        "pos": lay.pos.to(torch.int32),
+        "offsets": lay.offsets,
+        "centroids": lay.centroids,
+        "spread": lay.spread,
+    }
     if lay.values is not None:
         arrays["values"] = lay.values
     if lay.value_means is not None:
@@ -64,7 +69,7 @@ def write_layouts(ckv: ContextKV, name: str, opts: dict, progress: Callable[[int
     with writing(d, name):
         for layer, lay in enumerate(layer_layouts(ckv, opts, progress)):
             for tag, t in _files(lay).items():
-                raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t   # bf16 has no numpy dtype
+                raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # bf16 has no numpy dtype
                 files.append(d / f"{tag}.{layer:03d}.bin")
                 write_file(files[-1], raw.contiguous().numpy().reshape(-1).view(np.uint8).data)
         n_clusters = -(-ckv.n_tokens // opts["cluster_size"])
@@ -89,13 +94,17 @@ def load_layouts(ckv: ContextKV, name: str, built: dict) -> list[LayerLayout]:
     out = []
     for layer in range(ckv.n_layers):
         values = arr("values", layer, numpy_storage(dt), (hkv, n, D), dt) if built.get("store_values") else None
-        out.append(LayerLayout(
-            keys=arr("keys", layer, numpy_storage(dt), (hkv, n, D), dt), values=values,
-            pos=arr("pos", layer, np.int32, (hkv, n)).long(),
-            offsets=arr("offsets", layer, np.int64, (hkv, C + 1)),
-            centroids=arr("centroids", layer, np.float32, (hkv, C, D)),
-            spread=arr("spread", layer, np.float32, (hkv, C)),
-            value_means=arr("vmeans", layer, np.float32, (hkv, C, D)) if built.get("value_means") else None))
+        out.append(
+            LayerLayout(
+                keys=arr("keys", layer, numpy_storage(dt), (hkv, n, D), dt),
+                values=values,
+                pos=arr("pos", layer, np.int32, (hkv, n)).long(),
+                offsets=arr("offsets", layer, np.int64, (hkv, C + 1)),
+                centroids=arr("centroids", layer, np.float32, (hkv, C, D)),
+                spread=arr("spread", layer, np.float32, (hkv, C)),
+                value_means=arr("vmeans", layer, np.float32, (hkv, C, D)) if built.get("value_means") else None,
+            )
+        )
     return out
 
 
@@ -109,12 +118,13 @@ def to_huge_pages(layouts: list[LayerLayout], mapped: bool) -> int:
             (their copies add to RAM) rather than in RAM (each copy replaces its original).
     """
     # (no list of the arrays: it would keep every original alive until all copies exist)
-    need = sum(t.numel() * t.element_size() for lay in layouts for t in (lay.keys, lay.values, lay.offsets)
-               if t is not None)
+    need = sum(
+        t.numel() * t.element_size() for lay in layouts for t in (lay.keys, lay.values, lay.offsets) if t is not None
+    )
     avail = huge_pages.available_bytes()
     if not huge_pages.supported() or (mapped and (avail is None or need > avail // 2)):
         return 0
-    for lay in layouts:         # layer by layer: an in-RAM original is freed as its copy replaces it
+    for lay in layouts:  # layer by layer: an in-RAM original is freed as its copy replaces it
         lay.keys, lay.offsets = huge_pages.huge_copy(lay.keys), huge_pages.huge_copy(lay.offsets)
         if lay.values is not None:
             lay.values = huge_pages.huge_copy(lay.values)

@@ -28,16 +28,24 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from topk_decode.errors import TopkError
 from topk_decode.index.artifacts import ensure_artifacts, recorded_options
-from topk_decode.index.base import (KERNEL_DTYPES, DeviceStaged, FusedAttention, RestPart, Selection, SelectionStrategy,
-                                    bf16_bits)
+from topk_decode.index.base import (
+    KERNEL_DTYPES,
+    DeviceStaged,
+    FusedAttention,
+    RestPart,
+    Selection,
+    SelectionStrategy,
+    bf16_bits,
+)
 from topk_decode.index.options import FRACTION, POSITIVE, StrategyOptions, option
 from topk_decode.index.routed import compiled as routed_compiled
 from topk_decode.index.routed.device import TABLE_KINDS, DeviceRoutes
@@ -59,44 +67,87 @@ _ROUND_KEYS = tuple(name + "_s" for name in routed_compiled.SPLIT_ROUNDS)
 class RoutedOptions(StrategyOptions):
     """routed's options. Build options are recorded in done.json; a different value rebuilds the layout."""
 
-    cluster_size: int = option(16, "Target tokens per cluster. On real keys 16 routes better than 32 at the same keys "
-                               "read (0.97 of flat's mass on Qwen2.5-Coder-1.5B at 16K, 32: 0.95); the centroids and "
-                               "value means read every step grow as 1/S (docs/STRATEGIES.md).", build=True, check=POSITIVE)
-    iters: int = option(6, "Lloyd iterations of k-means (on a CPU also bounded by time, index/routed/cluster.py).",
-                        build=True, check=POSITIVE)
-    store_values: bool = option(True, "Also store the values cluster-contiguously (the compiled context part reads "
-                                "them next to their keys).", build=True)
-    segment: int = option(65536, "Tokens clustered together: longer contexts are clustered segment by segment, which "
-                          "bounds k-means' cost per key (a value ≥ the context clusters it whole).", build=True,
-                          check=POSITIVE)
-    probe_fraction: float = option(0.04, "Share of a KV head's searchable keys read per step (with the last "
-                                   "cluster's overshoot at most ~5 %).", check=FRACTION)
-    spread: bool = option(False, "Include the clusters' spread in the mass estimate (neutral to slightly worse on "
-                          "real keys, docs/STRATEGIES.md; torch path only).")
-    sizes: bool = option(False, "Include log n_c (the cluster's size) in the estimate (clusters ranked by s·q·μ_c "
-                         "alone, as IVF probes, had the higher id recall at the same mass on real keys).")
-    estimate: bool = option(True, "Add RetroInfer's estimate of the unread clusters' attention, n_c·exp(s·q·μ_c) with "
-                            "the cluster's mean value, as a third part of the softmax (index/routed/estimate.py; it "
-                            "lowered KL and raised agreement on every real model measured, docs/STRATEGIES.md).")
-    estimate_read: bool = option(False, "Add the read keys outside the top-k too (exact weights, cluster-mean "
-                                 "values; torch path only).")
-    kernel: str = option("auto", "auto (numba where it applies, else torch), numba (index/routed/compiled.py: each "
-                         "layer one compiled call over all KV heads, which also computes the context part; bf16 keys "
-                         "and values, neither spread nor estimate_read) or torch (index/routed/torch_path.py, the "
-                         "exact reference). Both give the same selection and estimate (tests/test_routed_kernel.py).",
-                         check=("auto", "torch", "numba"))
-    device_route: str = option("auto", "auto (on a CUDA decode device, for the layers whose tables fit), true (also on "
-                               "a CPU decode device: the tests' way in) or false. Routing and the estimate then run "
-                               "inside the captured one-token step on the device (index/routed/device.py) and the CPU "
-                               "only scans the chosen clusters (compiled path only).", check=("auto", "true", "false"))
-    device_tables: str = option("auto", "Precision of the device's routing tables: auto (the first of keys, "
-                                "fp8-values, fp8 that holds every layer beside the step), keys, fp8-values or fp8 "
-                                "(index/routed/device.py).", check=("auto", *TABLE_KINDS))
-    hugepages: bool = option(True, "The compiled path reads the layout from copies backed by transparent huge pages "
-                             "(store/huge_pages.py): always for a layout in RAM, for a memory-mapped one when it fits "
-                             "in half the available memory. Scattered cluster reads otherwise miss the TLB on almost "
-                             "every cluster (docs/BENCHMARKS.md 'segmented k-means, Qwen2.5-7B at 1M, one position "
-                             "array, huge pages').")
+    cluster_size: int = option(
+        16,
+        "Target tokens per cluster. On real keys 16 routes better than 32 at the same keys "
+        "read (0.97 of flat's mass on Qwen2.5-Coder-1.5B at 16K, 32: 0.95); the centroids and "
+        "value means read every step grow as 1/S (docs/STRATEGIES.md).",
+        build=True,
+        check=POSITIVE,
+    )
+    iters: int = option(
+        6,
+        "Lloyd iterations of k-means (on a CPU also bounded by time, index/routed/cluster.py).",
+        build=True,
+        check=POSITIVE,
+    )
+    store_values: bool = option(
+        True,
+        "Also store the values cluster-contiguously (the compiled context part reads them next to their keys).",
+        build=True,
+    )
+    segment: int = option(
+        65536,
+        "Tokens clustered together: longer contexts are clustered segment by segment, which "
+        "bounds k-means' cost per key (a value ≥ the context clusters it whole).",
+        build=True,
+        check=POSITIVE,
+    )
+    probe_fraction: float = option(
+        0.04,
+        "Share of a KV head's searchable keys read per step (with the last cluster's overshoot at most ~5 %).",
+        check=FRACTION,
+    )
+    spread: bool = option(
+        False,
+        "Include the clusters' spread in the mass estimate (neutral to slightly worse on "
+        "real keys, docs/STRATEGIES.md; torch path only).",
+    )
+    sizes: bool = option(
+        False,
+        "Include log n_c (the cluster's size) in the estimate (clusters ranked by s·q·μ_c "
+        "alone, as IVF probes, had the higher id recall at the same mass on real keys).",
+    )
+    estimate: bool = option(
+        True,
+        "Add RetroInfer's estimate of the unread clusters' attention, n_c·exp(s·q·μ_c) with "
+        "the cluster's mean value, as a third part of the softmax (index/routed/estimate.py; it "
+        "lowered KL and raised agreement on every real model measured, docs/STRATEGIES.md).",
+    )
+    estimate_read: bool = option(
+        False, "Add the read keys outside the top-k too (exact weights, cluster-mean values; torch path only)."
+    )
+    kernel: str = option(
+        "auto",
+        "auto (numba where it applies, else torch), numba (index/routed/compiled.py: each "
+        "layer one compiled call over all KV heads, which also computes the context part; bf16 keys "
+        "and values, neither spread nor estimate_read) or torch (index/routed/torch_path.py, the "
+        "exact reference). Both give the same selection and estimate (tests/test_routed_kernel.py).",
+        check=("auto", "torch", "numba"),
+    )
+    device_route: str = option(
+        "auto",
+        "auto (on a CUDA decode device, for the layers whose tables fit), true (also on "
+        "a CPU decode device: the tests' way in) or false. Routing and the estimate then run "
+        "inside the captured one-token step on the device (index/routed/device.py) and the CPU "
+        "only scans the chosen clusters (compiled path only).",
+        check=("auto", "true", "false"),
+    )
+    device_tables: str = option(
+        "auto",
+        "Precision of the device's routing tables: auto (the first of keys, "
+        "fp8-values, fp8 that holds every layer beside the step), keys, fp8-values or fp8 "
+        "(index/routed/device.py).",
+        check=("auto", *TABLE_KINDS),
+    )
+    hugepages: bool = option(
+        True,
+        "The compiled path reads the layout from copies backed by transparent huge pages "
+        "(store/huge_pages.py): always for a layout in RAM, for a memory-mapped one when it fits "
+        "in half the available memory. Scattered cluster reads otherwise miss the TLB on almost "
+        "every cluster (docs/BENCHMARKS.md 'segmented k-means, Qwen2.5-7B at 1M, one position "
+        "array, huge pages').",
+    )
 
 
 class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged):
@@ -107,8 +158,12 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
     Options = RoutedOptions
 
     @classmethod
-    def build_artifacts(cls, ckv: ContextKV, options: dict | RoutedOptions | None = None,
-                        progress: Callable[[int, int], None] | None = None) -> None:
+    def build_artifacts(
+        cls,
+        ckv: ContextKV,
+        options: dict | RoutedOptions | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
         write_layouts(ckv, cls.name, cls.parse_options(options).build_values(), progress)
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
@@ -116,14 +171,15 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         self.probe_fraction = o.probe_fraction
         self.use_spread, use_sizes = o.spread, o.sizes
         self.estimate, self.estimate_read = o.estimate, o.estimate_read
-        self.kernel = self._use_kernel(o.kernel)   # refused before any build
+        self.kernel = self._use_kernel(o.kernel)  # refused before any build
         self.device_route, self.device_tables, self.hugepages = o.device_route, o.device_tables, o.hugepages
         if not on_disk(self.ckv):
             self.layouts = list(layer_layouts(self.ckv, o.build_values(), progress))
         else:
             wanted = o.given_build_values()
             if self.estimate or self.estimate_read:
-                wanted["value_means"] = True       # layouts built before the estimate lack them: rebuild
+                wanted["value_means"] = True  # layouts built before the estimate lack them: rebuild
+
             def build() -> None:
                 # a rebuild for the value means alone keeps the build options recorded before
                 old = recorded_options(self.ckv.path, self.name) or {}
@@ -133,14 +189,16 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             self.layouts = load_layouts(self.ckv, self.name, ensure_artifacts(self.ckv, self.name, wanted, build))
         self.scale = 1.0 / math.sqrt(self.ckv.head_dim)
         hkv, n = self.ckv.n_kv_heads, self.ckv.n_tokens
-        self._row_base = (torch.arange(hkv) * n).view(hkv, 1)                  # (Hkv, 1) flat row of head h
+        self._row_base = (torch.arange(hkv) * n).view(hkv, 1)  # (Hkv, 1) flat row of head h
         # Per layout row, whether its position is outside [lo, hi) (sinks, tail): one gather per step
         # instead of two compares of the positions.
         self._outside = [((lay.pos < self.lo) | (lay.pos >= self.hi)).reshape(-1) for lay in self.layouts]
         # Cluster statistics over the searchable keys only (the window attends to sinks and tail exactly):
         # routing ranks and the estimate sums what the strategy may return (index/routed/estimate.py).
-        self._stats = [searchable_stats(lay, out, self.ckv.values[i])
-                       for i, (lay, out) in enumerate(zip(self.layouts, self._outside))]
+        self._stats = [
+            searchable_stats(lay, out, self.ckv.values[i])
+            for i, (lay, out) in enumerate(zip(self.layouts, self._outside))
+        ]
         if (self.estimate or self.estimate_read) and any(st.value_means is None for st in self._stats):
             raise TopkError("routed: estimate needs the clusters' mean values; rebuild the layout")
         if self.ckv.dtype == torch.bfloat16:
@@ -149,40 +207,48 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             self._stats = [st.stored_as(torch.bfloat16) for st in self._stats]
         # The torch path's fp32 copies (the compiled path reads the stored ones): centroids as (Hkv, D, C)
         # for one baddbmm, the mean values for the estimate.
-        self._cent_t = [None if self.kernel else st.centroids.float().transpose(1, 2).contiguous() for st in self._stats]
+        self._cent_t = [
+            None if self.kernel else st.centroids.float().transpose(1, 2).contiguous() for st in self._stats
+        ]
         self._vmeans = [None if self.kernel or st.value_means is None else st.value_means.float() for st in self._stats]
         # Log cluster sizes as the bias (−inf for a cluster without searchable keys), the spread scaled by s²/2.
-        self._bias = [st.log_n for st in self._stats]                                    # (Hkv, 1, C)
-        if not use_sizes:     # 0 for every cluster with searchable keys, −inf for the others
+        self._bias = [st.log_n for st in self._stats]  # (Hkv, 1, C)
+        if not use_sizes:  # 0 for every cluster with searchable keys, −inf for the others
             self._bias = [torch.where(torch.isinf(b), b, 0.0) for b in self._bias]
-        self._spread = [(lay.spread * (0.5 * self.scale ** 2)).unsqueeze(1) for lay in self.layouts]
+        self._spread = [(lay.spread * (0.5 * self.scale**2)).unsqueeze(1) for lay in self.layouts]
         self._sizes = [lay.sizes for lay in self.layouts]
-        self._starts = [lay.offsets[:, :-1] + self._row_base for lay in self.layouts]   # (Hkv, C) flat rows
+        self._starts = [lay.offsets[:, :-1] + self._row_base for lay in self.layouts]  # (Hkv, C) flat rows
         # Padding reads an outside row of its head when there is one (then the flag alone masks padding
         # too), else the head's first row, masked by `valid`.
         self._pad_rows = []
         for out in self._outside:
             has = out.view(hkv, n).any(1)
-            first = out.view(hkv, n).to(torch.uint8).argmax(1)                  # first outside row per head
+            first = out.view(hkv, n).to(torch.uint8).argmax(1)  # first outside row per head
             self._pad_rows.append((self._row_base[:, 0] + first).view(hkv, 1) if bool(has.all()) else None)
         self.huge_bytes = 0
         if self.kernel:
             if self.hugepages:
                 self.huge_bytes = to_huge_pages(self.layouts, on_disk(self.ckv))
-            self.threads = routed_compiled.team_size(default_threads())   # numba threads per layer call
+            self.threads = routed_compiled.team_size(default_threads())  # numba threads per layer call
             self._kernel_in = [self._kernel_arrays(layer) for layer in range(self.ckv.n_layers)]
             routed_compiled.warm_up(self._kernel_in[0])  # compile at open, not inside the first step
-            self._kernel_scratch: dict = {}            # routing buffers, reused (routed_compiled.search_layer)
-            self._split_scratch: dict = {}             # the split scan's buffers (routed_compiled.split_layer)
-        self.stats.extra.update(keys_read=0, keys_searchable=0, kernel_s=0.0, head_mean_s=0.0, head_max_s=0.0,
-                                span_s=0.0)
+            self._kernel_scratch: dict = {}  # routing buffers, reused (routed_compiled.search_layer)
+            self._split_scratch: dict = {}  # the split scan's buffers (routed_compiled.split_layer)
+        self.stats.extra.update(
+            keys_read=0, keys_searchable=0, kernel_s=0.0, head_mean_s=0.0, head_max_s=0.0, span_s=0.0
+        )
 
     def _use_kernel(self, choice: str) -> bool:
         """Whether the compiled path (index/routed/compiled.py) runs (the `kernel` option; "auto": wherever it applies)."""
-        why = (f"it reads bf16 keys and values, these are {dtype_name(self.ckv.dtype)}"
-               if self.ckv.dtype not in KERNEL_DTYPES else
-               "it does not implement spread=true" if self.use_spread else
-               "it does not implement estimate_read=true" if self.estimate_read else None)
+        why = (
+            f"it reads bf16 keys and values, these are {dtype_name(self.ckv.dtype)}"
+            if self.ckv.dtype not in KERNEL_DTYPES
+            else "it does not implement spread=true"
+            if self.use_spread
+            else "it does not implement estimate_read=true"
+            if self.estimate_read
+            else None
+        )
         if choice == "numba" and why:
             raise TopkError(f"routed: kernel=numba is not available: {why}")
         return choice != "torch" and why is None
@@ -190,18 +256,26 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
     def _kernel_arrays(self, layer: int) -> routed_compiled.LayerArrays:
         """One layer's arrays as numpy views for the compiled path (the layout's memory maps, no copies)."""
         lay, st, hkv = self.layouts[layer], self._stats[layer], self.ckv.n_kv_heads
-        by_row = lay.values is not None          # the cluster-contiguous copy: values next to their keys
-        vmeans = st.value_means if st.value_means is not None else torch.zeros(hkv, 1, self.ckv.head_dim,
-                                                                               dtype=torch.bfloat16)
-        bias = self._bias[layer][:, 0].contiguous()                                # (Hkv, C)
+        by_row = lay.values is not None  # the cluster-contiguous copy: values next to their keys
+        vmeans = (
+            st.value_means
+            if st.value_means is not None
+            else torch.zeros(hkv, 1, self.ckv.head_dim, dtype=torch.bfloat16)
+        )
+        bias = self._bias[layer][:, 0].contiguous()  # (Hkv, C)
         # n_c·exp(−bias_c): turns routing's exp(s·q·μ_c + bias_c − max) into the estimate's weights
         size_factor = torch.where(torch.isinf(bias), 0.0, (st.log_n[:, 0] - bias).exp())
         return routed_compiled.LayerArrays(
-            keys=bf16_bits(lay.keys), pos=self._positions(layer),
-            offsets=lay.offsets.numpy(), cent=bf16_bits(st.centroids.contiguous()),
-            bias=bias.numpy(), size_factor=size_factor.numpy(),
+            keys=bf16_bits(lay.keys),
+            pos=self._positions(layer),
+            offsets=lay.offsets.numpy(),
+            cent=bf16_bits(st.centroids.contiguous()),
+            bias=bias.numpy(),
+            size_factor=size_factor.numpy(),
             vmeans=bf16_bits(vmeans.contiguous()),
-            vals=bf16_bits(lay.values if by_row else self.ckv.values[layer]), values_by_row=by_row)
+            vals=bf16_bits(lay.values if by_row else self.ckv.values[layer]),
+            values_by_row=by_row,
+        )
 
     def _positions(self, layer: int) -> np.ndarray:
         """The kernels' int32 positions of a layer (−1 outside the searchable range), in huge pages with the
@@ -227,11 +301,19 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             return self.ckv.n_tokens
         return max(math.ceil(self.probe_fraction * self.n_searchable), _MIN_READ_PER_K * k)
 
-    def _compiled(self, layer: int, q: torch.Tensor, k: int, budget: int, o: np.ndarray | None = None,
-                  mz: np.ndarray | None = None) -> Selection:
+    def _compiled(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: int,
+        budget: int,
+        o: np.ndarray | None = None,
+        mz: np.ndarray | None = None,
+    ) -> Selection:
         """The compiled path's selection (and, given o and mz, its context part): routed_compiled.search_layer."""
-        res = routed_compiled.search_layer(self._kernel_in[layer], q, budget, k, self.scale, self.estimate, self.threads,
-                                           o, mz, self._kernel_scratch)
+        res = routed_compiled.search_layer(
+            self._kernel_in[layer], q, budget, k, self.scale, self.estimate, self.threads, o, mz, self._kernel_scratch
+        )
         return self._kernel_selection(res, RestPart(out=res.rest_out, lse=res.rest_lse) if self.estimate else None)
 
     def _kernel_selection(self, res: routed_compiled.LayerResult, rest: RestPart | None = None) -> Selection:
@@ -239,13 +321,14 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         extra = self.stats.extra
         extra["keys_read"] += res.read
         extra["keys_searchable"] += res.ids.shape[0] * self.n_searchable
-        extra["head_mean_s"] += res.times.mean              # inside the compiled call (bench: head_*_ms, span_ms)
+        extra["head_mean_s"] += res.times.mean  # inside the compiled call (bench: head_*_ms, span_ms)
         extra["head_max_s"] += res.times.slowest
         extra["span_s"] += res.times.span
-        for name, seconds in zip(_ROUND_KEYS, res.times.rounds):   # bench: rows_ms ... sums_ms
+        for name, seconds in zip(_ROUND_KEYS, res.times.rounds):  # bench: rows_ms ... sums_ms
             extra[name] = extra.get(name, 0.0) + seconds
-        return Selection(ids=res.ids, scores=res.scores, no_empty_slots=res.filled == res.ids.numel(), rest=rest,
-                         filled=res.filled)
+        return Selection(
+            ids=res.ids, scores=res.scores, no_empty_slots=res.filled == res.ids.numel(), rest=rest, filled=res.filled
+        )
 
     def device_routes(self, device: torch.device, k_per_layer: list[int]) -> DeviceRoutes | None:
         """Routing and the estimate on the decode device for the layers whose tables fit (index/routed/device.py),
@@ -257,16 +340,33 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         wanted = self.device_route == "true" or (self.device_route == "auto" and device.type == "cuda")
         if not wanted or not self.kernel or any(k >= self.n_searchable for k in k_per_layer):
             return None
-        routes = DeviceRoutes(self._stats, self._sizes, self._bias, [self._budget(k) for k in k_per_layer],
-                              self.ckv.n_tokens, self.scale, self.estimate, device, values=self.device_tables)
+        routes = DeviceRoutes(
+            self._stats,
+            self._sizes,
+            self._bias,
+            [self._budget(k) for k in k_per_layer],
+            self.ckv.n_tokens,
+            self.scale,
+            self.estimate,
+            device,
+            values=self.device_tables,
+        )
         return routes if routes.layers_on_device() else None
 
     def attends(self, layer: int, k: int, o: torch.Tensor) -> bool:
         """The compiled path attends (bf16 values) wherever k leaves something to search."""
         return self.kernel and k < self.n_searchable and o.dtype in KERNEL_DTYPES
 
-    def select_and_attend(self, layer: int, q: torch.Tensor, k: int, state: Any, o: torch.Tensor,
-                          mz: torch.Tensor, route: tuple[torch.Tensor, torch.Tensor] | None = None) -> Selection:
+    def select_and_attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: int,
+        state: Any,
+        o: torch.Tensor,
+        mz: torch.Tensor,
+        route: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Selection:
         """The compiled path computes the context part inside each head's search (kernels/routed_scan.py).
 
         Args: as `FusedAttention.select_and_attend`; route: the device's ranking of this layer's
@@ -279,14 +379,26 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         t = time.perf_counter()
         if route is None:
             sel = self._compiled(layer, q, k, self._budget(k), o32, mz_np)
-        else:   # o16: the kernel rounds o to bf16 into the decoder's buffer itself
-            sel = self._kernel_selection(routed_compiled.split_layer(self._kernel_in[layer], q, route[0], route[1], k,
-                                                                     self.scale, self.threads, o32, mz_np,
-                                                                     self._split_scratch, o16))
-        self.stats.extra["kernel_s"] += time.perf_counter() - t   # the compiled call (bench: kernel_ms)
+        else:  # o16: the kernel rounds o to bf16 into the decoder's buffer itself
+            sel = self._kernel_selection(
+                routed_compiled.split_layer(
+                    self._kernel_in[layer],
+                    q,
+                    route[0],
+                    route[1],
+                    k,
+                    self.scale,
+                    self.threads,
+                    o32,
+                    mz_np,
+                    self._split_scratch,
+                    o16,
+                )
+            )
+        self.stats.extra["kernel_s"] += time.perf_counter() - t  # the compiled call (bench: kernel_ms)
         if o16 is None or route is None:
-            o.copy_(torch.from_numpy(o32).view(hkv * Q, D))       # fp32 → the values' dtype, rounded once
-        if not mz.is_contiguous():                                # mz_np is a buffer of our own
+            o.copy_(torch.from_numpy(o32).view(hkv * Q, D))  # fp32 → the values' dtype, rounded once
+        if not mz.is_contiguous():  # mz_np is a buffer of our own
             mz.copy_(torch.from_numpy(mz_np).view(hkv * Q, 2))
         return sel
 
@@ -302,7 +414,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         hkv, Q, D = shape
         o16 = bf16_bits(o).reshape(hkv, Q, D) if o.is_contiguous() else None
         mz_np = mz.numpy().reshape(hkv, Q, 2) if mz.is_contiguous() else np.empty((hkv, Q, 2), np.float32)
-        if len(views) > 4 * self.ckv.n_layers:     # the eager path's buffers are new every call
+        if len(views) > 4 * self.ckv.n_layers:  # the eager path's buffers are new every call
             views.clear()
         views[(id(o), id(mz))] = (o, mz, o16, mz_np)
         return o16, mz_np

@@ -15,6 +15,7 @@ import torch
 from topk_decode.index.base import RestPart, Selection
 from topk_decode.index.routed.estimate import combine, read_rest_part, unread_part
 
+
 class Route(NamedTuple):
     """What routing chose for one layer and step (`RoutedStrategy.route`).
 
@@ -33,7 +34,6 @@ class Route(NamedTuple):
     run: torch.Tensor
 
 
-
 class TorchPath:
     """The torch path's methods of `RoutedStrategy` (see the module docstring for the state they read)."""
 
@@ -47,7 +47,7 @@ class TorchPath:
         """
         sizes_all = self._sizes[layer]
         hkv, C = sizes_all.shape
-        base = torch.bmm(q, self._cent_t[layer]).mul_(self.scale)               # (Hkv, Q, C) s·q·μ_c
+        base = torch.bmm(q, self._cent_t[layer]).mul_(self.scale)  # (Hkv, Q, C) s·q·μ_c
         logit = base + self._bias[layer]
         if self.use_spread:
             logit.addcmul_(q.square().sum(-1, keepdim=True), self._spread[layer])
@@ -55,24 +55,24 @@ class TorchPath:
         # Only the first clusters by share are needed: a top-k of twice the expected count, and the
         # full sort only when some head's largest clusters did not reach the budget (rare).
         guess = min(C, 2 * -(-budget * C // self.ckv.n_tokens) + 16)
-        order = share.topk(guess, dim=-1, sorted=True).indices                 # (Hkv, guess) by share
+        order = share.topk(guess, dim=-1, sorted=True).indices  # (Hkv, guess) by share
         sizes = sizes_all.gather(1, order)
         cums = sizes.cumsum(1)
         if guess < C and bool((cums[:, -1] < budget).any()):
-            order = share.argsort(dim=-1, descending=True)                      # (Hkv, C)
+            order = share.argsort(dim=-1, descending=True)  # (Hkv, C)
             sizes = sizes_all.gather(1, order)
             cums = sizes.cumsum(1)
-        n_take = (cums < budget).sum(1, keepdim=True)                           # (Hkv, 1) clusters per head − 1
+        n_take = (cums < budget).sum(1, keepdim=True)  # (Hkv, 1) clusters per head − 1
         width = min(int(n_take.max()) + 1, order.shape[1])
-        lens = sizes[:, :width].masked_fill(torch.arange(width) > n_take, 0)    # (Hkv, W) 0 past the budget
-        starts = self._starts[layer].gather(1, order[:, :width])                # (Hkv, W) flat rows
-        per_head = lens.sum(1)                                                  # (Hkv,)
+        lens = sizes[:, :width].masked_fill(torch.arange(width) > n_take, 0)  # (Hkv, W) 0 past the budget
+        starts = self._starts[layer].gather(1, order[:, :width])  # (Hkv, W) flat rows
+        per_head = lens.sum(1)  # (Hkv,)
         m_max = int(per_head.max())
         # Row r of head h's padded list: run i where cum[i-1] ≤ r < cum[i], row starts[i] + r − cum[i-1].
         # Padding (r ≥ per_head[h]) reads a sink/tail row of head h (masked with them), else its first row.
-        cum = lens.cumsum(1)                                                    # (Hkv, W)
-        r = torch.arange(m_max).repeat(hkv, 1)                                   # (Hkv, Mmax), contiguous for searchsorted
-        run = torch.searchsorted(cum, r, right=True).clamp_(max=width - 1)      # (Hkv, Mmax)
+        cum = lens.cumsum(1)  # (Hkv, W)
+        r = torch.arange(m_max).repeat(hkv, 1)  # (Hkv, Mmax), contiguous for searchsorted
+        run = torch.searchsorted(cum, r, right=True).clamp_(max=width - 1)  # (Hkv, Mmax)
         run_start = (cum - lens).gather(1, run)
         rows = starts.gather(1, run) + (r - run_start)
         valid = r < per_head[:, None]
@@ -89,26 +89,26 @@ class TorchPath:
         lay = self.layouts[layer]
         hkv, Q, D = q.shape
         route = self.route(layer, q, budget)
-        rows, valid = route.rows, route.valid                                   # (Hkv, Mmax)
+        rows, valid = route.rows, route.valid  # (Hkv, Mmax)
         m_max = rows.shape[1]
         k_low, k32, scores = self._buffers(hkv * m_max, Q, D, lay.keys.dtype)
-        torch.index_select(lay.keys.reshape(-1, D), 0, rows.view(-1), out=k_low)   # (Hkv·Mmax, D) contiguous runs
+        torch.index_select(lay.keys.reshape(-1, D), 0, rows.view(-1), out=k_low)  # (Hkv·Mmax, D) contiguous runs
         pos = lay.pos.reshape(-1).index_select(0, rows.view(-1)).view(hkv, m_max)
-        bad = self._outside[layer].index_select(0, rows.view(-1)).view(hkv, m_max)   # sinks, tail (and padding)
+        bad = self._outside[layer].index_select(0, rows.view(-1)).view(hkv, m_max)  # sinks, tail (and padding)
         if valid is not None:
             bad |= ~valid
         if k32 is not k_low:
-            k32.copy_(k_low)                                                    # exact upcast, into a reused buffer
-        torch.bmm(q, k32.view(hkv, m_max, D).transpose(1, 2), out=scores)       # (Hkv, Q, Mmax) exact fp32
+            k32.copy_(k_low)  # exact upcast, into a reused buffer
+        torch.bmm(q, k32.view(hkv, m_max, D).transpose(1, 2), out=scores)  # (Hkv, Q, Mmax) exact fp32
         if bool(bad.any()):
             scores.masked_fill_(bad[:, None, :], float("-inf"))
         top = scores.topk(min(k, m_max), dim=-1, sorted=False)
         scores_read = scores
-        ids = pos[:, None, :].expand(hkv, Q, m_max).gather(-1, top.indices)     # (Hkv, Q, K) original positions
+        ids = pos[:, None, :].expand(hkv, Q, m_max).gather(-1, top.indices)  # (Hkv, Q, K) original positions
         scores, empty = top.values, torch.isinf(top.values)
         no_empty_slots = not bool(empty.any())
         rest = self._rest(layer, route, scores_read, top.indices) if self.estimate or self.estimate_read else None
-        if not no_empty_slots:   # fewer than k valid keys were read for some query: empty slots
+        if not no_empty_slots:  # fewer than k valid keys were read for some query: empty slots
             ids, scores = ids.masked_fill(empty, -1), scores.masked_fill(empty, 0.0)
         return Selection(ids=ids, scores=scores, no_empty_slots=no_empty_slots, rest=rest)
 
@@ -124,7 +124,7 @@ class TorchPath:
         parts = []
         if self.estimate:
             read = torch.zeros(route.base.shape[0], route.base.shape[2], dtype=torch.bool)
-            read.scatter_(1, route.clusters, route.taken)                        # (Hkv, C) clusters read
+            read.scatter_(1, route.clusters, route.taken)  # (Hkv, C) clusters read
             parts.append(unread_part(route.base + st.log_n, read, self._vmeans[layer]))
         if self.estimate_read:
             parts.append(read_rest_part(scores_read * self.scale, top, route.run, route.clusters, self._vmeans[layer]))
@@ -140,5 +140,4 @@ class TorchPath:
             self._buf = (low, low if dtype == torch.float32 else torch.empty((n, D)), torch.empty(n * Q))
             self._cap = (n, (Q, D, dtype))
         low, k32, sc = self._buf
-        return low[:rows], k32[:rows], sc[:rows * Q].view(self.ckv.n_kv_heads, Q, rows // self.ckv.n_kv_heads)
-
+        return low[:rows], k32[:rows], sc[: rows * Q].view(self.ckv.n_kv_heads, Q, rows // self.ckv.n_kv_heads)
