@@ -11,6 +11,10 @@ import typer
 from topk_decode.cli.chat_commands import ChatState, run_command, say
 from topk_decode.cli.chat_repl import StopRequest, make_reader, read_turn, stdin_closed
 from topk_decode.cli.common import (
+    KOption,
+    KScheduleOption,
+    StrategyOption,
+    StrategyOptOption,
     ThreadsOption,
     check_device,
     check_positive,
@@ -26,22 +30,10 @@ from topk_decode.errors import TopkError
 
 def chat_command(
     cache: Annotated[Path, typer.Argument(help="The cache directory written by `topk prefill`.")],
-    k: Annotated[
-        int, typer.Option("--k", "-k", help="Context tokens retrieved per query head and layer.")
-    ] = DecodeConfig.k,
-    strategy: Annotated[
-        str,
-        typer.Option(
-            help="Selection strategy: auto (exact flat on short contexts, routed on "
-            "long ones), flat (exact top-k), routed, ..."
-        ),
-    ] = DecodeConfig.strategy,
-    k_schedule: Annotated[
-        str, typer.Option(help="uniform, or linear: k growing over layers at the same total.")
-    ] = DecodeConfig.k_schedule,
-    opt: Annotated[
-        list[str] | None, typer.Option(help="Strategy option key=value, e.g. nprobe=32 (repeatable).")
-    ] = None,
+    k: KOption = DecodeConfig.k,
+    strategy: StrategyOption = DecodeConfig.strategy,
+    k_schedule: KScheduleOption = DecodeConfig.k_schedule,
+    opt: StrategyOptOption = None,
     max_new_tokens: Annotated[int, typer.Option(help="Answer length limit in tokens.")] = 256,
     model: Annotated[
         Path | None, typer.Option(help="Checkpoint dir or GGUF file (default: the one the cache records).")

@@ -15,6 +15,19 @@ import typer
 
 from topk_decode.errors import TopkError
 
+# The decode options `topk chat` and `topk serve` share, declared once (defaults: DecodeConfig's fields).
+KOption = Annotated[int, typer.Option("--k", "-k", help="Context tokens retrieved per query head and layer.")]
+StrategyOption = Annotated[
+    str,
+    typer.Option(
+        help="Selection strategy: auto (exact flat on short contexts, routed on long ones), flat (exact top-k), routed, ..."
+    ),
+]
+KScheduleOption = Annotated[str, typer.Option(help="uniform, or linear: k growing over layers at the same total.")]
+StrategyOptOption = Annotated[
+    list[str] | None, typer.Option(help="Strategy option key=value, e.g. nprobe=32 (repeatable).")
+]
+
 
 def one_line(text: object) -> str:
     """A message flattened to one line (tracebacks and multi-line library errors never reach users)."""

@@ -14,6 +14,10 @@ from typing import Annotated
 import typer
 
 from topk_decode.cli.common import (
+    KOption,
+    KScheduleOption,
+    StrategyOption,
+    StrategyOptOption,
     ThreadsOption,
     check_device,
     check_positive,
@@ -40,22 +44,10 @@ def serve_command(
     ],
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port (0: any free port, printed at start).")] = 8000,
-    k: Annotated[
-        int, typer.Option("--k", "-k", help="Context tokens retrieved per query head and layer.")
-    ] = DecodeConfig.k,
-    strategy: Annotated[
-        str,
-        typer.Option(
-            help="Selection strategy: auto (exact flat on short contexts, routed on "
-            "long ones), flat (exact top-k), routed, ..."
-        ),
-    ] = DecodeConfig.strategy,
-    k_schedule: Annotated[
-        str, typer.Option(help="uniform, or linear: k growing over layers at the same total.")
-    ] = DecodeConfig.k_schedule,
-    opt: Annotated[
-        list[str] | None, typer.Option(help="Strategy option key=value, e.g. nprobe=32 (repeatable).")
-    ] = None,
+    k: KOption = DecodeConfig.k,
+    strategy: StrategyOption = DecodeConfig.strategy,
+    k_schedule: KScheduleOption = DecodeConfig.k_schedule,
+    opt: StrategyOptOption = None,
     model_name: Annotated[
         list[str] | None,
         typer.Option(help="The model id clients pass, once per cache in order (default: each cache's folder name)."),
