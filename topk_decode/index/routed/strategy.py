@@ -14,8 +14,9 @@ Per step and layer, for each KV head:
    share any of its queries gives it (the union over the G query heads);
 2. the clusters are taken by priority until `probe_fraction` of the head's keys (at least 2·k) are read;
 3. their keys (contiguous runs) are scanned exactly in fp32, and every query takes its exact top-k among
-   them. Ids are ORIGINAL positions, so the decoder's context part is unchanged (it reads the original
-   values by id; the permuted values in the layout are not used by it yet, see docs/STRATEGIES.md).
+   them. Ids are ORIGINAL positions, so the decoder's context part is unchanged. The compiled path
+   (`kernel=numba`) computes the context part itself and reads the layout's permuted values next to their
+   keys (`store_values`); the torch path's context part reads the original values by id.
 
 With `estimate` (and `estimate_read`) the selection also carries an estimate of the attention over what
 it left out (index/routed/estimate.py), which the context part merges by log-sum-exp (decode/context.py).
