@@ -19,6 +19,7 @@ from topk_decode.errors import TopkError
 from topk_decode.model.loading import eos_token_ids, load_model, load_tokenizer, model_fingerprint
 from topk_decode.prefill.build import LAST_LOGITS, build_cache, parse_dtype, pick_device
 from topk_decode.prefill.documents import PromptFormat
+from topk_decode.prefill.layerwise import CHUNK_SIZE
 from topk_decode.store.cache_dir import ContextKV, open_cache
 
 
@@ -63,7 +64,7 @@ class KVStore:
         out: str | os.PathLike,
         model: str | os.PathLike | None = None,
         *,
-        chunk_size: int = 4096,
+        chunk_size: int = CHUNK_SIZE,
         overwrite: bool = False,
         device: str | None = None,
         dtype: str | None = None,

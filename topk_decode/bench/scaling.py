@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from topk_decode.errors import TopkError
+from topk_decode.prefill.layerwise import CHUNK_SIZE
 
 
 @dataclass
@@ -44,7 +45,7 @@ class ScalingConfig:
     contexts: list[int] = field(default_factory=lambda: [1 << 20])
     gpus: list[int] = field(default_factory=lambda: [1, 2, 4])
     layers: int | None = None
-    chunk: int = 4096
+    chunk: int = CHUNK_SIZE
     device: str = "cuda"
     dtype: str = "bf16"
     out: str = "bench-results"
