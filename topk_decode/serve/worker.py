@@ -138,8 +138,8 @@ class DecodeWorker:
             models: dict[int, list] = {}
             for store in self.stores.values():
                 # Only a strategy whose rows are independent (flat: one scan serves every conversation) gains from
-                # a batched step; routed's batched step searched once per conversation, eagerly, and ran at a
-                # quarter of the serial steps' tokens/s on the GPU host (docs/SERVE.md "Batched decoding").
+                # a batched step; routed's, eager and searching per conversation, lost to its serial graph-replayed
+                # steps on the GPU host (docs/SERVE.md "Batched decoding").
                 if store.decoder.strategy.rows_independent:
                     models.setdefault(id(store.model), []).append(store.decoder)
             for decoders in models.values():
