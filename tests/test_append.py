@@ -201,6 +201,7 @@ def test_the_cli_appends_and_refuses_what_does_not_apply(tmp_path, old_cache):
         ([new], "error: name the cache: --out CACHE to create one, or --append CACHE to add the documents to one"),
         ([new, "--append", old_cache, "--out", tmp_path / "x"], "error: name the cache"),
         ([new, "--append", old_cache, "--overwrite"], "error: --overwrite does not apply to --append"),
+        ([new, "--append", old_cache, "--gpus", "2"], "error: --gpus does not apply to --append (an append runs in"),
         ([new, "--append", old_cache, "--dtype", "bf16"], "error: " + str(old_cache) + " holds float32 keys"),
         ([new, "--append", tmp_path / "nope"], f"error: cache not found: {tmp_path / 'nope'}"),
     ]:

@@ -224,11 +224,14 @@ def prefill_command(
     # Everything cheap is checked before the model loads: a typo must not cost a prefill.
     if (out is None) == (append is None):
         raise TopkError("name the cache: --out CACHE to create one, or --append CACHE to add the documents to one")
-    for flag, given in (("--overwrite", overwrite), ("--resume", resume), ("--gpus", gpus is not None)):
+    why_not = "an interrupted append leaves the cache as it was: run it again"
+    for flag, given, why in (
+        ("--overwrite", overwrite, why_not),
+        ("--resume", resume, why_not),
+        ("--gpus", gpus is not None, "an append runs in one process"),
+    ):
         if append is not None and given:
-            raise TopkError(
-                f"{flag} does not apply to --append (an interrupted append leaves the cache as it was: run it again)"
-            )
+            raise TopkError(f"{flag} does not apply to --append ({why})")
     check_positive("--chunk-size", chunk_size)
     check_device(device)
     names = parse_strategy_names(strategy)
