@@ -80,12 +80,13 @@ def check_faiss() -> None:
 
 
 def usable_strategies(names: list[str]) -> list[str]:
-    """The requested strategies registered in this checkout (others are reported and skipped)."""
+    """The requested strategies (or variants, "routed:rank=keys") registered in this checkout (others are reported
+    and skipped)."""
     from topk_decode.index import STRATEGIES
 
     out = []
     for n in names:
-        if n in STRATEGIES or n == "auto":
+        if n.split(":")[0] in STRATEGIES or n == "auto":
             out.append(n)
         else:
             print(
@@ -178,11 +179,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--suite",
         action="store_true",
-        help=f"the fidelity suite's settings ({', '.join(f'{k}={v}' for k, v in SUITE.items())})",
+        help=f"the fidelity suite's settings ({', '.join(f'{k}={v}' for k, v in SUITE.items())})".replace("%", "%%"),
     )
     p.add_argument("--lengths", default="4096", help="comma-separated context lengths (tokens)")
     p.add_argument("--strategies", default=None, help=f"default: {DEFAULTS['strategies']}")
-    p.add_argument("--k", default=None, help=f"budgets: ints or percentages of the context (default: {DEFAULTS['k']})")
+    p.add_argument(
+        "--k",
+        default=None,
+        help=f"budgets: ints or percentages of the context (default: {DEFAULTS['k']})".replace("%", "%%"),
+    )
     p.add_argument("--tasks", default="real_needle,real_multi_key,real_multi_value,real_vt,real_qa")
     p.add_argument("--questions", type=int, default=None, help="questions per task per context (default: 1)")
     p.add_argument("--seeds", type=int, default=None, help="contexts per length (default: 1)")

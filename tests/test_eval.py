@@ -213,3 +213,21 @@ def test_demo_model_with_flat_small_k_answers_single_needle_at_4k_as_often_as_de
     assert topk >= dense, f"flat k=16 answered {topk}/6, dense {dense}/6"
     assert topk > 0, "flat k=16 answered no instance"
     assert summarize(result)["accuracy"]
+
+
+def test_strategy_variants_carry_their_own_options_and_budget():
+    from topk_decode.eval.runs import split_variant, strategy_options
+
+    assert split_variant("flat") == ("flat", {})
+    assert split_variant("routed:rank=keys:probe_fraction=0.05") == (
+        "routed",
+        {"rank": "keys", "probe_fraction": "0.05"},
+    )
+    # the variant's own options win over the run's, are converted once, and its budget `k` is not an option
+    opts = strategy_options({"routed.probe_fraction": 0.1}, "routed:rank=keys:probe_fraction=0.05:k=2%")
+    assert opts == {"rank": "keys", "probe_fraction": 0.05}
+    assert strategy_options({}, "flat:k=100%") == {}
+    with pytest.raises(TopkError, match="expected name:key=value"):
+        split_variant("routed:rank")
+    with pytest.raises(TopkError, match="rank must be clusters or keys"):
+        strategy_options({}, "routed:rank=pages")

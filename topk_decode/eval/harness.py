@@ -33,6 +33,7 @@ from topk_decode.eval.runs import (  # noqa: F401 - re-exported
     method_name,
     resolve_k,
     run_one,
+    split_variant,
     strategy_options,
 )
 from topk_decode.index import check_requested_strategy, split_options
@@ -111,7 +112,7 @@ class EvalConfig:
             if t not in TASKS and t not in REAL_TASKS:
                 raise TopkError(f"unknown task {t!r} (available: {', '.join(TASKS + REAL_TASKS)})")
         for s in self.strategies:
-            check_requested_strategy(s)
+            check_requested_strategy(split_variant(s)[0])
         check_plain_options(self)  # unknown options fail early
         if self.docs is not None and not self.question.strip():
             raise TopkError("--question must not be empty")
@@ -139,7 +140,7 @@ class EvalConfig:
 def check_plain_options(cfg: EvalConfig) -> None:
     """Raise TopkError for a plain option (no "strategy." prefix) that none of the named strategies has;
     `auto` resolves per context, so it takes only "auto."-prefixed options."""
-    named = [s for s in cfg.strategies if s != AUTO]
+    named = [name for name in (split_variant(s)[0] for s in cfg.strategies) if name != AUTO]
     if named:
         split_options(named, {k: v for k, v in cfg.strategy_options.items() if "." not in k})
 
@@ -305,7 +306,7 @@ def _measure(
         # one store per strategy (its indices are built once); k only changes what a search returns
         dc = DecodeConfig(
             k=ks[-1][0],
-            strategy=strategy,
+            strategy=split_variant(strategy)[0],
             strategy_options=strategy_options(cfg.strategy_options, strategy),
             n_sink=cfg.n_sink,
             n_tail=cfg.n_tail,

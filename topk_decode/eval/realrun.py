@@ -25,7 +25,15 @@ import torch
 from topk_decode.api import KVStore
 from topk_decode.config import DecodeConfig
 from topk_decode.eval.realtext import RealSuite
-from topk_decode.eval.runs import InstanceResult, LoadedModel, method_name, resolve_k, run_one, strategy_options
+from topk_decode.eval.runs import (
+    InstanceResult,
+    LoadedModel,
+    method_name,
+    resolve_k,
+    run_one,
+    split_variant,
+    strategy_options,
+)
 from topk_decode.prefill.build import build_cache
 from topk_decode.prefill.documents import PromptFormat
 from topk_decode.store.cache_dir import ContextKV, open_cache
@@ -228,15 +236,16 @@ def eval_suite(
             "qa_topics": suite.qa_topics,
             "questions": len(suite.questions),
         }
-        ks = sorted(
-            {(resolve_k(k, n_ctx), None if isinstance(k, int) else str(k)) for k in cfg.ks},
-            key=lambda kl: (kl[0], kl[1] or ""),
-        )
         for strategy in cfg.strategies:
+            own_k = split_variant(strategy)[1].get("k")  # a variant's own budget ("flat:k=100%")
+            ks = sorted(
+                {(resolve_k(k, n_ctx), None if isinstance(k, int) else str(k)) for k in ([own_k] if own_k else cfg.ks)},
+                key=lambda kl: (kl[0], kl[1] or ""),
+            )
             t1 = time.perf_counter()
             dc = DecodeConfig(
                 k=max(k for k, _ in ks),
-                strategy=strategy,
+                strategy=split_variant(strategy)[0],
                 strategy_options=strategy_options(cfg.strategy_options, strategy),
                 n_sink=cfg.n_sink,
                 n_tail=cfg.n_tail,

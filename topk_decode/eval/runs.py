@@ -39,20 +39,37 @@ def resolve_k(k: int | str, n_context: int) -> int:
     return k
 
 
+def split_variant(spec: str) -> tuple[str, dict]:
+    """A strategy with options of its own, to compare variants in one run: "routed:rank=keys:probe_fraction=0.05"
+    → ("routed", {"rank": "keys", "probe_fraction": "0.05"}); a plain name → (name, {}). The key `k` is the
+    variant's own budget in the real-text suites ("flat:k=100%", the noise floor), not a strategy option."""
+    name, *pairs = spec.split(":")
+    own = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise TopkError(f"strategy variant {spec!r}: expected name:key=value[:key=value...]")
+        own[key.strip()] = value.strip()
+    return name.strip(), own
+
+
 def strategy_options(options: dict, strategy: str) -> dict:
-    """The options one strategy gets: plain keys, and "strategy.key" keys addressed to it (prefix dropped).
+    """The options one strategy gets: plain keys, "strategy.key" keys addressed to it (prefix dropped), and a
+    variant's own options ("routed:rank=keys", `split_variant`) last.
 
     Args:
         options: all strategy options of the run.
-        strategy: the strategy's name.
+        strategy: the strategy's name or variant.
     """
+    strategy, own = split_variant(strategy)
     if strategy == AUTO:  # the decoder resolves it per context; its options go to what it resolves to
         return {k.split(".", 1)[1]: v for k, v in options.items() if k.startswith(AUTO + ".")}
     cls = get_strategy(strategy)
     # plain keys go to the strategies that declare them (index.split_options checks that each belongs to one)
     out = {k: v for k, v in options.items() if "." not in k and (cls.OPTIONS is None or k in cls.OPTIONS)}
     out.update({k.split(".", 1)[1]: v for k, v in options.items() if k.startswith(strategy + ".")})
-    return cls.checked_options(out)
+    own.pop("k", None)  # the variant's budget (split_variant)
+    return cls.checked_options({**out, **own})
 
 
 @dataclass

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from topk_decode.index.routed.pq import ResidualCodes
+
 # Scores per distance block: bounds the (block, C) temporaries to ~200 MiB (k-means runs inside the
 # decoder's GPU budget, next to the weights).
 _BLOCK_ELEMS = 1 << 25
@@ -66,6 +68,7 @@ class LayerLayout:
     spread: (Hkv, C) float32 mean squared distance of a cluster's keys to its centroid, per dimension.
     value_means: (Hkv, C, D) float32 mean of each cluster's values (0 for an empty cluster), or None
         (layouts built before it existed): what routed's estimate of the unread clusters attends to.
+    codes: the rows' residual codes (index/routed/pq.py), or None (built with `pq_m=0`).
     """
 
     keys: torch.Tensor
@@ -75,11 +78,17 @@ class LayerLayout:
     centroids: torch.Tensor
     spread: torch.Tensor
     value_means: torch.Tensor | None = None
+    codes: ResidualCodes | None = None
 
     @property
     def sizes(self) -> torch.Tensor:
         """(Hkv, C) int64 tokens per cluster."""
         return self.offsets[:, 1:] - self.offsets[:, :-1]
+
+    def labels(self) -> torch.Tensor:
+        """(Hkv, N) int64 the cluster of every row."""
+        C = self.offsets.shape[1] - 1
+        return torch.stack([torch.repeat_interleave(torch.arange(C), s) for s in self.sizes])
 
 
 def _assign(x: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:

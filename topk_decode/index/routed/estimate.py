@@ -122,6 +122,24 @@ def read_rest_part(
     return RestPart(out=out, lse=lse)
 
 
+def keyed_rest_part(logit: torch.Tensor, labels: torch.Tensor, value_means: torch.Tensor) -> RestPart:
+    """The estimate from per-key weights (routed's `rank=keys`): each key left out weighs exp(logit), with its
+    cluster's mean value.
+
+    Args:
+        logit: (Hkv, Q, N) float32 s·q·k per layout row (approximate for unread keys, exact for read ones;
+            −inf for the keys accounted exactly and outside the searchable range).
+        labels: (Hkv, N) int64 the cluster of every row.
+        value_means: (Hkv, C, D) float32 v̄_c.
+    """
+    hkv, Q, n = logit.shape
+    lse = torch.logsumexp(logit, dim=-1)  # (Hkv, Q)
+    finite = torch.isfinite(lse)
+    w = (logit - torch.where(finite, lse, 0.0)[..., None]).exp_()  # (Hkv, Q, N), 0 where −inf
+    per_cluster = torch.zeros((hkv, Q, value_means.shape[1])).scatter_add_(-1, labels[:, None, :].expand(hkv, Q, n), w)
+    return RestPart(out=torch.bmm(per_cluster, value_means.float()), lse=lse)
+
+
 def combine(a: RestPart, b: RestPart) -> RestPart:
     """Two disjoint rest parts as one (log-sum-exp merge, as docs/DESIGN.md "The merge")."""
     lse = torch.logaddexp(a.lse, b.lse)  # (Hkv, Q)

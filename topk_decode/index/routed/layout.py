@@ -1,7 +1,8 @@
 """routed's clustered layout on disk: built once per cache, memory-mapped at open.
 
 Per layer, `artifact_dir(cache, "routed")` holds the cluster-contiguous keys (and values), their
-original positions, the cluster offsets, centroids, spreads and mean values (index/routed/cluster.py builds them),
+original positions, the cluster offsets, centroids, spreads and mean values (index/routed/cluster.py builds them)
+and, with `pq_m`, the residual codes and codebooks (index/routed/pq.py),
 one file per array and layer (`keys.000.bin`, ...), checksummed in `done.json` (artifacts.py). The
 permuted keys and values are memory-mapped, the small per-cluster arrays read into RAM.
 """
@@ -14,8 +15,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from topk_decode.errors import TopkError
 from topk_decode.index.artifacts import artifact_dir, start_artifacts, write_done, write_file, writing
 from topk_decode.index.routed.cluster import KMeansConfig, LayerLayout, build_layer, kmeans_device
+from topk_decode.index.routed.pq import NBITS, ResidualCodes, train_codes
 from topk_decode.store import huge_pages
 from topk_decode.store.cache_dir import ContextKV
 from topk_decode.store.format import as_torch, dtype_name, numpy_storage
@@ -30,13 +33,19 @@ def layer_layouts(ckv: ContextKV, opts: dict, progress: Callable[[int, int], Non
     """Each layer's clustered layout, built in turn (k-means on the GPU when there is one, index/routed/cluster.py).
 
     Args:
-        ckv: the context; opts: routed's build options (cluster_size, iters, store_values, segment);
+        ckv: the context; opts: routed's build options (cluster_size, iters, store_values, segment, pq_m);
             progress: (done, total).
     """
     cfg = KMeansConfig(cluster_size=opts["cluster_size"], iters=opts["iters"], segment=opts["segment"])
     device = kmeans_device()
+    m = opts.get("pq_m", 0)
+    if m and ckv.head_dim % m:
+        raise TopkError(f"routed: pq_m={m} must divide the head dimension {ckv.head_dim}")
     for layer in range(ckv.n_layers):
-        yield build_layer(ckv.keys[layer], ckv.values[layer], cfg, device, store_values=opts["store_values"])
+        lay = build_layer(ckv.keys[layer], ckv.values[layer], cfg, device, store_values=opts["store_values"])
+        if m:
+            lay.codes = train_codes(lay.keys, lay.centroids, lay.labels(), m)
+        yield lay
         if progress:
             progress(layer + 1, ckv.n_layers)
 
@@ -54,6 +63,9 @@ def _files(lay: LayerLayout) -> dict[str, torch.Tensor]:
         arrays["values"] = lay.values
     if lay.value_means is not None:
         arrays["vmeans"] = lay.value_means
+    if lay.codes is not None:
+        arrays["pqcodes"] = lay.codes.codes
+        arrays["pqbooks"] = lay.codes.codebooks
     return arrays
 
 
@@ -91,8 +103,17 @@ def load_layouts(ckv: ContextKV, name: str, built: dict) -> list[LayerLayout]:
         m = np.memmap(d / f"{tag}.{layer:03d}.bin", dtype=dtype, mode="r", shape=shape)
         return as_torch(m, dtype_tag) if dtype_tag else torch.from_numpy(np.array(m))
 
+    m = int(built.get("pq_m", 0))
     out = []
     for layer in range(ckv.n_layers):
+        codes = (
+            ResidualCodes(
+                arr("pqcodes", layer, np.uint8, (hkv, n, m)),
+                arr("pqbooks", layer, np.float32, (hkv, m, 1 << NBITS, D // m)),
+            )
+            if m
+            else None
+        )
         values = arr("values", layer, numpy_storage(dt), (hkv, n, D), dt) if built.get("store_values") else None
         out.append(
             LayerLayout(
@@ -103,6 +124,7 @@ def load_layouts(ckv: ContextKV, name: str, built: dict) -> list[LayerLayout]:
                 centroids=arr("centroids", layer, np.float32, (hkv, C, D)),
                 spread=arr("spread", layer, np.float32, (hkv, C)),
                 value_means=arr("vmeans", layer, np.float32, (hkv, C, D)) if built.get("value_means") else None,
+                codes=codes,
             )
         )
     return out

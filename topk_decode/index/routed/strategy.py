@@ -47,11 +47,12 @@ from topk_decode.index.base import (
     SelectionStrategy,
     bf16_bits,
 )
-from topk_decode.index.options import FRACTION, POSITIVE, StrategyOptions, option
+from topk_decode.index.options import FRACTION, NON_NEGATIVE, POSITIVE, StrategyOptions, option
 from topk_decode.index.routed import compiled as routed_compiled
 from topk_decode.index.routed.device import TABLE_KINDS, DeviceRoutes
 from topk_decode.index.routed.estimate import searchable_stats
 from topk_decode.index.routed.layout import layer_layouts, load_layouts, on_disk, to_huge_pages, write_layouts
+from topk_decode.index.routed.pq import decode, default_m
 from topk_decode.index.routed.torch_path import TorchPath
 from topk_decode.index.threads import default_threads
 from topk_decode.store import huge_pages
@@ -93,6 +94,20 @@ class RoutedOptions(StrategyOptions):
         "bounds k-means' cost per key (a value ≥ the context clusters it whole).",
         build=True,
         check=POSITIVE,
+    )
+    pq_m: int = option(
+        0,
+        "Sub-vectors of the 4-bit residual codes stored per key (index/routed/pq.py; 0: none). rank=keys builds "
+        "them with 32 (D/2 under 64 dimensions) when not given: 16 bytes per key.",
+        build=True,
+        check=NON_NEGATIVE,
+    )
+    rank: str = option(
+        "clusters",
+        "What is ranked to choose the keys read: clusters (by centroid, reading whole clusters) or keys (every key "
+        "by centroid + its residual code, reading the best keys; needs pq_m codes; torch path only). keys also "
+        "weighs the estimate of the unread keys per key (docs/EVAL.md).",
+        check=("clusters", "keys"),
     )
     probe_fraction: float = option(
         0.04,
@@ -169,6 +184,9 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
         o = self.options
+        self.rank_keys = o.rank == "keys"
+        if self.rank_keys and not o.pq_m:
+            o = self.options = o.replace(pq_m=default_m(self.ckv.head_dim))
         self.probe_fraction = o.probe_fraction
         self.use_spread, use_sizes = o.spread, o.sizes
         self.estimate, self.estimate_read = o.estimate, o.estimate_read
@@ -218,6 +236,16 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             self._bias = [torch.where(torch.isinf(b), b, 0.0) for b in self._bias]
         self._spread = [(lay.spread * (0.5 * self.scale**2)).unsqueeze(1) for lay in self.layouts]
         self._sizes = [lay.sizes for lay in self.layouts]
+        self._labels = [lay.labels() for lay in self.layouts] if self.rank_keys else None  # (Hkv, N) per layer
+        # rank=keys' approximate keys μ_c + r̂ per row (Hkv, N, D) float32 (index/routed/pq.py)
+        self._approx_keys = (
+            [
+                lay.centroids.gather(1, lab[..., None].expand(-1, -1, lay.centroids.shape[2])) + decode(lay.codes)
+                for lay, lab in zip(self.layouts, self._labels)
+            ]
+            if self.rank_keys
+            else None
+        )
         self._starts = [lay.offsets[:, :-1] + self._row_base for lay in self.layouts]  # (Hkv, C) flat rows
         # Padding reads an outside row of its head when there is one (then the flag alone masks padding
         # too), else the head's first row, masked by `valid`.
@@ -242,7 +270,9 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
     def _use_kernel(self, choice: str) -> bool:
         """Whether the compiled path (index/routed/compiled.py) runs (the `kernel` option; "auto": wherever it applies)."""
         why = (
-            f"it reads bf16 keys and values, these are {dtype_name(self.ckv.dtype)}"
+            "it does not implement rank=keys"
+            if self.rank_keys
+            else f"it reads bf16 keys and values, these are {dtype_name(self.ckv.dtype)}"
             if self.ckv.dtype not in KERNEL_DTYPES
             else "it does not implement spread=true"
             if self.use_spread
@@ -291,6 +321,8 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             return self.all_tokens(q, layer)
         self.stats.searches += 1
         budget = self._budget(k)
+        if self.rank_keys:
+            return self._select_keys(layer, q, k, budget)
         if self.kernel:
             return self._compiled(layer, q, k, budget)
         return self._select_torch(layer, q, k, budget)

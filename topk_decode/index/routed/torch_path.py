@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 
 from topk_decode.index.base import RestPart, Selection
-from topk_decode.index.routed.estimate import combine, read_rest_part, unread_part
+from topk_decode.index.routed.estimate import combine, keyed_rest_part, read_rest_part, unread_part
 
 
 class Route(NamedTuple):
@@ -111,6 +111,37 @@ class TorchPath:
         if not no_empty_slots:  # fewer than k valid keys were read for some query: empty slots
             ids, scores = ids.masked_fill(empty, -1), scores.masked_fill(empty, 0.0)
         return Selection(ids=ids, scores=scores, no_empty_slots=no_empty_slots, rest=rest)
+
+    def _select_keys(self, layer: int, q: torch.Tensor, k: int, budget: int) -> Selection:
+        """`rank=keys`: every searchable key scored by centroid + residual code (index/routed/pq.py), the `budget`
+        best by the union over the head's queries read exactly, each query's exact top-k among them; the
+        estimate weighs every unread key by its approximate score, with its cluster's mean value."""
+        lay = self.layouts[layer]
+        hkv, Q, D = q.shape
+        n = lay.pos.shape[1]
+        labels = self._labels[layer]  # (Hkv, N)
+        approx = torch.bmm(q, self._approx_keys[layer].transpose(1, 2)).mul_(self.scale)  # (Hkv, Q, N) s·q·k̂
+        outside = self._outside[layer].view(hkv, n)
+        approx.masked_fill_(outside[:, None, :], float("-inf"))
+        share = (approx - torch.logsumexp(approx, -1, keepdim=True)).amax(1)  # (Hkv, N) union over queries
+        width = min(budget, self.n_searchable)
+        local = share.topk(width, dim=-1, sorted=False).indices  # (Hkv, B) rows of each head read
+        rows = (local + self._row_base).view(-1)
+        keys = lay.keys.reshape(-1, D).index_select(0, rows).float().view(hkv, width, D)
+        scores = torch.bmm(q, keys.transpose(1, 2))  # (Hkv, Q, B) exact
+        top = scores.topk(min(k, width), dim=-1, sorted=False)
+        pos = lay.pos.gather(1, local)  # (Hkv, B)
+        ids = pos[:, None, :].expand(hkv, Q, width).gather(-1, top.indices)
+        self.stats.extra["keys_read"] += hkv * width
+        self.stats.extra["keys_searchable"] += hkv * self.n_searchable
+        rest = None
+        if self.estimate or self.estimate_read:
+            logit = approx if self.estimate else torch.full_like(approx, float("-inf"))
+            read_cols = local[:, None, :].expand(hkv, Q, width)
+            exact = scores.mul(self.scale).scatter(-1, top.indices, float("-inf")) if self.estimate_read else None
+            logit.scatter_(-1, read_cols, exact if exact is not None else torch.full_like(scores, float("-inf")))
+            rest = keyed_rest_part(logit, labels, self._vmeans[layer])
+        return Selection(ids=ids, scores=top.values, no_empty_slots=True, rest=rest)
 
     def _rest(self, layer: int, route: Route, scores_read: torch.Tensor, top: torch.Tensor) -> RestPart:
         """The estimate of what the selection leaves out (index/routed/estimate.py): unread clusters and/or read

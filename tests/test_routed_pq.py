@@ -1,0 +1,91 @@
+"""routed's `rank=keys`: residual codes (index/routed/pq.py), the per-key ranking, its estimate, exactness."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.test_routed_estimate import _context_output, grouped_cache  # noqa: F401
+from topk_decode.errors import TopkError
+from topk_decode.index import get_strategy
+from topk_decode.index.routed import pq
+from topk_decode.store.cache_dir import open_cache
+
+
+def _routed(cache, lo, hi, **options):
+    strat = get_strategy("routed")(open_cache(cache), lo, hi, dict(cluster_size=32, **options))
+    strat.prepare()
+    return strat
+
+
+def test_codes_decode_to_the_residuals_they_encode():
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 700, 16, generator=gen)
+    labels = torch.randint(0, 5, (2, 700), generator=gen)
+    cent = torch.randn(2, 5, 16, generator=gen)
+    codes = pq.train_codes(keys, cent, labels, m=8)
+    res = keys - cent.gather(1, labels[..., None].expand(-1, -1, 16))
+    # 16 codewords per 2-dimensional sub-vector: the decoded residuals are far closer than the residuals' own size
+    assert (pq.decode(codes) - res).norm() < 0.5 * res.norm()
+    # sub-vector j of row i decodes to codeword codes[h, i, j] of codebook j
+    h, i, j = 1, 17, 3
+    want = codes.codebooks[h, j, codes.codes[h, i, j].long()]
+    assert torch.equal(pq.decode(codes)[h, i, 2 * j : 2 * j + 2], want)
+
+
+def test_unpack_takes_the_first_sub_vector_from_the_low_nibble():
+    packed = np.array([[0x21, 0x43]], dtype=np.uint8)
+    assert pq.unpack(packed, 4).tolist() == [[1, 2, 3, 4]]
+
+
+def test_rank_keys_builds_codes_and_finds_most_of_the_exact_top_k(grouped_cache):  # noqa: F811
+    n = 3000
+    keys = open_cache(grouped_cache).keys[0][:, 4 : n - 16].float()
+    strat = _routed(grouped_cache, 4, n - 16, rank="keys", probe_fraction=0.1, estimate=False)
+    assert strat.layouts[0].codes is not None and strat.options.pq_m == pq.default_m(16) == 8
+    clusters = _routed(grouped_cache, 4, n - 16, probe_fraction=0.1, estimate=False)
+    q = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(1))
+    k = 30
+    exact = torch.bmm(q, keys.transpose(1, 2)).topk(k, -1).indices + 4  # (Hkv, Q, k) positions
+    recalls = {}
+    for name, s in (("keys", strat), ("clusters", clusters)):
+        sel = s.select(0, q, k)
+        hit = sum(len(set(sel.ids[h, i].tolist()) & set(exact[h, i].tolist())) for h in range(2) for i in range(4))
+        recalls[name] = hit / (2 * 4 * k)
+        assert s.keys_read_fraction() >= 0.1  # whole clusters overshoot the budget; keys meet it
+    assert strat.keys_read_fraction() == pytest.approx(0.1, abs=0.001)
+    assert recalls["keys"] >= 0.8 and recalls["keys"] >= recalls["clusters"], recalls
+
+
+def test_rank_keys_with_its_estimate_is_closer_to_dense_than_without(grouped_cache):  # noqa: F811
+    lo, hi = 4, 2984
+    ckv = open_cache(grouped_cache)
+    q = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(2))
+    scale = 16**-0.5
+    s = torch.bmm(q, ckv.keys[0][:, lo:hi].float().transpose(1, 2)) * scale
+    dense = torch.bmm(s.softmax(-1), ckv.values[0][:, lo:hi].float())
+    errs = {}
+    for est in (False, True):
+        strat = _routed(grouped_cache, lo, hi, rank="keys", probe_fraction=0.05, estimate=est)
+        sel = strat.select(0, q, 20)
+        out, _ = _context_output(strat, sel, q.shape)
+        errs[est] = ((out - dense).norm() / dense.norm()).item()
+    assert errs[True] < errs[False], errs
+
+
+def test_rank_keys_is_exact_when_it_reads_everything(grouped_cache):  # noqa: F811
+    lo, hi = 4, 2984
+    keys = open_cache(grouped_cache).keys[0][:, lo:hi].float()
+    strat = _routed(grouped_cache, lo, hi, rank="keys", probe_fraction=1.0)
+    q = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(3))
+    sel = strat.select(0, q, 50)
+    want = torch.bmm(q, keys.transpose(1, 2)).topk(50, -1).indices + lo
+    assert torch.equal(sel.ids.sort(-1).values, want.sort(-1).values)
+
+
+def test_rank_keys_refuses_the_compiled_path_and_a_bad_pq_m(grouped_cache):  # noqa: F811
+    with pytest.raises(TopkError, match="rank=keys"):
+        _routed(grouped_cache, 4, 2984, rank="keys", kernel="numba")
+    with pytest.raises(TopkError, match="pq_m=5 must divide"):
+        _routed(grouped_cache, 4, 2984, rank="keys", pq_m=5)

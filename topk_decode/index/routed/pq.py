@@ -1,0 +1,94 @@
+"""Residual codes for routed's per-key ranking (`rank=keys`): each key's offset from its cluster's centroid,
+product-quantized to 4 bits per sub-vector (IVF-PQ, as RetroInfer and PQCache estimate scores).
+
+Why: the exact top-k keys of a KV head's G query heads are scattered over a quarter of the clusters, so no
+ranking of whole clusters reaches them within a 4 % read; scoring every key by centroid + residual code does
+(docs/EVAL.md "Why routed loses what exact top-k keeps"). One key's approximate score is
+
+    q·k ≈ q·μ_c + Σ_j LUT_j[code_j],   LUT_j[b] = q_j·B_j[b]
+
+with μ_c its cluster's centroid, q_j the j-th of m sub-vectors of q and B_j the j-th codebook (16 entries of
+D/m dimensions). The codebooks are trained by faiss' `ProductQuantizer` (a hard dependency already), one per
+(layer, KV head); codes are kept unpacked, one byte per sub-vector, in the layout's row order.
+
+The torch path (index/routed/torch_path.py) scores with the decoded keys μ_c + r̂ in one product, which gives
+the same scores as the table lookups: it measures the selection's fidelity, not its speed. The fast form
+(16 bytes per key scanned by lookups, on the GPU beside the centroids) is not built yet.
+
+    >>> import torch
+    >>> keys = torch.randn(1, 512, 8)
+    >>> cent = keys.mean(1, keepdim=True)  # one cluster
+    >>> codes = train_codes(keys, cent, torch.zeros(1, 512, dtype=torch.long), m=4)
+    >>> codes.codes.shape, codes.codebooks.shape
+    (torch.Size([1, 512, 4]), torch.Size([1, 4, 16, 2]))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+NBITS = 4  # bits per sub-vector code: 16 codewords, one LUT of 16 entries per sub-vector
+MAX_M = 32  # sub-vectors per key by default: 16 bytes of codes (docs/EVAL.md's replay measured 32 × 4 bits)
+TRAIN_ROWS = 65_536  # residuals per (layer, KV head) the codebooks are trained on (all when fewer)
+
+
+@dataclass
+class ResidualCodes:
+    """One layer's residual codes, all KV heads.
+
+    codes: (Hkv, N, m) uint8 code of every layout row's residual k − μ_c per sub-vector (0..15).
+    codebooks: (Hkv, m, 16, D/m) float32 codewords per sub-vector.
+    """
+
+    codes: torch.Tensor
+    codebooks: torch.Tensor
+
+
+def default_m(head_dim: int) -> int:
+    """Sub-vectors per key when `pq_m` is not given: 32, or D/2 for heads under 64 dimensions."""
+    return min(MAX_M, max(1, head_dim // 2))
+
+
+def train_codes(keys: torch.Tensor, centroids: torch.Tensor, labels: torch.Tensor, m: int) -> ResidualCodes:
+    """Train and encode the residuals of every KV head of one layer.
+
+    Args:
+        keys: (Hkv, N, D) the layer's keys in layout row order.
+        centroids: (Hkv, C, D) float32 each cluster's centroid.
+        labels: (Hkv, N) int64 the cluster of every row.
+        m: sub-vectors per key (D must be a multiple of m).
+    """
+    import faiss
+
+    hkv, n, d = keys.shape
+    codes = torch.empty((hkv, n, m), dtype=torch.uint8)
+    books = torch.empty((hkv, m, 1 << NBITS, d // m), dtype=torch.float32)
+    rng = np.random.default_rng(0)
+    for h in range(hkv):
+        res = np.ascontiguousarray((keys[h].float() - centroids[h].index_select(0, labels[h])).numpy())
+        pq = faiss.ProductQuantizer(d, m, NBITS)
+        train = res if n <= TRAIN_ROWS else res[rng.choice(n, TRAIN_ROWS, replace=False)]
+        pq.train(np.ascontiguousarray(train))
+        codes[h] = torch.from_numpy(unpack(pq.compute_codes(res), m))
+        books[h] = torch.from_numpy(faiss.vector_to_array(pq.centroids).reshape(m, 1 << NBITS, d // m))
+    return ResidualCodes(codes, books)
+
+
+def unpack(packed: np.ndarray, m: int) -> np.ndarray:
+    """faiss' packed 4-bit codes (n, m/2) uint8, the first sub-vector in the low nibble, → (n, m) uint8."""
+    out = np.empty((packed.shape[0], m), dtype=np.uint8)
+    out[:, 0::2] = packed & 0x0F
+    out[:, 1::2] = packed >> 4
+    return out
+
+
+def decode(codes: ResidualCodes) -> torch.Tensor:
+    """(Hkv, N, D) float32 decoded residuals r̂ (q·r̂ = Σ_j LUT_j[code_j])."""
+    hkv, n, m = codes.codes.shape
+    books = codes.codebooks  # (Hkv, m, 16, d)
+    idx = codes.codes.long()  # (Hkv, N, m)
+    parts = books[torch.arange(hkv)[:, None, None], torch.arange(m)[None, None, :], idx]  # (Hkv, N, m, d)
+    return parts.reshape(hkv, n, -1)
