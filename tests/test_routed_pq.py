@@ -89,3 +89,20 @@ def test_rank_keys_refuses_the_compiled_path_and_a_bad_pq_m(grouped_cache):  # n
         _routed(grouped_cache, 4, 2984, rank="keys", kernel="numba")
     with pytest.raises(TopkError, match="pq_m=5 must divide"):
         _routed(grouped_cache, 4, 2984, rank="keys", pq_m=5)
+
+
+def test_rank_keys_reading_every_key_decodes_like_flat_through_the_store(tmp_path, built_cache):
+    """End to end through KVStore: with every key read, rank=keys keeps the exact top-k and no estimate."""
+    import shutil
+
+    from topk_decode import KVStore
+
+    cache = tmp_path / "cache"
+    shutil.copytree(built_cache[0], cache)
+    prompt = [5, 17, 42, 99]
+    flat = KVStore.open(cache, k=24, strategy="flat", device="cpu").generate_ids(prompt, 8)
+    keys = KVStore.open(
+        cache, k=24, strategy="routed", strategy_options={"rank": "keys", "probe_fraction": 1}, device="cpu"
+    )
+    assert keys.generate_ids(prompt, 8) == flat
+    assert keys.decoder.strategy.layouts[0].codes is not None  # built on open, with the layout
