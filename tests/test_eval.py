@@ -216,7 +216,7 @@ def test_demo_model_with_flat_small_k_answers_single_needle_at_4k_as_often_as_de
 
 
 def test_strategy_variants_carry_their_own_options_and_budget():
-    from topk_decode.eval.runs import split_variant, strategy_options
+    from topk_decode.eval.runs import split_variant, strategy_options, variant_label
 
     assert split_variant("flat") == ("flat", {})
     assert split_variant("routed:rank=keys:probe_fraction=0.05") == (
@@ -227,6 +227,7 @@ def test_strategy_variants_carry_their_own_options_and_budget():
     opts = strategy_options({"routed.probe_fraction": 0.1}, "routed:rank=keys:probe_fraction=0.05:k=2%")
     assert opts == {"rank": "keys", "probe_fraction": 0.05}
     assert strategy_options({}, "flat:k=100%") == {}
+    assert variant_label("routed:rank=keys:k=2%") == "routed:rank=keys" and variant_label("flat:k=100%") == "flat"
     with pytest.raises(TopkError, match="expected name:key=value"):
         split_variant("routed:rank")
     with pytest.raises(TopkError, match="rank must be clusters or keys"):

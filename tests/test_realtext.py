@@ -181,6 +181,13 @@ def test_cli_rejects_a_bad_percentage_in_one_line():
     assert "error:" in r.stderr and "abc" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_measure_real_help_prints_the_suite_preset():
+    r = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "measure_real.py"), "--help"], capture_output=True, text=True
+    )
+    assert r.returncode == 0 and "routed:rank=keys" in r.stdout and "Traceback" not in r.stderr
+
+
 def test_measure_real_writes_json_and_a_markdown_table_and_skips_unknown_strategies(model_factory, tmp_path, capsys):
     import importlib.util
 
@@ -197,7 +204,7 @@ def test_measure_real_writes_json_and_a_markdown_table_and_skips_unknown_strateg
             "--tasks",
             "real_needle,real_vt",
             "--strategies",
-            "flat,no_such_strategy,duo",
+            "flat,no_such_strategy,duo,routed:rank=keys:k=2%",
             "--duo-steps",
             "0",
             "--k",
@@ -212,6 +219,7 @@ def test_measure_real_writes_json_and_a_markdown_table_and_skips_unknown_strateg
     assert "'no_such_strategy' is not registered" in err and "duo skipped" in err
     table = (tmp_path / f"real_{md.name}.md").read_text()
     assert "| dense |" in table and "| flat@1% |" in table and "| flat@100% |" in table
+    assert "| routed:rank=keys@2% |" in table and "| routed:rank=keys@1% |" not in table  # the variant's own k
     data = json.loads((tmp_path / f"real_{md.name}_2500.json").read_text())
     assert data["seconds"] > 0 and data["contexts"][0]["questions"] == 2
 

@@ -33,6 +33,7 @@ from topk_decode.eval.runs import (
     run_one,
     split_variant,
     strategy_options,
+    variant_label,
 )
 from topk_decode.prefill.build import build_cache
 from topk_decode.prefill.documents import PromptFormat
@@ -238,6 +239,7 @@ def eval_suite(
         }
         for strategy in cfg.strategies:
             own_k = split_variant(strategy)[1].get("k")  # a variant's own budget ("flat:k=100%")
+            shown = variant_label(strategy)  # its name in tables: "flat@100%", not "flat:k=100%@100%"
             ks = sorted(
                 {(resolve_k(k, n_ctx), None if isinstance(k, int) else str(k)) for k in ([own_k] if own_k else cfg.ks)},
                 key=lambda kl: (kl[0], kl[1] or ""),
@@ -264,7 +266,7 @@ def eval_suite(
                     for (q, prompt_ids, d_tokens, d_logits), ir in zip(refs, results):
                         run = run_one(
                             store,
-                            strategy,
+                            shown,
                             schedule,
                             k,
                             prompt_ids,
@@ -285,7 +287,7 @@ def eval_suite(
                     for run in runs:
                         run.keys_read = read
                     log(
-                        f"    {method_name(strategy, schedule, label or k)} (k={k}): {right}/{len(refs)} correct, "
+                        f"    {method_name(shown, schedule, label or k)} (k={k}): {right}/{len(refs)} correct, "
                         f"{same}/{len(refs)} same as dense, {_means(runs)}"
                         + ("" if read is None else f", keys read {100 * read:.2f} %")
                     )

@@ -53,6 +53,11 @@ def split_variant(spec: str) -> tuple[str, dict]:
     return name.strip(), own
 
 
+def variant_label(spec: str) -> str:
+    """A variant's name in tables, without its own budget: "routed:rank=keys:k=2%" → "routed:rank=keys"."""
+    return ":".join(part for part in spec.split(":") if not part.strip().startswith("k="))
+
+
 def strategy_options(options: dict, strategy: str) -> dict:
     """The options one strategy gets: plain keys, "strategy.key" keys addressed to it (prefix dropped), and a
     variant's own options ("routed:rank=keys", `split_variant`) last.
