@@ -106,3 +106,22 @@ def test_rank_keys_reading_every_key_decodes_like_flat_through_the_store(tmp_pat
     )
     assert keys.generate_ids(prompt, 8) == flat
     assert keys.decoder.strategy.layouts[0].codes is not None  # built on open, with the layout
+
+
+def test_prefill_with_rank_keys_builds_the_codes_and_open_reuses_them(tmp_path, grouped_cache):  # noqa: F811
+    import shutil
+
+    from topk_decode.index import artifact_dir, prepare_artifacts
+
+    cache = tmp_path / "cache"
+    shutil.copytree(grouped_cache, cache)
+    shutil.rmtree(artifact_dir(cache, "routed"), ignore_errors=True)
+    prepare_artifacts(open_cache(cache), ["routed"], {"cluster_size": 32, "rank": "keys"})
+    done = artifact_dir(cache, "routed") / "done.json"
+    stamp = done.stat().st_mtime_ns
+    strat = _routed(cache, 4, 2984, rank="keys")
+    assert done.stat().st_mtime_ns == stamp and strat.layouts[0].codes.codes.shape == (2, 3000, 8)
+    # a layout built without codes is rebuilt with them when rank=keys asks
+    shutil.rmtree(artifact_dir(cache, "routed"))
+    _routed(cache, 4, 2984)
+    assert _routed(cache, 4, 2984, rank="keys").layouts[0].codes is not None

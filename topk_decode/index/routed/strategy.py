@@ -166,6 +166,12 @@ class RoutedOptions(StrategyOptions):
     )
 
 
+def with_codes(o: RoutedOptions, head_dim: int) -> RoutedOptions:
+    """The options with `pq_m` filled in where `rank=keys` needs codes and none were asked for (counted as given,
+    so a layout without codes is rebuilt)."""
+    return o.replace(pq_m=default_m(head_dim)) if o.rank == "keys" and not o.pq_m else o
+
+
 class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged):
     """Clustered keys, mass-estimate routing, exact top-k over the routed clusters (options: `RoutedOptions`)."""
 
@@ -180,13 +186,11 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         options: dict | RoutedOptions | None = None,
         progress: Callable[[int, int], None] | None = None,
     ) -> None:
-        write_layouts(ckv, cls.name, cls.parse_options(options).build_values(), progress)
+        write_layouts(ckv, cls.name, with_codes(cls.parse_options(options), ckv.head_dim).build_values(), progress)
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
-        o = self.options
+        o = self.options = with_codes(self.options, self.ckv.head_dim)
         self.rank_keys = o.rank == "keys"
-        if self.rank_keys and not o.pq_m:
-            o = self.options = o.replace(pq_m=default_m(self.ckv.head_dim))
         self.probe_fraction = o.probe_fraction
         self.use_spread, use_sizes = o.spread, o.sizes
         self.estimate, self.estimate_read = o.estimate, o.estimate_read
