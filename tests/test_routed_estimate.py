@@ -46,7 +46,7 @@ def _routed(cache, lo, hi, **options):
     return strat
 
 
-def _context_output(strat, sel, q_shape):
+def context_output(strat, sel, q_shape):
     """The context part's normalised output (Hkv, Q, D) and lse (Hkv, Q), as the decoder computes them."""
     hkv, Q, d = q_shape
     ca = ContextAttention([strat.ckv.values[0]], strat.scale)
@@ -105,7 +105,7 @@ def test_estimate_brings_the_context_part_closer_to_full_attention_on_grouped_ke
 
     def error(**options):
         strat = _routed(grouped_cache, lo, hi, probe_fraction=0.1, **options)
-        out, lse = _context_output(strat, strat.select(0, q, 16), q.shape)
+        out, lse = context_output(strat, strat.select(0, q, 16), q.shape)
         return ((out - dense).norm(dim=-1) / dense.norm(dim=-1)).mean(), (lse - scores.logsumexp(-1)).abs().mean()
 
     plain, unread, both = error(estimate=False), error(estimate=True), error(estimate=True, estimate_read=True)
@@ -121,8 +121,8 @@ def test_estimate_is_empty_when_every_cluster_is_read(grouped_cache):
     sel, ref = strat.select(0, q, 20), flat.select(0, q, 20)
     assert torch.isneginf(sel.rest.lse).all()
     assert torch.equal(sel.ids.sort(-1).values, ref.ids.sort(-1).values)
-    out, lse = _context_output(strat, sel, q.shape)
-    out_ref, lse_ref = _context_output(strat, ref, q.shape)
+    out, lse = context_output(strat, sel, q.shape)
+    out_ref, lse_ref = context_output(strat, ref, q.shape)
     assert torch.allclose(out, out_ref, atol=1e-5) and torch.allclose(lse, lse_ref, atol=1e-5)
 
 

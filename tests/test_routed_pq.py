@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
 
-from tests.test_routed_estimate import _context_output, grouped_cache  # noqa: F401
+from tests.test_routed_estimate import context_output, grouped_cache  # noqa: F401
 from topk_decode.errors import TopkError
 from topk_decode.index import get_strategy
 from topk_decode.index.routed import pq
@@ -69,7 +71,7 @@ def test_rank_keys_with_its_estimate_is_closer_to_dense_than_without(grouped_cac
     for est in (False, True):
         strat = _routed(grouped_cache, lo, hi, rank="keys", probe_fraction=0.05, estimate=est)
         sel = strat.select(0, q, 20)
-        out, _ = _context_output(strat, sel, q.shape)
+        out, _ = context_output(strat, sel, q.shape)
         errs[est] = ((out - dense).norm() / dense.norm()).item()
     assert errs[True] < errs[False], errs
 
@@ -125,3 +127,31 @@ def test_prefill_with_rank_keys_builds_the_codes_and_open_reuses_them(tmp_path, 
     shutil.rmtree(artifact_dir(cache, "routed"))
     _routed(cache, 4, 2984)
     assert _routed(cache, 4, 2984, rank="keys").layouts[0].codes is not None
+
+
+def test_estimate_by_keys_weighs_the_unread_clusters_closer_to_their_true_mass(grouped_cache):  # noqa: F811
+    """After the same cluster routing, per-key weights estimate the unread keys' log-mass more closely than
+    n_c·exp(s·q·μ_c), which is below the truth by Jensen."""
+    lo, hi = 4, 2984
+    q = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(4))
+    errs, ids = {}, {}
+    for by in ("clusters", "keys"):
+        strat = _routed(grouped_cache, lo, hi, probe_fraction=0.05, estimate_by=by, kernel="torch")
+        sel = strat.select(0, q, 20)
+        lay, n = strat.layouts[0], strat.layouts[0].pos.shape[1]
+        budget = max(math.ceil(0.05 * (hi - lo)), 2 * 20)  # routed's read: probe_fraction, at least 2·k
+        rows = strat.route(0, q, budget).rows % n  # flat rows (Hkv·N) → each head's own
+        read = torch.zeros(2, n, dtype=torch.bool).scatter_(1, rows, True)
+        unread = ~read & (lay.pos >= lo) & (lay.pos < hi)
+        s = torch.bmm(q, lay.keys.float().transpose(1, 2)) * strat.scale
+        true = s.masked_fill(~unread[:, None, :], float("-inf")).logsumexp(-1)  # (Hkv, Q)
+        errs[by], ids[by] = (sel.rest.lse - true).abs().mean().item(), sel.ids
+        if by == "clusters":
+            assert bool((sel.rest.lse <= true + 1e-4).all())  # the Jensen lower bound
+    assert torch.equal(ids["keys"], ids["clusters"])  # the same keys selected: only the estimate differs
+    assert errs["keys"] < 0.5 * errs["clusters"], errs
+
+
+def test_rank_keys_refuses_a_cluster_estimate(grouped_cache):  # noqa: F811
+    with pytest.raises(TopkError, match="estimate_by=clusters needs rank=clusters"):
+        _routed(grouped_cache, 4, 2984, rank="keys", estimate_by="clusters")

@@ -130,6 +130,13 @@ class RoutedOptions(StrategyOptions):
         "the cluster's mean value, as a third part of the softmax (index/routed/estimate.py; it "
         "lowered KL and raised agreement on every real model measured, docs/STRATEGIES.md).",
     )
+    estimate_by: str = option(
+        "auto",
+        "How the unread keys are weighed in the estimate: clusters (n_c·exp(s·q·μ_c) per unread cluster), keys (every "
+        "unread key by its approximate score s·q·(μ_c + r̂) from the residual codes; torch path only) or auto (keys "
+        "with rank=keys, else clusters).",
+        check=("auto", "clusters", "keys"),
+    )
     estimate_read: bool = option(
         False, "Add the read keys outside the top-k too (exact weights, cluster-mean values; torch path only)."
     )
@@ -169,7 +176,8 @@ class RoutedOptions(StrategyOptions):
 def with_codes(o: RoutedOptions, head_dim: int) -> RoutedOptions:
     """The options with `pq_m` filled in where `rank=keys` needs codes and none were asked for (counted as given,
     so a layout without codes is rebuilt)."""
-    return o.replace(pq_m=default_m(head_dim)) if o.rank == "keys" and not o.pq_m else o
+    needs = o.rank == "keys" or o.estimate_by == "keys"
+    return o.replace(pq_m=default_m(head_dim)) if needs and not o.pq_m else o
 
 
 class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged):
@@ -194,6 +202,12 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         self.probe_fraction = o.probe_fraction
         self.use_spread, use_sizes = o.spread, o.sizes
         self.estimate, self.estimate_read = o.estimate, o.estimate_read
+        # the estimate weighs unread keys one by one (their approximate keys) rather than per cluster
+        self.estimate_keys = o.estimate_by == "keys" or (o.estimate_by == "auto" and self.rank_keys)
+        if self.rank_keys and o.estimate_by == "clusters":  # keys read one by one leave no cluster wholly unread
+            raise TopkError(
+                "routed: rank=keys estimates the unread keys one by one; estimate_by=clusters needs rank=clusters"
+            )
         self.kernel = self._use_kernel(o.kernel)  # refused before any build
         self.device_route, self.device_tables, self.hugepages = o.device_route, o.device_tables, o.hugepages
         if not on_disk(self.ckv):
@@ -240,14 +254,15 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             self._bias = [torch.where(torch.isinf(b), b, 0.0) for b in self._bias]
         self._spread = [(lay.spread * (0.5 * self.scale**2)).unsqueeze(1) for lay in self.layouts]
         self._sizes = [lay.sizes for lay in self.layouts]
-        self._labels = [lay.labels() for lay in self.layouts] if self.rank_keys else None  # (Hkv, N) per layer
+        per_key = self.rank_keys or self.estimate_keys
+        self._labels = [lay.labels() for lay in self.layouts] if per_key else None  # (Hkv, N) per layer
         # rank=keys' approximate keys μ_c + r̂ per row (Hkv, N, D) float32 (index/routed/pq.py)
         self._approx_keys = (
             [
                 lay.centroids.gather(1, lab[..., None].expand(-1, -1, lay.centroids.shape[2])) + decode(lay.codes)
                 for lay, lab in zip(self.layouts, self._labels)
             ]
-            if self.rank_keys
+            if per_key
             else None
         )
         self._starts = [lay.offsets[:, :-1] + self._row_base for lay in self.layouts]  # (Hkv, C) flat rows
@@ -274,8 +289,8 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
     def _use_kernel(self, choice: str) -> bool:
         """Whether the compiled path (index/routed/compiled.py) runs (the `kernel` option; "auto": wherever it applies)."""
         why = (
-            "it does not implement rank=keys"
-            if self.rank_keys
+            "it does not implement rank=keys or estimate_by=keys"
+            if self.rank_keys or self.estimate_keys
             else f"it reads bf16 keys and values, these are {dtype_name(self.ckv.dtype)}"
             if self.ckv.dtype not in KERNEL_DTYPES
             else "it does not implement spread=true"

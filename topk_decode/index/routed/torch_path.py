@@ -109,7 +109,7 @@ class TorchPath:
         ids = pos[:, None, :].expand(hkv, Q, m_max).gather(-1, top.indices)  # (Hkv, Q, K) original positions
         scores, empty = top.values, torch.isinf(top.values)
         no_empty_slots = not bool(empty.any())
-        rest = self._rest(layer, route, scores_read, top.indices) if self.estimate or self.estimate_read else None
+        rest = self._rest(layer, q, route, scores_read, top.indices) if self.estimate or self.estimate_read else None
         if not no_empty_slots:  # fewer than k valid keys were read for some query: empty slots
             ids, scores = ids.masked_fill(empty, -1), scores.masked_fill(empty, 0.0)
         return Selection(ids=ids, scores=scores, no_empty_slots=no_empty_slots, rest=rest)
@@ -145,23 +145,41 @@ class TorchPath:
             rest = keyed_rest_part(logit, labels, self._vmeans[layer])
         return Selection(ids=ids, scores=top.values, no_empty_slots=True, rest=rest)
 
-    def _rest(self, layer: int, route: Route, scores_read: torch.Tensor, top: torch.Tensor) -> RestPart:
+    def _rest(
+        self, layer: int, q: torch.Tensor, route: Route, scores_read: torch.Tensor, top: torch.Tensor
+    ) -> RestPart:
         """The estimate of what the selection leaves out (index/routed/estimate.py): unread clusters and/or read
         keys outside the top-k, as one part for the context part's merge.
 
         Args:
-            layer: the layer; route: this step's routing; scores_read: (Hkv, Q, Mmax) exact q·k of the rows
+            layer: the layer; q: (Hkv, Q, D) its queries; route: this step's routing; scores_read: (Hkv, Q, Mmax)
+            exact q·k of the rows
             read (−inf outside the range); top: (Hkv, Q, K) the columns each query kept.
         """
         st = self._stats[layer]
         parts = []
-        if self.estimate:
+        if self.estimate and self.estimate_keys:
+            parts.append(self._unread_keys_part(layer, q, route))
+        elif self.estimate:
             read = torch.zeros(route.base.shape[0], route.base.shape[2], dtype=torch.bool)
             read.scatter_(1, route.clusters, route.taken)  # (Hkv, C) clusters read
             parts.append(unread_part(route.base + st.log_n, read, self._vmeans[layer]))
         if self.estimate_read:
             parts.append(read_rest_part(scores_read * self.scale, top, route.run, route.clusters, self._vmeans[layer]))
         return parts[0] if len(parts) == 1 else combine(parts[0], parts[1])
+
+    def _unread_keys_part(self, layer: int, q: torch.Tensor, route: Route) -> RestPart:
+        """`estimate_by=keys` after cluster routing: every searchable key of the clusters not read, weighed by its
+        approximate score, with its cluster's mean value."""
+        hkv = q.shape[0]
+        n = self.layouts[layer].pos.shape[1]
+        logit = torch.bmm(q, self._approx_keys[layer].transpose(1, 2)).mul_(self.scale)  # (Hkv, Q, N)
+        left_out = ~self._outside[layer].view(hkv, n)
+        rows = route.rows - self._row_base  # (Hkv, Mmax) rows of each head read (padding: an outside or a read row)
+        valid = torch.ones_like(rows) if route.valid is None else route.valid.long()
+        read = torch.zeros(hkv, n, dtype=torch.long).scatter_add_(1, rows, valid) > 0
+        logit.masked_fill_(~(left_out & ~read)[:, None, :], float("-inf"))
+        return keyed_rest_part(logit, self._labels[layer], self._vmeans[layer])
 
     def _buffers(self, rows: int, Q: int, D: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """Gather, fp32 and score buffers reused across layers and steps (fresh 10-50 MiB tensors per layer
