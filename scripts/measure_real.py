@@ -82,11 +82,12 @@ def check_faiss() -> None:
 def usable_strategies(names: list[str]) -> list[str]:
     """The requested strategies (or variants, "routed:rank=keys") registered in this checkout (others are reported
     and skipped)."""
+    from topk_decode.eval.runs import split_variant
     from topk_decode.index import STRATEGIES
 
     out = []
     for n in names:
-        if n.split(":")[0] in STRATEGIES or n == "auto":
+        if split_variant(n)[0] in STRATEGIES or n == "auto":
             out.append(n)
         else:
             print(
@@ -251,8 +252,8 @@ def main(argv: list[str] | None = None) -> None:
     if model.suffix == ".gguf":
         model = convert_gguf(model, Path(args.convert_dir) if args.convert_dir else out_dir / "converted")
     name = model.name
-    strategies = usable_strategies([s.strip() for s in args.strategies.split(",") if s.strip()])
     try:
+        strategies = usable_strategies([s.strip() for s in args.strategies.split(",") if s.strip()])
         options = parse_options(args.opt)
         ks = parse_k_list(args.k)
         if "duo" in strategies and "duo.pattern" not in options:

@@ -216,7 +216,7 @@ def test_demo_model_with_flat_small_k_answers_single_needle_at_4k_as_often_as_de
 
 
 def test_strategy_variants_carry_their_own_options_and_budget():
-    from topk_decode.eval.runs import split_variant, strategy_options, variant_label
+    from topk_decode.eval.runs import run_budgets, split_variant, strategy_options, variant_label
 
     assert split_variant("flat") == ("flat", {})
     assert split_variant("routed:rank=keys:probe_fraction=0.05") == (
@@ -228,6 +228,8 @@ def test_strategy_variants_carry_their_own_options_and_budget():
     assert opts == {"rank": "keys", "probe_fraction": 0.05}
     assert strategy_options({}, "flat:k=100%") == {}
     assert variant_label("routed:rank=keys:k=2%") == "routed:rank=keys" and variant_label("flat:k=100%") == "flat"
+    assert run_budgets("flat:k=100%", ["1%"], 1000) == [(1000, "100%")]  # the variant's own budget
+    assert run_budgets("flat", ["2%", 5], 1000) == [(5, None), (20, "2%")]  # the run's, smallest first
     with pytest.raises(TopkError, match="expected name:key=value"):
         split_variant("routed:rank")
     with pytest.raises(TopkError, match="rank must be clusters or keys"):

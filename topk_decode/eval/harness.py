@@ -32,9 +32,11 @@ from topk_decode.eval.runs import (  # noqa: F401 - re-exported
     RunResult,
     method_name,
     resolve_k,
+    run_budgets,
     run_one,
     split_variant,
     strategy_options,
+    variant_label,
 )
 from topk_decode.index import check_requested_strategy, split_options
 from topk_decode.index.auto import AUTO
@@ -297,12 +299,10 @@ def _measure(
         f"{head['task']} len={head['length']} depth={head['depth']} seed={head['seed']}: {len(ctx_ids)} tokens, "
         f"dense {dense_text.strip()!r} {verdict}"
     )
-    ks = sorted(
-        {(resolve_k(k, len(ctx_ids)), None if isinstance(k, int) else str(k)) for k in cfg.ks},
-        key=lambda kl: (kl[0], kl[1] or ""),
-    )
     check_plain_options(cfg)
     for strategy in cfg.strategies:
+        ks = run_budgets(strategy, cfg.ks, len(ctx_ids))
+        shown = variant_label(strategy)
         # one store per strategy (its indices are built once); k only changes what a search returns
         dc = DecodeConfig(
             k=ks[-1][0],
@@ -317,7 +317,7 @@ def _measure(
             for k, label in ks:
                 run = run_one(
                     store,
-                    strategy,
+                    shown,
                     schedule,
                     k,
                     prompt_ids,
@@ -332,7 +332,7 @@ def _measure(
                 mr = "-" if run.mass_recall is None else f"{run.mass_recall:.4f}"
                 verdict = "" if run.correct is None else ("correct, " if run.correct else "wrong, ")
                 log(
-                    f"  {method_name(strategy, schedule, label or k)}: {verdict}mass recall {mr}, "
+                    f"  {method_name(shown, schedule, label or k)}: {verdict}mass recall {mr}, "
                     f"KL {run.kl_mean:.2e}, agreement {run.agreement:.2f}"
                 )
         store.close()  # its search threads

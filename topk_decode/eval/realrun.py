@@ -29,7 +29,7 @@ from topk_decode.eval.runs import (
     InstanceResult,
     LoadedModel,
     method_name,
-    resolve_k,
+    run_budgets,
     run_one,
     split_variant,
     strategy_options,
@@ -238,12 +238,8 @@ def eval_suite(
             "questions": len(suite.questions),
         }
         for strategy in cfg.strategies:
-            own_k = split_variant(strategy)[1].get("k")  # a variant's own budget ("flat:k=100%")
+            ks = run_budgets(strategy, cfg.ks, n_ctx)  # a variant's own budget ("flat:k=100%") or the run's
             shown = variant_label(strategy)  # its name in tables: "flat@100%", not "flat:k=100%@100%"
-            ks = sorted(
-                {(resolve_k(k, n_ctx), None if isinstance(k, int) else str(k)) for k in ([own_k] if own_k else cfg.ks)},
-                key=lambda kl: (kl[0], kl[1] or ""),
-            )
             t1 = time.perf_counter()
             dc = DecodeConfig(
                 k=max(k for k, _ in ks),

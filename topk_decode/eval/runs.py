@@ -42,7 +42,7 @@ def resolve_k(k: int | str, n_context: int) -> int:
 def split_variant(spec: str) -> tuple[str, dict]:
     """A strategy with options of its own, to compare variants in one run: "routed:rank=keys:probe_fraction=0.05"
     → ("routed", {"rank": "keys", "probe_fraction": "0.05"}); a plain name → (name, {}). The key `k` is the
-    variant's own budget in the real-text suites ("flat:k=100%", the noise floor), not a strategy option."""
+    variant's own budget ("flat:k=100%", the noise floor: `run_budgets`), not a strategy option."""
     name, *pairs = spec.split(":")
     own = {}
     for pair in pairs:
@@ -51,6 +51,16 @@ def split_variant(spec: str) -> tuple[str, dict]:
             raise TopkError(f"strategy variant {spec!r}: expected name:key=value[:key=value...]")
         own[key.strip()] = value.strip()
     return name.strip(), own
+
+
+def run_budgets(spec: str, ks: list, n_context: int) -> list[tuple[int, str | None]]:
+    """(k, label) for every budget a strategy or variant runs at, smallest first: the variant's own `k=` where it
+    has one, else the run's `ks`; label is the budget as requested ("1%") or None for an integer."""
+    own = split_variant(spec)[1].get("k")
+    return sorted(
+        {(resolve_k(k, n_context), None if isinstance(k, int) else str(k)) for k in ([own] if own else ks)},
+        key=lambda kl: (kl[0], kl[1] or ""),
+    )
 
 
 def variant_label(spec: str) -> str:
