@@ -67,14 +67,25 @@ def train_codes(keys: torch.Tensor, centroids: torch.Tensor, labels: torch.Tenso
     codes = torch.empty((hkv, n, m), dtype=torch.uint8)
     books = torch.empty((hkv, m, 1 << NBITS, d // m), dtype=torch.float32)
     rng = np.random.default_rng(0)
+    residuals = keys.float() - row_centroids(centroids, labels)  # (Hkv, N, D)
     for h in range(hkv):
-        res = np.ascontiguousarray((keys[h].float() - centroids[h].index_select(0, labels[h])).numpy())
+        res = np.ascontiguousarray(residuals[h].numpy())
         pq = faiss.ProductQuantizer(d, m, NBITS)
         train = res if n <= TRAIN_ROWS else res[rng.choice(n, TRAIN_ROWS, replace=False)]
         pq.train(np.ascontiguousarray(train))
         codes[h] = torch.from_numpy(unpack(pq.compute_codes(res), m))
         books[h] = torch.from_numpy(faiss.vector_to_array(pq.centroids).reshape(m, 1 << NBITS, d // m))
     return ResidualCodes(codes, books)
+
+
+def row_centroids(centroids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(Hkv, N, D) the centroid of every row's cluster: centroids (Hkv, C, D), labels (Hkv, N)."""
+    return centroids.gather(1, labels[..., None].expand(-1, -1, centroids.shape[2]))
+
+
+def approximate_keys(centroids: torch.Tensor, labels: torch.Tensor, codes: ResidualCodes) -> torch.Tensor:
+    """(Hkv, N, D) float32 μ_c + r̂ per row: each key as its cluster's centroid and its residual code say."""
+    return row_centroids(centroids, labels) + decode(codes)
 
 
 def unpack(packed: np.ndarray, m: int) -> np.ndarray:

@@ -52,7 +52,7 @@ from topk_decode.index.routed import compiled as routed_compiled
 from topk_decode.index.routed.device import TABLE_KINDS, DeviceRoutes
 from topk_decode.index.routed.estimate import searchable_stats
 from topk_decode.index.routed.layout import layer_layouts, load_layouts, on_disk, to_huge_pages, write_layouts
-from topk_decode.index.routed.pq import decode, default_m
+from topk_decode.index.routed.pq import approximate_keys, default_m
 from topk_decode.index.routed.torch_path import TorchPath
 from topk_decode.index.threads import default_threads
 from topk_decode.store import huge_pages
@@ -258,10 +258,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         self._labels = [lay.labels() for lay in self.layouts] if per_key else None  # (Hkv, N) per layer
         # rank=keys' approximate keys μ_c + r̂ per row (Hkv, N, D) float32 (index/routed/pq.py)
         self._approx_keys = (
-            [
-                lay.centroids.gather(1, lab[..., None].expand(-1, -1, lay.centroids.shape[2])) + decode(lay.codes)
-                for lay, lab in zip(self.layouts, self._labels)
-            ]
+            [approximate_keys(lay.centroids, lab, lay.codes) for lay, lab in zip(self.layouts, self._labels)]
             if per_key
             else None
         )

@@ -138,10 +138,11 @@ class TorchPath:
         self.stats.extra["keys_searchable"] += hkv * self.n_searchable
         rest = None
         if self.estimate or self.estimate_read:
+            # unread keys: their approximate weights (estimate); read keys outside the top-k: exact (estimate_read)
             logit = approx if self.estimate else torch.full_like(approx, float("-inf"))
-            read_cols = local[:, None, :].expand(hkv, Q, width)
-            exact = scores.mul(self.scale).scatter(-1, top.indices, float("-inf")) if self.estimate_read else None
-            logit.scatter_(-1, read_cols, exact if exact is not None else torch.full_like(scores, float("-inf")))
+            read = scores.mul(self.scale) if self.estimate_read else torch.full_like(scores, float("-inf"))
+            read.scatter_(-1, top.indices, float("-inf"))  # the top-k is accounted exactly
+            logit.scatter_(-1, local[:, None, :].expand(hkv, Q, width), read)
             rest = keyed_rest_part(logit, labels, self._vmeans[layer])
         return Selection(ids=ids, scores=top.values, no_empty_slots=True, rest=rest)
 
