@@ -12,6 +12,7 @@ from test_routed import _queries, clustered_cache  # noqa: F401 - fixtures
 
 from topk_decode.decode.merge import lse_merge
 from topk_decode.errors import TopkError
+from topk_decode.index.routed import pq
 from topk_decode.index.routed.device import DeviceRoutes
 
 CPU = torch.device("cpu")
@@ -150,15 +151,15 @@ def test_device_tables_option_picks_the_tables_precision(clustered_cache, opened
         opened(clustered_cache, "routed", {"device_tables": "fp4"})
 
 
-def _routed_stores(tmp_path, model_factory, docs_dir, device: str, modes: tuple[str, str], segments: bool):
-    """Two stores over one bf16 cache of the tiny model, device_route=modes[0] and modes[1], and each one's
-    logits for a prompt then one-token steps (the captured step's segments; eagerly on the CPU)."""
+def _routed_stores(tmp_path, model_factory, docs_dir, device: str, modes: tuple[str, str], segments: bool, **options):
+    """Two stores over one bf16 cache of the tiny model, device_route=modes[0] and modes[1] (plus routed `options`),
+    and each one's logits for a prompt then one-token steps (the captured step's segments; eagerly on the CPU)."""
     from topk_decode import KVStore
     from topk_decode.prefill.build import build_cache
 
     cache = tmp_path / "bf16"
     build_cache(docs_dir, cache, model_factory("llama_gqa"), chunk_size=97, device="cpu", dtype="bf16")
-    opts = {"probe_fraction": 0.1, "cluster_size": 16, "kernel": "numba"}
+    opts = {"probe_fraction": 0.1, "cluster_size": 16, "kernel": "numba", **options}
     logits, stores = {}, {}
     for mode in modes:
         store = stores[mode] = KVStore.open(
@@ -195,11 +196,105 @@ def test_decoder_routes_on_the_device_in_one_token_steps_and_matches_cpu_routing
 
 
 @pytest.mark.gpu
-def test_captured_cuda_step_routes_on_the_gpu_and_matches_cpu_routing(tmp_path, model_factory, docs_dir):
-    stores, logits = _routed_stores(tmp_path, model_factory, docs_dir, "cuda", ("auto", "false"), segments=False)
+@pytest.mark.parametrize("estimate_by", ["clusters", "keys"])
+def test_captured_cuda_step_routes_on_the_gpu_and_matches_cpu_routing(tmp_path, model_factory, docs_dir, estimate_by):
+    stores, logits = _routed_stores(
+        tmp_path, model_factory, docs_dir, "cuda", ("auto", "false"), segments=False, estimate_by=estimate_by
+    )
     seg = stores["auto"].decoder.segments
     assert seg.graphs is not None and seg.routes is not None and seg.routes.layers_on_device() > 0
+    assert seg.routes.keyed_layers() == (seg.routes.layers_on_device() if estimate_by == "keys" else 0)
     for a, b in zip(logits["auto"], logits["false"]):
         torch.testing.assert_close(a.float().cpu(), b.float().cpu(), rtol=0, atol=5e-2)
     for store in stores.values():
         store.close()
+
+
+def test_keyed_estimate_on_the_device_is_the_torch_paths(clustered_cache, opened):
+    """estimate_by=keys beside device routing (index/routed/device_codes.py) weighs the unread clusters as the torch
+    path's per-key estimate does, sinks and tail excluded."""
+    opts = {"cluster_size": 32, "probe_fraction": 0.05, "estimate_by": "keys"}
+    dev = opened(clustered_cache, "routed", dict(opts, kernel="numba", device_route="true"), lo=3, hi=2990)
+    ref = opened(clustered_cache, "routed", dict(opts, kernel="torch"), lo=3, hi=2990)
+    routes = dev.device_routes(CPU, [40, 40])
+    assert routes.keyed_layers() == 2 and routes.tables[0].codes.packed.shape == (2, 4, 3000)  # m = 8 → 4 bytes
+    plain = opened(clustered_cache, "routed", dict(opts, estimate_by="clusters", kernel="numba", device_route="true"))
+    for layer, seed in ((0, 41), (1, 42)):
+        q = _queries(seed=seed)
+        routes.route(layer, q)
+        out_d, lse_d = routes.estimate_part(layer)
+        rest = ref.select(layer, q, 40).rest
+        torch.testing.assert_close(lse_d, rest.lse, rtol=0, atol=2e-2)  # bf16 centroids beside fp32 ones
+        torch.testing.assert_close(out_d, rest.out, rtol=0, atol=2e-2)
+        cl = plain.device_routes(CPU, [40, 40])
+        cl.route(layer, q)
+        assert (cl.estimate_part(layer)[1] < lse_d - 1e-3).all()  # the Jensen bound lies below the per-key sum
+
+
+def test_cluster_lse_sums_each_clusters_searchable_rows():
+    from topk_decode.index.routed.device_codes import cluster_lse, code_tables, device_codes
+    from topk_decode.index.routed.pq import ResidualCodes
+
+    gen = torch.Generator().manual_seed(3)
+    hkv, n, m, d = 2, 50, 3, 6  # an odd m: a zero sub-vector pads the bytes
+    codes = ResidualCodes(
+        torch.randint(0, 16, (hkv, n, m), dtype=torch.uint8, generator=gen), torch.randn(hkv, m, 16, 2)
+    )
+    offsets = torch.tensor([[0, 10, 10, 35, 50], [0, 20, 21, 22, 50]])
+    outside = torch.zeros(hkv * n, dtype=torch.bool)
+    outside[[0, 1, 49, n + 21]] = True  # head 1's cluster 2 has no searchable row
+    cent = torch.randn(hkv, 4, d, generator=gen)
+    routed_cent = cent.clone()
+    routed_cent[0, 0] += 1.0  # cluster 0 of head 0 holds sinks: routed by its searchable rows' mean
+    dc = device_codes(codes, offsets, outside, cent, routed_cent)
+    assert dc.packed.shape == (hkv, 2, n) and dc.books.shape == (hkv, 4, 16, 2)
+    q = torch.randn(hkv, 3, d, generator=gen)
+    got = cluster_lse(dc, q, scale=0.7)
+    r = pq.decode(codes)  # (Hkv, N, D)
+    for h in range(hkv):
+        for c in range(4):
+            rows = [i for i in range(offsets[h, c], offsets[h, c + 1]) if not outside[h * n + i]]
+            if not rows:
+                assert torch.isinf(got[h, :, c]).all()
+                continue
+            shift = cent[h, c] - routed_cent[h, c]
+            want = (0.7 * (q[h] @ (r[h, rows] + shift).T)).logsumexp(-1)
+            torch.testing.assert_close(got[h, :, c], want, rtol=1e-5, atol=1e-5)
+    lut = code_tables(dc, q, 0.7)
+    assert lut.shape == (hkv, 3, 4, 16) and torch.equal(lut[:, :, 3], torch.zeros(hkv, 3, 16))
+
+
+def test_decoder_keyed_estimate_on_the_device_matches_the_torch_path(tmp_path, model_factory, docs_dir):
+    stores, logits = _routed_stores(
+        tmp_path, model_factory, docs_dir, "cpu", ("true", "false"), segments=True, estimate_by="keys"
+    )
+    routes = stores["true"].decoder.segments.routes
+    assert routes is not None and routes.keyed_layers() == stores["true"].decoder.shape.n_layers
+    for a, b in zip(logits["true"], logits["false"]):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=5e-2)
+    for store in stores.values():
+        store.close()
+
+
+@pytest.mark.gpu
+def test_cluster_lse_triton_kernel_gives_the_torch_reference():
+    """The Triton kernel (CUDA) and the torch ops (CPU) give one per-cluster log-sum-exp, with 7 query heads (padded
+    to 8 in the kernel), empty clusters and clusters longer than the kernel's block."""
+    from topk_decode.index.routed.device_codes import cluster_lse, device_codes
+    from topk_decode.index.routed.pq import ResidualCodes
+
+    gen = torch.Generator().manual_seed(7)
+    hkv, n, m, d, c = 4, 5000, 32, 128, 300
+    codes = ResidualCodes(
+        torch.randint(0, 16, (hkv, n, m), dtype=torch.uint8, generator=gen), torch.randn(hkv, m, 16, 4)
+    )
+    cuts = torch.sort(torch.randint(0, n, (hkv, c - 1), generator=gen), 1).values
+    offsets = torch.cat([torch.zeros(hkv, 1, dtype=torch.long), cuts, torch.full((hkv, 1), n)], 1)
+    outside = torch.rand(hkv * n, generator=gen) < 0.01
+    cent = torch.randn(hkv, c, d, generator=gen)
+    dc = device_codes(codes, offsets, outside, cent, cent + 0.1 * torch.randn(hkv, c, d, generator=gen))
+    q = torch.randn(hkv, 7, d, generator=gen)
+    want = cluster_lse(dc, q, 0.09)
+    got = cluster_lse(dc.to(torch.device("cuda")), q.cuda(), 0.09).cpu()
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -287,6 +287,7 @@ def _device_routes_row(decoder) -> dict:
         "device_route_layers": routes.layers_on_device(),
         "device_values": routes.values_kind,
         "device_route_gib": _gib(routes.nbytes()),
+        "device_keyed_layers": routes.keyed_layers(),
     }
 
 

@@ -214,7 +214,9 @@ class TopKDecoder:
         k = self.config.k_for_layer(layer)
         t1 = time.perf_counter()
         # a strategy that computes the context part inside its search (routed's compiled path): one pass
-        fused = isinstance(self.strategy, FusedAttention) and self.strategy.attends(layer, k, o)
+        fused = isinstance(self.strategy, FusedAttention) and self.strategy.attends(
+            layer, k, o, routed=route is not None
+        )
         if fused:
             sel = self.strategy.select_and_attend(layer, q_cpu, k, conv.strategy_state, o, mz, route=route)
         elif route is not None:  # the device already merged its estimate: no second one

@@ -287,6 +287,10 @@ def eval_suite(
                         f"{same}/{len(refs)} same as dense, {_means(runs)}"
                         + ("" if read is None else f", keys read {100 * read:.2f} %")
                     )
+            seg = store.decoder.segments
+            if seg is not None and seg.routes is not None:  # which path the one-token steps took
+                r = seg.routes
+                log(f"    device routing: {r.layers_on_device()} layers, keyed estimate on {r.keyed_layers()}")
             store.close()  # its search threads
             del store
             if checkpoint is not None:

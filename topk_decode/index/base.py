@@ -215,8 +215,9 @@ class FusedAttention(ABC):
     """
 
     @abstractmethod
-    def attends(self, layer: int, k: int, o: torch.Tensor) -> bool:
-        """Whether `select_and_attend` runs for this layer, budget and output buffer (dtype, layout)."""
+    def attends(self, layer: int, k: int, o: torch.Tensor, routed: bool = False) -> bool:
+        """Whether `select_and_attend` runs for this layer, budget and output buffer (dtype, layout); routed: the
+        strategy's device stage ran for this layer (its `route` is at hand)."""
 
     @abstractmethod
     def select_and_attend(

@@ -12,9 +12,12 @@ the same arithmetic is a few microseconds of a kernel. So, for the layers whose 
   and computes the context part (kernels/routed_scan.py `scan_head`);
 - while the CPU scans, the device computes the estimate of the clusters not read (index/routed/estimate.py
   `unread_part`, the same function the torch path calls) and merges it into the window part by
-  log-sum-exp (`estimate`): a third disjoint part of the same softmax, so the merge stays exact.
+  log-sum-exp (`estimate`): a third disjoint part of the same softmax, so the merge stays exact. With
+  `estimate_by=keys` a cluster's weight is the sum of its keys' approximate weights from their residual codes
+  (index/routed/device_codes.py `cluster_lse`) instead of n_c·exp(s·q·μ_c).
 
-The tables: centroids and mean values, log cluster sizes, sizes. Where the tables of every layer do not fit
+The tables: centroids and mean values, log cluster sizes, sizes (and with `estimate_by=keys` the residual codes,
+16 bytes per key). Where the tables of every layer do not fit
 beside `reserve` bytes in the keys' dtype, the mean values (they only feed the estimate) go to float8
 (e4m3, one scale per KV head and dimension), and where that does not fit either, the centroids too (then
 routing ranks with e4m3 rounding, 3 mantissa bits per centroid element: docs/STRATEGIES.md "Routing on
@@ -27,6 +30,7 @@ import math
 
 import torch
 
+from topk_decode.index.routed.device_codes import DeviceCodes, cluster_lse
 from topk_decode.index.routed.estimate import unread_part
 
 # Free device memory kept beside the tables for the step itself (its graphs' temporaries, the window).
@@ -44,17 +48,32 @@ class LayerTables:
     log_n: (Hkv, 1, C) float32; sizes: (Hkv, C) int64 rows per cluster; vmeans: (Hkv, C, D) mean values
     (keys' dtype or float8) or None without the estimate; vscale: (Hkv, 1, D) float32 float8 scale or None.
     budget: keys to read per head; width: clusters ranked per head (W).
+    codes: the residual codes of the keyed estimate (`estimate_by=keys`, index/routed/device_codes.py) or None.
     """
 
-    def __init__(self, cent, cscale, bias, log_n, sizes, vmeans, vscale, budget: int, width: int) -> None:
+    def __init__(
+        self,
+        cent,
+        cscale,
+        bias,
+        log_n,
+        sizes,
+        vmeans,
+        vscale,
+        budget: int,
+        width: int,
+        codes: DeviceCodes | None = None,
+    ) -> None:
         self.cent, self.cscale, self.bias, self.log_n, self.sizes = cent, cscale, bias, log_n, sizes
         self.vmeans, self.vscale = vmeans, vscale
         self.budget, self.width = budget, width
+        self.codes = codes
 
     def nbytes(self) -> int:
         """Device bytes held."""
         ts = [self.cent, self.cscale, self.bias, self.log_n, self.sizes, self.vmeans, self.vscale]
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        held = sum(t.numel() * t.element_size() for t in ts if t is not None)
+        return held + (self.codes.nbytes() if self.codes is not None else 0)
 
 
 def _to_fp8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,6 +115,7 @@ class DeviceRoutes:
         values: "auto" (the first of the ladder below that holds every layer), or one of it: "keys" (the
             keys' dtype), "fp8-values" (float8 mean values), "fp8" (float8 centroids and mean values).
         reserve: device bytes to leave free (CUDA only).
+        codes: per layer the keyed estimate's codes (`device_codes`, on the CPU), or None for the cluster estimate.
     """
 
     def __init__(
@@ -110,8 +130,10 @@ class DeviceRoutes:
         device: torch.device,
         values: str = "auto",
         reserve: int = DEFAULT_RESERVE,
+        codes: list[DeviceCodes] | None = None,
     ) -> None:
         self.device, self.scale, self.estimate = device, scale, estimate
+        self._codes = codes
         self.n_layers = len(stats)
         hkv = sizes[0].shape[0]
         self.tables: list[LayerTables | None] = [None] * self.n_layers
@@ -137,13 +159,13 @@ class DeviceRoutes:
         self.take_host = [
             None if t is None else torch.zeros((hkv,), dtype=torch.int32, pin_memory=pin) for t in self.tables
         ]
-        self._read: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.n_layers  # for `estimate`
+        self._read: list[tuple[torch.Tensor, ...] | None] = [None] * self.n_layers  # for `estimate_part`
 
     def _place(self, stats, sizes, bias, budgets, n_tokens, kind, reserve) -> None:
         """Copy the layers' tables to the device in layer order while they fit beside `reserve`."""
         for layer, st in enumerate(stats):
             try:
-                self.tables[layer] = self._layer(st, sizes[layer], bias[layer], budgets[layer], n_tokens, kind)
+                self.tables[layer] = self._layer(layer, st, sizes[layer], bias[layer], budgets[layer], n_tokens, kind)
                 if self.device.type == "cuda":  # the step's own memory must still fit
                     probe = torch.empty(reserve, dtype=torch.uint8, device=self.device)
                     del probe
@@ -151,7 +173,7 @@ class DeviceRoutes:
                 self.tables[layer] = None
                 break
 
-    def _layer(self, st, sizes, bias, budget, n_tokens, kind) -> LayerTables:
+    def _layer(self, layer, st, sizes, bias, budget, n_tokens, kind) -> LayerTables:
         dev = self.device
         hkv, C, _ = st.centroids.shape
         vmeans = vscale = cscale = None
@@ -169,6 +191,7 @@ class DeviceRoutes:
             vscale=vscale,
             budget=budget,
             width=ranked_width(budget, C, n_tokens),
+            codes=self._codes[layer].to(dev) if self.estimate and self._codes is not None else None,
         )
 
     def handles(self, layer: int) -> bool:
@@ -178,6 +201,10 @@ class DeviceRoutes:
     def layers_on_device(self) -> int:
         """How many layers route on the device."""
         return sum(t is not None for t in self.tables)
+
+    def keyed_layers(self) -> int:
+        """How many layers estimate per key from residual codes (`estimate_by=keys`)."""
+        return sum(t is not None and t.codes is not None for t in self.tables)
 
     def nbytes(self) -> int:
         """Device bytes held by the tables."""
@@ -199,7 +226,7 @@ class DeviceRoutes:
         take = ((sz.cumsum(1) - sz) < t.budget).sum(1)  # (Hkv,) clusters to read
         self.order_host[layer].copy_(order, non_blocking=True)
         self.take_host[layer].copy_(take, non_blocking=True)
-        self._read[layer] = (base, order, take)
+        self._read[layer] = (q32, base, order, take)
 
     def estimate_part(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The estimate of the clusters layer `layer` does not read, after `route`: out (Hkv, G, D) and
@@ -207,7 +234,7 @@ class DeviceRoutes:
         if not self.estimate:
             return None
         t = self.tables[layer]
-        base, order, take = self._read[layer]
+        q32, base, order, take = self._read[layer]
         hkv, W = order.shape
         taken = torch.arange(W, device=order.device) < take[:, None]  # (Hkv, W)
         read = torch.zeros(base.shape[0], base.shape[2], dtype=torch.bool, device=base.device)
@@ -217,7 +244,9 @@ class DeviceRoutes:
             out = self.bmm(p, means)  # (Hkv, G, D)
             return out if t.vscale is None else out.mul_(t.vscale)
 
-        rest = unread_part(base + t.log_n, read, t.vmeans, bmm=p_times_means)
+        # a cluster's log weight beside s·q·μ_c: log n_c, or the log-sum of its keys' residual-code weights
+        size = t.log_n if t.codes is None else cluster_lse(t.codes, q32, self.scale)
+        rest = unread_part(base + size, read, t.vmeans, bmm=p_times_means)
         return rest.out, rest.lse
 
     def bmm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

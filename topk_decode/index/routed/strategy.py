@@ -50,6 +50,7 @@ from topk_decode.index.base import (
 from topk_decode.index.options import FRACTION, NON_NEGATIVE, POSITIVE, StrategyOptions, option
 from topk_decode.index.routed import compiled as routed_compiled
 from topk_decode.index.routed.device import TABLE_KINDS, DeviceRoutes
+from topk_decode.index.routed.device_codes import device_codes
 from topk_decode.index.routed.estimate import searchable_stats
 from topk_decode.index.routed.layout import layer_layouts, load_layouts, on_disk, to_huge_pages, write_layouts
 from topk_decode.index.routed.pq import approximate_keys, default_m
@@ -133,8 +134,9 @@ class RoutedOptions(StrategyOptions):
     estimate_by: str = option(
         "auto",
         "How the unread keys are weighed in the estimate: clusters (n_c·exp(s·q·μ_c) per unread cluster), keys (every "
-        "unread key by its approximate score s·q·(μ_c + r̂) from the residual codes; torch path only) or auto (keys "
-        "with rank=keys, else clusters).",
+        "unread key by its approximate score s·q·(μ_c + r̂) from the residual codes: in one-token steps on the device "
+        "beside routing (index/routed/device_codes.py), elsewhere on the torch path) or auto (keys with rank=keys, "
+        "else clusters).",
         check=("auto", "clusters", "keys"),
     )
     estimate_read: bool = option(
@@ -243,11 +245,13 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             # precision that is half the bytes of fp32 (docs/STRATEGIES.md "routed: the compiled path").
             self._stats = [st.stored_as(torch.bfloat16) for st in self._stats]
         # The torch path's fp32 copies (the compiled path reads the stored ones): centroids as (Hkv, D, C)
-        # for one baddbmm, the mean values for the estimate.
-        self._cent_t = [
-            None if self.kernel else st.centroids.float().transpose(1, 2).contiguous() for st in self._stats
+        # for one baddbmm, the mean values for the estimate. With estimate_by=keys the compiled path runs only where
+        # the device routes and estimates (one-token steps); the torch path does the rest (a question's tokens).
+        torch_too = not self.kernel or self.estimate_keys
+        self._cent_t = [st.centroids.float().transpose(1, 2).contiguous() if torch_too else None for st in self._stats]
+        self._vmeans = [
+            st.value_means.float() if torch_too and st.value_means is not None else None for st in self._stats
         ]
-        self._vmeans = [None if self.kernel or st.value_means is None else st.value_means.float() for st in self._stats]
         # Log cluster sizes as the bias (−inf for a cluster without searchable keys), the spread scaled by s²/2.
         self._bias = [st.log_n for st in self._stats]  # (Hkv, 1, C)
         if not use_sizes:  # 0 for every cluster with searchable keys, −inf for the others
@@ -256,12 +260,9 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         self._sizes = [lay.sizes for lay in self.layouts]
         per_key = self.rank_keys or self.estimate_keys
         self._labels = [lay.labels() for lay in self.layouts] if per_key else None  # (Hkv, N) per layer
-        # rank=keys' approximate keys μ_c + r̂ per row (Hkv, N, D) float32 (index/routed/pq.py)
-        self._approx_keys = (
-            [approximate_keys(lay.centroids, lab, lay.codes) for lay, lab in zip(self.layouts, self._labels)]
-            if per_key
-            else None
-        )
+        # the torch path's approximate keys μ_c + r̂ per row (Hkv, N, D) float32 (index/routed/pq.py), made at first
+        # use: with estimate_by=keys the one-token steps on a GPU never need them
+        self._approx: list[torch.Tensor | None] = [None] * self.ckv.n_layers
         self._starts = [lay.offsets[:, :-1] + self._row_base for lay in self.layouts]  # (Hkv, C) flat rows
         # Padding reads an outside row of its head when there is one (then the flag alone masks padding
         # too), else the head's first row, masked by `valid`.
@@ -286,8 +287,8 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
     def _use_kernel(self, choice: str) -> bool:
         """Whether the compiled path (index/routed/compiled.py) runs (the `kernel` option; "auto": wherever it applies)."""
         why = (
-            "it does not implement rank=keys or estimate_by=keys"
-            if self.rank_keys or self.estimate_keys
+            "it does not implement rank=keys"
+            if self.rank_keys
             else f"it reads bf16 keys and values, these are {dtype_name(self.ckv.dtype)}"
             if self.ckv.dtype not in KERNEL_DTYPES
             else "it does not implement spread=true"
@@ -339,9 +340,16 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         budget = self._budget(k)
         if self.rank_keys:
             return self._select_keys(layer, q, k, budget)
-        if self.kernel:
+        if self.kernel and not self.estimate_keys:  # the keyed estimate on the CPU: the torch path's
             return self._compiled(layer, q, k, budget)
         return self._select_torch(layer, q, k, budget)
+
+    def approx_keys(self, layer: int) -> torch.Tensor:
+        """(Hkv, N, D) float32 every layout row's approximate key μ_c + r̂ (rank=keys, estimate_by=keys on the CPU)."""
+        if self._approx[layer] is None:
+            lay = self.layouts[layer]
+            self._approx[layer] = approximate_keys(lay.centroids, self._labels[layer], lay.codes)
+        return self._approx[layer]
 
     def _budget(self, k: int) -> int:
         """Keys to read per KV head: probe_fraction of the searchable ones, at least 2·k (probe_fraction 1:
@@ -389,6 +397,12 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         wanted = self.device_route == "true" or (self.device_route == "auto" and device.type == "cuda")
         if not wanted or not self.kernel or any(k >= self.n_searchable for k in k_per_layer):
             return None
+        codes = None
+        if self.estimate and self.estimate_keys:
+            codes = [
+                device_codes(lay.codes, lay.offsets, out, lay.centroids, st.centroids)
+                for lay, out, st in zip(self.layouts, self._outside, self._stats)
+            ]
         routes = DeviceRoutes(
             self._stats,
             self._sizes,
@@ -399,12 +413,14 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             self.estimate,
             device,
             values=self.device_tables,
+            codes=codes,
         )
         return routes if routes.layers_on_device() else None
 
-    def attends(self, layer: int, k: int, o: torch.Tensor) -> bool:
-        """The compiled path attends (bf16 values) wherever k leaves something to search."""
-        return self.kernel and k < self.n_searchable and o.dtype in KERNEL_DTYPES
+    def attends(self, layer: int, k: int, o: torch.Tensor, routed: bool = False) -> bool:
+        """The compiled path attends (bf16 values) wherever k leaves something to search; with estimate_by=keys
+        only where the device routed and estimates (the torch path computes the keyed estimate elsewhere)."""
+        return self.kernel and k < self.n_searchable and o.dtype in KERNEL_DTYPES and (routed or not self.estimate_keys)
 
     def select_and_attend(
         self,
