@@ -196,14 +196,15 @@ def test_decoder_routes_on_the_device_in_one_token_steps_and_matches_cpu_routing
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("estimate_by", ["clusters", "keys"])
-def test_captured_cuda_step_routes_on_the_gpu_and_matches_cpu_routing(tmp_path, model_factory, docs_dir, estimate_by):
+@pytest.mark.parametrize("per_key", [{}, {"estimate_by": "keys"}, {"rank": "keys"}])
+def test_captured_cuda_step_routes_on_the_gpu_and_matches_cpu_routing(tmp_path, model_factory, docs_dir, per_key):
     stores, logits = _routed_stores(
-        tmp_path, model_factory, docs_dir, "cuda", ("auto", "false"), segments=False, estimate_by=estimate_by
+        tmp_path, model_factory, docs_dir, "cuda", ("auto", "false"), segments=False, **per_key
     )
     seg = stores["auto"].decoder.segments
     assert seg.graphs is not None and seg.routes is not None and seg.routes.layers_on_device() > 0
-    assert seg.routes.keyed_layers() == (seg.routes.layers_on_device() if estimate_by == "keys" else 0)
+    assert seg.routes.keyed_layers() == (seg.routes.layers_on_device() if per_key else 0)
+    assert seg.routes.rank_keys == ("rank" in per_key)
     for a, b in zip(logits["auto"], logits["false"]):
         torch.testing.assert_close(a.float().cpu(), b.float().cpu(), rtol=0, atol=5e-2)
     for store in stores.values():
@@ -298,3 +299,44 @@ def test_cluster_lse_triton_kernel_gives_the_torch_reference():
     got = cluster_lse(dc.to(torch.device("cuda")), q.cuda(), 0.09).cpu()
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_rank_keys_on_the_device_reads_the_torch_paths_rows(clustered_cache, opened):
+    """rank=keys beside device routing: the device ranks every key by centroid + residual code and sends the host the
+    budget's best rows; the host scans those rows (the compiled split with rows given). Same rows, top-k and estimate
+    as the torch path's `rank=keys`, up to the bf16 rounding of the device's centroids."""
+    opts = {"cluster_size": 32, "probe_fraction": 0.05, "rank": "keys"}
+    dev = opened(clustered_cache, "routed", dict(opts, kernel="numba", device_route="true"), lo=3, hi=2990)
+    ref = opened(clustered_cache, "routed", dict(opts, kernel="torch"), lo=3, hi=2990)
+    k = 40
+    routes = dev.device_routes(CPU, [k, k])
+    assert routes.rank_keys and routes.keyed_layers() == 2
+    assert routes.tables[0].width == dev._budget(k) == 150  # rows read per head: 5 % of the searchable keys
+    for layer, seed in ((0, 51), (1, 52)):
+        q = _queries(seed=seed)
+        sel_d, _, _ = _device_part(dev, routes, layer, q, k)
+        rows = routes.host_route(layer)[0].long()
+        assert bool((rows.diff(dim=1) > 0).all())  # sorted, distinct
+        sel_t = ref.select(layer, q, k)
+        hkv, Q, _ = q.shape
+        pairs = [(set(sel_d.ids[h, i].tolist()), set(sel_t.ids[h, i].tolist())) for h in range(hkv) for i in range(Q)]
+        same = sum(len(a & b) for a, b in pairs) / sum(len(b) for _, b in pairs)
+        assert same > 0.97, same
+        out_d, lse_d = routes.estimate_part(layer)
+        torch.testing.assert_close(lse_d, sel_t.rest.lse, rtol=0, atol=3e-2)
+        torch.testing.assert_close(out_d, sel_t.rest.out, rtol=0, atol=3e-2)
+    assert dev.keys_read_fraction() == pytest.approx(150 / 2987, rel=1e-6)
+
+
+def test_decoder_ranks_keys_on_the_device_and_matches_the_torch_path(tmp_path, model_factory, docs_dir):
+    stores, logits = _routed_stores(
+        tmp_path, model_factory, docs_dir, "cpu", ("true", "false"), segments=True, rank="keys"
+    )
+    routes = stores["true"].decoder.segments.routes
+    assert (
+        routes is not None and routes.rank_keys and routes.layers_on_device() == stores["true"].decoder.shape.n_layers
+    )
+    for a, b in zip(logits["true"], logits["false"]):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=5e-2)
+    for store in stores.values():
+        store.close()

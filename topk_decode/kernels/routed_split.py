@@ -147,11 +147,13 @@ def _tally_work(filled, clock, tally):
 
 
 @pjit
-def split_layer_par(a, order, take, q, qf, qb, k, scale, pieces, buf, out, o16, tally):
+def split_layer_par(a, order, take, given, q, qf, qb, k, scale, pieces, buf, out, o16, tally):
     """One device-routed layer (as `scan_layer_par`) in `pieces` equal pieces per round.
 
     Args:
         a: `LayerArrays`; order, take, q, k, scale: as `scan_layer_par`.
+        given: order holds layout rows themselves, take[h] of them for head h (routed's rank=keys: the device
+            ranked every key), not clusters.
         qf, qb: (Hkv, Qp, D) buffers for the queries padded to groups of four, as float32 and as bf16 bits
             (uint16 where the CPU has the bf16 dot product, else float32 and unused; kernels/dots.py).
         buf: `SplitScratch`; it must hold every head's rows: when some head needs more (tally's most_read says
@@ -177,14 +179,19 @@ def split_layer_par(a, order, take, q, qf, qb, k, scale, pieces, buf, out, o16, 
     # the rows round: with fewer KV heads than threads (Qwen2.5-7B: 4 heads of ~10,000 chosen clusters at 1M),
     # each head's clusters in J ranges, counted, then listed once every range's first row is known (a second
     # parallel region); with one range per head it starts at row 0, so the counting task lists it too
-    J = max(1, pieces // hkv)
+    J = 1 if given else max(1, pieces // hkv)
     starts = np.empty((hkv, J + 1), np.int64)
     for t in prange(hkv * J):
         h, j = t // J, t % J
-        t0, t1 = take[h] * j // J, take[h] * (j + 1) // J
-        starts[h, j + 1] = count_rows(offsets[h], order[h], t1, t0)
-        if J == 1 and starts[h, 1] <= cap:
-            cluster_rows_into(offsets[h], order[h], t1, rows[h])
+        if given:  # the rows themselves
+            starts[h, 1] = take[h]
+            if take[h] <= cap:
+                rows[h, : take[h]] = order[h, : take[h]]
+        else:
+            t0, t1 = take[h] * j // J, take[h] * (j + 1) // J
+            starts[h, j + 1] = count_rows(offsets[h], order[h], t1, t0)
+            if J == 1 and starts[h, 1] <= cap:
+                cluster_rows_into(offsets[h], order[h], t1, rows[h])
     _tally_reads(starts, read, tally)
     if tally[0].most_read > cap:
         return

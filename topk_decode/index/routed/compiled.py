@@ -36,6 +36,7 @@ def warm_up(arrays: LayerArrays) -> None:
     search_layer(arrays, q, 1, 1, 1.0, True, 1, o, mz)
     order, take = torch.zeros(hkv, 1, dtype=torch.int32), torch.ones(hkv, dtype=torch.int32)
     split_layer(arrays, q, order, take, 1, 1.0, 2, o, mz, {})
+    split_layer(arrays, q, order, take, 1, 1.0, 2, o, mz, {}, rows_given=True)
 
 
 def kernel_positions(pos: torch.Tensor, outside: torch.Tensor) -> np.ndarray:
@@ -225,13 +226,15 @@ def split_layer(
     mz: np.ndarray,
     scratch: dict,
     o_bf16: np.ndarray | None = None,
+    rows_given: bool = False,
 ) -> LayerResult:
     """`scan_layer` with the heads' work cut into `threads` equal pieces per round (kernels/routed_split.py), so every
     thread of the team has work however few the KV heads are.
 
     Args: as `scan_layer`; scratch: the caller's dict, which keeps the buffers (grown when a layer needs more
         rows than they hold) across layers and steps; o_bf16: (Hkv, Q, D) uint16 that receives o rounded to
-        bf16 too (the decoder's part buffer), or None.
+        bf16 too (the decoder's part buffer), or None; rows_given: `order` holds (Hkv, B) layout rows, `take[h]`
+        of them read for head h (rank=keys: the device ranked every key), not clusters.
     """
     # Called once per layer and step: its Python side is on the critical path (docs/BENCHMARKS.md "huge pages over a whole step, a faster top-k, less Python per layer")
     hkv, Q, d = q.shape
@@ -258,6 +261,7 @@ def split_layer(
             arrays,
             order.numpy(),
             take.numpy(),
+            rows_given,
             qn,
             qf,
             qb,

@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from topk_decode.index.routed.device_codes import DeviceCodes, cluster_lse
+from topk_decode.index.routed.device_codes import DeviceCodes, cluster_lse, row_scores, segment_lse
 from topk_decode.index.routed.estimate import unread_part
 
 # Free device memory kept beside the tables for the step itself (its graphs' temporaries, the window).
@@ -115,7 +115,10 @@ class DeviceRoutes:
         values: "auto" (the first of the ladder below that holds every layer), or one of it: "keys" (the
             keys' dtype), "fp8-values" (float8 mean values), "fp8" (float8 centroids and mean values).
         reserve: device bytes to leave free (CUDA only).
-        codes: per layer the keyed estimate's codes (`device_codes`, on the CPU), or None for the cluster estimate.
+        codes: per layer the residual codes (`device_codes`, on the CPU) for the keyed estimate (`estimate_by=keys`)
+            and the per-key ranking, or None.
+        rank_keys: rank every key by its approximate score (routed's rank=keys) and send the host the `budget` best
+            rows of each head instead of clusters; the estimate then sums the unread keys per cluster.
     """
 
     def __init__(
@@ -131,9 +134,12 @@ class DeviceRoutes:
         values: str = "auto",
         reserve: int = DEFAULT_RESERVE,
         codes: list[DeviceCodes] | None = None,
+        rank_keys: bool = False,
     ) -> None:
         self.device, self.scale, self.estimate = device, scale, estimate
-        self._codes = codes
+        self._codes, self.rank_keys = codes, rank_keys
+        if rank_keys and codes is None:
+            raise ValueError("rank_keys needs the residual codes")
         self.n_layers = len(stats)
         hkv = sizes[0].shape[0]
         self.tables: list[LayerTables | None] = [None] * self.n_layers
@@ -152,12 +158,14 @@ class DeviceRoutes:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         # per layer, what the device sends the CPU: ranked clusters (Hkv, W) int32 and how many to read
+        # (rank_keys: the rows to read, all W of them)
         pin = device.type == "cuda"
         self.order_host = [
             None if t is None else torch.zeros((hkv, t.width), dtype=torch.int32, pin_memory=pin) for t in self.tables
         ]
         self.take_host = [
-            None if t is None else torch.zeros((hkv,), dtype=torch.int32, pin_memory=pin) for t in self.tables
+            None if t is None else torch.full((hkv,), t.width if rank_keys else 0, dtype=torch.int32, pin_memory=pin)
+            for t in self.tables
         ]
         self._read: list[tuple[torch.Tensor, ...] | None] = [None] * self.n_layers  # for `estimate_part`
 
@@ -190,8 +198,8 @@ class DeviceRoutes:
             vmeans=vmeans,
             vscale=vscale,
             budget=budget,
-            width=ranked_width(budget, C, n_tokens),
-            codes=self._codes[layer].to(dev) if self.estimate and self._codes is not None else None,
+            width=min(budget, n_tokens) if self.rank_keys else ranked_width(budget, C, n_tokens),
+            codes=self._codes[layer].to(dev) if self._codes is not None else None,
         )
 
     def handles(self, layer: int) -> bool:
@@ -219,6 +227,13 @@ class DeviceRoutes:
         t = self.tables[layer]
         q = q32 if t.cscale is None else q32 * t.cscale  # float8 centroids: their scale moves to q
         base = self.bmm(q, t.cent.transpose(1, 2)).mul_(self.scale)  # (Hkv, G, C) s·q·μ_c
+        if self.rank_keys:  # every key by centroid + residual code; the budget's best of each head, in row order
+            scores = row_scores(t.codes, q32, self.scale, base)  # (Hkv, G, N)
+            share = (scores - torch.logsumexp(scores, dim=-1, keepdim=True)).amax(1)  # (Hkv, N)
+            rows = share.topk(t.width, dim=-1, sorted=False).indices.sort(dim=-1).values  # (Hkv, W)
+            self.order_host[layer].copy_(rows, non_blocking=True)
+            self._read[layer] = (q32, scores, rows, None)
+            return
         logit = base + t.bias
         share = logit - torch.logsumexp(logit, dim=-1, keepdim=True)
         order = share.amax(1).topk(t.width, dim=-1, sorted=True).indices  # (Hkv, W) by priority
@@ -236,18 +251,28 @@ class DeviceRoutes:
         t = self.tables[layer]
         q32, base, order, take = self._read[layer]
         hkv, W = order.shape
+        if self.rank_keys:  # base: the rows' scores; order: the rows read (accounted exactly by the host)
+            scores = base.scatter_(-1, order[:, None, :].expand(hkv, base.shape[1], W), float("-inf"))
+            logit = segment_lse(scores, t.codes.offsets)  # (Hkv, G, C) the unread keys of every cluster
+            rest = unread_part(logit, torch.zeros_like(t.sizes, dtype=torch.bool), t.vmeans, bmm=self.vmeans_bmm(t))
+            return rest.out, rest.lse
         taken = torch.arange(W, device=order.device) < take[:, None]  # (Hkv, W)
         read = torch.zeros(base.shape[0], base.shape[2], dtype=torch.bool, device=base.device)
         read.scatter_(1, order, taken)  # (Hkv, C)
+
+        # a cluster's log weight beside s·q·μ_c: log n_c, or the log-sum of its keys' residual-code weights
+        size = t.log_n if t.codes is None else cluster_lse(t.codes, q32, self.scale)
+        rest = unread_part(base + size, read, t.vmeans, bmm=self.vmeans_bmm(t))
+        return rest.out, rest.lse
+
+    def vmeans_bmm(self, t: LayerTables):
+        """The estimate's product p (Hkv, G, C) × a layer's stored mean values → (Hkv, G, D) float32."""
 
         def p_times_means(p: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
             out = self.bmm(p, means)  # (Hkv, G, D)
             return out if t.vscale is None else out.mul_(t.vscale)
 
-        # a cluster's log weight beside s·q·μ_c: log n_c, or the log-sum of its keys' residual-code weights
-        size = t.log_n if t.codes is None else cluster_lse(t.codes, q32, self.scale)
-        rest = unread_part(base + size, read, t.vmeans, bmm=p_times_means)
-        return rest.out, rest.lse
+        return p_times_means
 
     def bmm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """a (B, M, K) float32 × b (B, K, N) stored in bf16 or float8 → (B, M, N) float32."""

@@ -9,8 +9,10 @@ keys are whole clusters, so per cluster the estimate needs only
 
 in place of s·q·μ_c + log n_c (index/routed/device.py `estimate_part`). L_c does not depend on which clusters were
 read, so it runs beside routing inside the captured step. `cluster_lse` computes it from the 4-bit codes packed two
-per byte (16 bytes per key at m = 32): on CUDA a Triton kernel (one program per cluster and KV head, the 16-entry
-tables looked up per sub-vector), elsewhere torch ops (the tests' reference and the CPU device).
+per byte (16 bytes per key at m = 32) in two passes: `row_scores` (every row's approximate score, the 16-entry tables
+looked up per sub-vector) and `segment_lse` (per cluster). `rank=keys` ranks every key by the same `row_scores` and
+sums the unread ones with `segment_lse`. On CUDA each pass is a Triton kernel (one program per cluster and KV head),
+elsewhere torch ops (the tests' reference and the CPU device).
 
 A cluster holding sinks or tail rows (the window attends to them exactly) is routed by the mean of its searchable keys
 only, while its codes are residuals to the mean of all its keys: `fix_delta` carries the difference for those few
@@ -130,51 +132,95 @@ def cluster_lse(codes: DeviceCodes, q32: torch.Tensor, scale: float) -> torch.Te
     Args:
         codes: the layer's `DeviceCodes` on q32's device; q32: (Hkv, G, D) float32 queries; scale: the softmax scale s.
     """
-    lut = code_tables(codes, q32, scale)
-    lse = _lse_triton(codes, lut) if q32.is_cuda else _lse_torch(codes, lut)
+    hkv, g, _ = q32.shape
+    base = torch.zeros(hkv, g, codes.offsets.shape[1] - 1, device=q32.device)
+    return segment_lse(row_scores(codes, q32, scale, base), codes.offsets)
+
+
+def row_scores(codes: DeviceCodes, q32: torch.Tensor, scale: float, base: torch.Tensor) -> torch.Tensor:
+    """(Hkv, G, N) float32 every layout row's approximate score base_c + s·q·(r̂_k + δ_c), −inf where not searchable.
+
+    Args:
+        codes: the layer's `DeviceCodes`; q32: (Hkv, G, D) float32 queries; scale: s;
+        base: (Hkv, G, C) float32 each cluster's term (routing's s·q·μ_c; 0 for the residuals alone).
+    """
     hkv, g, _ = q32.shape
     a = codes.fix_ids.shape[1]
     shift = torch.bmm(q32, codes.fix_delta.transpose(1, 2)).mul_(scale)  # (Hkv, G, A)
-    return lse.scatter_add_(-1, codes.fix_ids[:, None, :].expand(hkv, g, a), shift)
+    base = base.scatter_add(-1, codes.fix_ids[:, None, :].expand(hkv, g, a), shift)
+    lut = code_tables(codes, q32, scale)
+    return _rows_triton(codes, lut, base) if q32.is_cuda else _rows_torch(codes, lut, base)
 
 
-def _lse_torch(codes: DeviceCodes, lut: torch.Tensor) -> torch.Tensor:
-    """`cluster_lse`'s per-cluster log-sum-exp in torch ops (the reference; memory Hkv·G·N·m floats)."""
+def segment_lse(scores: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """(Hkv, G, C) float32 log-sum-exp of each cluster's rows of `scores` (Hkv, G, N) (−inf where all are −inf).
+
+    Args:
+        offsets: (Hkv, C+1) int32 the clusters' first rows.
+    """
+    return _lse_triton(scores, offsets) if scores.is_cuda else _lse_torch(scores, offsets)
+
+
+def _labels(offsets: torch.Tensor) -> torch.Tensor:
+    """(Hkv, N) int64 the cluster of every row."""
+    sizes = offsets.diff(dim=1).long()
+    c = sizes.shape[1]
+    return torch.stack([torch.repeat_interleave(torch.arange(c, device=offsets.device), s) for s in sizes])
+
+
+def _rows_torch(codes: DeviceCodes, lut: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """`row_scores` in torch ops (the reference; memory Hkv·G·N·m floats)."""
     hkv, g, m, _ = lut.shape
     n = codes.packed.shape[2]
-    c = codes.offsets.shape[1] - 1
     p = codes.packed.transpose(1, 2).long()  # (Hkv, N, m/2)
     idx = torch.stack([p & 0xF, p >> 4], -1).view(hkv, 1, n * m) + _WORDS * torch.arange(m).repeat(n)  # flat lut index
     score = lut.reshape(hkv, g, m * _WORDS).gather(-1, idx.expand(hkv, g, n * m)).view(hkv, g, n, m).sum(-1)
+    score += base.gather(-1, _labels(codes.offsets)[:, None, :].expand(hkv, g, n))
     bits = torch.from_numpy(np.unpackbits(codes.searchable.cpu().numpy(), axis=1, bitorder="little")[:, :n])
-    score.masked_fill_(~bits.to(score.device, torch.bool)[:, None, :], float("-inf"))
-    sizes = codes.offsets.diff(dim=1).long()  # (Hkv, C)
-    labels = torch.stack([torch.repeat_interleave(torch.arange(c, device=lut.device), s) for s in sizes])
-    labels = labels[:, None, :].expand(hkv, g, n)
-    mx = torch.full((hkv, g, c), float("-inf"), device=lut.device).scatter_reduce_(-1, labels, score, "amax")
+    return score.masked_fill_(~bits.to(score.device, torch.bool)[:, None, :], float("-inf"))
+
+
+def _lse_torch(scores: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """`segment_lse` in torch ops (the reference)."""
+    hkv, g, n = scores.shape
+    c = offsets.shape[1] - 1
+    labels = _labels(offsets)[:, None, :].expand(hkv, g, n)
+    mx = torch.full((hkv, g, c), float("-inf"), device=scores.device).scatter_reduce_(-1, labels, scores, "amax")
     safe = torch.where(torch.isfinite(mx), mx, 0.0)
-    total = torch.zeros_like(mx).scatter_add_(-1, labels, (score - safe.gather(-1, labels)).exp())
+    total = torch.zeros_like(mx).scatter_add_(-1, labels, (scores - safe.gather(-1, labels)).exp())
     return torch.where(total > 0, safe + total.log(), float("-inf"))
 
 
-_KERNEL = None
+_KERNELS: dict = {}
 
 
-def _lse_triton(codes: DeviceCodes, lut: torch.Tensor) -> torch.Tensor:
-    """`cluster_lse`'s per-cluster log-sum-exp by the Triton kernel (one program per cluster and KV head)."""
-    global _KERNEL
-    if _KERNEL is None:
-        _KERNEL = _compile_kernel()
+def _kernels() -> dict:
+    """The Triton kernels, compiled at first use."""
+    if not _KERNELS:
+        _KERNELS.update(_compile_kernels())
+    return _KERNELS
+
+
+def _pow2(g: int) -> int:
+    """The kernels' query axis: g rounded up to a power of two."""
+    return 1 << max(0, (g - 1).bit_length())
+
+
+def _rows_triton(codes: DeviceCodes, lut: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """`row_scores` by a Triton kernel (one program per cluster and KV head)."""
+    kernels = _kernels()
     hkv, g, m, _ = lut.shape
-    gp = 1 << max(0, (g - 1).bit_length())  # the kernel's query axis is a power of two
-    if gp != g:
+    gp = _pow2(g)
+    if gp != g:  # the padding queries' tables and base are 0; their rows are dropped below
         lut = torch.cat([lut, lut.new_zeros(hkv, gp - g, m, _WORDS)], 1)
+        base = torch.cat([base, base.new_zeros(hkv, gp - g, base.shape[2])], 1)
     n = codes.packed.shape[2]
     c = codes.offsets.shape[1] - 1
-    out = torch.empty((hkv, gp, c), dtype=torch.float32, device=lut.device)
-    _KERNEL[(c, hkv)](
+    out = torch.empty((hkv, gp, n), dtype=torch.float32, device=lut.device)
+    kernels["rows"][(c, hkv)](
         codes.packed,
         lut.contiguous(),
+        base.contiguous(),
         codes.offsets,
         codes.searchable,
         out,
@@ -188,38 +234,65 @@ def _lse_triton(codes: DeviceCodes, lut: torch.Tensor) -> torch.Tensor:
     return out[:, :g]
 
 
-def _compile_kernel():
-    """The Triton kernel (imported here: Triton ships with CUDA builds of torch only)."""
+def _lse_triton(scores: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """`segment_lse` by a Triton kernel (one program per cluster and KV head)."""
+    kernels = _kernels()
+    hkv, g, n = scores.shape
+    c = offsets.shape[1] - 1
+    gp = _pow2(g)
+    out = torch.empty((hkv, gp, c), dtype=torch.float32, device=scores.device)
+    kernels["lse"][(c, hkv)](scores, scores.stride(0), scores.stride(1), offsets, out, g, n, c, GP=gp, BLOCK=32)
+    return out[:, :g]
+
+
+def _compile_kernels() -> dict:
+    """The Triton kernels (imported here: Triton ships with CUDA builds of torch only)."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def lse_kernel(packed, lut, offsets, bits, out, N, C, NB, M2: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr):
+    def rows_kernel(
+        packed, lut, base, offsets, bits, out, N, C, NB, M2: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr
+    ):
         c = tl.program_id(0)
         h = tl.program_id(1)
         start = tl.load(offsets + h * (C + 1) + c)
         end = tl.load(offsets + h * (C + 1) + c + 1)
         g = tl.arange(0, GP)
-        g_base = (h * GP + g) * (2 * M2 * 16)  # (GP,) each query's tables
+        g_lut = (h * GP + g) * (2 * M2 * 16)  # (GP,) each query's tables
+        b_c = tl.load(base + (h * GP + g) * C + c)  # (GP,) the cluster's term
+        for r0 in range(start, end, BLOCK):
+            rows = r0 + tl.arange(0, BLOCK)
+            inside = rows < end
+            byte = tl.load(bits + h * NB + rows // 8, mask=inside, other=0).to(tl.int32)
+            ok = inside & (((byte >> (rows % 8)) & 1) != 0)
+            acc = tl.zeros([BLOCK, GP], tl.float32) + b_c[None, :]
+            for j in tl.static_range(M2):
+                b = tl.load(packed + (h * M2 + j) * N + rows, mask=inside, other=0).to(tl.int32)
+                acc += tl.load(lut + g_lut[None, :] + (2 * j * 16) + (b & 15)[:, None])
+                acc += tl.load(lut + g_lut[None, :] + ((2 * j + 1) * 16) + (b >> 4)[:, None])
+            acc = tl.where(ok[:, None], acc, float("-inf"))
+            tl.store(out + (h * GP + g[None, :]) * N + rows[:, None], acc, mask=inside[:, None])
+
+    @triton.jit
+    def lse_kernel(scores, s_h, s_g, offsets, out, G, N, C, GP: tl.constexpr, BLOCK: tl.constexpr):
+        c = tl.program_id(0)
+        h = tl.program_id(1)
+        start = tl.load(offsets + h * (C + 1) + c)
+        end = tl.load(offsets + h * (C + 1) + c + 1)
+        g = tl.arange(0, GP)
         run_max = tl.full([GP], float("-inf"), tl.float32)
         run_sum = tl.zeros([GP], tl.float32)
         for r0 in range(start, end, BLOCK):
             rows = r0 + tl.arange(0, BLOCK)
-            ok = rows < end
-            byte = tl.load(bits + h * NB + rows // 8, mask=ok, other=0).to(tl.int32)
-            ok = ok & (((byte >> (rows % 8)) & 1) != 0)
-            acc = tl.zeros([BLOCK, GP], tl.float32)
-            for j in tl.static_range(M2):
-                b = tl.load(packed + (h * M2 + j) * N + rows, mask=ok, other=0).to(tl.int32)
-                acc += tl.load(lut + g_base[None, :] + (2 * j * 16) + (b & 15)[:, None])
-                acc += tl.load(lut + g_base[None, :] + ((2 * j + 1) * 16) + (b >> 4)[:, None])
-            acc = tl.where(ok[:, None], acc, float("-inf"))
-            new_max = tl.maximum(run_max, tl.max(acc, 0))
+            ok = (rows < end)[:, None] & (g < G)[None, :]
+            x = tl.load(scores + h * s_h + g[None, :] * s_g + rows[:, None], mask=ok, other=float("-inf"))
+            new_max = tl.maximum(run_max, tl.max(x, 0))
             safe = tl.where(new_max == float("-inf"), 0.0, new_max)
-            run_sum = run_sum * tl.exp(run_max - safe) + tl.sum(tl.exp(acc - safe[None, :]), 0)
+            run_sum = run_sum * tl.exp(run_max - safe) + tl.sum(tl.exp(x - safe[None, :]), 0)
             run_max = new_max
         res = tl.where(run_sum > 0, run_max + tl.log(run_sum), float("-inf"))
         tl.store(out + (h * GP + g) * C + c, res)
 
-    log.info("routed: the keyed estimate's cluster scores run as a Triton kernel")
-    return lse_kernel
+    log.info("routed: the per-key scores of the device's estimate and ranking run as Triton kernels")
+    return {"rows": rows_kernel, "lse": lse_kernel}

@@ -106,8 +106,9 @@ class RoutedOptions(StrategyOptions):
     rank: str = option(
         "clusters",
         "What is ranked to choose the keys read: clusters (by centroid, reading whole clusters) or keys (every key "
-        "by centroid + its residual code, reading the best keys; needs pq_m codes; torch path only). keys also "
-        "weighs the estimate of the unread keys per key (docs/EVAL.md).",
+        "by centroid + its residual code, reading the best keys; needs pq_m codes: in one-token steps on the device, "
+        "which sends the host the rows to read, elsewhere on the torch path). keys also weighs the estimate of the "
+        "unread keys per key (docs/EVAL.md).",
         check=("clusters", "keys"),
     )
     probe_fraction: float = option(
@@ -287,9 +288,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
     def _use_kernel(self, choice: str) -> bool:
         """Whether the compiled path (index/routed/compiled.py) runs (the `kernel` option; "auto": wherever it applies)."""
         why = (
-            "it does not implement rank=keys"
-            if self.rank_keys
-            else f"it reads bf16 keys and values, these are {dtype_name(self.ckv.dtype)}"
+            f"it reads bf16 keys and values, these are {dtype_name(self.ckv.dtype)}"
             if self.ckv.dtype not in KERNEL_DTYPES
             else "it does not implement spread=true"
             if self.use_spread
@@ -398,7 +397,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         if not wanted or not self.kernel or any(k >= self.n_searchable for k in k_per_layer):
             return None
         codes = None
-        if self.estimate and self.estimate_keys:
+        if self.rank_keys or (self.estimate and self.estimate_keys):
             codes = [
                 device_codes(lay.codes, lay.offsets, out, lay.centroids, st.centroids)
                 for lay, out, st in zip(self.layouts, self._outside, self._stats)
@@ -407,20 +406,22 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             self._stats,
             self._sizes,
             self._bias,
-            [self._budget(k) for k in k_per_layer],
+            [min(self._budget(k), self.n_searchable) if self.rank_keys else self._budget(k) for k in k_per_layer],
             self.ckv.n_tokens,
             self.scale,
             self.estimate,
             device,
             values=self.device_tables,
             codes=codes,
+            rank_keys=self.rank_keys,
         )
         return routes if routes.layers_on_device() else None
 
     def attends(self, layer: int, k: int, o: torch.Tensor, routed: bool = False) -> bool:
-        """The compiled path attends (bf16 values) wherever k leaves something to search; with estimate_by=keys
-        only where the device routed and estimates (the torch path computes the keyed estimate elsewhere)."""
-        return self.kernel and k < self.n_searchable and o.dtype in KERNEL_DTYPES and (routed or not self.estimate_keys)
+        """The compiled path attends (bf16 values) wherever k leaves something to search; with rank=keys or
+        estimate_by=keys only where the device ranked and estimates (the torch path does both elsewhere)."""
+        per_key = self.rank_keys or self.estimate_keys
+        return self.kernel and k < self.n_searchable and o.dtype in KERNEL_DTYPES and (routed or not per_key)
 
     def select_and_attend(
         self,
@@ -458,6 +459,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
                     mz_np,
                     self._split_scratch,
                     o16,
+                    rows_given=self.rank_keys,  # the device sent rows, not clusters
                 )
             )
         self.stats.extra["kernel_s"] += time.perf_counter() - t  # the compiled call (bench: kernel_ms)
