@@ -281,7 +281,7 @@ def test_decoder_keyed_estimate_on_the_device_matches_the_torch_path(tmp_path, m
 def test_cluster_lse_triton_kernel_gives_the_torch_reference():
     """The Triton kernel (CUDA) and the torch ops (CPU) give one per-cluster log-sum-exp, with 7 query heads (padded
     to 8 in the kernel), empty clusters and clusters longer than the kernel's block."""
-    from topk_decode.index.routed.device_codes import cluster_lse, device_codes
+    from topk_decode.index.routed.device_codes import cluster_lse, device_codes, row_scores
     from topk_decode.index.routed.pq import ResidualCodes
 
     gen = torch.Generator().manual_seed(7)
@@ -299,6 +299,11 @@ def test_cluster_lse_triton_kernel_gives_the_torch_reference():
     got = cluster_lse(dc.to(torch.device("cuda")), q.cuda(), 0.09).cpu()
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    base = torch.randn(hkv, 7, c, generator=gen)  # rank=keys: every row's score with its cluster's term
+    want = row_scores(dc, q, 0.09, base)
+    got = row_scores(dc.to(torch.device("cuda")), q.cuda(), 0.09, base.cuda()).cpu()
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_rank_keys_on_the_device_reads_the_torch_paths_rows(clustered_cache, opened):
@@ -314,17 +319,20 @@ def test_rank_keys_on_the_device_reads_the_torch_paths_rows(clustered_cache, ope
     assert routes.tables[0].width == dev._budget(k) == 150  # rows read per head: 5 % of the searchable keys
     for layer, seed in ((0, 51), (1, 52)):
         q = _queries(seed=seed)
-        sel_d, _, _ = _device_part(dev, routes, layer, q, k)
+        hkv, Q, d = q.shape
+        routes.route(layer, q)
+        o, mz = torch.empty(hkv * Q, d, dtype=torch.bfloat16), torch.empty(hkv * Q, 2)
+        sel_d = dev.select_and_attend(layer, q, k, None, o, mz, route=routes.host_route(layer))
         rows = routes.host_route(layer)[0].long()
         assert bool((rows.diff(dim=1) > 0).all())  # sorted, distinct
         sel_t = ref.select(layer, q, k)
-        hkv, Q, _ = q.shape
         pairs = [(set(sel_d.ids[h, i].tolist()), set(sel_t.ids[h, i].tolist())) for h in range(hkv) for i in range(Q)]
         same = sum(len(a & b) for a, b in pairs) / sum(len(b) for _, b in pairs)
         assert same > 0.97, same
         out_d, lse_d = routes.estimate_part(layer)
-        torch.testing.assert_close(lse_d, sel_t.rest.lse, rtol=0, atol=3e-2)
-        torch.testing.assert_close(out_d, sel_t.rest.out, rtol=0, atol=3e-2)
+        # a row read on one side only moves the rest's mass by its weight (torch 2.11 on the GPU host: 1 % of an lse)
+        torch.testing.assert_close(lse_d, sel_t.rest.lse, rtol=2e-2, atol=3e-2)
+        torch.testing.assert_close(out_d, sel_t.rest.out, rtol=2e-2, atol=3e-2)
     assert dev.keys_read_fraction() == pytest.approx(150 / 2987, rel=1e-6)
 
 

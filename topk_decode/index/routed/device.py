@@ -229,10 +229,12 @@ class DeviceRoutes:
         base = self.bmm(q, t.cent.transpose(1, 2)).mul_(self.scale)  # (Hkv, G, C) s·q·μ_c
         if self.rank_keys:  # every key by centroid + residual code; the budget's best of each head, in row order
             scores = row_scores(t.codes, q32, self.scale, base)  # (Hkv, G, N)
-            share = (scores - torch.logsumexp(scores, dim=-1, keepdim=True)).amax(1)  # (Hkv, N)
+            lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (Hkv, G, 1)
+            share = scores.sub_(lse).amax(1)  # (Hkv, N); in place: one (Hkv, G, N) buffer per layer, not two
             rows = share.topk(t.width, dim=-1, sorted=False).indices.sort(dim=-1).values  # (Hkv, W)
             self.order_host[layer].copy_(rows, non_blocking=True)
-            self._read[layer] = (q32, scores, rows, None)
+            if self.estimate:
+                self._read[layer] = (q32, scores, rows, lse)
             return
         logit = base + t.bias
         share = logit - torch.logsumexp(logit, dim=-1, keepdim=True)
@@ -249,11 +251,14 @@ class DeviceRoutes:
         if not self.estimate:
             return None
         t = self.tables[layer]
+        # dropped here: the captured layers share one memory pool, and a layer's (Hkv, G, N) row scores held past
+        # its segment would stay allocated beside every other layer's (32 × 16 MiB at 128K for Llama-3-8B)
         q32, base, order, take = self._read[layer]
+        self._read[layer] = None
         hkv, W = order.shape
-        if self.rank_keys:  # base: the rows' scores; order: the rows read (accounted exactly by the host)
+        if self.rank_keys:  # base: the rows' scores less their lse (take); order: the rows read (exact on the host)
             scores = base.scatter_(-1, order[:, None, :].expand(hkv, base.shape[1], W), float("-inf"))
-            logit = segment_lse(scores, t.codes.offsets)  # (Hkv, G, C) the unread keys of every cluster
+            logit = segment_lse(scores, t.codes.offsets).add_(take)  # (Hkv, G, C) the unread keys of every cluster
             rest = unread_part(logit, torch.zeros_like(t.sizes, dtype=torch.bool), t.vmeans, bmm=self.vmeans_bmm(t))
             return rest.out, rest.lse
         taken = torch.arange(W, device=order.device) < take[:, None]  # (Hkv, W)
