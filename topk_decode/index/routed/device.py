@@ -14,7 +14,10 @@ the same arithmetic is a few microseconds of a kernel. So, for the layers whose 
   `unread_part`, the same function the torch path calls) and merges it into the window part by
   log-sum-exp (`estimate`): a third disjoint part of the same softmax, so the merge stays exact. With
   `estimate_by=keys` a cluster's weight is the sum of its keys' approximate weights from their residual codes
-  (index/routed/device_codes.py `cluster_lse`) instead of n_c·exp(s·q·μ_c).
+  (index/routed/device_codes.py `cluster_lse`) instead of n_c·exp(s·q·μ_c);
+- with `rank=keys` (`rank_keys`) the device ranks keys, not clusters: every row's approximate score
+  (`row_scores`), the budget's best rows of each head to the host (in row order, in place of the clusters), and the
+  estimate over the rows not read, summed per cluster (`segment_lse`).
 
 The tables: centroids and mean values, log cluster sizes, sizes (and with `estimate_by=keys` the residual codes,
 16 bytes per key). Where the tables of every layer do not fit
