@@ -247,3 +247,4 @@ def test_a_kept_suite_is_reused_with_its_dense_answers_and_routed_reports_keys_r
     a, b = first.instances[0], second.instances[0]
     assert a.dense_generated == b.dense_generated and a.runs[0].generated == b.runs[0].generated
     assert 0.1 <= a.runs[0].keys_read < 0.5
+    assert a.runs[0].device_layers is None  # a CPU decode device has no device stage: the CPU ranked every layer

@@ -280,17 +280,19 @@ def eval_suite(
                         right += bool(run.correct)
                         same += bool(run.same_as_dense)
                     read = read_counter() if read_counter is not None else None
+                    seg = store.decoder.segments
+                    routes = seg.routes if seg is not None else None  # which path the one-token steps took
                     for run in runs:
                         run.keys_read = read
+                        if routes is not None:
+                            run.device_layers, run.keyed_layers = routes.layers_on_device(), routes.keyed_layers()
                     log(
                         f"    {method_name(shown, schedule, label or k)} (k={k}): {right}/{len(refs)} correct, "
                         f"{same}/{len(refs)} same as dense, {_means(runs)}"
                         + ("" if read is None else f", keys read {100 * read:.2f} %")
+                        + ("" if routes is None else f", device routing on {routes.layers_on_device()} layers")
+                        + ("" if routes is None else f", per-key on {routes.keyed_layers()}")
                     )
-            seg = store.decoder.segments
-            if seg is not None and seg.routes is not None:  # which path the one-token steps took
-                r = seg.routes
-                log(f"    device routing: {r.layers_on_device()} layers, keyed estimate on {r.keyed_layers()}")
             store.close()  # its search threads
             del store
             if checkpoint is not None:

@@ -110,6 +110,8 @@ class RunResult:
     k_label: str | None = None  # the budget as requested ("1%"), when it differs from k
     same_as_dense: bool | None = None  # the generated tokens equal dense's, token for token
     keys_read: float | None = None  # share of the searchable keys the strategy's searches read (routed)
+    device_layers: int | None = None  # layers whose one-token steps ranked on the decode device (routed); None: none
+    keyed_layers: int | None = None  # of those, layers scoring keys by residual codes (rank=keys, estimate_by=keys)
 
 
 def method_name(strategy: str, schedule: str, k: int | str) -> str:
