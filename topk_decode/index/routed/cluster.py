@@ -87,8 +87,14 @@ class LayerLayout:
 
     def labels(self) -> torch.Tensor:
         """(Hkv, N) int64 the cluster of every row."""
-        C = self.offsets.shape[1] - 1
-        return torch.stack([torch.repeat_interleave(torch.arange(C), s) for s in self.sizes])
+        return row_labels(self.offsets)
+
+
+def row_labels(offsets: torch.Tensor) -> torch.Tensor:
+    """(Hkv, N) int64 the cluster of every layout row, from the (Hkv, C + 1) cluster offsets (on their device)."""
+    sizes = offsets.diff(dim=1).long()
+    c = sizes.shape[1]
+    return torch.stack([torch.repeat_interleave(torch.arange(c, device=offsets.device), n) for n in sizes])
 
 
 def _assign(x: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:

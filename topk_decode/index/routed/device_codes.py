@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from topk_decode.index.routed.cluster import row_labels
 from topk_decode.index.routed.pq import NBITS, ResidualCodes
 
 log = logging.getLogger(__name__)
@@ -161,13 +162,6 @@ def segment_lse(scores: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return _lse_triton(scores, offsets) if scores.is_cuda else _lse_torch(scores, offsets)
 
 
-def _labels(offsets: torch.Tensor) -> torch.Tensor:
-    """(Hkv, N) int64 the cluster of every row."""
-    sizes = offsets.diff(dim=1).long()
-    c = sizes.shape[1]
-    return torch.stack([torch.repeat_interleave(torch.arange(c, device=offsets.device), s) for s in sizes])
-
-
 def _rows_torch(codes: DeviceCodes, lut: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     """`row_scores` in torch ops (the reference; memory Hkv·G·N·m floats)."""
     hkv, g, m, _ = lut.shape
@@ -175,7 +169,7 @@ def _rows_torch(codes: DeviceCodes, lut: torch.Tensor, base: torch.Tensor) -> to
     p = codes.packed.transpose(1, 2).long()  # (Hkv, N, m/2)
     idx = torch.stack([p & 0xF, p >> 4], -1).view(hkv, 1, n * m) + _WORDS * torch.arange(m).repeat(n)  # flat lut index
     score = lut.reshape(hkv, g, m * _WORDS).gather(-1, idx.expand(hkv, g, n * m)).view(hkv, g, n, m).sum(-1)
-    score += base.gather(-1, _labels(codes.offsets)[:, None, :].expand(hkv, g, n))
+    score += base.gather(-1, row_labels(codes.offsets)[:, None, :].expand(hkv, g, n))
     bits = torch.from_numpy(np.unpackbits(codes.searchable.cpu().numpy(), axis=1, bitorder="little")[:, :n])
     return score.masked_fill_(~bits.to(score.device, torch.bool)[:, None, :], float("-inf"))
 
@@ -184,7 +178,7 @@ def _lse_torch(scores: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """`segment_lse` in torch ops (the reference)."""
     hkv, g, n = scores.shape
     c = offsets.shape[1] - 1
-    labels = _labels(offsets)[:, None, :].expand(hkv, g, n)
+    labels = row_labels(offsets)[:, None, :].expand(hkv, g, n)
     mx = torch.full((hkv, g, c), float("-inf"), device=scores.device).scatter_reduce_(-1, labels, scores, "amax")
     safe = torch.where(torch.isfinite(mx), mx, 0.0)
     total = torch.zeros_like(mx).scatter_add_(-1, labels, (scores - safe.gather(-1, labels)).exp())
