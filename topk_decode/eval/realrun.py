@@ -282,16 +282,19 @@ def eval_suite(
                     read = read_counter() if read_counter is not None else None
                     seg = store.decoder.segments
                     routes = seg.routes if seg is not None else None  # which path the one-token steps took
+                    on_device = (None, None) if routes is None else (routes.layers_on_device(), routes.keyed_layers())
                     for run in runs:
                         run.keys_read = read
-                        if routes is not None:
-                            run.device_layers, run.keyed_layers = routes.layers_on_device(), routes.keyed_layers()
+                        run.device_layers, run.keyed_layers = on_device
                     log(
                         f"    {method_name(shown, schedule, label or k)} (k={k}): {right}/{len(refs)} correct, "
                         f"{same}/{len(refs)} same as dense, {_means(runs)}"
                         + ("" if read is None else f", keys read {100 * read:.2f} %")
-                        + ("" if routes is None else f", device routing on {routes.layers_on_device()} layers")
-                        + ("" if routes is None else f", per-key on {routes.keyed_layers()}")
+                        + (
+                            ""
+                            if routes is None
+                            else f", device routing on {on_device[0]} layers, per-key on {on_device[1]}"
+                        )
                     )
             store.close()  # its search threads
             del store

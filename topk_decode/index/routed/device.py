@@ -19,8 +19,8 @@ the same arithmetic is a few microseconds of a kernel. So, for the layers whose 
   (`row_scores`), the budget's best rows of each head to the host (in row order, in place of the clusters), and the
   estimate over the rows not read, summed per cluster (`segment_lse`).
 
-The tables: centroids and mean values, log cluster sizes, sizes (and with `estimate_by=keys` the residual codes,
-16 bytes per key). Where the tables of every layer do not fit
+The tables: centroids and mean values, log cluster sizes, sizes (and with `rank=keys` or `estimate_by=keys` the
+residual codes, 16 bytes per key). Where the tables of every layer do not fit
 beside `reserve` bytes in the keys' dtype, the mean values (they only feed the estimate) go to float8
 (e4m3, one scale per KV head and dimension), and where that does not fit either, the centroids too (then
 routing ranks with e4m3 rounding, 3 mantissa bits per centroid element: docs/STRATEGIES.md "Routing on
@@ -51,7 +51,7 @@ class LayerTables:
     log_n: (Hkv, 1, C) float32; sizes: (Hkv, C) int64 rows per cluster; vmeans: (Hkv, C, D) mean values
     (keys' dtype or float8) or None without the estimate; vscale: (Hkv, 1, D) float32 float8 scale or None.
     budget: keys to read per head; width: clusters ranked per head (W).
-    codes: the residual codes of the keyed estimate (`estimate_by=keys`, index/routed/device_codes.py) or None.
+    codes: the residual codes (index/routed/device_codes.py) of the per-key ranking and estimate, or None.
     """
 
     def __init__(
@@ -214,7 +214,7 @@ class DeviceRoutes:
         return sum(t is not None for t in self.tables)
 
     def keyed_layers(self) -> int:
-        """How many layers estimate per key from residual codes (`estimate_by=keys`)."""
+        """How many layers score keys by their residual codes (`rank=keys`, `estimate_by=keys`)."""
         return sum(t is not None and t.codes is not None for t in self.tables)
 
     def nbytes(self) -> int:

@@ -2,8 +2,9 @@
 
 `TorchPath` holds the methods; `RoutedStrategy` (index/routed/strategy.py) mixes it in and sets what they read in its
 `prepare`: the layouts, the fp32 centroids `_cent_t`, the routing bias and spread, the clusters' sizes and
-first rows, the padding rows and `_outside`, `_stats` and `_vmeans`, and for `rank=keys` (`_select_keys`, the torch
-path only) each row's cluster `_labels` and approximate key (`approx_keys`). The compiled path
+first rows, the padding rows and `_outside`, `_stats` and `_vmeans`, and for `rank=keys` (`_select_keys`, where the
+device does not rank: a question's tokens, a CPU decode device) each row's cluster `_labels` and approximate key
+(`approx_keys`). The compiled path
 (kernels/routed_scan.py) gives the same selection and estimate as the cluster ranking here
 (tests/test_routed_kernel.py).
 """
