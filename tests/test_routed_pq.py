@@ -36,6 +36,18 @@ def test_codes_decode_to_the_residuals_they_encode():
     assert torch.equal(pq.decode(codes)[h, i, 2 * j : 2 * j + 2], want)
 
 
+def test_approximate_scores_decoded_block_by_block_equal_one_product_over_the_decoded_keys():
+    gen = torch.Generator().manual_seed(1)
+    keys = torch.randn(2, 700, 16, generator=gen)
+    labels = torch.randint(0, 5, (2, 700), generator=gen)
+    cent = torch.randn(2, 5, 16, generator=gen)
+    codes = pq.train_codes(keys, cent, labels, m=8)
+    q = torch.randn(2, 3, 16, generator=gen)
+    whole = torch.bmm(q, pq.approximate_keys(cent, labels, codes).transpose(1, 2))
+    for block in (64, 700, 10_000):  # several blocks with a short last one, one block, one larger than N
+        torch.testing.assert_close(pq.approximate_scores(q, cent, labels, codes, block=block), whole)
+
+
 def test_unpack_takes_the_first_sub_vector_from_the_low_nibble():
     packed = np.array([[0x21, 0x43]], dtype=np.uint8)
     assert pq.unpack(packed, 4).tolist() == [[1, 2, 3, 4]]

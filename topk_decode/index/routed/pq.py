@@ -11,9 +11,9 @@ with μ_c its cluster's centroid, q_j the j-th of m sub-vectors of q and B_j the
 D/m dimensions). The codebooks are trained by faiss' `ProductQuantizer` (a hard dependency already), one per
 (layer, KV head); codes are kept unpacked, one byte per sub-vector, in the layout's row order.
 
-The torch path (index/routed/torch_path.py) scores with the decoded keys μ_c + r̂ in one product, which gives
-the same scores as the table lookups: it measures the selection's fidelity, not its speed. The fast form
-(16 bytes per key scanned by lookups, on the GPU beside the centroids) is not built yet.
+The torch path (index/routed/torch_path.py) scores with the decoded keys μ_c + r̂ (`approximate_scores`, decoded
+block by block: no fp32 copy of the keys is kept), which gives the same scores as the table lookups; the fast form
+(16 bytes per key scanned by lookups inside the captured step on the GPU) is index/routed/device_codes.py.
 
     >>> import torch
     >>> keys = torch.randn(1, 512, 8)
@@ -33,6 +33,7 @@ import torch
 NBITS = 4  # bits per sub-vector code: 16 codewords, one LUT of 16 entries per sub-vector
 MAX_M = 32  # sub-vectors per key by default: 16 bytes of codes (docs/EVAL.md's replay measured 32 × 4 bits)
 TRAIN_ROWS = 65_536  # residuals per (layer, KV head) the codebooks are trained on (all when fewer)
+SCORE_ROWS = 16_384  # rows decoded at a time by `approximate_scores` (Hkv × 8 MiB of fp32 keys at D = 128)
 
 
 @dataclass
@@ -86,6 +87,24 @@ def row_centroids(centroids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
 def approximate_keys(centroids: torch.Tensor, labels: torch.Tensor, codes: ResidualCodes) -> torch.Tensor:
     """(Hkv, N, D) float32 μ_c + r̂ per row: each key as its cluster's centroid and its residual code say."""
     return row_centroids(centroids, labels) + decode(codes)
+
+
+def approximate_scores(
+    q: torch.Tensor, centroids: torch.Tensor, labels: torch.Tensor, codes: ResidualCodes, block: int = SCORE_ROWS
+) -> torch.Tensor:
+    """(Hkv, Q, N) float32 q·(μ_c + r̂) for every row, the approximate keys decoded `block` rows at a time.
+
+    Args:
+        q: (Hkv, Q, D) float32 queries; centroids: (Hkv, C, D) float32; labels: (Hkv, N) int64 the cluster of
+        every row; codes: the layer's residual codes.
+    """
+    hkv, n = labels.shape
+    out = torch.empty((hkv, q.shape[1], n))
+    for a in range(0, n, block):
+        b = min(n, a + block)
+        part = ResidualCodes(codes.codes[:, a:b], codes.codebooks)
+        out[:, :, a:b] = torch.bmm(q, approximate_keys(centroids, labels[:, a:b], part).transpose(1, 2))
+    return out
 
 
 def unpack(packed: np.ndarray, m: int) -> np.ndarray:

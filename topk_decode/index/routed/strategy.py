@@ -53,7 +53,7 @@ from topk_decode.index.routed.device import TABLE_KINDS, DeviceRoutes
 from topk_decode.index.routed.device_codes import device_codes
 from topk_decode.index.routed.estimate import searchable_stats
 from topk_decode.index.routed.layout import layer_layouts, load_layouts, on_disk, to_huge_pages, write_layouts
-from topk_decode.index.routed.pq import approximate_keys, default_m
+from topk_decode.index.routed.pq import approximate_scores, default_m
 from topk_decode.index.routed.torch_path import TorchPath
 from topk_decode.index.threads import default_threads
 from topk_decode.store import huge_pages
@@ -261,9 +261,6 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         self._sizes = [lay.sizes for lay in self.layouts]
         per_key = self.rank_keys or self.estimate_keys
         self._labels = [lay.labels() for lay in self.layouts] if per_key else None  # (Hkv, N) per layer
-        # the torch path's approximate keys μ_c + r̂ per row (Hkv, N, D) float32 (index/routed/pq.py), made at first
-        # use: with estimate_by=keys the one-token steps on a GPU never need them
-        self._approx: list[torch.Tensor | None] = [None] * self.ckv.n_layers
         self._starts = [lay.offsets[:, :-1] + self._row_base for lay in self.layouts]  # (Hkv, C) flat rows
         # Padding reads an outside row of its head when there is one (then the flag alone masks padding
         # too), else the head's first row, masked by `valid`.
@@ -343,12 +340,11 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             return self._compiled(layer, q, k, budget)
         return self._select_torch(layer, q, k, budget)
 
-    def approx_keys(self, layer: int) -> torch.Tensor:
-        """(Hkv, N, D) float32 every layout row's approximate key μ_c + r̂ (rank=keys, estimate_by=keys on the CPU)."""
-        if self._approx[layer] is None:
-            lay = self.layouts[layer]
-            self._approx[layer] = approximate_keys(lay.centroids, self._labels[layer], lay.codes)
-        return self._approx[layer]
+    def approx_scores(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """(Hkv, Q, N) float32 s·q·k̂ for every layout row, k̂ = μ_c + r̂ its approximate key (rank=keys,
+        estimate_by=keys on the torch path), decoded from the codes block by block."""
+        lay = self.layouts[layer]
+        return approximate_scores(q, lay.centroids, self._labels[layer], lay.codes).mul_(self.scale)
 
     def _budget(self, k: int) -> int:
         """Keys to read per KV head: probe_fraction of the searchable ones, at least 2·k (probe_fraction 1:

@@ -3,8 +3,8 @@
 `TorchPath` holds the methods; `RoutedStrategy` (index/routed/strategy.py) mixes it in and sets what they read in its
 `prepare`: the layouts, the fp32 centroids `_cent_t`, the routing bias and spread, the clusters' sizes and
 first rows, the padding rows and `_outside`, `_stats` and `_vmeans`, and for `rank=keys` (`_select_keys`, where the
-device does not rank: a question's tokens, a CPU decode device) each row's cluster `_labels` and approximate key
-(`approx_keys`). The compiled path
+device does not rank: a question's tokens, a CPU decode device) each row's cluster `_labels` and approximate
+scores (`approx_scores`, decoded from the codes block by block). The compiled path
 (kernels/routed_scan.py) gives the same selection and estimate as the cluster ranking here
 (tests/test_routed_kernel.py).
 """
@@ -123,7 +123,7 @@ class TorchPath:
         hkv, Q, D = q.shape
         n = lay.pos.shape[1]
         labels = self._labels[layer]  # (Hkv, N)
-        approx = torch.bmm(q, self.approx_keys(layer).transpose(1, 2)).mul_(self.scale)  # (Hkv, Q, N) s·q·k̂
+        approx = self.approx_scores(layer, q)  # (Hkv, Q, N) s·q·k̂
         outside = self._outside[layer].view(hkv, n)
         approx.masked_fill_(outside[:, None, :], float("-inf"))
         share = (approx - torch.logsumexp(approx, -1, keepdim=True)).amax(1)  # (Hkv, N) union over queries
@@ -175,7 +175,7 @@ class TorchPath:
         approximate score, with its cluster's mean value."""
         hkv = q.shape[0]
         n = self.layouts[layer].pos.shape[1]
-        logit = torch.bmm(q, self.approx_keys(layer).transpose(1, 2)).mul_(self.scale)  # (Hkv, Q, N)
+        logit = self.approx_scores(layer, q)  # (Hkv, Q, N)
         left_out = ~self._outside[layer].view(hkv, n)
         rows = route.rows - self._row_base  # (Hkv, Mmax) rows of each head read (padding: an outside or a read row)
         valid = torch.ones_like(rows) if route.valid is None else route.valid.long()
