@@ -13,12 +13,17 @@ from topk_decode.index import auto
 from topk_decode.index.artifacts import artifact_dir
 
 
-def test_choose_is_exact_up_to_the_threshold_and_routed_beyond():
+def test_choose_is_exact_up_to_the_threshold_and_routed_rank_keys_beyond_on_a_gpu():
     assert auto.choose(1).strategy == "flat"
-    assert auto.choose(auto.EXACT_MAX_TOKENS).strategy == "flat"
-    assert auto.choose(auto.EXACT_MAX_TOKENS + 1).strategy == "routed"
-    assert "≤" in auto.choose(100).reason and ">" in auto.choose(10**6).reason
+    assert auto.choose(auto.EXACT_MAX_TOKENS).strategy == "flat" and auto.choose(1).options == {}
+    beyond = auto.choose(auto.EXACT_MAX_TOKENS + 1)
+    assert (beyond.strategy, beyond.options) == ("routed", {"rank": "keys"})
+    assert "≤" in auto.choose(100).reason and ">" in beyond.reason and "rank=keys" in beyond.reason
+    # on a CPU rank=keys would run its torch path (flat's scan and more): the exact scan at every length
+    cpu = auto.choose(10**6, gpu=False)
+    assert (cpu.strategy, cpu.options) == ("flat", {}) and "CPU" in cpu.reason
     assert auto.resolve("quest", 10**6) == auto.AutoChoice("quest", "chosen by the user")
+    assert auto.resolve(auto.AUTO, 10**6, gpu=False) == cpu
 
 
 def test_auto_is_the_default_strategy():
@@ -41,17 +46,35 @@ def test_open_without_a_strategy_runs_flat_on_a_short_context_and_says_why(built
         assert store.info()["strategy"] == "flat"
 
 
-def test_open_without_a_strategy_runs_routed_past_the_threshold(built_cache, tmp_path, monkeypatch):
+def test_open_without_a_strategy_on_a_cpu_runs_flat_past_the_threshold(built_cache, monkeypatch):
+    cache, _ = built_cache
+    monkeypatch.setattr(auto, "EXACT_MAX_TOKENS", 16)
+    with KVStore.open(cache, k=8, device="cpu") as store:
+        assert store.config.strategy == "flat" and "CPU" in store.strategy_reason
+    with KVStore.open(cache, k=8, strategy="routed", device="cpu") as store:  # routed stays one flag away
+        assert store.config.strategy == "routed" and store.strategy_reason == "chosen by the user"
+
+
+def test_auto_passes_its_options_and_the_users_win(built_cache, tmp_path, monkeypatch):
+    """What a GPU decode resolves to (routed rank=keys), opened here on the CPU through `resolve`'s gpu flag:
+    auto's options reach the strategy, and an option the user gives overrides auto's."""
     import shutil
+
+    from topk_decode.decode import engine
 
     cache = tmp_path / "cache"  # routed builds its artifacts into the cache: not the shared one
     shutil.copytree(built_cache[0], cache)
     monkeypatch.setattr(auto, "EXACT_MAX_TOKENS", 16)
+    on_cpu = auto.resolve
+    monkeypatch.setattr(engine.auto, "resolve", lambda name, n, gpu=True: on_cpu(name, n, gpu=True))
     with KVStore.open(cache, k=8, device="cpu") as store:
-        assert store.config.strategy == "routed"
-        assert "routed" in store.strategy_reason
-    with KVStore.open(cache, k=8, strategy="flat", device="cpu") as store:  # flat stays one flag away
-        assert store.config.strategy == "flat" and store.strategy_reason == "chosen by the user"
+        assert store.config.strategy == "routed" and "rank=keys" in store.strategy_reason
+        assert store.config.strategy_options == {"rank": "keys"}
+        assert store.decoder.strategy.options.rank == "keys" and store.decoder.strategy.options.pq_m > 0
+        first = store.ask("What is in the documents?", max_new_tokens=3)
+    with KVStore.open(cache, k=8, device="cpu", strategy_options={"rank": "clusters"}) as store:
+        assert store.decoder.strategy.options.rank == "clusters"
+    assert isinstance(first, str)
 
 
 @pytest.mark.parametrize("threshold, built", [(16, True), (None, False)])
@@ -70,9 +93,14 @@ def test_prefill_builds_what_auto_will_run(tmp_path, model_factory, docs_dir, mo
     info = CliRunner().invoke(app, ["info", str(out), "--json"])
     facts = json.loads(info.stdout)
     assert facts["auto"]["strategy"] == ("routed" if built else "flat")
+    assert facts["auto"]["options"] == ({"rank": "keys"} if built else {}) and facts["auto_cpu"]["strategy"] == "flat"
+    if built:  # with the residual codes rank=keys ranks by: the first question on a GPU waits for no build
+        from topk_decode.index.artifacts import recorded_options
+
+        assert recorded_options(out, "routed")["pq_m"] > 0
     assert ("routed" in facts["strategies"]) == built  # ready: the first question waits for no build
     text = CliRunner().invoke(app, ["info", str(out)]).stdout
-    assert f"auto runs {'routed' if built else 'flat'}" in text
+    assert f"auto runs {'routed rank=keys' if built else 'flat'}" in text
 
 
 @pytest.mark.parametrize("strategy", ["auto", "flat"])

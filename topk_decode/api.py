@@ -51,6 +51,7 @@ class KVStore:
         last = ckv.path / LAST_LOGITS
         last_logits = torch.from_numpy(np.fromfile(last, dtype=np.float32)) if last.is_file() else None
         self.requested_strategy = config.strategy  # "auto" is resolved per cache by the decoder (`append` reopens)
+        self.requested_options = dict(config.strategy_options)  # the decoder adds auto's options to the config's
         self.progress = progress
         self.decoder = TopKDecoder(model, ckv, config, last_logits=last_logits, progress=progress, lock=step_lock)
         self.prompt_format = PromptFormat(**ckv.manifest.get("prompt", {"kind": "raw"}))
@@ -243,9 +244,7 @@ class KVStore:
             exclude=exclude,
             strategies=strategies,
         )
-        config = replace(
-            self.config, strategy=self.requested_strategy, strategy_options=dict(self.config.strategy_options)
-        )
+        config = replace(self.config, strategy=self.requested_strategy, strategy_options=dict(self.requested_options))
         return KVStore(open_cache(path), self.model, self.tokenizer, config, self.progress)
 
     def close(self) -> None:

@@ -64,7 +64,8 @@ def cache_facts(path: Path, verify: bool = False) -> dict:
         },
         "prefill": m.get("prefill", {}),
         "strategies": ready,
-        "auto": vars(choose(m["n_tokens"])),  # {"strategy", "reason"}
+        "auto": vars(choose(m["n_tokens"])),  # {"strategy", "reason", "options"} when decoding on a GPU
+        "auto_cpu": vars(choose(m["n_tokens"], gpu=False)),  # ... and on a CPU
         "strategies_not_built": sorted(n for n in STRATEGIES if n not in ready),
         # what was really checked: the manifest's schema + checksum always, then sizes or every checksum
         "checked": "checksums" if verify else "sizes",
@@ -127,7 +128,15 @@ def _print(f: dict) -> None:
             f"prefill:    {p.get('seconds')} s, {p.get('tokens_per_s')} tok/s on {p.get('device')}, "
             f"chunk {p.get('chunk_size')}, peak GPU memory {peak}"
         )
-    say(f"default:    auto runs {f['auto']['strategy']} ({f['auto']['reason']})")
+
+    def runs(choice: dict) -> str:
+        opts = " ".join(f"{k}={v}" for k, v in choice["options"].items())
+        return f"{choice['strategy']}{' ' + opts if opts else ''} ({choice['reason']})"
+
+    if f["auto"] == f["auto_cpu"]:
+        say(f"default:    auto runs {runs(f['auto'])}")
+    else:
+        say(f"default:    auto runs {runs(f['auto'])} on a GPU; on a CPU {runs(f['auto_cpu'])}")
     say(
         f"strategies: {', '.join(f['strategies'])} ready"
         + (

@@ -340,9 +340,10 @@ def prefill_command(
         from topk_decode.index import keeps_artifacts
         from topk_decode.index.auto import choose
 
-        if not names:  # what `auto` will run on this cache, so the first question does not wait for a build
-            names = [n for n in [choose(stats.n_tokens).strategy] if keeps_artifacts(n)]
-            per_strategy = {n: {} for n in names}
+        if not names:  # what `auto` will run on a GPU, so the first question does not wait for a build
+            choice = choose(stats.n_tokens)
+            names = [choice.strategy] if keeps_artifacts(choice.strategy) else []
+            per_strategy = {n: dict(choice.options) for n in names}
         if names:
             _build_strategies(bar, path, names, per_strategy)
 

@@ -151,8 +151,9 @@ class TopKDecoder:
         n = ckv.n_tokens
         self.n_sink = min(config.n_sink, n)
         self.n_tail = min(config.n_tail, n - self.n_sink)
-        choice = auto.resolve(config.strategy, n)
+        choice = auto.resolve(config.strategy, n, gpu=self.device.type == "cuda")
         config.strategy = choice.strategy
+        config.strategy_options = {**choice.options, **config.strategy_options}  # the user's options win
         self.strategy_reason = choice.reason  # why this strategy runs (`topk info`, /show)
         self.strategy = get_strategy(config.strategy)(ckv, self.n_sink, n - self.n_tail, config.strategy_options)
         self.strategy.prepare(progress)

@@ -50,9 +50,9 @@ def strategies_to_rebuild(cache: Path, n_tokens: int) -> dict[str, dict]:
             files = list(read_done(artifact_dir(cache, name))["files"])
             opts["pattern"] = str(artifact_dir(cache, name) / files[0])
         out[name] = opts
-    auto = choose(n_tokens).strategy
-    if keeps_artifacts(auto):
-        out.setdefault(auto, {})
+    auto = choose(n_tokens)  # what a GPU will run (index/auto.py): the decode machine is not known here
+    if keeps_artifacts(auto.strategy):
+        out[auto.strategy] = {**out.get(auto.strategy, {}), **auto.options}
     return out
 
 
