@@ -11,7 +11,7 @@ import torch
 from test_routed import _queries, clustered_cache  # noqa: F401 - fixtures
 
 from topk_decode.decode.merge import lse_merge
-from topk_decode.errors import TopkError
+from topk_decode.errors import TopkError, TopkWarning
 from topk_decode.index.routed import pq
 from topk_decode.index.routed.device import DeviceRoutes
 
@@ -337,6 +337,33 @@ def test_rank_keys_on_the_device_reads_the_torch_paths_rows(clustered_cache, ope
         err = (out_d - sel_t.rest.out).abs()
         assert float(err.max()) < 0.1 and float(err.mean()) < 5e-3, (float(err.max()), float(err.mean()))
     assert dev.keys_read_fraction() == pytest.approx(150 / 2987, rel=1e-6)
+
+
+def test_rank_keys_ranks_clusters_in_the_layers_whose_codes_did_not_fit_the_device(
+    clustered_cache, opened, monkeypatch
+):
+    """Where a layer's codes do not fit beside the model, rank=keys must not fall back to its torch path (every key
+    decoded and scored on the CPU, per token): that layer runs the compiled cluster path, exactly rank=clusters'
+    (same layout, same estimate), and opening says how many layers rank keys."""
+    opts = {"cluster_size": 32, "probe_fraction": 0.05, "pq_m": 8}
+    dev = opened(clustered_cache, "routed", dict(opts, rank="keys", kernel="numba", device_route="true"), lo=3, hi=2990)
+    ref = opened(clustered_cache, "routed", dict(opts, rank="clusters", kernel="numba"), lo=3, hi=2990)
+    k = 40
+    monkeypatch.setattr(DeviceRoutes, "keyed_layers", lambda self: 1)
+    with pytest.warns(TopkWarning, match="1 of 2 layers"):
+        routes = dev.device_routes(CPU, [k, k])
+    routes.tables[1] = None  # layer 1's tables did not fit
+    q = _queries(seed=53)
+    hkv, Q, d = q.shape
+    o = torch.empty(hkv * Q, d, dtype=torch.bfloat16)
+    assert dev.attends(0, k, o, routed=True) and dev.attends(1, k, o)
+    parts = []
+    for strat in (dev, ref):
+        out, mz = torch.empty(hkv * Q, d, dtype=torch.bfloat16), torch.empty(hkv * Q, 2)
+        sel = strat.select_and_attend(1, q, k, None, out, mz)
+        parts.append((sel.ids, out, mz))
+    for a, b in zip(*parts):
+        assert torch.equal(a, b)
 
 
 def test_decoder_ranks_keys_on_the_device_and_matches_the_torch_path(tmp_path, model_factory, docs_dir):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from topk_decode.errors import TopkError
+from topk_decode.errors import TopkError, TopkWarning
 from topk_decode.index.artifacts import ensure_artifacts, recorded_options
 from topk_decode.index.base import (
     KERNEL_DTYPES,
@@ -202,6 +203,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
         o = self.options = with_codes(self.options, self.ckv.head_dim)
         self.rank_keys = o.rank == "keys"
+        self.routes: DeviceRoutes | None = None  # set by `device_routes` when the decode device routes
         self.probe_fraction = o.probe_fraction
         self.use_spread, use_sizes = o.spread, o.sizes
         self.estimate, self.estimate_read = o.estimate, o.estimate_read
@@ -411,13 +413,28 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             codes=codes,
             rank_keys=self.rank_keys,
         )
-        return routes if routes.layers_on_device() else None
+        self.routes = routes if routes.layers_on_device() else None
+        keyed = 0 if self.routes is None else self.routes.keyed_layers()
+        if self.routes is not None and (self.rank_keys or self.estimate_keys) and keyed < self.ckv.n_layers:
+            warnings.warn(
+                f"routed: the residual codes of {keyed} of {self.ckv.n_layers} layers fit the {device.type} beside the "
+                "model; the other layers rank and estimate by clusters (as rank=clusters: as fast, less often dense's "
+                "answer); a larger GPU memory budget fits more",
+                TopkWarning,
+                stacklevel=2,
+            )
+        return self.routes
 
     def attends(self, layer: int, k: int, o: torch.Tensor, routed: bool = False) -> bool:
         """The compiled path attends (bf16 values) wherever k leaves something to search; with rank=keys or
-        estimate_by=keys only where the device ranked and estimates (the torch path does both elsewhere)."""
+        estimate_by=keys where the device ranked and estimates, and in the layers whose codes did not fit a device
+        that routes the others (there by clusters: the torch path would score every key on the CPU per token);
+        elsewhere the torch path does both."""
         per_key = self.rank_keys or self.estimate_keys
-        return self.kernel and k < self.n_searchable and o.dtype in KERNEL_DTYPES and (routed or not per_key)
+        left_out = per_key and self.routes is not None and not self.routes.handles(layer)
+        return (
+            self.kernel and k < self.n_searchable and o.dtype in KERNEL_DTYPES and (routed or not per_key or left_out)
+        )
 
     def select_and_attend(
         self,
