@@ -21,12 +21,16 @@ def _routed(cache, lo, hi, **options):
     return strat
 
 
-def test_codes_decode_to_the_residuals_they_encode():
-    gen = torch.Generator().manual_seed(0)
+def _trained(gen: torch.Generator):
+    """Random keys of 2 KV heads × 700 rows × 16 dimensions in 5 clusters, and their codes at m = 8."""
     keys = torch.randn(2, 700, 16, generator=gen)
     labels = torch.randint(0, 5, (2, 700), generator=gen)
     cent = torch.randn(2, 5, 16, generator=gen)
-    codes = pq.train_codes(keys, cent, labels, m=8)
+    return keys, labels, cent, pq.train_codes(keys, cent, labels, m=8)
+
+
+def test_codes_decode_to_the_residuals_they_encode():
+    keys, labels, cent, codes = _trained(torch.Generator().manual_seed(0))
     res = keys - cent.gather(1, labels[..., None].expand(-1, -1, 16))
     # 16 codewords per 2-dimensional sub-vector: the decoded residuals are far closer than the residuals' own size
     assert (pq.decode(codes) - res).norm() < 0.5 * res.norm()
@@ -38,10 +42,7 @@ def test_codes_decode_to_the_residuals_they_encode():
 
 def test_approximate_scores_decoded_block_by_block_equal_one_product_over_the_decoded_keys():
     gen = torch.Generator().manual_seed(1)
-    keys = torch.randn(2, 700, 16, generator=gen)
-    labels = torch.randint(0, 5, (2, 700), generator=gen)
-    cent = torch.randn(2, 5, 16, generator=gen)
-    codes = pq.train_codes(keys, cent, labels, m=8)
+    _, labels, cent, codes = _trained(gen)
     q = torch.randn(2, 3, 16, generator=gen)
     whole = torch.bmm(q, pq.approximate_keys(cent, labels, codes).transpose(1, 2))
     for block in (64, 700, 10_000):  # several blocks with a short last one, one block, one larger than N
