@@ -339,6 +339,36 @@ def test_rank_keys_on_the_device_reads_the_torch_paths_rows(clustered_cache, ope
     assert dev.keys_read_fraction() == pytest.approx(150 / 2987, rel=1e-6)
 
 
+def test_rank_keys_in_blocks_reads_runs_of_rows_and_the_device_reads_the_torch_paths(clustered_cache, opened):
+    """key_block=4: the device sends runs of 4 consecutive rows (the last block padded with an outside row), the
+    same rows the torch path reads, and the same top-k and estimate."""
+    opts = {"cluster_size": 32, "probe_fraction": 0.05, "rank": "keys", "key_block": 4}
+    dev = opened(clustered_cache, "routed", dict(opts, kernel="numba", device_route="true"), lo=3, hi=2990)
+    ref = opened(clustered_cache, "routed", dict(opts, kernel="torch"), lo=3, hi=2990)
+    k = 40
+    routes = dev.device_routes(CPU, [k, k])
+    assert routes.tables[0].width == 148  # 150 rows (5 % of 2,987) in whole blocks of 4
+    for layer, seed in ((0, 54), (1, 55)):
+        q = _queries(seed=seed)
+        hkv, Q, d = q.shape
+        routes.route(layer, q)
+        rows = routes.host_route(layer)[0].long().view(hkv, -1, 4)
+        # runs of 4 consecutive rows; the last block's rows past the layout's end are an outside row
+        assert bool((rows < dev.ckv.n_tokens).all()) and bool(
+            ((rows.diff(dim=2) == 1) | (rows[..., 1:] < rows[..., :1])).all()
+        )
+        o, mz = torch.empty(hkv * Q, d, dtype=torch.bfloat16), torch.empty(hkv * Q, 2)
+        sel_d = dev.select_and_attend(layer, q, k, None, o, mz, route=routes.host_route(layer))
+        sel_t = ref.select(layer, q, k)
+        pairs = [(set(sel_d.ids[h, i].tolist()), set(sel_t.ids[h, i].tolist())) for h in range(hkv) for i in range(Q)]
+        assert sum(len(a & b) for a, b in pairs) / sum(len(b) for _, b in pairs) > 0.97
+        assert all(min(a) >= 3 and max(a) < 2990 for a, _ in pairs)  # sinks and tail rows read, never selected
+        out_d, lse_d = routes.estimate_part(layer)
+        torch.testing.assert_close(lse_d, sel_t.rest.lse, rtol=2e-2, atol=3e-2)
+        err = (out_d - sel_t.rest.out).abs()
+        assert float(err.max()) < 0.1 and float(err.mean()) < 5e-3, (float(err.max()), float(err.mean()))
+
+
 def test_rank_keys_ranks_clusters_in_the_layers_whose_codes_did_not_fit_the_device(
     clustered_cache, opened, monkeypatch
 ):

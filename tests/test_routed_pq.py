@@ -49,6 +49,18 @@ def test_approximate_scores_decoded_block_by_block_equal_one_product_over_the_de
         torch.testing.assert_close(pq.approximate_scores(q, cent, labels, codes, block=block), whole)
 
 
+def test_top_rows_takes_the_best_rows_or_the_blocks_holding_them():
+    share = torch.full((2, 10), -5.0)
+    share[0, [1, 6, 9]] = torch.tensor([3.0, 2.0, 1.0])
+    share[1, [0, 4]] = torch.tensor([1.0, 2.0])
+    assert pq.top_rows(share, 2).tolist() == [[1, 6], [0, 4]]  # single rows, in row order
+    pad = torch.tensor([[7], [8]])
+    # blocks of 3 over 10 rows: [0-2] [3-5] [6-8] [9, pad, pad]; head 0's best blocks hold rows 1 and 6, then 9
+    assert pq.top_rows(share, 6, block=3, pad=pad).tolist() == [[0, 1, 2, 6, 7, 8], [0, 1, 2, 3, 4, 5]]
+    assert pq.top_rows(share, 9, block=3, pad=pad)[0].tolist() == [0, 1, 2, 6, 7, 8, 9, 7, 7]
+    assert pq.top_rows(share, 8, block=3, pad=pad).shape == (2, 6)  # whole blocks only
+
+
 def test_unpack_takes_the_first_sub_vector_from_the_low_nibble():
     packed = np.array([[0x21, 0x43]], dtype=np.uint8)
     assert pq.unpack(packed, 4).tolist() == [[1, 2, 3, 4]]

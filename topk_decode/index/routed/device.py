@@ -35,6 +35,7 @@ import torch
 
 from topk_decode.index.routed.device_codes import DeviceCodes, cluster_lse, row_scores, segment_lse
 from topk_decode.index.routed.estimate import unread_part
+from topk_decode.index.routed.pq import top_rows
 
 # Free device memory kept beside the tables for the step itself (its graphs' temporaries, the window).
 DEFAULT_RESERVE = 384 << 20
@@ -50,8 +51,9 @@ class LayerTables:
     bias: (Hkv, 1, C) float32 0 or −inf (no searchable key);
     log_n: (Hkv, 1, C) float32; sizes: (Hkv, C) int64 rows per cluster; vmeans: (Hkv, C, D) mean values
     (keys' dtype or float8) or None without the estimate; vscale: (Hkv, 1, D) float32 float8 scale or None.
-    budget: keys to read per head; width: clusters ranked per head (W).
+    budget: keys to read per head; width: clusters ranked per head (W), with rank_keys the rows read.
     codes: the residual codes (index/routed/device_codes.py) of the per-key ranking and estimate, or None.
+    pad: (Hkv, 1) int64 a row outside the searchable range per head (rank_keys in blocks: `pq.top_rows`), or None.
     """
 
     def __init__(
@@ -66,11 +68,12 @@ class LayerTables:
         budget: int,
         width: int,
         codes: DeviceCodes | None = None,
+        pad: torch.Tensor | None = None,
     ) -> None:
         self.cent, self.cscale, self.bias, self.log_n, self.sizes = cent, cscale, bias, log_n, sizes
         self.vmeans, self.vscale = vmeans, vscale
         self.budget, self.width = budget, width
-        self.codes = codes
+        self.codes, self.pad = codes, pad
 
     def nbytes(self) -> int:
         """Device bytes held."""
@@ -122,6 +125,8 @@ class DeviceRoutes:
             and the per-key ranking, or None.
         rank_keys: rank every key by its approximate score (routed's rank=keys) and send the host the `budget` best
             rows of each head instead of clusters; the estimate then sums the unread keys per cluster.
+        key_block: with rank_keys, read blocks of this many consecutive rows (`pq.top_rows`); pad_rows: per layer
+            (Hkv, 1) int64 an outside row of each head, read past the last block's end (needed when key_block > 1).
     """
 
     def __init__(
@@ -138,9 +143,14 @@ class DeviceRoutes:
         reserve: int = DEFAULT_RESERVE,
         codes: list[DeviceCodes] | None = None,
         rank_keys: bool = False,
+        key_block: int = 1,
+        pad_rows: list[torch.Tensor] | None = None,
     ) -> None:
         self.device, self.scale, self.estimate = device, scale, estimate
         self._codes, self.rank_keys = codes, rank_keys
+        self.key_block, self._pad_rows = key_block, pad_rows
+        if key_block > 1 and pad_rows is None:
+            raise ValueError("key blocks need a padding row per layer and head")
         if rank_keys and codes is None:
             raise ValueError("rank_keys needs the residual codes")
         self.n_layers = len(stats)
@@ -201,8 +211,11 @@ class DeviceRoutes:
             vmeans=vmeans,
             vscale=vscale,
             budget=budget,
-            width=min(budget, n_tokens) if self.rank_keys else ranked_width(budget, C, n_tokens),
+            width=min(budget, n_tokens) // self.key_block * self.key_block
+            if self.rank_keys
+            else ranked_width(budget, C, n_tokens),
             codes=self._codes[layer].to(dev) if self._codes is not None else None,
+            pad=self._pad_rows[layer].to(dev) if self._pad_rows is not None else None,
         )
 
     def handles(self, layer: int) -> bool:
@@ -234,7 +247,7 @@ class DeviceRoutes:
             scores = row_scores(t.codes, q32, self.scale, base)  # (Hkv, G, N)
             lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (Hkv, G, 1)
             share = scores.sub_(lse).amax(1)  # (Hkv, N); in place: one (Hkv, G, N) buffer per layer, not two
-            rows = share.topk(t.width, dim=-1, sorted=False).indices.sort(dim=-1).values  # (Hkv, W)
+            rows = top_rows(share, t.width, self.key_block, t.pad)  # (Hkv, W) in row order (blocks: runs)
             self.order_host[layer].copy_(rows, non_blocking=True)
             if self.estimate:
                 self._read[layer] = (q32, scores, rows, lse)

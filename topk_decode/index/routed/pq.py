@@ -107,6 +107,26 @@ def approximate_scores(
     return out
 
 
+def top_rows(share: torch.Tensor, width: int, block: int = 1, pad: torch.Tensor | None = None) -> torch.Tensor:
+    """(Hkv, W) int64 the layout rows rank=keys reads: the `width` best rows by `share`, in row order; with
+    `block` > 1 the best width // block blocks of `block` consecutive rows, each block scored by its best row (the
+    host then reads runs, not single rows), W = width // block · block.
+
+    Args:
+        share: (Hkv, N) float32 each row's score (−inf for rows never to read); pad: (Hkv, 1) int64 a row outside
+            the searchable range per head, read in place of the rows past the end of the last block.
+    """
+    if block == 1:
+        return share.topk(width, dim=-1, sorted=False).indices.sort(dim=-1).values
+    hkv, n = share.shape
+    nb = -(-n // block)
+    padded = torch.nn.functional.pad(share, (0, nb * block - n), value=float("-inf"))
+    best = padded.view(hkv, nb, block).amax(-1)  # (Hkv, nb)
+    blocks = best.topk(width // block, dim=-1, sorted=False).indices.sort(dim=-1).values
+    rows = (blocks[..., None] * block + torch.arange(block, device=share.device)).view(hkv, -1)
+    return torch.where(rows < n, rows, pad)
+
+
 def unpack(packed: np.ndarray, m: int) -> np.ndarray:
     """faiss' packed 4-bit codes (n, m/2) uint8, the first sub-vector in the low nibble, → (n, m) uint8."""
     out = np.empty((packed.shape[0], m), dtype=np.uint8)

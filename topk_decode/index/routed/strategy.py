@@ -112,6 +112,12 @@ class RoutedOptions(StrategyOptions):
         "unread keys per key (docs/EVAL.md).",
         check=("clusters", "keys"),
     )
+    key_block: int = option(
+        1,
+        "rank=keys reads blocks of this many consecutive layout rows (neighbours in one cluster), each block ranked by "
+        "its best key: the host then reads runs of rows rather than single rows (docs/STRATEGIES.md).",
+        check=POSITIVE,
+    )
     probe_fraction: float = option(
         0.04,
         "Share of a KV head's searchable keys read per step (with the last cluster's overshoot at most ~5 %).",
@@ -271,6 +277,8 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             has = out.view(hkv, n).any(1)
             first = out.view(hkv, n).to(torch.uint8).argmax(1)  # first outside row per head
             self._pad_rows.append((self._row_base[:, 0] + first).view(hkv, 1) if bool(has.all()) else None)
+        # rank=keys in blocks pads the last block with an outside row: without one (no sinks, no tail) single rows
+        self.key_block = o.key_block if all(p is not None for p in self._pad_rows) else 1
         self.huge_bytes = 0
         if self.kernel:
             if self.hugepages:
@@ -412,6 +420,8 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             values=self.device_tables,
             codes=codes,
             rank_keys=self.rank_keys,
+            key_block=self.key_block if self.rank_keys else 1,
+            pad_rows=[p - self._row_base for p in self._pad_rows] if self.rank_keys and self.key_block > 1 else None,
         )
         self.routes = routes if routes.layers_on_device() else None
         keyed = 0 if self.routes is None else self.routes.keyed_layers()

@@ -17,6 +17,7 @@ import torch
 
 from topk_decode.index.base import RestPart, Selection
 from topk_decode.index.routed.estimate import combine, keyed_rest_part, read_rest_part, unread_part
+from topk_decode.index.routed.pq import top_rows
 
 
 class Route(NamedTuple):
@@ -127,11 +128,14 @@ class TorchPath:
         outside = self._outside[layer].view(hkv, n)
         approx.masked_fill_(outside[:, None, :], float("-inf"))
         share = (approx - torch.logsumexp(approx, -1, keepdim=True)).amax(1)  # (Hkv, N) union over queries
-        width = min(budget, self.n_searchable)
-        local = share.topk(width, dim=-1, sorted=False).indices  # (Hkv, B) rows of each head read
+        pad = self._pad_rows[layer] - self._row_base if self.key_block > 1 else None
+        local = top_rows(share, min(budget, self.n_searchable), self.key_block, pad)  # (Hkv, B) rows of each head read
+        width = local.shape[1]
         rows = (local + self._row_base).view(-1)
         keys = lay.keys.reshape(-1, D).index_select(0, rows).float().view(hkv, width, D)
         scores = torch.bmm(q, keys.transpose(1, 2))  # (Hkv, Q, B) exact
+        if self.key_block > 1:  # a block holds sinks or tail rows too (and the padding): never selected
+            scores.masked_fill_(outside.gather(1, local)[:, None, :], float("-inf"))
         top = scores.topk(min(k, width), dim=-1, sorted=False)
         pos = lay.pos.gather(1, local)  # (Hkv, B)
         ids = pos[:, None, :].expand(hkv, Q, width).gather(-1, top.indices)
