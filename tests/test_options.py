@@ -26,7 +26,14 @@ def test_values_are_converted_once_and_build_options_are_told_apart():
     opts = cls.parse_options({"probe_fraction": "0.02", "estimate": "false", "cluster_size": "24", "kernel": "TORCH"})
     assert opts.probe_fraction == 0.02 and opts.estimate is False and opts.kernel == "torch"
     assert opts.given_build_values() == {"cluster_size": 24}
-    assert opts.build_values() == {"cluster_size": 24, "iters": 6, "store_values": True, "segment": 65536, "pq_m": 0}
+    assert opts.build_values() == {
+        "cluster_size": 24,
+        "iters": 6,
+        "store_values": True,
+        "segment": 65536,
+        "pq_m": 0,
+        "pq_values": 0,
+    }
     assert cls.parse_options(opts) is opts  # an instance is not parsed again
     assert opts.replace(iters=3).given_build_values() == {"cluster_size": 24, "iters": 3}
 

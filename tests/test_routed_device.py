@@ -339,6 +339,13 @@ def test_rank_keys_on_the_device_reads_the_torch_paths_rows(clustered_cache, ope
     assert dev.keys_read_fraction() == pytest.approx(150 / 2987, rel=1e-6)
 
 
+def test_value_codes_keep_rank_keys_on_the_torch_path(clustered_cache, opened):
+    """The device's estimate has no value codes (pq_values): such a strategy does not route on the device."""
+    opts = {"cluster_size": 32, "rank": "keys", "pq_values": 8, "kernel": "numba", "device_route": "true"}
+    strat = opened(clustered_cache, "routed", opts, lo=3, hi=2990)
+    assert strat.layouts[0].value_codes is not None and strat.device_routes(CPU, [40, 40]) is None
+
+
 def test_rank_keys_in_blocks_reads_runs_of_rows_and_the_device_reads_the_torch_paths(clustered_cache, opened):
     """key_block=4: the device sends runs of 4 consecutive rows (the last block padded with an outside row), the
     same rows the torch path reads, and the same top-k and estimate."""

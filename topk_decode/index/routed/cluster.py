@@ -69,6 +69,7 @@ class LayerLayout:
     value_means: (Hkv, C, D) float32 mean of each cluster's values (0 for an empty cluster), or None
         (layouts built before it existed): what routed's estimate of the unread clusters attends to.
     codes: the rows' residual codes (index/routed/pq.py), or None (built with `pq_m=0`).
+    value_codes: the rows' value residuals to value_means, coded the same way, or None (built with `pq_values=0`).
     """
 
     keys: torch.Tensor
@@ -79,6 +80,7 @@ class LayerLayout:
     spread: torch.Tensor
     value_means: torch.Tensor | None = None
     codes: ResidualCodes | None = None
+    value_codes: ResidualCodes | None = None
 
     @property
     def sizes(self) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch
 
 from topk_decode.index.base import RestPart
 from topk_decode.index.routed.cluster import LayerLayout
+from topk_decode.index.routed.pq import SCORE_ROWS, ResidualCodes, decode
 
 
 @dataclass
@@ -122,22 +123,30 @@ def read_rest_part(
     return RestPart(out=out, lse=lse)
 
 
-def keyed_rest_part(logit: torch.Tensor, labels: torch.Tensor, value_means: torch.Tensor) -> RestPart:
+def keyed_rest_part(
+    logit: torch.Tensor, labels: torch.Tensor, value_means: torch.Tensor, value_codes: ResidualCodes | None = None
+) -> RestPart:
     """The estimate from per-key weights (routed's `rank=keys`): each key left out weighs exp(logit), with its
-    cluster's mean value.
+    cluster's mean value, plus its own coded value residual where `value_codes` are given (`pq_values`).
 
     Args:
         logit: (Hkv, Q, N) float32 s·q·k per layout row (approximate for unread keys, exact for read ones;
             −inf for the keys accounted exactly and outside the searchable range).
         labels: (Hkv, N) int64 the cluster of every row.
-        value_means: (Hkv, C, D) float32 v̄_c.
+        value_means: (Hkv, C, D) float32 v̄_c (with value_codes: the means their residuals are to).
+        value_codes: (Hkv, N, m) codes of every row's v − v̄_c (index/routed/pq.py), or None.
     """
     hkv, Q, n = logit.shape
     lse = torch.logsumexp(logit, dim=-1)  # (Hkv, Q)
     finite = torch.isfinite(lse)
     w = (logit - torch.where(finite, lse, 0.0)[..., None]).exp_()  # (Hkv, Q, N), 0 where −inf
     per_cluster = torch.zeros((hkv, Q, value_means.shape[1])).scatter_add_(-1, labels[:, None, :].expand(hkv, Q, n), w)
-    return RestPart(out=torch.bmm(per_cluster, value_means.float()), lse=lse)
+    out = torch.bmm(per_cluster, value_means.float())
+    if value_codes is not None:  # Σ_i w_i·r̂_i, the residuals decoded a block of rows at a time
+        for a in range(0, n, SCORE_ROWS):
+            b = min(n, a + SCORE_ROWS)
+            out.baddbmm_(w[:, :, a:b], decode(ResidualCodes(value_codes.codes[:, a:b], value_codes.codebooks)))
+    return RestPart(out=out, lse=lse)
 
 
 def combine(a: RestPart, b: RestPart) -> RestPart:

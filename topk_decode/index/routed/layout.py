@@ -33,18 +33,26 @@ def layer_layouts(ckv: ContextKV, opts: dict, progress: Callable[[int, int], Non
     """Each layer's clustered layout, built in turn (k-means on the GPU when there is one, index/routed/cluster.py).
 
     Args:
-        ckv: the context; opts: routed's build options (cluster_size, iters, store_values, segment, pq_m);
-            progress: (done, total).
+        ckv: the context; opts: routed's build options (cluster_size, iters, store_values, segment, pq_m,
+            pq_values); progress: (done, total).
     """
     cfg = KMeansConfig(cluster_size=opts["cluster_size"], iters=opts["iters"], segment=opts["segment"])
     device = kmeans_device()
-    m = opts.get("pq_m", 0)
-    if m and ckv.head_dim % m:
-        raise TopkError(f"routed: pq_m={m} must divide the head dimension {ckv.head_dim}")
+    m, mv = opts.get("pq_m", 0), opts.get("pq_values", 0)
+    for name, sub in (("pq_m", m), ("pq_values", mv)):
+        if sub and ckv.head_dim % sub:
+            raise TopkError(f"routed: {name}={sub} must divide the head dimension {ckv.head_dim}")
     for layer in range(ckv.n_layers):
         lay = build_layer(ckv.keys[layer], ckv.values[layer], cfg, device, store_values=opts["store_values"])
         if m:
             lay.codes = train_codes(lay.keys, lay.centroids, lay.labels(), m)
+        if mv:  # the values in row order, coded as residuals to their cluster's mean value
+            rows = (
+                lay.values
+                if lay.values is not None
+                else ckv.values[layer].gather(1, lay.pos[..., None].expand(-1, -1, ckv.head_dim))
+            )
+            lay.value_codes = train_codes(rows, lay.value_means, lay.labels(), mv)
         yield lay
         if progress:
             progress(layer + 1, ckv.n_layers)
@@ -66,6 +74,9 @@ def _files(lay: LayerLayout) -> dict[str, torch.Tensor]:
     if lay.codes is not None:
         arrays["pqcodes"] = lay.codes.codes
         arrays["pqbooks"] = lay.codes.codebooks
+    if lay.value_codes is not None:
+        arrays["pqvcodes"] = lay.value_codes.codes
+        arrays["pqvbooks"] = lay.value_codes.codebooks
     return arrays
 
 
@@ -103,17 +114,18 @@ def load_layouts(ckv: ContextKV, name: str, built: dict) -> list[LayerLayout]:
         m = np.memmap(d / f"{tag}.{layer:03d}.bin", dtype=dtype, mode="r", shape=shape)
         return as_torch(m, dtype_tag) if dtype_tag else torch.from_numpy(np.array(m))
 
-    m = int(built.get("pq_m", 0))
+    def coded(tag: str, layer: int, m: int) -> ResidualCodes | None:
+        if not m:
+            return None
+        return ResidualCodes(
+            arr(f"{tag}codes", layer, np.uint8, (hkv, n, m)),
+            arr(f"{tag}books", layer, np.float32, (hkv, m, 1 << NBITS, D // m)),
+        )
+
+    m, mv = int(built.get("pq_m", 0)), int(built.get("pq_values", 0))
     out = []
     for layer in range(ckv.n_layers):
-        codes = (
-            ResidualCodes(
-                arr("pqcodes", layer, np.uint8, (hkv, n, m)),
-                arr("pqbooks", layer, np.float32, (hkv, m, 1 << NBITS, D // m)),
-            )
-            if m
-            else None
-        )
+        codes = coded("pq", layer, m)
         values = arr("values", layer, numpy_storage(dt), (hkv, n, D), dt) if built.get("store_values") else None
         out.append(
             LayerLayout(
@@ -125,6 +137,7 @@ def load_layouts(ckv: ContextKV, name: str, built: dict) -> list[LayerLayout]:
                 spread=arr("spread", layer, np.float32, (hkv, C)),
                 value_means=arr("vmeans", layer, np.float32, (hkv, C, D)) if built.get("value_means") else None,
                 codes=codes,
+                value_codes=coded("pqv", layer, mv),
             )
         )
     return out

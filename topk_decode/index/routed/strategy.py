@@ -54,7 +54,7 @@ from topk_decode.index.routed.device import TABLE_KINDS, DeviceRoutes
 from topk_decode.index.routed.device_codes import device_codes
 from topk_decode.index.routed.estimate import searchable_stats
 from topk_decode.index.routed.layout import layer_layouts, load_layouts, on_disk, to_huge_pages, write_layouts
-from topk_decode.index.routed.pq import approximate_scores, default_m
+from topk_decode.index.routed.pq import ResidualCodes, approximate_scores, default_m
 from topk_decode.index.routed.torch_path import TorchPath
 from topk_decode.index.threads import default_threads
 from topk_decode.store import huge_pages
@@ -101,6 +101,14 @@ class RoutedOptions(StrategyOptions):
         0,
         "Sub-vectors of the 4-bit residual codes stored per key (index/routed/pq.py; 0: none). rank=keys builds "
         "them with 32 (D/2 under 64 dimensions) when not given: 16 bytes per key.",
+        build=True,
+        check=NON_NEGATIVE,
+    )
+    pq_values: int = option(
+        0,
+        "Sub-vectors of 4-bit codes of each value's residual to its cluster's mean value (0: none; 32 is 16 bytes per "
+        "key): the per-key estimate (rank=keys, estimate_by=keys) then adds each unread key's own coded residual to its "
+        "cluster's mean value. Torch path only: a decode with them does not route on the device (docs/EVAL.md).",
         build=True,
         check=NON_NEGATIVE,
     )
@@ -350,6 +358,14 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             return self._compiled(layer, q, k, budget)
         return self._select_torch(layer, q, k, budget)
 
+    def rest_values(self, layer: int) -> tuple[torch.Tensor, ResidualCodes | None]:
+        """The per-key estimate's values: the clusters' mean values and, with `pq_values`, every row's coded
+        residual to them (the layout's means, over all its keys); else the searchable keys' means and None."""
+        lay = self.layouts[layer]
+        if self.options.pq_values:  # asked for: a layout built with other options is rebuilt with them
+            return lay.value_means, lay.value_codes
+        return self._vmeans[layer], None
+
     def approx_scores(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """(Hkv, Q, N) float32 s·q·k̂ for every layout row, k̂ = μ_c + r̂ its approximate key (rank=keys,
         estimate_by=keys on the torch path), decoded from the codes block by block."""
@@ -402,6 +418,8 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         wanted = self.device_route == "true" or (self.device_route == "auto" and device.type == "cuda")
         if not wanted or not self.kernel or any(k >= self.n_searchable for k in k_per_layer):
             return None
+        if (self.rank_keys or self.estimate_keys) and self.options.pq_values:
+            return None  # the device's estimate has no value codes (yet): the torch path's every step
         codes = None
         if self.rank_keys or (self.estimate and self.estimate_keys):
             codes = [

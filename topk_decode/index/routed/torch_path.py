@@ -148,7 +148,7 @@ class TorchPath:
             read = scores.mul(self.scale) if self.estimate_read else torch.full_like(scores, float("-inf"))
             read.scatter_(-1, top.indices, float("-inf"))  # the top-k is accounted exactly
             logit.scatter_(-1, local[:, None, :].expand(hkv, Q, width), read)
-            rest = keyed_rest_part(logit, labels, self._vmeans[layer])
+            rest = keyed_rest_part(logit, labels, *self.rest_values(layer))
         return Selection(ids=ids, scores=top.values, no_empty_slots=True, rest=rest)
 
     def _rest(
@@ -185,7 +185,7 @@ class TorchPath:
         valid = torch.ones_like(rows) if route.valid is None else route.valid.long()
         read = torch.zeros(hkv, n, dtype=torch.long).scatter_add_(1, rows, valid) > 0
         logit.masked_fill_(~(left_out & ~read)[:, None, :], float("-inf"))
-        return keyed_rest_part(logit, self._labels[layer], self._vmeans[layer])
+        return keyed_rest_part(logit, self._labels[layer], *self.rest_values(layer))
 
     def _buffers(self, rows: int, Q: int, D: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """Gather, fp32 and score buffers reused across layers and steps (fresh 10-50 MiB tensors per layer
