@@ -8,7 +8,8 @@ ranking of whole clusters reaches them within a 4 % read; scoring every key by c
     q·k ≈ q·μ_c + Σ_j LUT_j[code_j],   LUT_j[b] = q_j·B_j[b]
 
 with μ_c its cluster's centroid, q_j the j-th of m sub-vectors of q and B_j the j-th codebook (16 entries of
-D/m dimensions). The codebooks are trained by faiss' `ProductQuantizer` (a hard dependency already), one per
+D/m dimensions). The same codes of each value's residual to its cluster's mean value (`pq_values`) give the per-key
+estimate every unread key's own approximate value v̄_c + r̂v (index/routed/estimate.py `keyed_rest_part`). The codebooks are trained by faiss' `ProductQuantizer` (a hard dependency already), one per
 (layer, KV head); codes are kept unpacked, one byte per sub-vector, in the layout's row order.
 
 The torch path (index/routed/torch_path.py) scores with the decoded keys μ_c + r̂ (`approximate_scores`, decoded
