@@ -169,7 +169,7 @@ def markdown(per_length: list[dict], model: str) -> str:
 # per context (30 left the 0.5B model answering 26 % densely), first on held-out seeds; flat at k = 100 % is the
 # measurement's noise floor; 4 % is what routed reads to select 1 % (the others at the same read).
 SUITE = {
-    "strategies": "flat,flat:k=100%,routed,routed:rank=keys,quest,ivf,hnsw,tokenselect,duo",
+    "strategies": "flat,flat:k=100%,routed,routed:rank=keys,routed:rank=keys:pq_values=32,quest,ivf,hnsw,tokenselect,duo",
     "k": "1%,2%,4%",
     "tasks": "real_needle,real_multi_key,real_qa",
     "questions": 3,
