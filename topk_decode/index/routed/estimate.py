@@ -23,7 +23,7 @@ import torch
 
 from topk_decode.index.base import RestPart
 from topk_decode.index.routed.cluster import LayerLayout
-from topk_decode.index.routed.pq import SCORE_ROWS, ResidualCodes, decode
+from topk_decode.index.routed.pq import ResidualCodes, code_blocks, decode
 
 
 @dataclass
@@ -143,9 +143,8 @@ def keyed_rest_part(
     per_cluster = torch.zeros((hkv, Q, value_means.shape[1])).scatter_add_(-1, labels[:, None, :].expand(hkv, Q, n), w)
     out = torch.bmm(per_cluster, value_means.float())
     if value_codes is not None:  # Σ_i w_i·r̂_i, the residuals decoded a block of rows at a time
-        for a in range(0, n, SCORE_ROWS):
-            b = min(n, a + SCORE_ROWS)
-            out.baddbmm_(w[:, :, a:b], decode(ResidualCodes(value_codes.codes[:, a:b], value_codes.codebooks)))
+        for a, b, part in code_blocks(value_codes):
+            out.baddbmm_(w[:, :, a:b], decode(part))
     return RestPart(out=out, lse=lse)
 
 

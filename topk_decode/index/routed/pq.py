@@ -8,9 +8,10 @@ ranking of whole clusters reaches them within a 4 % read; scoring every key by c
     q·k ≈ q·μ_c + Σ_j LUT_j[code_j],   LUT_j[b] = q_j·B_j[b]
 
 with μ_c its cluster's centroid, q_j the j-th of m sub-vectors of q and B_j the j-th codebook (16 entries of
-D/m dimensions). The same codes of each value's residual to its cluster's mean value (`pq_values`) give the per-key
-estimate every unread key's own approximate value v̄_c + r̂v (index/routed/estimate.py `keyed_rest_part`). The codebooks are trained by faiss' `ProductQuantizer` (a hard dependency already), one per
-(layer, KV head); codes are kept unpacked, one byte per sub-vector, in the layout's row order.
+D/m dimensions). The codebooks are trained by faiss' `ProductQuantizer` (a hard dependency already), one per
+(layer, KV head); codes are kept unpacked, one byte per sub-vector, in the layout's row order. The same codes of
+each value's residual to its cluster's mean value (`pq_values`) give the per-key estimate every unread key's own
+approximate value v̄_c + r̂v (index/routed/estimate.py `keyed_rest_part`).
 
 The torch path (index/routed/torch_path.py) scores with the decoded keys μ_c + r̂ (`approximate_scores`, decoded
 block by block: no fp32 copy of the keys is kept), which gives the same scores as the table lookups; the fast form
@@ -101,11 +102,17 @@ def approximate_scores(
     """
     hkv, n = labels.shape
     out = torch.empty((hkv, q.shape[1], n))
-    for a in range(0, n, block):
-        b = min(n, a + block)
-        part = ResidualCodes(codes.codes[:, a:b], codes.codebooks)
+    for a, b, part in code_blocks(codes, block):
         out[:, :, a:b] = torch.bmm(q, approximate_keys(centroids, labels[:, a:b], part).transpose(1, 2))
     return out
+
+
+def code_blocks(codes: ResidualCodes, block: int = SCORE_ROWS):
+    """Yield (a, b, the codes of rows a:b) over every row, `block` rows at a time (what is decoded at once)."""
+    n = codes.codes.shape[1]
+    for a in range(0, n, block):
+        b = min(n, a + block)
+        yield a, b, ResidualCodes(codes.codes[:, a:b], codes.codebooks)
 
 
 def top_rows(share: torch.Tensor, width: int, block: int = 1, pad: torch.Tensor | None = None) -> torch.Tensor:
