@@ -246,6 +246,41 @@ def test_prefill_scaling_bench_runs_on_cpu_ranks(tmp_path):
     assert not any(tmp_path.glob("prefill-cache-*")) and not any(tmp_path.glob(".prefill-cache-*"))
 
 
+@pytest.mark.slow  # one fresh process imports torch and transformers, then a decode bench: ~30 s
+def test_prefill_scaling_keeps_its_last_cache_for_the_decode_bench(tmp_path):
+    """`--prefill-only --keep-cache` commits the last row's cache, which `topk bench --kv-cache` decodes from."""
+    from dataclasses import replace
+
+    from topk_decode.bench.run import open_kv_cache, run_bench, smoke_config
+    from topk_decode.bench.scaling import run_scaling, smoke_scaling_config
+    from topk_decode.bench.shapes import make_config
+    from topk_decode.model.blocks import ModelShape
+    from topk_decode.store.cache_dir import open_cache
+
+    kept = tmp_path / "kept"
+    cfg = smoke_scaling_config(str(tmp_path / "rows"))
+    cfg.contexts, cfg.gpus, cfg.keep_cache = [640], [1], str(kept)
+    rows = run_scaling(cfg, log=lambda line: None)["rows"]
+    assert rows[0]["status"] == "ok" and rows[0]["kept_cache"] == str(kept)
+    ckv = open_cache(kept)  # complete: every file hashed against the manifest
+    assert ckv.n_tokens == 640 and len(ckv.keys) == 2 and ckv.manifest["synthetic"] is False
+    with pytest.raises(TopkError, match="exists"):
+        run_scaling(cfg, log=lambda line: None)
+
+    bench = replace(
+        smoke_config(str(tmp_path / "bench")),
+        systems=["topk"],
+        kv_cache=str(kept),
+        offload_prefill=False,
+        strategy="auto",
+    )
+    row = [r for r in run_bench(bench, log=lambda line: None)["rows"] if r["system"] == "topk"]
+    assert [(r["context"], r["kv"], r["status"]) for r in row] == [(640, "cache", "ok")]
+    assert row[0]["tokens_per_s"] > 0 and row[0]["ran"] == "flat"  # auto, resolved for 640 tokens
+    with pytest.raises(TopkError, match="holds KV of shape"):  # a model of another shape is refused up front
+        open_kv_cache(str(kept), ModelShape.from_config(make_config("llama-3.2-1b")))
+
+
 def test_prefill_scaling_refuses_a_checkpoint_directory_and_bad_counts(tmp_path):
     from topk_decode.bench.scaling import ScalingConfig, run_scaling
 

@@ -3,6 +3,8 @@
 Per context length N, in this order (so that the most important rows land first):
 1. our layer-wise prefill of N random tokens (weights resident), whose KV the decode then uses
    (`kv: prefill`); above `prefill_max` the KV is synthetic instead (`kv: synthetic`, see synthetic.py);
+   with `kv_cache`, the KV of a cache directory (`kv: cache`: e.g. the real 1M prefill that
+   `topk bench --prefill-only --keep-cache` kept), whose length is then the only context;
 2. top-k decoding (`strategy`: flat, exact, by default; or e.g. routed) under the GPU budget, with the
    per-step breakdown and the share of the searchable keys the search read per step;
 3. HF dense `DynamicCache` and HF `DynamicCache(offloading=True)`: prefill + decode, where they fit
@@ -57,6 +59,8 @@ class BenchConfig:
         hf_offload_steps: timed steps of the (slow) offloaded baseline.
         gpu_memory: budget in bytes for top-k decoding and the offloaded prefill (None: whole GPU).
         kv: "auto" (prefill up to `prefill_max`, synthetic above), "prefill" or "synthetic".
+        kv_cache: decode over this cache directory's KV instead (its token count replaces `contexts`; the model
+            must have the cache's shape).
         prefill_max: longest context prefilled for real under kv="auto".
         hf_max: longest context the HF baselines are run at (their prefill is quadratic: time budget).
         prefill_chunk: layer-wise prefill chunk length.
@@ -80,6 +84,7 @@ class BenchConfig:
     hf_offload_steps: int = 4
     gpu_memory: int | None = None
     kv: str = "auto"
+    kv_cache: str | None = None
     prefill_max: int = 131072
     hf_max: int = 131072
     prefill_chunk: int = 8192
@@ -100,10 +105,10 @@ class BenchConfig:
             raise TopkError(f"--kv must be auto, prefill or synthetic, got {self.kv!r}")
         if not self.contexts or min(self.contexts) < 128:
             raise TopkError("context lengths must be at least 128 tokens")
-        from topk_decode.index import get_strategy
+        from topk_decode.index import check_requested_strategy
 
         for name in strategies(self):
-            get_strategy(name)  # unknown names fail here, before any model is built
+            check_requested_strategy(name)  # unknown names fail here, before any model is built ("auto" is one)
         if self.k <= 0 or self.steps <= 0 or self.warmup < 0:
             raise TopkError("k and steps must be positive, warmup ≥ 0")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -230,7 +235,8 @@ def _topk_decode(model, ckv, cfg: BenchConfig, device: torch.device, strategy: s
         wall = time.perf_counter() - t0
         read, total = extra.get("keys_read", 0) - read0, extra.get("keys_searchable", 0) - total0
         # flat reads every searchable key; strategies that read a share count what they read
-        keys_read_pct = 100.0 if strategy == "flat" else (round(100 * read / total, 2) if total else None)
+        ran = decoder.config.strategy  # "auto" resolved for this context and device
+        keys_read_pct = 100.0 if ran == "flat" else (round(100 * read / total, 2) if total else None)
         s = conv.stats.summary()
         if kernel0 is not None:  # routed's compiled call alone, inside search_ms
             s["kernel_ms"] = 1e3 * (extra["kernel_s"] - kernel0) / cfg.steps
@@ -261,6 +267,8 @@ def _topk_decode(model, ckv, cfg: BenchConfig, device: torch.device, strategy: s
             "steps": cfg.steps,
             "k": cfg.k,
             "strategy_options": options,
+            "ran": ran,
+            "ran_options": dict(decoder.config.strategy_options),
             "keys_read_pct": keys_read_pct,
             "open_s": round(open_s, 1),
             "cuda_graphs": decoder.segments is not None and decoder.segments.graphs is not None,
@@ -333,12 +341,13 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
     log(f"model {rec.model_name}: {rec.data['model']}")
     budget = cfg.gpu_memory
     gen = torch.Generator().manual_seed(cfg.seed)
-    for n in sorted(cfg.contexts):
-        tokens = torch.randint(3, shape.vocab_size, (n,), generator=gen).tolist()
+    cached = None if cfg.kv_cache is None else open_kv_cache(cfg.kv_cache, shape)
+    for n in [cached.n_tokens] if cached is not None else sorted(cfg.contexts):
+        tokens = torch.randint(3, shape.vocab_size, (n,), generator=gen).tolist() if cached is None else cached.tokens
         kv = kv_bytes(shape.n_layers, shape.n_kv_heads, shape.head_dim, n, dtype)
-        real = cfg.kv == "prefill" or (cfg.kv == "auto" and n <= cfg.prefill_max)
+        source = "prefill" if cfg.kv == "prefill" or (cfg.kv == "auto" and n <= cfg.prefill_max) else "synthetic"
         if "topk" in cfg.systems:
-            _run_topk(rec, model, shape, tokens, kv, real, cfg, device, dtype, budget)
+            _run_topk(rec, model, shape, tokens, kv, cached or source, cfg, device, dtype, budget)
         for system in ("hf-dense", "hf-offload"):
             if system in cfg.systems:
                 _run_hf(rec, model, tokens, kv, system, cfg, device, budget)
@@ -356,20 +365,35 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
     return rec.data
 
 
-def _run_topk(rec, model, shape, tokens, kv, real, cfg, device, dtype, budget) -> None:
+def open_kv_cache(path: str, shape: ModelShape):
+    """The cache `--kv-cache` names, memory-mapped, after checking it has the model's attention shape."""
+    from topk_decode.store.cache_dir import open_cache
+
+    ckv = open_cache(path, verify=False)
+    have = ckv.manifest["shape"]
+    want = {"n_layers": shape.n_layers, "n_kv_heads": shape.n_kv_heads, "head_dim": shape.head_dim}
+    if any(have.get(k) != v for k, v in want.items()):
+        got = {k: have.get(k) for k in want}
+        raise TopkError(f"--kv-cache {path} holds KV of shape {got}, the model has {want}")
+    return ckv
+
+
+def _run_topk(rec, model, shape, tokens, kv, source, cfg, device, dtype, budget) -> None:
+    """The top-k rows of one context; `source` is "prefill", "synthetic" or an opened cache (ContextKV)."""
     n = len(tokens)
+    kind = source if isinstance(source, str) else "cache"
     avail = available_bytes()
-    if avail is not None and kv > 0.9 * avail:
+    if kind != "cache" and avail is not None and kv > 0.9 * avail:
         rec.add(
             "topk",
             n,
             status=f"does not fit: KV is {kv / GIB:.1f} GiB, host RAM available {avail / GIB:.1f} GiB",
-            kv="synthetic" if not real else "prefill",
+            kv=kind,
             kv_gib=_gib(kv),
         )
         return
-    ckv = None
-    if real:
+    ckv = None if isinstance(source, str) else source
+    if kind == "prefill":
         release(device)
         set_gpu_budget(device, None)
         try:
@@ -390,7 +414,7 @@ def _run_topk(rec, model, shape, tokens, kv, real, cfg, device, dtype, budget) -
             rec.add("topk-prefill", n, status=f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             release(device)
             return
-    else:
+    elif kind == "synthetic":
         t = time.perf_counter()
         ckv = synthetic_kv(
             shape.n_layers, shape.n_kv_heads, shape.head_dim, n, dtype, cfg.seed, model_type=shape.model_type
@@ -405,7 +429,7 @@ def _run_topk(rec, model, shape, tokens, kv, real, cfg, device, dtype, budget) -
             n,
             lambda: _topk_decode(model, ckv, cfg, device, name),
             device,
-            kv="prefill" if real else "synthetic",
+            kv=kind,
             kv_gib=_gib(kv),
             gpu_budget_gib=_gib(budget),
             strategy=name,

@@ -3,7 +3,8 @@
 For each rank count W, W fresh processes (one per GPU; gloo CPU processes with device "cpu") build the
 named shape with the same seeded random weights on their device, then prefill the same N random tokens
 together (prefill/distributed.py); rank 0 writes every layer's KV to a real cache directory on disk
-through the cache writer, whose size is recorded and which is then removed. One JSON row per W:
+through the cache writer, whose size is recorded and which is then removed (with `keep_cache`, the last row's
+cache is committed there instead, for `topk bench --kv-cache` to decode from). One JSON row per W:
 tokens/s, scaling efficiency against W=1 of the same run, the exchange's share of the time, peak GPU
 memory and host RSS of every rank, disk bytes. With `layers`, only the first layers are built and run
 (every layer of a shape costs the same), and the whole-model figures are scaled from them.
@@ -39,6 +40,8 @@ class ScalingConfig:
         device, dtype: "cuda" (one GPU per rank, NCCL) or "cpu" (gloo processes); weight dtype.
         out: directory for prefill_scaling_<model>.json and the (removed) caches.
         seed: weights and tokens seed.
+        keep_cache: commit the cache of the last row (the last context at the last rank count) to this
+            directory instead of removing it (None: every cache is removed).
     """
 
     model: str = "qwen2.5-7b"
@@ -50,6 +53,7 @@ class ScalingConfig:
     dtype: str = "bf16"
     out: str = "bench-results"
     seed: int = 0
+    keep_cache: str | None = None
 
 
 def smoke_scaling_config(out: str) -> ScalingConfig:
@@ -57,8 +61,11 @@ def smoke_scaling_config(out: str) -> ScalingConfig:
     return ScalingConfig(model="tiny", contexts=[2048], gpus=[1, 2], chunk=256, device="cpu", dtype="fp32", out=out)
 
 
-def _rank_main(rank: int, world: int, cfg: ScalingConfig, n: int, init_method: str, cache: str, results) -> None:
-    """One rank of one measurement: build the shape, prefill N tokens with the others, report."""
+def _rank_main(
+    rank: int, world: int, cfg: ScalingConfig, n: int, init_method: str, cache: str, keep: bool, results
+) -> None:
+    """One rank of one measurement: build the shape, prefill N tokens with the others, report (rank 0 commits
+    the cache at `cache` when `keep`, else removes it)."""
     import torch
     import torch.distributed as dist
 
@@ -85,12 +92,16 @@ def _rank_main(rank: int, world: int, cfg: ScalingConfig, n: int, init_method: s
         if rank == 0:
             from topk_decode.store.cache_dir import CacheWriter
 
-            writer = CacheWriter(cache, overwrite=True)
+            writer = CacheWriter(cache, overwrite=not keep)  # a kept cache never replaces what is there
         ranks = Ranks(rank, world, device, parent_alive_check())
         dist.barrier()
         try:
             _, stats = run_rank(model, ids, ranks, slices, cfg.chunk, writer.write_layer if writer else None)
             disk = sum(f.stat().st_size for f in writer.tmp.rglob("*") if f.is_file()) if writer else None
+            if writer is not None and keep:
+                writer.write_tokens(ids)
+                writer.commit(kept_manifest(model.config, n, cfg))
+                writer = None
         finally:
             if writer is not None:
                 writer.abort()
@@ -120,14 +131,36 @@ def _rank_main(rank: int, world: int, cfg: ScalingConfig, n: int, init_method: s
         raise SystemExit(1) from None
 
 
-def _measure(cfg: ScalingConfig, n: int, world: int, cache: Path) -> list[dict]:
+def kept_manifest(config, n: int, cfg: ScalingConfig) -> dict:
+    """The manifest of a kept cache: the named shape's prefill of N random tokens with seeded random weights."""
+    from topk_decode.bench.synthetic import shape_manifest
+    from topk_decode.model.blocks import ModelShape
+    from topk_decode.model.loading import parse_dtype
+
+    shape = ModelShape.from_config(config)
+    manifest = shape_manifest(
+        shape.n_layers,
+        shape.n_kv_heads,
+        shape.head_dim,
+        n,
+        parse_dtype(cfg.dtype),
+        shape.model_type,
+        synthetic=False,
+        n_heads=shape.n_heads,
+        model=f"<random weights: {cfg.model}>",
+    )
+    manifest["shape"]["vocab_size"] = shape.vocab_size
+    return {k: v for k, v in manifest.items() if k not in ("format_version", "files")}
+
+
+def _measure(cfg: ScalingConfig, n: int, world: int, cache: Path, keep: bool = False) -> list[dict]:
     """Run one W-rank prefill of N tokens in fresh processes; the ranks' reports (or raise TopkError)."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     store = tempfile.mkdtemp(prefix="topk-bench-ranks-")
     procs = [
         ctx.Process(
-            target=_rank_main, args=(r, world, cfg, n, f"file://{store}/store", str(cache), results), daemon=True
+            target=_rank_main, args=(r, world, cfg, n, f"file://{store}/store", str(cache), keep, results), daemon=True
         )
         for r in range(world)
     ]
@@ -184,6 +217,8 @@ def run_scaling(cfg: ScalingConfig, log: Callable[[str], None] = print) -> dict:
         raise TopkError("--prefill-chunk and the context lengths must be positive")
     if not cfg.gpus or min(cfg.gpus) < 1:
         raise TopkError("--gpus must list positive rank counts, e.g. 1,2,4")
+    if cfg.keep_cache is not None and Path(cfg.keep_cache).exists():
+        raise TopkError(f"--keep-cache {cfg.keep_cache} exists: name a new directory")
     cuda = cfg.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         raise TopkError("CUDA is not available here: use --device cpu (or --smoke)")
@@ -209,7 +244,12 @@ def run_scaling(cfg: ScalingConfig, log: Callable[[str], None] = print) -> dict:
                 row["status"] = f"skipped: the cache needs {disk_need / 2**30:.1f} GiB on disk, {out} has less free"
             else:
                 try:
-                    reports = _measure(cfg, n, world, out / f"prefill-cache-{cfg.model}-{n}-{world}")
+                    last = n == cfg.contexts[-1] and world == cfg.gpus[-1]
+                    keep = last and cfg.keep_cache is not None
+                    cache = Path(cfg.keep_cache) if keep else out / f"prefill-cache-{cfg.model}-{n}-{world}"
+                    reports = _measure(cfg, n, world, cache, keep)
+                    if keep:
+                        row["kept_cache"] = str(cache)
                     lead = reports[0]
                     scale = shape.n_layers / layers
                     tps = n / lead["seconds"]

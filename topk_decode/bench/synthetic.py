@@ -35,17 +35,26 @@ def _fill(dst: torch.Tensor, pool: torch.Tensor, gen: torch.Generator) -> None:
         off = 0
 
 
-def _manifest(
-    n_layers: int, n_kv_heads: int, head_dim: int, n_tokens: int, dtype: torch.dtype, model_type: str
+def shape_manifest(
+    n_layers: int,
+    n_kv_heads: int,
+    head_dim: int,
+    n_tokens: int,
+    dtype: torch.dtype,
+    model_type: str,
+    synthetic: bool = True,
+    n_heads: int | None = None,
+    model: str = "<synthetic>",
 ) -> dict:
+    """The manifest of a benchmark's cache: random KV (`synthetic`) or a named shape's prefill with random weights."""
     name = dtype_name(dtype)
     return {
         "format_version": FORMAT_VERSION,
-        "synthetic": True,
-        "model": {"path": "<synthetic>", "fingerprint": "synthetic", "model_type": model_type, "dtype": name},
+        "synthetic": synthetic,
+        "model": {"path": model, "fingerprint": model, "model_type": model_type, "dtype": name},
         "shape": {
             "n_layers": n_layers,
-            "n_heads": n_kv_heads,
+            "n_heads": n_heads or n_kv_heads,
             "n_kv_heads": n_kv_heads,
             "head_dim": head_dim,
             "vocab_size": 0,
@@ -99,7 +108,7 @@ def synthetic_kv(
         else:
             keys.append(k)
             values.append(v)
-    manifest = _manifest(n_layers, n_kv_heads, head_dim, n_tokens, dtype, model_type)
+    manifest = shape_manifest(n_layers, n_kv_heads, head_dim, n_tokens, dtype, model_type)
     if writer is None:
         return ContextKV(path=Path("<memory>"), manifest=manifest, tokens=tokens, keys=keys, values=values)
     writer.write_tokens(tokens)
@@ -117,6 +126,6 @@ def kv_in_memory(keys: list[torch.Tensor], values: list[torch.Tensor], tokens: l
     """
     L = len(keys)
     hkv, n, d = keys[0].shape
-    manifest = _manifest(L, hkv, d, n, keys[0].dtype, model_type)
+    manifest = shape_manifest(L, hkv, d, n, keys[0].dtype, model_type)
     manifest["synthetic"] = False
     return ContextKV(path=Path("<memory>"), manifest=manifest, tokens=list(tokens), keys=keys, values=values)

@@ -54,6 +54,14 @@ def bench_command(
         str,
         typer.Option("--kv", help="auto (real prefill up to --prefill-max, synthetic above), prefill, or synthetic."),
     ] = "auto",
+    kv_cache: Annotated[
+        str | None,
+        typer.Option(
+            "--kv-cache",
+            help="Decode over this cache directory's KV (e.g. one --prefill-only --keep-cache kept) instead of a "
+            "prefill: its length is the context; the model must have its shape.",
+        ),
+    ] = None,
     prefill_max: Annotated[
         str, typer.Option("--prefill-max", help="Longest context prefilled for real under --kv auto.")
     ] = "128K",
@@ -108,6 +116,14 @@ def bench_command(
             min=1,
         ),
     ] = None,
+    keep_cache: Annotated[
+        str | None,
+        typer.Option(
+            "--keep-cache",
+            help="With --prefill-only: commit the last row's cache (last context, last rank count) to this new "
+            "directory instead of removing it, for --kv-cache.",
+        ),
+    ] = None,
 ) -> None:
     """Measure decode tokens/s (with a per-step breakdown), peak GPU memory and CPU RSS of top-k decoding
     beside HF transformers dense and offloaded decoding, at several context lengths."""
@@ -117,7 +133,7 @@ def bench_command(
     from topk_decode.cli.common import parse_options
 
     if prefill_only:
-        _prefill_scaling(model, context, gpus, layers, prefill_chunk, device, dtype, out, smoke)
+        _prefill_scaling(model, context, gpus, layers, prefill_chunk, device, dtype, out, smoke, keep_cache)
         return
     if smoke:
         cfg = smoke_config(out)
@@ -134,6 +150,7 @@ def bench_command(
             warmup=warmup,
             gpu_memory=parse_bytes(gpu_memory) if gpu_memory else None,
             kv=kv,
+            kv_cache=kv_cache,
             prefill_max=parse_tokens(prefill_max),
             hf_max=parse_tokens(hf_max),
             prefill_chunk=prefill_chunk,
@@ -152,7 +169,7 @@ def bench_command(
     )
 
 
-def _prefill_scaling(model, context, gpus, layers, chunk, device, dtype, out, smoke) -> None:
+def _prefill_scaling(model, context, gpus, layers, chunk, device, dtype, out, smoke, keep_cache) -> None:
     """`--prefill-only`: the sequence-parallel prefill on each rank count (bench/scaling.py)."""
     from topk_decode.bench.measure import parse_tokens
     from topk_decode.bench.scaling import ScalingConfig, run_scaling, smoke_scaling_config
@@ -174,6 +191,7 @@ def _prefill_scaling(model, context, gpus, layers, chunk, device, dtype, out, sm
             device=device,
             dtype=dtype,
             out=out,
+            keep_cache=keep_cache,
         )
     )
     data = run_scaling(cfg, log=lambda line: typer.echo(line, err=True))
