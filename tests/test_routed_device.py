@@ -403,6 +403,62 @@ def test_rank_keys_ranks_clusters_in_the_layers_whose_codes_did_not_fit_the_devi
         assert torch.equal(a, b)
 
 
+def test_codes_are_placed_after_every_layers_tables_and_a_layer_without_them_ranks_clusters_on_the_device(
+    clustered_cache, opened, monkeypatch
+):
+    """Device memory goes to every layer's cluster tables first, the residual codes after: at 1M tokens under 16 GiB
+    the codes of 16 of 28 layers fit, and placing them layer by layer with the tables left 12 layers routing on the CPU
+    (1.2 tok/s against 15 for rank=clusters, docs/BENCHMARKS.md). A layer whose codes did not fit ranks clusters on the
+    device, exactly as rank=clusters does there."""
+    from topk_decode.index.routed.device_codes import DeviceCodes
+
+    opts = {"cluster_size": 32, "probe_fraction": 0.05, "pq_m": 8, "kernel": "numba", "device_route": "true"}
+    dev = opened(clustered_cache, "routed", dict(opts, rank="keys"), lo=3, hi=2990)
+    ref = opened(clustered_cache, "routed", dict(opts, rank="clusters"), lo=3, hi=2990)
+    k = 40
+    moved = []
+
+    def to(self, device):  # the second layer's codes do not fit
+        moved.append(device)
+        if len(moved) > 1:
+            raise torch.OutOfMemoryError("no room")
+        return DeviceCodes(*(t.to(device) for t in self.tensors()))
+
+    monkeypatch.setattr(DeviceCodes, "to", to)
+    with pytest.warns(TopkWarning, match="1 of 2 layers"):
+        routes = dev.device_routes(CPU, [k, k])
+    assert routes.layers_on_device() == 2 and routes.keyed_layers() == 1
+    assert routes.sends_rows(0) and not routes.sends_rows(1)
+    ref_routes = ref.device_routes(CPU, [k, k])
+    assert (
+        routes.tables[1].width == ref_routes.tables[1].width and routes.order_host[1].shape[1] == routes.tables[1].width
+    )
+    q = _queries(seed=54)
+    hkv, Q, d = q.shape
+    parts = []
+    for strat, r in ((dev, routes), (ref, ref_routes)):
+        r.route(1, q)
+        out, mz = torch.empty(hkv * Q, d, dtype=torch.bfloat16), torch.empty(hkv * Q, 2)
+        sel = strat.select_and_attend(1, q, k, None, out, mz, route=r.host_route(1))
+        est = r.estimate_part(1)
+        parts.append((sel.ids, out, mz, *est))
+    for a, b in zip(*parts):
+        assert torch.equal(a, b)
+
+
+def test_rank_keys_reads_at_most_max_read_per_k_keys_per_retrieved_key(clustered_cache, opened):
+    """rank=keys' read is probe_fraction of the keys but at most max_read_per_k·k (0: no cap): on the device and
+    on the torch path."""
+    opts = {"cluster_size": 32, "probe_fraction": 0.5, "rank": "keys", "device_route": "true"}
+    k = 40
+    for cap, width in ((0, 1494), (4, 160), (1, 80)):  # 50 % of 2,987 searchable keys; 4·k; at least 2·k
+        dev = opened(clustered_cache, "routed", dict(opts, kernel="numba", max_read_per_k=cap), lo=3, hi=2990)
+        assert dev.device_routes(CPU, [k, k]).tables[0].width == width
+        ref = opened(clustered_cache, "routed", dict(opts, kernel="torch", max_read_per_k=cap), lo=3, hi=2990)
+        ref.select(0, _queries(seed=55), k)
+        assert ref.stats.extra["keys_read"] == width * ref.ckv.n_kv_heads
+
+
 def test_decoder_ranks_keys_on_the_device_and_matches_the_torch_path(tmp_path, model_factory, docs_dir):
     stores, logits = _routed_stores(
         tmp_path, model_factory, docs_dir, "cpu", ("true", "false"), segments=True, rank="keys"

@@ -24,7 +24,9 @@ residual codes, 16 bytes per key). Where the tables of every layer do not fit
 beside `reserve` bytes in the keys' dtype, the mean values (they only feed the estimate) go to float8
 (e4m3, one scale per KV head and dimension), and where that does not fit either, the centroids too (then
 routing ranks with e4m3 rounding, 3 mantissa bits per centroid element: docs/STRATEGIES.md "Routing on
-the device"). Layers whose tables still do not fit route on the CPU as before.
+the device"). Layers whose tables still do not fit route on the CPU as before. The residual codes are placed only
+after every layer's tables, in layer order while they fit: a layer left without them ranks and estimates by clusters on
+the device (routed's default), far faster than routing on the CPU (the real 1M cache under 16 GiB: docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ class DeviceRoutes:
         stats: per layer the strategy's `SearchableStats` (CPU).
         sizes: per layer (Hkv, C) int64 rows per cluster.
         bias: per layer (Hkv, 1, C) float32 routing bias (0, or −inf for clusters without searchable keys).
-        budgets: per layer the keys to read per head.
+        budgets: per layer the keys to read per head where clusters are ranked.
         n_tokens: context tokens N; scale: softmax scale; estimate: compute the unread clusters' estimate.
         device: the decode device.
         values: "auto" (the first of the ladder below that holds every layer), or one of it: "keys" (the
@@ -123,8 +125,9 @@ class DeviceRoutes:
         reserve: device bytes to leave free (CUDA only).
         codes: per layer the residual codes (`device_codes`, on the CPU) for the keyed estimate (`estimate_by=keys`)
             and the per-key ranking, or None.
-        rank_keys: rank every key by its approximate score (routed's rank=keys) and send the host the `budget` best
-            rows of each head instead of clusters; the estimate then sums the unread keys per cluster.
+        rank_keys: rank every key by its approximate score (routed's rank=keys) and send the host the `row_budgets`
+            best rows of each head instead of clusters (in the layers whose codes fit); the estimate then sums the
+            unread keys per cluster. row_budgets: per layer the rows to read per head where keys are ranked.
         key_block: with rank_keys, read blocks of this many consecutive rows (`pq.top_rows`); pad_rows: per layer
             (Hkv, 1) int64 an outside row of each head, read past the last block's end (needed when key_block > 1).
     """
@@ -143,11 +146,13 @@ class DeviceRoutes:
         reserve: int = DEFAULT_RESERVE,
         codes: list[DeviceCodes] | None = None,
         rank_keys: bool = False,
+        row_budgets: list[int] | None = None,
         key_block: int = 1,
         pad_rows: list[torch.Tensor] | None = None,
     ) -> None:
         self.device, self.scale, self.estimate = device, scale, estimate
         self._codes, self.rank_keys = codes, rank_keys
+        self._row_budgets = row_budgets if row_budgets is not None else budgets
         self.key_block, self._pad_rows = key_block, pad_rows
         if key_block > 1 and pad_rows is None:
             raise ValueError("key blocks need a padding row per layer and head")
@@ -170,6 +175,8 @@ class DeviceRoutes:
             self.tables = [None] * self.n_layers
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        if codes is not None:
+            self._place_codes(n_tokens, reserve)
         # per layer, what the device sends the CPU: ranked clusters (Hkv, W) int32 and how many to read
         # (rank_keys: the rows to read, all W of them)
         pin = device.type == "cuda"
@@ -177,7 +184,9 @@ class DeviceRoutes:
             None if t is None else torch.zeros((hkv, t.width), dtype=torch.int32, pin_memory=pin) for t in self.tables
         ]
         self.take_host = [
-            None if t is None else torch.full((hkv,), t.width if rank_keys else 0, dtype=torch.int32, pin_memory=pin)
+            None
+            if t is None
+            else torch.full((hkv,), t.width if self.ranks_rows(t) else 0, dtype=torch.int32, pin_memory=pin)
             for t in self.tables
         ]
         self._read: list[tuple[torch.Tensor, ...] | None] = [None] * self.n_layers  # for `estimate_part`
@@ -187,12 +196,33 @@ class DeviceRoutes:
         for layer, st in enumerate(stats):
             try:
                 self.tables[layer] = self._layer(layer, st, sizes[layer], bias[layer], budgets[layer], n_tokens, kind)
-                if self.device.type == "cuda":  # the step's own memory must still fit
-                    probe = torch.empty(reserve, dtype=torch.uint8, device=self.device)
-                    del probe
+                self._check_reserve(reserve)
             except torch.OutOfMemoryError:
                 self.tables[layer] = None
                 break
+
+    def _place_codes(self, n_tokens: int, reserve: int) -> None:
+        """Add the residual codes to the placed layers in layer order while they fit beside `reserve`: every layer's
+        cluster tables come first (a layer without them routes on the CPU, by far the slowest), so a layer whose
+        codes do not fit ranks and estimates by clusters on the device."""
+        for t, codes, rows in zip(self.tables, self._codes, self._row_budgets):
+            if t is None:
+                break
+            try:
+                t.codes = codes.to(self.device)
+                self._check_reserve(reserve)
+            except torch.OutOfMemoryError:
+                t.codes = None
+                break
+            if self.rank_keys:  # the host reads rows, not clusters
+                t.budget = rows
+                t.width = min(rows, n_tokens) // self.key_block * self.key_block
+
+    def _check_reserve(self, reserve: int) -> None:
+        """Raise OutOfMemoryError unless `reserve` bytes are still free (CUDA only): the step's own memory."""
+        if self.device.type == "cuda":
+            probe = torch.empty(reserve, dtype=torch.uint8, device=self.device)
+            del probe
 
     def _layer(self, layer, st, sizes, bias, budget, n_tokens, kind) -> LayerTables:
         dev = self.device
@@ -211,16 +241,22 @@ class DeviceRoutes:
             vmeans=vmeans,
             vscale=vscale,
             budget=budget,
-            width=min(budget, n_tokens) // self.key_block * self.key_block
-            if self.rank_keys
-            else ranked_width(budget, C, n_tokens),
-            codes=self._codes[layer].to(dev) if self._codes is not None else None,
+            width=ranked_width(budget, C, n_tokens),  # clusters; rows once `_place_codes` adds the codes
             pad=self._pad_rows[layer].to(dev) if self._pad_rows is not None else None,
         )
 
     def handles(self, layer: int) -> bool:
         """Whether this layer routes on the device."""
         return self.tables[layer] is not None
+
+    def ranks_rows(self, t: LayerTables) -> bool:
+        """Whether a layer's device ranking sends the host rows (rank=keys with its codes placed), not clusters."""
+        return self.rank_keys and t.codes is not None
+
+    def sends_rows(self, layer: int) -> bool:
+        """Whether layer `layer`'s ranking (`host_route`) holds rows to read rather than ranked clusters."""
+        t = self.tables[layer]
+        return t is not None and self.ranks_rows(t)
 
     def layers_on_device(self) -> int:
         """How many layers route on the device."""
@@ -243,7 +279,7 @@ class DeviceRoutes:
         t = self.tables[layer]
         q = q32 if t.cscale is None else q32 * t.cscale  # float8 centroids: their scale moves to q
         base = self.bmm(q, t.cent.transpose(1, 2)).mul_(self.scale)  # (Hkv, G, C) s·q·μ_c
-        if self.rank_keys:  # every key by centroid + residual code; the budget's best of each head, in row order
+        if self.ranks_rows(t):  # every key by centroid + residual code; the budget's best of each head, in row order
             scores = row_scores(t.codes, q32, self.scale, base)  # (Hkv, G, N)
             lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (Hkv, G, 1)
             share = scores.sub_(lse).amax(1)  # (Hkv, N); in place: one (Hkv, G, N) buffer per layer, not two
@@ -272,7 +308,7 @@ class DeviceRoutes:
         q32, base, order, take = self._read[layer]
         self._read[layer] = None
         hkv, W = order.shape
-        if self.rank_keys:  # base: the rows' scores less their lse (take); order: the rows read (exact on the host)
+        if self.ranks_rows(t):  # base: the rows' scores less their lse (take); order: the rows read (exact on the host)
             scores = base.scatter_(-1, order[:, None, :].expand(hkv, base.shape[1], W), float("-inf"))
             logit = segment_lse(scores, t.codes.offsets).add_(take)  # (Hkv, G, C) the unread keys of every cluster
             rest = unread_part(logit, torch.zeros_like(t.sizes, dtype=torch.bool), t.vmeans, bmm=self.vmeans_bmm(t))

@@ -131,6 +131,13 @@ class RoutedOptions(StrategyOptions):
         "Share of a KV head's searchable keys read per step (with the last cluster's overshoot at most ~5 %).",
         check=FRACTION,
     )
+    max_read_per_k: int = option(
+        16,
+        "rank=keys reads at most this many keys per retrieved key (0: probe_fraction alone). Keys ranked one by one "
+        "need few more than k (the fidelity suite's settings read 2.5–4·k), while 4 % of a long context is many more: "
+        "41·k at 1M tokens for k = 1,024, each a scattered row (docs/STRATEGIES.md).",
+        check=NON_NEGATIVE,
+    )
     spread: bool = option(
         False,
         "Include the clusters' spread in the mass estimate (neutral to slightly worse on "
@@ -353,7 +360,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         self.stats.searches += 1
         budget = self._budget(k)
         if self.rank_keys:
-            return self._select_keys(layer, q, k, budget)
+            return self._select_keys(layer, q, k, self._budget(k, rows=True))
         if self.kernel and not self.estimate_keys:  # the keyed estimate on the CPU: the torch path's
             return self._compiled(layer, q, k, budget)
         return self._select_torch(layer, q, k, budget)
@@ -372,12 +379,16 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         lay = self.layouts[layer]
         return approximate_scores(q, lay.centroids, self._labels[layer], lay.codes).mul_(self.scale)
 
-    def _budget(self, k: int) -> int:
+    def _budget(self, k: int, rows: bool = False) -> int:
         """Keys to read per KV head: probe_fraction of the searchable ones, at least 2·k (probe_fraction 1:
-        every cluster, since sinks and tail sit in clusters too)."""
+        every cluster, since sinks and tail sit in clusters too); where keys are ranked one by one (`rows`, rank=keys)
+        at most max_read_per_k·k. A layer that ranks clusters (rank=keys' fallback too) reads the whole share."""
         if self.probe_fraction >= 1:
             return self.ckv.n_tokens
-        return max(math.ceil(self.probe_fraction * self.n_searchable), _MIN_READ_PER_K * k)
+        budget = max(math.ceil(self.probe_fraction * self.n_searchable), _MIN_READ_PER_K * k)
+        if rows and self.options.max_read_per_k:
+            budget = min(budget, max(self.options.max_read_per_k, _MIN_READ_PER_K) * k)
+        return budget
 
     def _compiled(
         self,
@@ -430,7 +441,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             self._stats,
             self._sizes,
             self._bias,
-            [min(self._budget(k), self.n_searchable) if self.rank_keys else self._budget(k) for k in k_per_layer],
+            [self._budget(k) for k in k_per_layer],
             self.ckv.n_tokens,
             self.scale,
             self.estimate,
@@ -438,6 +449,9 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             values=self.device_tables,
             codes=codes,
             rank_keys=self.rank_keys,
+            row_budgets=[min(self._budget(k, rows=True), self.n_searchable) for k in k_per_layer]
+            if self.rank_keys
+            else None,
             key_block=self.key_block if self.rank_keys else 1,
             pad_rows=[p - self._row_base for p in self._pad_rows] if self.rank_keys and self.key_block > 1 else None,
         )
@@ -500,7 +514,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
                     mz_np,
                     self._split_scratch,
                     o16,
-                    rows_given=self.rank_keys,  # the device sent rows, not clusters
+                    rows_given=self.routes is not None and self.routes.sends_rows(layer),  # rows, not clusters
                 )
             )
         self.stats.extra["kernel_s"] += time.perf_counter() - t  # the compiled call (bench: kernel_ms)
