@@ -78,3 +78,20 @@ def test_paired_rows_count_agreement_and_discordant_pairs():
     table = paired.markdown(instances)
     assert "| 100 | flat@1% | 5 | 5 | 3/5 = 60.0 %" in table
     assert "| 100 | real_needle | 1/3 (33 %) |" in table
+
+
+def test_sign_tests_count_dense_answers_not_identical_tokens():
+    """The paired sign test compares *same final answer as dense* (the suite's primary figure): a generation in
+    other words with dense's answer counts for a method, and the exact binomial p-value is two-sided."""
+    instances = [
+        _inst("real_needle", "1234567", True, [("flat", "It is 1234567.", True), ("routed", "7654321", False)]),
+        _inst("real_needle", "1111111", False, [("flat", "1111111", False), ("routed", "1111111", False)]),
+        _inst("real_needle", "2222222", False, [("flat", "number 2222222", False), ("routed", "3333333", False)]),
+        _inst("real_qa", "Forty two", True, [("flat", "no idea", False), ("routed", "Forty two", True)]),
+    ]
+    (row,) = paired.sign_tests(instances)
+    assert (row["a"], row["b"], row["n"], row["only_a"], row["only_b"]) == ("flat@1%", "routed@1%", 4, 2, 1)
+    assert row["p"] == pytest.approx(1.0)  # 2 against 1 of 3: P(X ≤ 1) · 2 = 1
+    assert paired.sign_p(30, 5) == pytest.approx(2 * sum(math.comb(35, i) for i in range(6)) / 2**35)
+    assert paired.sign_p(0, 0) == 1.0
+    assert "| 100 | flat@1% | routed@1% | 4 | 2 | 1 | 1.0000 |" in paired.markdown(instances)

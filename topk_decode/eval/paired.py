@@ -130,6 +130,49 @@ def paired_rows(instances: list[dict]) -> list[dict]:
     return rows
 
 
+def sign_p(a: int, b: int) -> float:
+    """Two-sided exact sign test (binomial, p = 1/2) of a against b discordant pairs."""
+    n = a + b
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(min(a, b) + 1)) / 2**n) if n else 1.0
+
+
+def sign_tests(instances: list[dict]) -> list[dict]:
+    """Per length, every pair of methods on the questions both answered: how often each gives dense's final answer
+    where the other does not (`same_answer`, the primary figure, not identical tokens), with the exact sign test."""
+    from topk_decode.eval.runs import method_name
+
+    agree: dict[tuple, dict] = defaultdict(dict)  # (length, method) → {question: same answer as dense}
+    for q, inst in enumerate(instances):
+        if inst.get("answer") is None:
+            continue
+        for r in inst["runs"]:
+            m = method_name(r["strategy"], r["schedule"], r.get("k_label") or r["k"])
+            agree[(inst["length"], m)][q] = same_answer(
+                inst["task"], r["generated"], r["correct"], inst["dense_generated"], inst["dense_correct"]
+            )
+    rows = []
+    keys = sorted(agree)
+    for i, (n_len, a) in enumerate(keys):
+        for n_len_b, b in keys[i + 1 :]:
+            if n_len_b != n_len:
+                continue
+            common = agree[(n_len, a)].keys() & agree[(n_len, b)].keys()
+            only_a = sum(agree[(n_len, a)][q] and not agree[(n_len, b)][q] for q in common)
+            only_b = sum(agree[(n_len, b)][q] and not agree[(n_len, a)][q] for q in common)
+            rows.append(
+                {
+                    "length": n_len,
+                    "a": a,
+                    "b": b,
+                    "n": len(common),
+                    "only_a": only_a,
+                    "only_b": only_b,
+                    "p": sign_p(only_a, only_b),
+                }
+            )
+    return rows
+
+
 def task_rows(instances: list[dict]) -> list[dict]:
     """Dense accuracy per (length, task): which tasks can carry an accuracy claim (dense ≥ 70 %)."""
     acc: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
@@ -169,6 +212,17 @@ def markdown(instances: list[dict]) -> str:
             f"{fmt(r['kl_mean'], '.3f')} | {fmt(r['agreement'], '.3f')} | "
             f"{'—' if r['keys_read'] is None else _pct(r['keys_read'], 2) + ' %'} |"
         )
+    tests = sign_tests(instances)
+    if tests:
+        out += [
+            "",
+            "| length | A | B | n | dense's answer: A only | B only | exact sign test p |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        out += [
+            f"| {t['length']} | {t['a']} | {t['b']} | {t['n']} | {t['only_a']} | {t['only_b']} | {t['p']:.4f} |"
+            for t in tests
+        ]
     out += ["", "| length | task | dense correct |", "|---|---|---|"]
     out += [
         f"| {r['length']} | {r['task']} | {r['dense_correct']}/{r['n']} ({_pct(r['dense_accuracy'], 0)} %) |"
