@@ -339,11 +339,48 @@ def test_rank_keys_on_the_device_reads_the_torch_paths_rows(clustered_cache, ope
     assert dev.keys_read_fraction() == pytest.approx(150 / 2987, rel=1e-6)
 
 
-def test_value_codes_keep_rank_keys_on_the_torch_path(clustered_cache, opened):
-    """The device's estimate has no value codes (pq_values): such a strategy does not route on the device."""
-    opts = {"cluster_size": 32, "rank": "keys", "pq_values": 8, "kernel": "numba", "device_route": "true"}
-    strat = opened(clustered_cache, "routed", opts, lo=3, hi=2990)
-    assert strat.layouts[0].value_codes is not None and strat.device_routes(CPU, [40, 40]) is None
+def test_residual_sum_of_the_codes_histogram_equals_the_weighted_decoded_residuals():
+    """`residual_sum`: Σ_i w_i·r̂_i as a weighted histogram of the value codes per sub-vector equals the weighted sum
+    of the decoded residuals (blocks of rows, an odd number of sub-vectors padded to whole bytes)."""
+    from topk_decode.index.routed import pq
+    from topk_decode.index.routed.device_codes import device_value_codes, residual_sum
+
+    gen = torch.Generator().manual_seed(60)
+    for m, d in ((8, 16), (3, 12)):
+        codes = pq.ResidualCodes(
+            torch.randint(0, 16, (2, 1000, m), generator=gen, dtype=torch.uint8),
+            torch.randn(2, m, 16, d // m, generator=gen),
+        )
+        w = torch.rand(2, 3, 1000, generator=gen)
+        w[:, :, ::7] = 0.0  # rows read exactly weigh nothing here
+        vc = device_value_codes(codes, torch.zeros(2, 5, d), torch.float32)
+        want = torch.bmm(w, pq.decode(codes))
+        torch.testing.assert_close(residual_sum(vc, w, block=300), want, rtol=1e-5, atol=1e-4)
+
+
+def test_value_codes_on_the_device_give_the_torch_paths_estimate(clustered_cache, opened):
+    """rank=keys with pq_values on the device: the same rows and top-k as the torch path, and its estimate with every
+    unread key's coded value residual (up to the bf16 rounding of the device's centroids and means); closer to the
+    torch path's pq_values estimate than to the one without value codes."""
+    opts = {"cluster_size": 32, "probe_fraction": 0.05, "rank": "keys", "pq_values": 8}
+    dev = opened(clustered_cache, "routed", dict(opts, kernel="numba", device_route="true"), lo=3, hi=2990)
+    ref = opened(clustered_cache, "routed", dict(opts, kernel="torch"), lo=3, hi=2990)
+    plain = opened(clustered_cache, "routed", dict(opts, kernel="torch", pq_values=0), lo=3, hi=2990)
+    k = 40
+    routes = dev.device_routes(CPU, [k, k])
+    assert routes is not None and routes.keyed_layers() == 2 and routes.tables[0].vcodes is not None
+    for layer, seed in ((0, 61), (1, 62)):
+        q = _queries(seed=seed)
+        hkv, Q, d = q.shape
+        routes.route(layer, q)
+        o, mz = torch.empty(hkv * Q, d, dtype=torch.bfloat16), torch.empty(hkv * Q, 2)
+        dev.select_and_attend(layer, q, k, None, o, mz, route=routes.host_route(layer))
+        out_d, lse_d = routes.estimate_part(layer)
+        sel_t, sel_p = ref.select(layer, q, k), plain.select(layer, q, k)
+        torch.testing.assert_close(lse_d, sel_t.rest.lse, rtol=2e-2, atol=3e-2)
+        err = (out_d - sel_t.rest.out).abs()
+        assert float(err.max()) < 0.1 and float(err.mean()) < 5e-3, (float(err.max()), float(err.mean()))
+        assert float((out_d - sel_t.rest.out).norm()) < float((out_d - sel_p.rest.out).norm())
 
 
 def test_rank_keys_in_blocks_reads_runs_of_rows_and_the_device_reads_the_torch_paths(clustered_cache, opened):
@@ -459,14 +496,16 @@ def test_rank_keys_reads_at_most_max_read_per_k_keys_per_retrieved_key(clustered
         assert ref.stats.extra["keys_read"] == width * ref.ckv.n_kv_heads
 
 
-def test_decoder_ranks_keys_on_the_device_and_matches_the_torch_path(tmp_path, model_factory, docs_dir):
+@pytest.mark.parametrize("pq_values", [0, 8])
+def test_decoder_ranks_keys_on_the_device_and_matches_the_torch_path(tmp_path, model_factory, docs_dir, pq_values):
     stores, logits = _routed_stores(
-        tmp_path, model_factory, docs_dir, "cpu", ("true", "false"), segments=True, rank="keys"
+        tmp_path, model_factory, docs_dir, "cpu", ("true", "false"), segments=True, rank="keys", pq_values=pq_values
     )
     routes = stores["true"].decoder.segments.routes
     assert (
         routes is not None and routes.rank_keys and routes.layers_on_device() == stores["true"].decoder.shape.n_layers
     )
+    assert all((t.vcodes is not None) == bool(pq_values) for t in routes.tables)
     for a, b in zip(logits["true"], logits["false"]):
         torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=5e-2)
     for store in stores.values():

@@ -35,7 +35,14 @@ import math
 
 import torch
 
-from topk_decode.index.routed.device_codes import DeviceCodes, cluster_lse, row_scores, segment_lse
+from topk_decode.index.routed.device_codes import (
+    DeviceCodes,
+    DeviceValueCodes,
+    cluster_lse,
+    residual_sum,
+    row_scores,
+    segment_lse,
+)
 from topk_decode.index.routed.estimate import unread_part
 from topk_decode.index.routed.pq import top_rows
 
@@ -54,7 +61,8 @@ class LayerTables:
     log_n: (Hkv, 1, C) float32; sizes: (Hkv, C) int64 rows per cluster; vmeans: (Hkv, C, D) mean values
     (keys' dtype or float8) or None without the estimate; vscale: (Hkv, 1, D) float32 float8 scale or None.
     budget: keys to read per head; width: clusters ranked per head (W), with rank_keys the rows read.
-    codes: the residual codes (index/routed/device_codes.py) of the per-key ranking and estimate, or None.
+    codes: the residual codes (index/routed/device_codes.py) of the per-key ranking and estimate, or None;
+    vcodes: the value residual codes and the means they are to (`pq_values`), or None.
     pad: (Hkv, 1) int64 a row outside the searchable range per head (rank_keys in blocks: `pq.top_rows`), or None.
     """
 
@@ -71,17 +79,18 @@ class LayerTables:
         width: int,
         codes: DeviceCodes | None = None,
         pad: torch.Tensor | None = None,
+        vcodes: DeviceValueCodes | None = None,
     ) -> None:
         self.cent, self.cscale, self.bias, self.log_n, self.sizes = cent, cscale, bias, log_n, sizes
         self.vmeans, self.vscale = vmeans, vscale
         self.budget, self.width = budget, width
-        self.codes, self.pad = codes, pad
+        self.codes, self.pad, self.vcodes = codes, pad, vcodes
 
     def nbytes(self) -> int:
         """Device bytes held."""
         ts = [self.cent, self.cscale, self.bias, self.log_n, self.sizes, self.vmeans, self.vscale]
         held = sum(t.numel() * t.element_size() for t in ts if t is not None)
-        return held + (self.codes.nbytes() if self.codes is not None else 0)
+        return held + sum(c.nbytes() for c in (self.codes, self.vcodes) if c is not None)
 
 
 def _to_fp8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,6 +137,8 @@ class DeviceRoutes:
         rank_keys: rank every key by its approximate score (routed's rank=keys) and send the host the `row_budgets`
             best rows of each head instead of clusters (in the layers whose codes fit); the estimate then sums the
             unread keys per cluster. row_budgets: per layer the rows to read per head where keys are ranked.
+        value_codes: per layer the value residual codes (`device_value_codes`, on the CPU) with rank_keys and
+            `pq_values`, or None: placed with the layer's codes, they give every unread key its own coded value.
         key_block: with rank_keys, read blocks of this many consecutive rows (`pq.top_rows`); pad_rows: per layer
             (Hkv, 1) int64 an outside row of each head, read past the last block's end (needed when key_block > 1).
     """
@@ -147,12 +158,14 @@ class DeviceRoutes:
         codes: list[DeviceCodes] | None = None,
         rank_keys: bool = False,
         row_budgets: list[int] | None = None,
+        value_codes: list[DeviceValueCodes] | None = None,
         key_block: int = 1,
         pad_rows: list[torch.Tensor] | None = None,
     ) -> None:
         self.device, self.scale, self.estimate = device, scale, estimate
         self._codes, self.rank_keys = codes, rank_keys
         self._row_budgets = row_budgets if row_budgets is not None else budgets
+        self._value_codes = value_codes
         self.key_block, self._pad_rows = key_block, pad_rows
         if key_block > 1 and pad_rows is None:
             raise ValueError("key blocks need a padding row per layer and head")
@@ -205,14 +218,16 @@ class DeviceRoutes:
         """Add the residual codes to the placed layers in layer order while they fit beside `reserve`: every layer's
         cluster tables come first (a layer without them routes on the CPU, by far the slowest), so a layer whose
         codes do not fit ranks and estimates by clusters on the device."""
-        for t, codes, rows in zip(self.tables, self._codes, self._row_budgets):
+        values = self._value_codes if self._value_codes is not None else [None] * self.n_layers
+        for t, codes, vcodes, rows in zip(self.tables, self._codes, values, self._row_budgets):
             if t is None:
                 break
             try:
                 t.codes = codes.to(self.device)
+                t.vcodes = None if vcodes is None else vcodes.to(self.device)
                 self._check_reserve(reserve)
             except torch.OutOfMemoryError:
-                t.codes = None
+                t.codes = t.vcodes = None
                 break
             if self.rank_keys:  # the host reads rows, not clusters
                 t.budget = rows
@@ -311,8 +326,14 @@ class DeviceRoutes:
         if self.ranks_rows(t):  # base: the rows' scores less their lse (take); order: the rows read (exact on the host)
             scores = base.scatter_(-1, order[:, None, :].expand(hkv, base.shape[1], W), float("-inf"))
             logit = segment_lse(scores, t.codes.offsets).add_(take)  # (Hkv, G, C) the unread keys of every cluster
-            rest = unread_part(logit, torch.zeros_like(t.sizes, dtype=torch.bool), t.vmeans, bmm=self.vmeans_bmm(t))
-            return rest.out, rest.lse
+            unread = torch.zeros_like(t.sizes, dtype=torch.bool)
+            if t.vcodes is None:
+                rest = unread_part(logit, unread, t.vmeans, bmm=self.vmeans_bmm(t))
+                return rest.out, rest.lse
+            rest = unread_part(logit, unread, t.vcodes.means, bmm=self.bmm)  # the means the residuals are to
+            safe = torch.where(torch.isfinite(rest.lse), rest.lse, 0.0)[..., None]
+            w = scores.add_(take).sub_(safe).exp_()  # (Hkv, G, N) each unread key's share of the rest (0: read)
+            return rest.out + residual_sum(t.vcodes, w), rest.lse
         taken = torch.arange(W, device=order.device) < take[:, None]  # (Hkv, W)
         read = torch.zeros(base.shape[0], base.shape[2], dtype=torch.bool, device=base.device)
         read.scatter_(1, order, taken)  # (Hkv, C)

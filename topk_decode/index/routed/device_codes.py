@@ -14,6 +14,10 @@ looked up per sub-vector) and `segment_lse` (per cluster). `rank=keys` ranks eve
 sums the unread ones with `segment_lse`. On CUDA each pass is a Triton kernel (one program per cluster and KV head),
 elsewhere torch ops (the tests' reference and the CPU device).
 
+With `pq_values` the estimate gives every unread key its own value, its cluster's mean plus the 4-bit code of its
+residual: `residual_sum` adds Σ_i w_i·r̂_i as a weighted histogram of the codes per sub-vector (torch ops on every
+device: scatter-adds over blocks of rows, then one small product with the codebooks).
+
 A cluster holding sinks or tail rows (the window attends to them exactly) is routed by the mean of its searchable keys
 only, while its codes are residuals to the mean of all its keys: `fix_delta` carries the difference for those few
 clusters, so logit_c is the log of Σ exp(s·q·(μ_c + r̂_k)) over its searchable keys, as the torch path's
@@ -41,6 +45,7 @@ from topk_decode.index.routed.pq import NBITS, ResidualCodes
 
 log = logging.getLogger(__name__)
 _WORDS = 1 << NBITS  # entries per sub-vector table
+RESIDUAL_ROWS = 4096  # rows per scatter-add of `residual_sum` (Hkv·G·m·4096 floats at once)
 
 
 @dataclass
@@ -76,6 +81,75 @@ class DeviceCodes:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
+@dataclass
+class DeviceValueCodes:
+    """One layer's value residual codes as the device reads them (`pq_values`, all KV heads).
+
+    packed: (Hkv, m/2, N) uint8 as `DeviceCodes.packed`; books: (Hkv, m, 16, D/m) float32 codewords (zero for the
+    padding sub-vector); means: (Hkv, C, D) the layout's mean value per cluster (over all its keys: the residuals'
+    reference), in the cache's dtype.
+    """
+
+    packed: torch.Tensor
+    books: torch.Tensor
+    means: torch.Tensor
+
+    def to(self, device: torch.device) -> DeviceValueCodes:
+        """The same codes on `device`."""
+        return DeviceValueCodes(*(t.to(device) for t in self.tensors()))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor held, in field order."""
+        return (self.packed, self.books, self.means)
+
+    def nbytes(self) -> int:
+        """Bytes held."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def pack_codes(codes: ResidualCodes) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed (Hkv, m/2, N) uint8, books (Hkv, m, 16, D/m) float32): two sub-vectors' codes per byte, the even one in
+    the low nibble, sub-vector-major; an odd m gets a zero sub-vector."""
+    c8 = codes.codes  # (Hkv, N, m)
+    hkv, n, m = c8.shape
+    books = codes.codebooks
+    if m % 2:  # a zero sub-vector makes whole bytes
+        c8 = torch.cat([c8, torch.zeros(hkv, n, 1, dtype=torch.uint8)], 2)
+        books = torch.cat([books, torch.zeros(hkv, 1, *books.shape[2:])], 1)
+    packed = (c8[..., 0::2] | (c8[..., 1::2] << 4)).transpose(1, 2).contiguous()  # (Hkv, m/2, N)
+    return packed, books.float().contiguous()
+
+
+def device_value_codes(codes: ResidualCodes, means: torch.Tensor, dtype: torch.dtype) -> DeviceValueCodes:
+    """A layer's value residual codes in the device's form (on the CPU): codes of v − v̄_c, means (Hkv, C, D) v̄_c."""
+    packed, books = pack_codes(codes)
+    return DeviceValueCodes(packed, books, means.to(dtype).contiguous())
+
+
+def residual_sum(vc: DeviceValueCodes, w: torch.Tensor, block: int = RESIDUAL_ROWS) -> torch.Tensor:
+    """(Hkv, G, D) float32 Σ_i w_i·r̂_i over every layout row i: the weighted sum of the rows' decoded value residuals.
+
+    As a weighted histogram of the codes per sub-vector, H_j[b] = Σ_{i: code_j(i) = b} w_i, then
+    Σ_i w_i·r̂_i = Σ_j Σ_b H_j[b]·B_j[b] (the j-th D/m dimensions): the codes are read once (16 bytes per key at
+    m = 32) and nothing is decoded per row. Torch ops (scatter-add), `block` rows at a time.
+
+    Args:
+        vc: the layer's `DeviceValueCodes` on w's device; w: (Hkv, G, N) float32 each row's weight (0 where none).
+    """
+    hkv, g, n = w.shape
+    m = 2 * vc.packed.shape[1]
+    hist = w.new_zeros(hkv, g, m * _WORDS)
+    first = (torch.arange(m, device=w.device) * _WORDS).view(1, m, 1)  # each sub-vector's first bin
+    for a in range(0, n, block):
+        b = min(n, a + block)
+        p = vc.packed[:, :, a:b].long()  # (Hkv, m/2, B)
+        bins = torch.stack([p & 0xF, p >> 4], 2).view(hkv, m, b - a) + first  # sub-vector 2j: low nibble of byte j
+        src = w[:, :, None, a:b].expand(hkv, g, m, b - a).reshape(hkv, g, m * (b - a))
+        hist.scatter_add_(-1, bins.view(hkv, 1, m * (b - a)).expand(hkv, g, m * (b - a)), src)
+    out = torch.einsum("hgjb,hjbd->hgjd", hist.view(hkv, g, m, _WORDS), vc.books)  # (Hkv, G, m, D/m)
+    return out.reshape(hkv, g, -1)[:, :, : vc.means.shape[2]]  # the padding sub-vector's dimensions dropped
+
+
 def device_codes(
     codes: ResidualCodes,
     offsets: torch.Tensor,
@@ -91,13 +165,8 @@ def device_codes(
         centroids: (Hkv, C, D) the layout's centroids (the codes' reference); routed_centroids: (Hkv, C, D) the ones
             routing scores (over the searchable keys only).
     """
-    c8 = codes.codes  # (Hkv, N, m)
-    hkv, n, m = c8.shape
-    books = codes.codebooks
-    if m % 2:  # a zero sub-vector makes whole bytes
-        c8 = torch.cat([c8, torch.zeros(hkv, n, 1, dtype=torch.uint8)], 2)
-        books = torch.cat([books, torch.zeros(hkv, 1, *books.shape[2:])], 1)
-    packed = (c8[..., 0::2] | (c8[..., 1::2] << 4)).transpose(1, 2).contiguous()  # (Hkv, m/2, N)
+    hkv, n, _ = codes.codes.shape
+    packed, books = pack_codes(codes)
     out = outside.view(hkv, n)
     bits = torch.from_numpy(np.packbits((~out).numpy(), axis=1, bitorder="little"))
     fixed = []
@@ -110,7 +179,7 @@ def device_codes(
     for h, f in enumerate(fixed):
         fix_ids[h, : len(f)] = f
         fix_delta[h, : len(f)] = centroids[h, f].float() - routed_centroids[h, f].float()
-    return DeviceCodes(packed, books.float().contiguous(), offsets.to(torch.int32), bits, fix_ids, fix_delta)
+    return DeviceCodes(packed, books, offsets.to(torch.int32), bits, fix_ids, fix_delta)
 
 
 def code_tables(codes: DeviceCodes, q32: torch.Tensor, scale: float) -> torch.Tensor:

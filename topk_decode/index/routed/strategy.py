@@ -51,7 +51,7 @@ from topk_decode.index.base import (
 from topk_decode.index.options import FRACTION, NON_NEGATIVE, POSITIVE, StrategyOptions, option
 from topk_decode.index.routed import compiled as routed_compiled
 from topk_decode.index.routed.device import TABLE_KINDS, DeviceRoutes
-from topk_decode.index.routed.device_codes import device_codes
+from topk_decode.index.routed.device_codes import device_codes, device_value_codes
 from topk_decode.index.routed.estimate import searchable_stats
 from topk_decode.index.routed.layout import layer_layouts, load_layouts, on_disk, to_huge_pages, write_layouts
 from topk_decode.index.routed.pq import ResidualCodes, approximate_scores, default_m
@@ -108,7 +108,8 @@ class RoutedOptions(StrategyOptions):
         0,
         "Sub-vectors of 4-bit codes of each value's residual to its cluster's mean value (0: none; 32 is 16 bytes per "
         "key): the per-key estimate (rank=keys, estimate_by=keys) then adds each unread key's own coded residual to its "
-        "cluster's mean value. Torch path only: a decode with them does not route on the device (docs/EVAL.md).",
+        "cluster's mean value. With rank=keys also on the device (index/routed/device_codes.py `residual_sum`); with "
+        "estimate_by=keys alone the torch path's (docs/EVAL.md).",
         build=True,
         check=NON_NEGATIVE,
     )
@@ -429,8 +430,8 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         wanted = self.device_route == "true" or (self.device_route == "auto" and device.type == "cuda")
         if not wanted or not self.kernel or any(k >= self.n_searchable for k in k_per_layer):
             return None
-        if (self.rank_keys or self.estimate_keys) and self.options.pq_values:
-            return None  # the device's estimate has no value codes (yet): the torch path's every step
+        if self.estimate_keys and not self.rank_keys and self.options.pq_values:
+            return None  # the cluster-ranked keyed estimate has no value codes on the device: the torch path's
         codes = None
         if self.rank_keys or (self.estimate and self.estimate_keys):
             codes = [
@@ -451,6 +452,9 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             rank_keys=self.rank_keys,
             row_budgets=[min(self._budget(k, rows=True), self.n_searchable) for k in k_per_layer]
             if self.rank_keys
+            else None,
+            value_codes=[device_value_codes(lay.value_codes, lay.value_means, self.ckv.dtype) for lay in self.layouts]
+            if self.rank_keys and self.estimate and self.options.pq_values
             else None,
             key_block=self.key_block if self.rank_keys else 1,
             pad_rows=[p - self._row_base for p in self._pad_rows] if self.rank_keys and self.key_block > 1 else None,
