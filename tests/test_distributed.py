@@ -277,6 +277,8 @@ def test_prefill_scaling_keeps_its_last_cache_for_the_decode_bench(tmp_path):
     row = [r for r in run_bench(bench, log=lambda line: None)["rows"] if r["system"] == "topk"]
     assert [(r["context"], r["kv"], r["status"]) for r in row] == [(640, "cache", "ok")]
     assert row[0]["tokens_per_s"] > 0 and row[0]["ran"] == "flat"  # auto, resolved for 640 tokens
+    with pytest.raises(TopkError, match="no such cache directory"):  # before any model is built
+        replace(bench, kv_cache=str(tmp_path / "missing")).validate()
     with pytest.raises(TopkError, match="holds KV of shape"):  # a model of another shape is refused up front
         open_kv_cache(str(kept), ModelShape.from_config(make_config("llama-3.2-1b")))
 

@@ -103,6 +103,8 @@ class BenchConfig:
             raise TopkError(f"unknown system(s) {', '.join(bad)} (choose from {', '.join(SYSTEMS)})")
         if self.kv not in ("auto", "prefill", "synthetic"):
             raise TopkError(f"--kv must be auto, prefill or synthetic, got {self.kv!r}")
+        if self.kv_cache is not None and not Path(self.kv_cache).is_dir():
+            raise TopkError(f"--kv-cache {self.kv_cache}: no such cache directory")
         if not self.contexts or min(self.contexts) < 128:
             raise TopkError("context lengths must be at least 128 tokens")
         from topk_decode.index import check_requested_strategy
