@@ -43,7 +43,8 @@ def choose(n_tokens: int, gpu: bool = True) -> AutoChoice:
     return AutoChoice(
         FAST,
         f"auto: {n_tokens:,} context tokens > {EXACT_MAX_TOKENS:,}, routed rank=keys reads ~4 % of the keys per step "
-        "and gives dense's answer more often than exact top-k at the same k (docs/EVAL.md)",
+        "(at most max_read_per_k·k per head where it ranks keys) and gives dense's answer more often than exact top-k "
+        "at the same k (docs/EVAL.md)",
         dict(FAST_OPTIONS),
     )
 
