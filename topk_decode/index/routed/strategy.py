@@ -359,9 +359,9 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         if k >= M:
             return self.all_tokens(q, layer)
         self.stats.searches += 1
-        budget = self._budget(k)
         if self.rank_keys:
             return self._select_keys(layer, q, k, self._budget(k, rows=True))
+        budget = self._budget(k)
         if self.kernel and not self.estimate_keys:  # the keyed estimate on the CPU: the torch path's
             return self._compiled(layer, q, k, budget)
         return self._select_torch(layer, q, k, budget)
@@ -383,13 +383,15 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
     def _budget(self, k: int, rows: bool = False) -> int:
         """Keys to read per KV head: probe_fraction of the searchable ones, at least 2·k (probe_fraction 1:
         every cluster, since sinks and tail sit in clusters too); where keys are ranked one by one (`rows`, rank=keys)
-        at most max_read_per_k·k. A layer that ranks clusters (rank=keys' fallback too) reads the whole share."""
+        at most max_read_per_k·k and the searchable keys. A layer that ranks clusters (rank=keys' fallback too) reads
+        the whole share."""
         if self.probe_fraction >= 1:
-            return self.ckv.n_tokens
-        budget = max(math.ceil(self.probe_fraction * self.n_searchable), _MIN_READ_PER_K * k)
-        if rows and self.options.max_read_per_k:
-            budget = min(budget, max(self.options.max_read_per_k, _MIN_READ_PER_K) * k)
-        return budget
+            budget = self.ckv.n_tokens
+        else:
+            budget = max(math.ceil(self.probe_fraction * self.n_searchable), _MIN_READ_PER_K * k)
+            if rows and self.options.max_read_per_k:
+                budget = min(budget, max(self.options.max_read_per_k, _MIN_READ_PER_K) * k)
+        return min(budget, self.n_searchable) if rows else budget
 
     def _compiled(
         self,
@@ -450,10 +452,11 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             values=self.device_tables,
             codes=codes,
             rank_keys=self.rank_keys,
-            row_budgets=[min(self._budget(k, rows=True), self.n_searchable) for k in k_per_layer]
-            if self.rank_keys
-            else None,
-            value_codes=[device_value_codes(lay.value_codes, lay.value_means, self.ckv.dtype) for lay in self.layouts]
+            row_budgets=[self._budget(k, rows=True) for k in k_per_layer] if self.rank_keys else None,
+            value_codes=[
+                device_value_codes(codes, means, self.ckv.dtype)
+                for means, codes in map(self.rest_values, range(self.ckv.n_layers))
+            ]
             if self.rank_keys and self.estimate and self.options.pq_values
             else None,
             key_block=self.key_block if self.rank_keys else 1,

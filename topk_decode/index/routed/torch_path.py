@@ -129,7 +129,7 @@ class TorchPath:
         approx.masked_fill_(outside[:, None, :], float("-inf"))
         share = (approx - torch.logsumexp(approx, -1, keepdim=True)).amax(1)  # (Hkv, N) union over queries
         pad = self._pad_rows[layer] - self._row_base if self.key_block > 1 else None
-        local = top_rows(share, min(budget, self.n_searchable), self.key_block, pad)  # (Hkv, B) rows of each head read
+        local = top_rows(share, budget, self.key_block, pad)  # (Hkv, B) rows of each head read
         width = local.shape[1]
         rows = (local + self._row_base).view(-1)
         keys = lay.keys.reshape(-1, D).index_select(0, rows).float().view(hkv, width, D)
