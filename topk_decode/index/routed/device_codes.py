@@ -35,7 +35,8 @@ clusters, so logit_c is the log of Σ exp(s·q·(μ_c + r̂_k)) over its searcha
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Self
 
 import numpy as np
 import torch
@@ -48,8 +49,24 @@ _WORDS = 1 << NBITS  # entries per sub-vector table
 RESIDUAL_ROWS = 4096  # rows per scatter-add of `residual_sum` (Hkv·G·m·4096 floats at once)
 
 
+class Tensors:
+    """A dataclass of tensors only: moved and measured field by field."""
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor held, in field order."""
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    def to(self, device: torch.device) -> Self:
+        """The same tensors on `device`."""
+        return type(self)(*(t.to(device) for t in self.tensors()))
+
+    def nbytes(self) -> int:
+        """Bytes held."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
 @dataclass
-class DeviceCodes:
+class DeviceCodes(Tensors):
     """One layer's residual codes as the device reads them (all KV heads).
 
     packed: (Hkv, m/2, N) uint8 two sub-vectors' codes per byte (the even one in the low nibble), sub-vector-major so
@@ -68,21 +85,9 @@ class DeviceCodes:
     fix_ids: torch.Tensor
     fix_delta: torch.Tensor
 
-    def to(self, device: torch.device) -> DeviceCodes:
-        """The same codes on `device`."""
-        return DeviceCodes(*(t.to(device) for t in self.tensors()))
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        """Every tensor held, in field order."""
-        return (self.packed, self.books, self.offsets, self.searchable, self.fix_ids, self.fix_delta)
-
-    def nbytes(self) -> int:
-        """Bytes held."""
-        return sum(t.numel() * t.element_size() for t in self.tensors())
-
 
 @dataclass
-class DeviceValueCodes:
+class DeviceValueCodes(Tensors):
     """One layer's value residual codes as the device reads them (`pq_values`, all KV heads).
 
     packed: (Hkv, m/2, N) uint8 as `DeviceCodes.packed`; books: (Hkv, m, 16, D/m) float32 codewords (zero for the
@@ -93,18 +98,6 @@ class DeviceValueCodes:
     packed: torch.Tensor
     books: torch.Tensor
     means: torch.Tensor
-
-    def to(self, device: torch.device) -> DeviceValueCodes:
-        """The same codes on `device`."""
-        return DeviceValueCodes(*(t.to(device) for t in self.tensors()))
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        """Every tensor held, in field order."""
-        return (self.packed, self.books, self.means)
-
-    def nbytes(self) -> int:
-        """Bytes held."""
-        return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
 def pack_codes(codes: ResidualCodes) -> tuple[torch.Tensor, torch.Tensor]:
