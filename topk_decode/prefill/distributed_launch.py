@@ -344,7 +344,11 @@ def leader(plan: GroupPlan, spec: RankSpec) -> Iterator[LeaderPrefill]:
         if plan.torchrun:  # torchrun's ranks join at once: join them, so a failure can tell them to stop
             prefill.connect_now()
         yield prefill
-        for p in procs:  # they finish right after the last collective
+        # every rank leaves the group here, right after the last collective: NCCL's destroy waits for the other
+        # ranks' (a rank 0 that first waited for its spawned ranks to exit waited forever, on the 2-GPU host)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for p in procs:  # they exit once they have left the group
             while p.exitcode is None:
                 watch.check()
                 p.join(0.05)
