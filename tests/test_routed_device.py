@@ -500,6 +500,49 @@ def test_codes_are_placed_after_every_layers_tables_and_a_layer_without_them_ran
         assert torch.equal(a, b)
 
 
+def test_value_codes_are_placed_after_every_layers_key_codes_and_a_layer_without_them_estimates_by_means(
+    clustered_cache, opened, monkeypatch
+):
+    """pq_values on the device: every layer's key codes are placed before any layer's value codes (per-key ranking
+    keeps more of dense's answers than value codes add), and a layer whose value codes do not fit estimates exactly as
+    rank=keys without value codes."""
+    from topk_decode.index.routed.device_codes import DeviceCodes, DeviceValueCodes
+
+    opts = {"cluster_size": 32, "probe_fraction": 0.05, "rank": "keys", "kernel": "numba", "device_route": "true"}
+    dev = opened(clustered_cache, "routed", dict(opts, pq_values=8), lo=3, hi=2990)
+    ref = opened(clustered_cache, "routed", dict(opts, pq_values=0), lo=3, hi=2990)
+    k = 40
+    moved = []
+    key_to, value_to = DeviceCodes.to, DeviceValueCodes.to
+
+    def keys(self, device):
+        moved.append("keys")
+        return key_to(self, device)
+
+    def values(self, device):  # the second layer's value codes do not fit
+        moved.append("values")
+        if moved.count("values") > 1:
+            raise torch.OutOfMemoryError("no room")
+        return value_to(self, device)
+
+    monkeypatch.setattr(DeviceCodes, "to", keys)
+    monkeypatch.setattr(DeviceValueCodes, "to", values)
+    routes = dev.device_routes(CPU, [k, k])
+    assert moved == ["keys", "keys", "values", "values"]
+    assert routes.keyed_layers() == 2 and routes.value_coded_layers() == 1
+    ref_routes = ref.device_routes(CPU, [k, k])
+    q = _queries(seed=55)
+    hkv, Q, d = q.shape
+    parts = []
+    for strat, r in ((dev, routes), (ref, ref_routes)):
+        r.route(1, q)
+        out, mz = torch.empty(hkv * Q, d, dtype=torch.bfloat16), torch.empty(hkv * Q, 2)
+        sel = strat.select_and_attend(1, q, k, None, out, mz, route=r.host_route(1))
+        parts.append((sel.ids, out, mz, *r.estimate_part(1)))
+    for a, b in zip(*parts):
+        assert torch.equal(a, b)
+
+
 def test_rank_keys_reads_at_most_max_read_per_k_keys_per_retrieved_key(clustered_cache, opened):
     """rank=keys' read is probe_fraction of the keys but at most max_read_per_k·k (0: no cap): on the device and
     on the torch path."""

@@ -217,21 +217,30 @@ class DeviceRoutes:
     def _place_codes(self, n_tokens: int, reserve: int) -> None:
         """Add the residual codes to the placed layers in layer order while they fit beside `reserve`: every layer's
         cluster tables come first (a layer without them routes on the CPU, by far the slowest), so a layer whose
-        codes do not fit ranks and estimates by clusters on the device."""
-        values = self._value_codes if self._value_codes is not None else [None] * self.n_layers
-        for t, codes, vcodes, rows in zip(self.tables, self._codes, values, self._row_budgets):
+        codes do not fit ranks and estimates by clusters on the device; then the value codes (`pq_values`) the same
+        way, after every layer's key codes (per-key ranking keeps more of dense's answers than the value codes add:
+        docs/EVAL.md), so a layer without them estimates its unread keys' values by their clusters' means."""
+        for t, codes, rows in zip(self.tables, self._codes, self._row_budgets):
             if t is None:
                 break
             try:
                 t.codes = codes.to(self.device)
-                t.vcodes = None if vcodes is None else vcodes.to(self.device)
                 self._check_reserve(reserve)
             except torch.OutOfMemoryError:
-                t.codes = t.vcodes = None
+                t.codes = None
                 break
             if self.rank_keys:  # the host reads rows, not clusters
                 t.budget = rows
                 t.width = min(rows, n_tokens) // self.key_block * self.key_block
+        for t, vcodes in zip(self.tables, self._value_codes or []):
+            if t is None or t.codes is None:
+                break
+            try:
+                t.vcodes = vcodes.to(self.device)
+                self._check_reserve(reserve)
+            except torch.OutOfMemoryError:
+                t.vcodes = None
+                break
 
     def _check_reserve(self, reserve: int) -> None:
         """Raise OutOfMemoryError unless `reserve` bytes are still free (CUDA only): the step's own memory."""
@@ -280,6 +289,10 @@ class DeviceRoutes:
     def keyed_layers(self) -> int:
         """How many layers score keys by their residual codes (`rank=keys`, `estimate_by=keys`)."""
         return sum(t is not None and t.codes is not None for t in self.tables)
+
+    def value_coded_layers(self) -> int:
+        """How many layers add their unread keys' coded value residuals to the estimate (`pq_values`)."""
+        return sum(t is not None and t.vcodes is not None for t in self.tables)
 
     def nbytes(self) -> int:
         """Device bytes held by the tables."""
