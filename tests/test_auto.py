@@ -17,7 +17,7 @@ def test_choose_is_exact_up_to_the_threshold_and_routed_rank_keys_beyond_on_a_gp
     assert auto.choose(1).strategy == "flat"
     assert auto.choose(auto.EXACT_MAX_TOKENS).strategy == "flat" and auto.choose(1).options == {}
     beyond = auto.choose(auto.EXACT_MAX_TOKENS + 1)
-    assert (beyond.strategy, beyond.options) == ("routed", {"rank": "keys"})
+    assert (beyond.strategy, beyond.options) == ("routed", {"rank": "keys", "pq_values": 32})
     assert "≤" in auto.choose(100).reason and ">" in beyond.reason and "rank=keys" in beyond.reason
     # on a CPU rank=keys would run its torch path (flat's scan and more): the exact scan at every length
     cpu = auto.choose(10**6, gpu=False)
@@ -69,8 +69,9 @@ def test_auto_passes_its_options_and_the_users_win(built_cache, tmp_path, monkey
     monkeypatch.setattr(engine.auto, "resolve", lambda name, n, gpu=True: on_cpu(name, n, gpu=True))
     with KVStore.open(cache, k=8, device="cpu") as store:
         assert store.config.strategy == "routed" and "rank=keys" in store.strategy_reason
-        assert store.config.strategy_options == {"rank": "keys"}
-        assert store.decoder.strategy.options.rank == "keys" and store.decoder.strategy.options.pq_m > 0
+        assert store.config.strategy_options == {"rank": "keys", "pq_values": 32}
+        o = store.decoder.strategy.options
+        assert o.rank == "keys" and o.pq_m > 0 and o.pq_values == o.pq_m  # value codes, at most D/2 sub-vectors
         first = store.ask("What is in the documents?", max_new_tokens=3)
     with KVStore.open(cache, k=8, device="cpu", strategy_options={"rank": "clusters"}) as store:
         assert store.decoder.strategy.options.rank == "clusters"
@@ -93,11 +94,12 @@ def test_prefill_builds_what_auto_will_run(tmp_path, model_factory, docs_dir, mo
     info = CliRunner().invoke(app, ["info", str(out), "--json"])
     facts = json.loads(info.stdout)
     assert facts["auto"]["strategy"] == ("routed" if built else "flat")
-    assert facts["auto"]["options"] == ({"rank": "keys"} if built else {}) and facts["auto_cpu"]["strategy"] == "flat"
-    if built:  # with the residual codes rank=keys ranks by: the first question on a GPU waits for no build
+    assert facts["auto"]["options"] == (auto.FAST_OPTIONS if built else {}) and facts["auto_cpu"]["strategy"] == "flat"
+    if built:  # with the key and value codes rank=keys ranks and estimates by: the first question waits for no build
         from topk_decode.index.artifacts import recorded_options
 
-        assert recorded_options(out, "routed")["pq_m"] > 0
+        recorded = recorded_options(out, "routed")
+        assert recorded["pq_m"] > 0 and recorded["pq_values"] == recorded["pq_m"]
     assert ("routed" in facts["strategies"]) == built  # ready: the first question waits for no build
     text = CliRunner().invoke(app, ["info", str(out)]).stdout
     assert f"auto runs {'routed rank=keys' if built else 'flat'}" in text

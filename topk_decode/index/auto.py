@@ -1,4 +1,5 @@
-"""`auto`, the default strategy: exact `flat` on short contexts, routed with `rank=keys` beyond on a GPU.
+"""`auto`, the default strategy: exact `flat` on short contexts, routed with `rank=keys` and value codes beyond on
+a GPU.
 
 The choice depends on the cache's length and on whether decoding runs on a GPU: `rank=keys` ranks every key
 by its residual code inside the captured one-token step on the device; on a CPU its torch path does flat's work
@@ -7,7 +8,7 @@ and more, so a CPU decodes with the exact scan at every length. `topk prefill` b
 fidelity behind it are in docs/STRATEGIES.md, "auto: which strategy runs".
 
     >>> choose(3_475).strategy, choose(200_000).strategy, choose(200_000).options, choose(200_000, gpu=False).strategy
-    ('flat', 'routed', {'rank': 'keys'}, 'flat')
+    ('flat', 'routed', {'rank': 'keys', 'pq_values': 32}, 'flat')
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ from dataclasses import dataclass, field
 AUTO = "auto"
 EXACT_MAX_TOKENS = 8_192  # at most this many context tokens: flat (exact top-k); more, on a GPU: routed rank=keys
 FAST = "routed"
-FAST_OPTIONS = {"rank": "keys"}
+# per-key ranking, and each unread key's value as its cluster's mean + a 4-bit code of its residual (16 bytes per key;
+# at most D/2 sub-vectors): at 16K the value codes kept dense's answer on 10 held-out questions rank=keys alone lost,
+# the reverse on 1 (docs/EVAL.md)
+FAST_OPTIONS = {"rank": "keys", "pq_values": 32}
 EXACT = "flat"
 
 
@@ -42,9 +46,9 @@ def choose(n_tokens: int, gpu: bool = True) -> AutoChoice:
         )
     return AutoChoice(
         FAST,
-        f"auto: {n_tokens:,} context tokens > {EXACT_MAX_TOKENS:,}, routed rank=keys reads ~4 % of the keys per step "
-        "(at most max_read_per_k·k per head where it ranks keys) and gives dense's answer more often than exact top-k "
-        "at the same k (docs/EVAL.md)",
+        f"auto: {n_tokens:,} context tokens > {EXACT_MAX_TOKENS:,}, routed rank=keys with value codes reads ~4 % of "
+        "the keys per step (at most max_read_per_k·k per head where it ranks keys) and gives dense's answer more often "
+        "than exact top-k at the same k (docs/EVAL.md)",
         dict(FAST_OPTIONS),
     )
 

@@ -107,7 +107,7 @@ class RoutedOptions(StrategyOptions):
     pq_values: int = option(
         0,
         "Sub-vectors of 4-bit codes of each value's residual to its cluster's mean value (0: none; 32 is 16 bytes per "
-        "key): the per-key estimate (rank=keys, estimate_by=keys) then adds each unread key's own coded residual to its "
+        "key; at most D/2): the per-key estimate (rank=keys, estimate_by=keys) then adds each unread key's own coded residual to its "
         "cluster's mean value. With rank=keys also on the device (index/routed/device_codes.py `residual_sum`); with "
         "estimate_by=keys alone the torch path's (docs/EVAL.md).",
         build=True,
@@ -201,9 +201,10 @@ class RoutedOptions(StrategyOptions):
 
 def with_codes(o: RoutedOptions, head_dim: int) -> RoutedOptions:
     """The options with `pq_m` filled in where `rank=keys` needs codes and none were asked for (counted as given,
-    so a layout without codes is rebuilt)."""
+    so a layout without codes is rebuilt), and `pq_values` at most `default_m` (sub-vectors of ≥ 2 dimensions)."""
     needs = o.rank == "keys" or o.estimate_by == "keys"
-    return o.replace(pq_m=default_m(head_dim)) if needs and not o.pq_m else o
+    o = o.replace(pq_m=default_m(head_dim)) if needs and not o.pq_m else o
+    return o.replace(pq_values=default_m(head_dim)) if o.pq_values > default_m(head_dim) else o
 
 
 class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged):
