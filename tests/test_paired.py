@@ -95,3 +95,16 @@ def test_sign_tests_count_dense_answers_not_identical_tokens():
     assert paired.sign_p(30, 5) == pytest.approx(2 * sum(math.comb(35, i) for i in range(6)) / 2**35)
     assert paired.sign_p(0, 0) == 1.0
     assert "| 100 | flat@1% | routed@1% | 4 | 2 | 1 | 1.0000 |" in paired.markdown(instances)
+
+
+def test_pool_merges_the_runs_of_one_question_from_several_results_and_refuses_other_dense_answers():
+    a = _inst("real_needle", "1234567", True, [("flat", "1234567", True)])
+    b = _inst("real_needle", "1234567", True, [("routed", "7654321", False)])
+    other = _inst("real_qa", "Forty two", True, [("routed", "Forty two", True)])
+    (merged, qa) = paired.pool([{"instances": [a, other]}, {"instances": [b]}])
+    assert [r["strategy"] for r in merged["runs"]] == ["flat", "routed"] and qa["runs"] == other["runs"]
+    assert len(a["runs"]) == 1  # the inputs are not changed
+    (row,) = paired.sign_tests([merged, qa])
+    assert (row["only_a"], row["only_b"], row["n"]) == (1, 0, 1)  # flat and routed paired on the needle only
+    with pytest.raises(ValueError, match="do not pair"):
+        paired.pool([{"instances": [a]}, {"instances": [dict(b, dense_generated="7")]}])

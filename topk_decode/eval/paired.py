@@ -173,6 +173,25 @@ def sign_tests(instances: list[dict]) -> list[dict]:
     return rows
 
 
+def pool(results: list[dict]) -> list[dict]:
+    """The instances of several suite results (their JSON) merged by question: each question's runs from every result.
+
+    A question is (length, seed, task, depth, answer); results that answered it densely in different words cannot be
+    paired (another model, another dtype): ValueError.
+    """
+    merged: dict[tuple, dict] = {}
+    for result in results:
+        for inst in result["instances"]:
+            key = tuple(inst.get(f) for f in ("length", "seed", "task", "depth", "answer"))
+            if key not in merged:
+                merged[key] = dict(inst, runs=list(inst["runs"]))
+            elif merged[key]["dense_generated"] != inst["dense_generated"]:
+                raise ValueError(f"dense answered {key} differently in two results: they do not pair")
+            else:
+                merged[key]["runs"] += inst["runs"]
+    return list(merged.values())
+
+
 def task_rows(instances: list[dict]) -> list[dict]:
     """Dense accuracy per (length, task): which tasks can carry an accuracy claim (dense ≥ 70 %)."""
     acc: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
