@@ -230,6 +230,9 @@ def test_strategy_variants_carry_their_own_options_and_budget():
     assert variant_label("routed:rank=keys:k=2%") == "routed:rank=keys" and variant_label("flat:k=100%") == "flat"
     assert run_budgets("flat:k=100%", ["1%"], 1000) == [(1000, "100%")]  # the variant's own budget
     assert run_budgets("flat", ["2%", 5], 1000) == [(5, None), (20, "2%")]  # the run's, smallest first
+    assert run_budgets("flat:k=256", ["1%"], 1000) == [(256, None)]  # an integer budget of its own
+    with pytest.raises(TopkError, match="not an integer or a percentage"):
+        run_budgets("flat:k=many", ["1%"], 1000)
     with pytest.raises(TopkError, match="expected name:key=value"):
         split_variant("routed:rank")
     with pytest.raises(TopkError, match="rank must be clusters or keys"):

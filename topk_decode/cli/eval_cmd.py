@@ -39,19 +39,12 @@ def parse_k_list(text: str) -> list[int | str]:
     Args:
         text: comma-separated budgets.
     """
-    from topk_decode.eval.harness import resolve_k
+    from topk_decode.eval.runs import parse_budget
 
-    out: list[int | str] = []
-    for t in parse_list("--k", text, str):
-        if t.endswith("%"):
-            out.append(t)
-        else:
-            try:
-                out.append(int(t))
-            except ValueError:
-                raise TopkError(f"--k: {t!r} is not an integer or a percentage such as 1%") from None
-        resolve_k(out[-1], 1)
-    return out
+    try:
+        return [parse_budget(t) for t in parse_list("--k", text, str)]
+    except TopkError as e:
+        raise TopkError(f"--k: {e}") from None
 
 
 def eval_command(

@@ -39,6 +39,17 @@ def resolve_k(k: int | str, n_context: int) -> int:
     return k
 
 
+def parse_budget(text: str) -> int | str:
+    """One budget as written: "256" → 256, "1%" → "1%" (a percentage of each context); TopkError for anything else."""
+    t = text.strip()
+    try:
+        k = t if t.endswith("%") else int(t)
+    except ValueError:
+        raise TopkError(f"k {t!r} is not an integer or a percentage such as 1%") from None
+    resolve_k(k, 1)
+    return k
+
+
 def split_variant(spec: str) -> tuple[str, dict]:
     """A strategy with options of its own, to compare variants in one run: "routed:rank=keys:probe_fraction=0.05"
     → ("routed", {"rank": "keys", "probe_fraction": "0.05"}); a plain name → (name, {}). The key `k` is the
@@ -58,7 +69,10 @@ def run_budgets(spec: str, ks: list, n_context: int) -> list[tuple[int, str | No
     has one, else the run's `ks`; label is the budget as requested ("1%") or None for an integer."""
     own = split_variant(spec)[1].get("k")
     return sorted(
-        {(resolve_k(k, n_context), None if isinstance(k, int) else str(k)) for k in ([own] if own else ks)},
+        {
+            (resolve_k(k, n_context), None if isinstance(k, int) else str(k))
+            for k in ([parse_budget(own)] if own else ks)
+        },
         key=lambda kl: (kl[0], kl[1] or ""),
     )
 
