@@ -200,3 +200,14 @@ def test_estimate_by_keys_weighs_the_unread_clusters_closer_to_their_true_mass(g
 def test_rank_keys_refuses_a_cluster_estimate(grouped_cache):  # noqa: F811
     with pytest.raises(TopkError, match="estimate_by=clusters needs rank=clusters"):
         _routed(grouped_cache, 4, 2984, rank="keys", estimate_by="clusters")
+
+
+def test_with_codes_fills_pq_m_for_rank_keys_and_bounds_pq_values_by_half_the_head_dimension():
+    from topk_decode.index.routed.strategy import RoutedOptions, with_codes
+
+    o = with_codes(RoutedOptions(rank="keys", pq_values=32), 128)
+    assert (o.pq_m, o.pq_values) == (32, 32)
+    assert with_codes(RoutedOptions(rank="keys", pq_values=64), 128).pq_values == 64  # a user's 2-dimension codes
+    small = with_codes(RoutedOptions(rank="keys", pq_values=32), 16)  # auto's 32 on 16-dimension heads
+    assert (small.pq_m, small.pq_values) == (8, 8)
+    assert with_codes(RoutedOptions(), 128) == RoutedOptions()  # rank=clusters, no value codes: nothing to fill

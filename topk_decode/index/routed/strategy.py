@@ -201,10 +201,11 @@ class RoutedOptions(StrategyOptions):
 
 def with_codes(o: RoutedOptions, head_dim: int) -> RoutedOptions:
     """The options with `pq_m` filled in where `rank=keys` needs codes and none were asked for (counted as given,
-    so a layout without codes is rebuilt), and `pq_values` at most `default_m` (sub-vectors of ≥ 2 dimensions)."""
+    so a layout without codes is rebuilt), and `pq_values` at most D/2 (sub-vectors of ≥ 2 dimensions: `auto` asks
+    for 32 on every model)."""
     needs = o.rank == "keys" or o.estimate_by == "keys"
     o = o.replace(pq_m=default_m(head_dim)) if needs and not o.pq_m else o
-    return o.replace(pq_values=default_m(head_dim)) if o.pq_values > default_m(head_dim) else o
+    return o.replace(pq_values=max(1, head_dim // 2)) if o.pq_values > head_dim // 2 else o
 
 
 class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged):
