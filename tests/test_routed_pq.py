@@ -211,3 +211,14 @@ def test_with_codes_fills_pq_m_for_rank_keys_and_bounds_pq_values_by_half_the_he
     small = with_codes(RoutedOptions(rank="keys", pq_values=32), 16)  # auto's 32 on 16-dimension heads
     assert (small.pq_m, small.pq_values) == (8, 8)
     assert with_codes(RoutedOptions(), 128) == RoutedOptions()  # rank=clusters, no value codes: nothing to fill
+
+
+def test_codes_trained_by_several_threads_equal_one_threads():
+    """train_codes trains the KV heads in parallel: the same codes and codebooks as one head after another (each
+    head's training sample is drawn in head order)."""
+    gen = torch.Generator().manual_seed(70)
+    keys = torch.randn(3, 70_000, 16, generator=gen)  # more rows than TRAIN_ROWS: each head draws a sample
+    cent = torch.randn(3, 50, 16, generator=gen)
+    labels = torch.randint(0, 50, (3, 70_000), generator=gen)
+    one, three = (pq.train_codes(keys, cent, labels, 4, threads=t) for t in (1, 3))
+    assert torch.equal(one.codes, three.codes) and torch.equal(one.codebooks, three.codebooks)

@@ -55,29 +55,52 @@ def default_m(head_dim: int) -> int:
     return min(MAX_M, max(1, head_dim // 2))
 
 
-def train_codes(keys: torch.Tensor, centroids: torch.Tensor, labels: torch.Tensor, m: int) -> ResidualCodes:
-    """Train and encode the residuals of every KV head of one layer.
+def train_codes(
+    keys: torch.Tensor, centroids: torch.Tensor, labels: torch.Tensor, m: int, threads: int | None = None
+) -> ResidualCodes:
+    """Train and encode the residuals of every KV head of one layer, the heads in parallel.
 
     Args:
         keys: (Hkv, N, D) the layer's keys in layout row order.
         centroids: (Hkv, C, D) float32 each cluster's centroid.
         labels: (Hkv, N) int64 the cluster of every row.
         m: sub-vectors per key (D must be a multiple of m).
+        threads: CPU threads (default: the CPUs this process may use, topk_decode/cpus.py); the heads are trained
+            and encoded by up to that many threads at once (faiss runs without the GIL), each head as alone.
     """
     import faiss
+
+    from topk_decode.cpus import usable_cpus
 
     hkv, n, d = keys.shape
     codes = torch.empty((hkv, n, m), dtype=torch.uint8)
     books = torch.empty((hkv, m, 1 << NBITS, d // m), dtype=torch.float32)
     rng = np.random.default_rng(0)
+    samples = [None if n <= TRAIN_ROWS else rng.choice(n, TRAIN_ROWS, replace=False) for _ in range(hkv)]
     residuals = keys.float() - row_centroids(centroids, labels)  # (Hkv, N, D)
-    for h in range(hkv):
+
+    def head(h: int) -> None:
         res = np.ascontiguousarray(residuals[h].numpy())
         pq = faiss.ProductQuantizer(d, m, NBITS)
-        train = res if n <= TRAIN_ROWS else res[rng.choice(n, TRAIN_ROWS, replace=False)]
-        pq.train(np.ascontiguousarray(train))
+        pq.train(np.ascontiguousarray(res if samples[h] is None else res[samples[h]]))
         codes[h] = torch.from_numpy(unpack(pq.compute_codes(res), m))
         books[h] = torch.from_numpy(faiss.vector_to_array(pq.centroids).reshape(m, 1 << NBITS, d // m))
+
+    cpus = threads or usable_cpus()
+    workers = min(hkv, cpus)
+    if workers <= 1:
+        for h in range(hkv):
+            head(h)
+        return ResidualCodes(codes, books)
+    from concurrent.futures import ThreadPoolExecutor
+
+    omp = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(max(1, cpus // workers))  # the CPUs shared out, not each head's team on all of them
+    try:
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(head, range(hkv)))
+    finally:
+        faiss.omp_set_num_threads(omp)
     return ResidualCodes(codes, books)
 
 
