@@ -107,9 +107,9 @@ class RoutedOptions(StrategyOptions):
     pq_values: int = option(
         0,
         "Sub-vectors of 4-bit codes of each value's residual to its cluster's mean value (0: none; 32 is 16 bytes per "
-        "key; at most D/2): the per-key estimate (rank=keys, estimate_by=keys) then adds each unread key's own coded residual to its "
-        "cluster's mean value. With rank=keys also on the device (index/routed/device_codes.py `residual_sum`); with "
-        "estimate_by=keys alone the torch path's (docs/EVAL.md).",
+        "key; at most D/2): the per-key estimate (rank=keys, estimate_by=keys) then adds each unread key's own coded "
+        "residual to its cluster's mean value. With rank=keys also on the device (index/routed/device_codes.py "
+        "`residual_sum`); with estimate_by=keys alone the torch path's. auto runs 32 (docs/EVAL.md).",
         build=True,
         check=NON_NEGATIVE,
     )
