@@ -271,14 +271,13 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             # Routing and the estimate read every centroid and mean value each step: in the keys' own
             # precision that is half the bytes of fp32 (docs/STRATEGIES.md "routed: the compiled path").
             self._stats = [st.stored_as(torch.bfloat16) for st in self._stats]
-        # The torch path's fp32 copies (the compiled path reads the stored ones): centroids as (Hkv, D, C)
-        # for one baddbmm, the mean values for the estimate. With estimate_by=keys the compiled path runs only where
-        # the device routes and estimates (one-token steps); the torch path does the rest (a question's tokens).
-        torch_too = not self.kernel or self.estimate_keys
-        self._cent_t = [st.centroids.float().transpose(1, 2).contiguous() if torch_too else None for st in self._stats]
-        self._vmeans = [
-            st.value_means.float() if torch_too and st.value_means is not None else None for st in self._stats
-        ]
+        # The torch path's fp32 tables (`fp32_tables`; the compiled path reads the stored ones): made here where the
+        # torch path runs every step (no compiled path), else on first use.
+        self._cent_t: list[torch.Tensor | None] = [None] * self.ckv.n_layers
+        self._vmeans: list[torch.Tensor | None] = [None] * self.ckv.n_layers
+        if not self.kernel:
+            for layer in range(self.ckv.n_layers):
+                self.fp32_tables(layer)
         # Log cluster sizes as the bias (−inf for a cluster without searchable keys), the spread scaled by s²/2.
         self._bias = [st.log_n for st in self._stats]  # (Hkv, 1, C)
         if not use_sizes:  # 0 for every cluster with searchable keys, −inf for the others
@@ -368,13 +367,27 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             return self._compiled(layer, q, k, budget)
         return self._select_torch(layer, q, k, budget)
 
+    def fp32_tables(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The torch path's fp32 copies of a layer's searchable cluster tables: centroids (Hkv, D, C), for one bmm,
+        and mean values (Hkv, C, D) or None. Kept once made, except where the device routes every one-token step:
+        the torch path then runs only for a question's tokens, and keeping them would cost the RAM of a quarter of
+        the keys (twice 1/16 of the rows, in fp32: 7 GiB at 1M tokens of a 7B model)."""
+        cent, vmeans = self._cent_t[layer], self._vmeans[layer]
+        if cent is None:
+            st = self._stats[layer]
+            cent = st.centroids.float().transpose(1, 2).contiguous()
+            vmeans = None if st.value_means is None else st.value_means.float()
+            if self.routes is None:
+                self._cent_t[layer], self._vmeans[layer] = cent, vmeans
+        return cent, vmeans
+
     def rest_values(self, layer: int) -> tuple[torch.Tensor, ResidualCodes | None]:
         """The per-key estimate's values: the clusters' mean values and, with `pq_values`, every row's coded
         residual to them (the layout's means, over all its keys); else the searchable keys' means and None."""
         lay = self.layouts[layer]
         if self.options.pq_values:  # asked for: a layout built with other options is rebuilt with them
             return lay.value_means, lay.value_codes
-        return self._vmeans[layer], None
+        return self.fp32_tables(layer)[1], None
 
     def approx_scores(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """(Hkv, Q, N) float32 s·q·k̂ for every layout row, k̂ = μ_c + r̂ its approximate key (rank=keys,
@@ -465,6 +478,8 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             pad_rows=[p - self._row_base for p in self._pad_rows] if self.rank_keys and self.key_block > 1 else None,
         )
         self.routes = routes if routes.layers_on_device() else None
+        if self.routes is not None and self.kernel:  # the torch path runs for a question's tokens only: no fp32 tables
+            self._cent_t, self._vmeans = [None] * self.ckv.n_layers, [None] * self.ckv.n_layers
         keyed = 0 if self.routes is None else self.routes.keyed_layers()
         if self.routes is not None and (self.rank_keys or self.estimate_keys) and keyed < self.ckv.n_layers:
             warnings.warn(
