@@ -457,6 +457,19 @@ def test_rank_keys_ranks_clusters_in_the_layers_whose_codes_did_not_fit_the_devi
         assert torch.equal(a, b)
 
 
+def _assert_same_device_layer(a, b, layer: int, q: torch.Tensor, k: int) -> None:
+    """Two (strategy, routes) pairs give one layer's step the same top-k, context part and estimate, bit for bit."""
+    hkv, Q, d = q.shape
+    parts = []
+    for strat, r in (a, b):
+        r.route(layer, q)
+        out, mz = torch.empty(hkv * Q, d, dtype=torch.bfloat16), torch.empty(hkv * Q, 2)
+        sel = strat.select_and_attend(layer, q, k, None, out, mz, route=r.host_route(layer))
+        parts.append((sel.ids, out, mz, *r.estimate_part(layer)))
+    for x, y in zip(*parts):
+        assert torch.equal(x, y)
+
+
 def test_codes_are_placed_after_every_layers_tables_and_a_layer_without_them_ranks_clusters_on_the_device(
     clustered_cache, opened, monkeypatch
 ):
@@ -487,17 +500,7 @@ def test_codes_are_placed_after_every_layers_tables_and_a_layer_without_them_ran
     assert (
         routes.tables[1].width == ref_routes.tables[1].width and routes.order_host[1].shape[1] == routes.tables[1].width
     )
-    q = _queries(seed=54)
-    hkv, Q, d = q.shape
-    parts = []
-    for strat, r in ((dev, routes), (ref, ref_routes)):
-        r.route(1, q)
-        out, mz = torch.empty(hkv * Q, d, dtype=torch.bfloat16), torch.empty(hkv * Q, 2)
-        sel = strat.select_and_attend(1, q, k, None, out, mz, route=r.host_route(1))
-        est = r.estimate_part(1)
-        parts.append((sel.ids, out, mz, *est))
-    for a, b in zip(*parts):
-        assert torch.equal(a, b)
+    _assert_same_device_layer((dev, routes), (ref, ref_routes), 1, _queries(seed=54), k)
 
 
 def test_value_codes_are_placed_after_every_layers_key_codes_and_a_layer_without_them_estimates_by_means(
@@ -531,16 +534,7 @@ def test_value_codes_are_placed_after_every_layers_key_codes_and_a_layer_without
     assert moved == ["keys", "keys", "values", "values"]
     assert routes.keyed_layers() == 2 and routes.value_coded_layers() == 1
     ref_routes = ref.device_routes(CPU, [k, k])
-    q = _queries(seed=55)
-    hkv, Q, d = q.shape
-    parts = []
-    for strat, r in ((dev, routes), (ref, ref_routes)):
-        r.route(1, q)
-        out, mz = torch.empty(hkv * Q, d, dtype=torch.bfloat16), torch.empty(hkv * Q, 2)
-        sel = strat.select_and_attend(1, q, k, None, out, mz, route=r.host_route(1))
-        parts.append((sel.ids, out, mz, *r.estimate_part(1)))
-    for a, b in zip(*parts):
-        assert torch.equal(a, b)
+    _assert_same_device_layer((dev, routes), (ref, ref_routes), 1, _queries(seed=55), k)
 
 
 def test_rank_keys_reads_at_most_max_read_per_k_keys_per_retrieved_key(clustered_cache, opened):

@@ -221,26 +221,24 @@ class DeviceRoutes:
         way, after every layer's key codes (per-key ranking keeps more of dense's answers than the value codes add:
         docs/EVAL.md), so a layer without them estimates its unread keys' values by their clusters' means."""
         for t, codes, rows in zip(self.tables, self._codes, self._row_budgets):
-            if t is None:
-                break
-            try:
-                t.codes = codes.to(self.device)
-                self._check_reserve(reserve)
-            except torch.OutOfMemoryError:
-                t.codes = None
+            if t is None or not self._fits(t, "codes", codes, reserve):
                 break
             if self.rank_keys:  # the host reads rows, not clusters
                 t.budget = rows
                 t.width = min(rows, n_tokens) // self.key_block * self.key_block
         for t, vcodes in zip(self.tables, self._value_codes or []):
-            if t is None or t.codes is None:
+            if t is None or t.codes is None or not self._fits(t, "vcodes", vcodes, reserve):
                 break
-            try:
-                t.vcodes = vcodes.to(self.device)
-                self._check_reserve(reserve)
-            except torch.OutOfMemoryError:
-                t.vcodes = None
-                break
+
+    def _fits(self, t: LayerTables, field: str, tensors, reserve: int) -> bool:
+        """Set t.<field> to `tensors` moved to the device if they fit beside `reserve`; else leave it None, False."""
+        try:
+            setattr(t, field, tensors.to(self.device))
+            self._check_reserve(reserve)
+            return True
+        except torch.OutOfMemoryError:
+            setattr(t, field, None)
+            return False
 
     def _check_reserve(self, reserve: int) -> None:
         """Raise OutOfMemoryError unless `reserve` bytes are still free (CUDA only): the step's own memory."""
