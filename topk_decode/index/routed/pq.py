@@ -65,17 +65,17 @@ def train_codes(
         centroids: (Hkv, C, D) float32 each cluster's centroid.
         labels: (Hkv, N) int64 the cluster of every row.
         m: sub-vectors per key (D must be a multiple of m).
-        threads: CPU threads (default: the CPUs this process may use, topk_decode/cpus.py); the heads are trained
-            and encoded by up to that many threads at once (faiss runs without the GIL), each head as alone.
+        threads: parallel heads (default: `index/threads.py` `default_threads`), each trained and encoded on one
+            thread by the project's `HeadPool` (faiss runs without the GIL).
     """
     import faiss
 
-    from topk_decode.cpus import usable_cpus
+    from topk_decode.index.threads import HeadPool, default_threads
 
     hkv, n, d = keys.shape
     codes = torch.empty((hkv, n, m), dtype=torch.uint8)
     books = torch.empty((hkv, m, 1 << NBITS, d // m), dtype=torch.float32)
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(0)  # every head's sample drawn in head order: the codes do not depend on `threads`
     samples = [None if n <= TRAIN_ROWS else rng.choice(n, TRAIN_ROWS, replace=False) for _ in range(hkv)]
     residuals = keys.float() - row_centroids(centroids, labels)  # (Hkv, N, D)
 
@@ -86,21 +86,11 @@ def train_codes(
         codes[h] = torch.from_numpy(unpack(pq.compute_codes(res), m))
         books[h] = torch.from_numpy(faiss.vector_to_array(pq.centroids).reshape(m, 1 << NBITS, d // m))
 
-    cpus = threads or usable_cpus()
-    workers = min(hkv, cpus)
-    if workers <= 1:
-        for h in range(hkv):
-            head(h)
-        return ResidualCodes(codes, books)
-    from concurrent.futures import ThreadPoolExecutor
-
-    omp = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(max(1, cpus // workers))  # the CPUs shared out, not each head's team on all of them
+    pool = HeadPool(min(hkv, threads or default_threads()))
     try:
-        with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(head, range(hkv)))
+        pool.map(head, range(hkv))
     finally:
-        faiss.omp_set_num_threads(omp)
+        pool.close()
     return ResidualCodes(codes, books)
 
 
