@@ -271,13 +271,14 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             # Routing and the estimate read every centroid and mean value each step: in the keys' own
             # precision that is half the bytes of fp32 (docs/STRATEGIES.md "routed: the compiled path").
             self._stats = [st.stored_as(torch.bfloat16) for st in self._stats]
-        # The torch path's fp32 tables (`fp32_tables`; the compiled path reads the stored ones): made here where the
-        # torch path runs every step (no compiled path), else on first use.
+        # The torch path's fp32 tables (`fp32_centroids`, `fp32_value_means`; the compiled path reads the stored ones):
+        # made here where the torch path runs every step (no compiled path), else on first use.
         self._cent_t: list[torch.Tensor | None] = [None] * self.ckv.n_layers
         self._vmeans: list[torch.Tensor | None] = [None] * self.ckv.n_layers
         if not self.kernel:
             for layer in range(self.ckv.n_layers):
-                self.fp32_tables(layer)
+                self.fp32_centroids(layer)
+                self.fp32_value_means(layer)
         # Log cluster sizes as the bias (−inf for a cluster without searchable keys), the spread scaled by s²/2.
         self._bias = [st.log_n for st in self._stats]  # (Hkv, 1, C)
         if not use_sizes:  # 0 for every cluster with searchable keys, −inf for the others
@@ -367,19 +368,26 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             return self._compiled(layer, q, k, budget)
         return self._select_torch(layer, q, k, budget)
 
-    def fp32_tables(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The torch path's fp32 copies of a layer's searchable cluster tables: centroids (Hkv, D, C), for one bmm,
-        and mean values (Hkv, C, D) or None. Kept once made, except where the device routes every one-token step:
-        the torch path then runs only for a question's tokens, and keeping them would cost the RAM of a quarter of
-        the keys (twice 1/16 of the rows, in fp32: 7 GiB at 1M tokens of a 7B model)."""
-        cent, vmeans = self._cent_t[layer], self._vmeans[layer]
-        if cent is None:
-            st = self._stats[layer]
-            cent = st.centroids.float().transpose(1, 2).contiguous()
-            vmeans = None if st.value_means is None else st.value_means.float()
+    def fp32_centroids(self, layer: int) -> torch.Tensor:
+        """(Hkv, D, C) float32 a layer's searchable centroids for the torch path's one bmm (`_kept_fp32`)."""
+        return self._kept_fp32(self._cent_t, layer, lambda st: st.centroids.float().transpose(1, 2).contiguous())
+
+    def fp32_value_means(self, layer: int) -> torch.Tensor | None:
+        """(Hkv, C, D) float32 a layer's searchable mean values for the torch path's estimate, or None."""
+        return self._kept_fp32(
+            self._vmeans, layer, lambda st: None if st.value_means is None else st.value_means.float()
+        )
+
+    def _kept_fp32(self, kept: list, layer: int, make) -> torch.Tensor | None:
+        """`make(stats)`, kept in `kept` once made, except where the device routes every one-token step: the torch
+        path then runs only for a question's tokens, and keeping the fp32 tables would cost the RAM of a quarter of
+        the keys (twice 1/16 of the rows in fp32)."""
+        t = kept[layer]
+        if t is None:
+            t = make(self._stats[layer])
             if self.routes is None:
-                self._cent_t[layer], self._vmeans[layer] = cent, vmeans
-        return cent, vmeans
+                kept[layer] = t
+        return t
 
     def rest_values(self, layer: int) -> tuple[torch.Tensor, ResidualCodes | None]:
         """The per-key estimate's values: the clusters' mean values and, with `pq_values`, every row's coded
@@ -387,7 +395,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         lay = self.layouts[layer]
         if self.options.pq_values:  # asked for: a layout built with other options is rebuilt with them
             return lay.value_means, lay.value_codes
-        return self.fp32_tables(layer)[1], None
+        return self.fp32_value_means(layer), None
 
     def approx_scores(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """(Hkv, Q, N) float32 s·q·k̂ for every layout row, k̂ = μ_c + r̂ its approximate key (rank=keys,

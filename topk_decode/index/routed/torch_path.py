@@ -2,7 +2,7 @@
 
 `TorchPath` holds the methods; `RoutedStrategy` (index/routed/strategy.py) mixes it in and sets what they read in its
 `prepare`: the layouts, the routing bias and spread, the clusters' sizes and first rows, the padding rows and
-`_outside`, `_stats` (their fp32 copies through `fp32_tables`), and for `rank=keys` (`_select_keys`, where the
+`_outside`, `_stats` (their fp32 copies through `fp32_centroids`, `fp32_value_means`), and for `rank=keys` (`_select_keys`, where the
 device does not rank: a question's tokens, a CPU decode device) each row's cluster `_labels` and approximate
 scores (`approx_scores`, decoded from the codes block by block). The compiled path
 (kernels/routed_scan.py) gives the same selection and estimate as the cluster ranking here
@@ -51,7 +51,7 @@ class TorchPath:
         """
         sizes_all = self._sizes[layer]
         hkv, C = sizes_all.shape
-        base = torch.bmm(q, self.fp32_tables(layer)[0]).mul_(self.scale)  # (Hkv, Q, C) s·q·μ_c
+        base = torch.bmm(q, self.fp32_centroids(layer)).mul_(self.scale)  # (Hkv, Q, C) s·q·μ_c
         logit = base + self._bias[layer]
         if self.use_spread:
             logit.addcmul_(q.square().sum(-1, keepdim=True), self._spread[layer])
@@ -169,10 +169,10 @@ class TorchPath:
         elif self.estimate:
             read = torch.zeros(route.base.shape[0], route.base.shape[2], dtype=torch.bool)
             read.scatter_(1, route.clusters, route.taken)  # (Hkv, C) clusters read
-            parts.append(unread_part(route.base + st.log_n, read, self.fp32_tables(layer)[1]))
+            parts.append(unread_part(route.base + st.log_n, read, self.fp32_value_means(layer)))
         if self.estimate_read:
             parts.append(
-                read_rest_part(scores_read * self.scale, top, route.run, route.clusters, self.fp32_tables(layer)[1])
+                read_rest_part(scores_read * self.scale, top, route.run, route.clusters, self.fp32_value_means(layer))
             )
         return parts[0] if len(parts) == 1 else combine(parts[0], parts[1])
 
