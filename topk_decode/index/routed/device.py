@@ -38,6 +38,7 @@ import torch
 from topk_decode.index.routed.device_codes import (
     DeviceCodes,
     DeviceValueCodes,
+    Tensors,
     cluster_lse,
     residual_sum,
     row_scores,
@@ -221,24 +222,29 @@ class DeviceRoutes:
         way, after every layer's key codes (per-key ranking keeps more of dense's answers than the value codes add:
         docs/EVAL.md), so a layer without them estimates its unread keys' values by their clusters' means."""
         for t, codes, rows in zip(self.tables, self._codes, self._row_budgets):
-            if t is None or not self._fits(t, "codes", codes, reserve):
+            if t is None:
+                break
+            t.codes = self._moved(codes, reserve)
+            if t.codes is None:
                 break
             if self.rank_keys:  # the host reads rows, not clusters
                 t.budget = rows
                 t.width = min(rows, n_tokens) // self.key_block * self.key_block
         for t, vcodes in zip(self.tables, self._value_codes or []):
-            if t is None or t.codes is None or not self._fits(t, "vcodes", vcodes, reserve):
+            if t is None or t.codes is None:
+                break
+            t.vcodes = self._moved(vcodes, reserve)
+            if t.vcodes is None:
                 break
 
-    def _fits(self, t: LayerTables, field: str, tensors, reserve: int) -> bool:
-        """Set t.<field> to `tensors` moved to the device if they fit beside `reserve`; else leave it None, False."""
+    def _moved(self, tensors: Tensors, reserve: int) -> Tensors | None:
+        """`tensors` on the device if they fit beside `reserve`, else None (the copy freed)."""
         try:
-            setattr(t, field, tensors.to(self.device))
+            moved = tensors.to(self.device)
             self._check_reserve(reserve)
-            return True
+            return moved
         except torch.OutOfMemoryError:
-            setattr(t, field, None)
-            return False
+            return None
 
     def _check_reserve(self, reserve: int) -> None:
         """Raise OutOfMemoryError unless `reserve` bytes are still free (CUDA only): the step's own memory."""
