@@ -19,8 +19,7 @@ AUTO = "auto"
 EXACT_MAX_TOKENS = 8_192  # at most this many context tokens: flat (exact top-k); more, on a GPU: routed rank=keys
 FAST = "routed"
 # per-key ranking, and each unread key's value as its cluster's mean + a 4-bit code of its residual (16 bytes per key;
-# at most D/2 sub-vectors): at 16K the value codes kept dense's answer on 10 held-out questions rank=keys alone lost,
-# the reverse on 1 (docs/EVAL.md)
+# at most D/2 sub-vectors): the value codes keep dense's answer more often than rank=keys alone (docs/EVAL.md)
 FAST_OPTIONS = {"rank": "keys", "pq_values": 32}
 EXACT = "flat"
 
