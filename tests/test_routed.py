@@ -227,6 +227,18 @@ def test_bench_runs_routed_and_reports_the_share_of_keys_read(tmp_path):
     assert 20 <= row["keys_read_pct"] < 30  # 20 % plus at most one cluster of 16 per head and step
 
 
+def test_bench_runs_what_auto_runs_on_a_gpu(tmp_path):
+    """routed with rank=keys and value codes (auto's choice beyond 8K on a GPU) through the bench: its decoder opens
+    under inference mode, where the codes are trained on several threads."""
+    from topk_decode.bench.run import run_bench, smoke_config
+
+    cfg = smoke_config(str(tmp_path))
+    cfg.systems, cfg.offload_prefill, cfg.contexts, cfg.k = ["topk"], False, [1024], 16
+    cfg.strategy, cfg.strategy_options = "routed", {"rank": "keys", "pq_values": 32, "cluster_size": 16}
+    row = next(r for r in run_bench(cfg, log=lambda line: None)["rows"] if r["system"] == "topk")
+    assert row["status"] == "ok" and row["tokens_per_s"] > 0 and row["ran_options"]["pq_values"] > 0
+
+
 def test_prefill_builds_the_layout_and_open_reuses_it(tmp_path, clustered_cache):
     from topk_decode.index import prepare_artifacts
 

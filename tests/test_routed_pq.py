@@ -222,3 +222,15 @@ def test_codes_trained_by_several_threads_equal_one_threads():
     labels = torch.randint(0, 50, (3, 70_000), generator=gen)
     one, three = (pq.train_codes(keys, cent, labels, 4, threads=t) for t in (1, 3))
     assert torch.equal(one.codes, three.codes) and torch.equal(one.codebooks, three.codebooks)
+
+
+def test_codes_trained_by_several_threads_under_inference_mode():
+    """The decoder opens under torch.inference_mode (`topk bench`, chat): the heads' threads write the codes made
+    in it (a worker thread does not inherit the mode: an in-place write there was an error)."""
+    gen = torch.Generator().manual_seed(71)
+    keys, cent = torch.randn(2, 600, 16, generator=gen), torch.randn(2, 10, 16, generator=gen)
+    labels = torch.randint(0, 10, (2, 600), generator=gen)
+    one = pq.train_codes(keys, cent, labels, 4, threads=1)
+    with torch.inference_mode():
+        two = pq.train_codes(keys, cent, labels, 4, threads=2)
+    assert torch.equal(one.codes, two.codes) and torch.equal(one.codebooks, two.codebooks)

@@ -105,6 +105,16 @@ def _single_threaded_worker() -> None:
         _OMP.omp_set_num_threads(1)
 
 
+def _in_inference_mode(fn: Callable[[T], R]) -> Callable[[T], R]:
+    """fn, run under torch.inference_mode (a tensor made under it may only be written under it)."""
+
+    def run(item: T) -> R:
+        with torch.inference_mode():
+            return fn(item)
+
+    return run
+
+
 class HeadPool:
     """A pool that runs one function per KV head in parallel, each on a single OpenMP thread.
 
@@ -129,6 +139,8 @@ class HeadPool:
         """
         if not self._pool:
             return [fn(i) for i in items]
+        if torch.is_inference_mode_enabled():  # thread-local: a worker writing the caller's tensors needs it too
+            fn = _in_inference_mode(fn)
         futures = [self._pool.submit(fn, i) for i in items]
         try:
             return [f.result() for f in futures]
