@@ -53,8 +53,9 @@ def _wait(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
     return proc.returncode, err
 
 
-def test_kill_9_mid_layer_then_resume_equals_an_uninterrupted_prefill(tmp_path, docs_dir, deep_model):
-    args = ["--model", deep_model, "--device", "cpu", "--chunk-size", 97]
+@pytest.mark.parametrize("kv", [[], ["--kv-dtype", "int8"]], ids=["model-dtype", "int8"])
+def test_kill_9_mid_layer_then_resume_equals_an_uninterrupted_prefill(tmp_path, docs_dir, deep_model, kv):
+    args = ["--model", deep_model, "--device", "cpu", "--chunk-size", 97, *kv]
     reference = tmp_path / "reference"
     assert topk("prefill", docs_dir, "--out", reference, *args).exit_code == 0
     out = tmp_path / "cache"

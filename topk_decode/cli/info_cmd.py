@@ -64,8 +64,8 @@ def cache_facts(path: Path, verify: bool = False) -> dict:
         },
         "prefill": m.get("prefill", {}),
         "strategies": ready,
-        "auto": vars(choose(m["n_tokens"])),  # {"strategy", "reason", "options"} when decoding on a GPU
-        "auto_cpu": vars(choose(m["n_tokens"], gpu=False)),  # ... and on a CPU
+        "auto": vars(choose(m["n_tokens"], kv_dtype=m["kv_dtype"])),  # {"strategy", "reason", "options"} on a GPU
+        "auto_cpu": vars(choose(m["n_tokens"], gpu=False, kv_dtype=m["kv_dtype"])),  # ... and on a CPU
         "strategies_not_built": sorted(n for n in STRATEGIES if n not in ready),
         # what was really checked: the manifest's schema + checksum always, then sizes or every checksum
         "checked": "checksums" if verify else "sizes",

@@ -164,6 +164,14 @@ def prefill_command(
         str | None,
         typer.Option(help="bf16, fp16 or fp32 (default: bf16 on CUDA, fp32 on CPU; with --append, the cache's own)."),
     ] = None,
+    kv_dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--kv-dtype",
+            help="int8: store keys and values in 8 bits (keys scaled per channel, values per token; half of bf16's "
+            "disk and RAM; decoded by flat); default: the model's dtype.",
+        ),
+    ] = None,
     strategy: Annotated[
         str | None, typer.Option(help="Also build these strategies' artifacts: NAME[,NAME...].")
     ] = None,
@@ -229,6 +237,7 @@ def prefill_command(
         ("--overwrite", overwrite, why_not),
         ("--resume", resume, why_not),
         ("--gpus", gpus is not None, "an append runs in one process"),
+        ("--kv-dtype", kv_dtype is not None, "the cache keeps the dtype it was prefilled with"),
     ):
         if append is not None and given:
             raise TopkError(f"{flag} does not apply to --append ({why})")
@@ -244,6 +253,15 @@ def prefill_command(
     from topk_decode.store.cache_dir import check_output
 
     parse_dtype(dtype)
+    if kv_dtype is not None:  # before anything loads: the value, and whether the named strategies read it
+        from topk_decode.store.format import QUANTIZED
+
+        if kv_dtype != QUANTIZED:
+            raise TopkError(f"--kv-dtype must be {QUANTIZED} (or left out: the model's dtype), got {kv_dtype!r}")
+        from topk_decode.index import get_strategy
+
+        for name in names:
+            get_strategy(name).check_kv_dtype(kv_dtype)
     check_documents_path(docs)
     compile_globs(include or [], "--include")
     compile_globs(exclude or [], "--exclude")
@@ -333,6 +351,7 @@ def prefill_command(
                     include=include or [],
                     exclude=exclude or [],
                     prefill_fn=prefill_fn,
+                    kv_dtype=kv_dtype,
                 )
         except Terminated:
             typer.echo("terminated", err=True)
@@ -341,7 +360,7 @@ def prefill_command(
         from topk_decode.index.auto import choose
 
         if not names:  # what `auto` will run on a GPU, so the first question does not wait for a build
-            choice = choose(stats.n_tokens)
+            choice = choose(stats.n_tokens, kv_dtype=kv_dtype)
             names = [choice.strategy] if keeps_artifacts(choice.strategy) else []
             per_strategy = {n: dict(choice.options) for n in names}
         if names:

@@ -33,6 +33,8 @@ class ContextAttention:
     Args:
         values: per layer (Hkv, N, D) CPU value tensors (memory-mapped or in RAM).
         scale: softmax scale (1/sqrt(D)).
+        value_scales: an int8 cache's per layer (Hkv, N) float32 value scales (store/quant.py), folded into the
+            weights; the part's output is then float32. None for float caches.
     """
 
     # The softmax ops before the weighted sum touch 32K floats each: on a many-core host the fork/join
@@ -40,13 +42,16 @@ class ContextAttention:
     # Set per call on the calling thread only (index/threads.py), never process-wide.
     small_op_threads: int | None = 1
 
-    def __init__(self, values: list[torch.Tensor], scale: float) -> None:
+    def __init__(
+        self, values: list[torch.Tensor], scale: float, value_scales: list[torch.Tensor] | None = None
+    ) -> None:
         hkv, n, d = values[0].shape
         self.hkv, self.n, self.d = hkv, n, d
         self.scale = scale
-        self.dtype = values[0].dtype
+        self.dtype = values[0].dtype if value_scales is None else torch.float32
         # (Hkv·N, D) views: one flat row space per layer, row = kv_head·N + position
         self.values_flat = [v.reshape(hkv * n, d) for v in values]
+        self.scales_flat = None if value_scales is None else [s.reshape(hkv * n) for s in value_scales]
         self._row_base = (torch.arange(hkv, dtype=torch.int64) * n).view(hkv, 1, 1)
         self._offsets: dict[tuple[int, int], torch.Tensor] = {}
         self._weights: dict[tuple[int, int], tuple] = {}
@@ -102,6 +107,13 @@ class ContextAttention:
             if w_low is not w:
                 w_low.copy_(w)
             torch.add(ids.view(hkv, Q, K), self._row_base, out=rows.view(hkv, Q, K))  # rows of values_flat
+        if self.scales_flat is not None:  # int8 values: each weight times its row's scale, the rows widened
+            sw = w.view(-1) * self.scales_flat[layer].index_select(0, rows)
+            v = self.values_flat[layer].index_select(0, rows).view(R, K, self.d).float()
+            torch.bmm(sw.view(R, 1, K), v, out=o.view(R, 1, self.d))
+            if sel.rest is not None:
+                merge_rest(o, mz, sel.rest)
+            return int((sel.ids >= 0).sum()) if empty else ids.numel()
         # F.embedding_bag straight into `o` (mode 0 = sum; its .out form saves a copy)
         torch.ops.aten._embedding_bag_forward_only.out(
             self.values_flat[layer],

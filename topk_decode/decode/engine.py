@@ -151,7 +151,7 @@ class TopKDecoder:
         n = ckv.n_tokens
         self.n_sink = min(config.n_sink, n)
         self.n_tail = min(config.n_tail, n - self.n_sink)
-        choice = auto.resolve(config.strategy, n, gpu=self.device.type == "cuda")
+        choice = auto.resolve(config.strategy, n, gpu=self.device.type == "cuda", kv_dtype=ckv.manifest["kv_dtype"])
         config.strategy = choice.strategy
         config.strategy_options = {**choice.options, **config.strategy_options}  # the user's options win
         self.strategy_reason = choice.reason  # why this strategy runs (`topk info`, /show)
@@ -161,7 +161,7 @@ class TopKDecoder:
         self.scale = self.shape.head_dim**-0.5
         self._warned_positions = False
         self._cuda = self.device.type == "cuda"
-        self.context = ContextAttention(ckv.values, self.scale)
+        self.context = ContextAttention(ckv.values, self.scale, ckv.value_scales)
         self._use_segments = self._cuda if graphs is None else graphs
         self._segments: StepSegments | None = None
         self._segments_k: list[int] | None = None  # the k per layer the segments were built for
@@ -190,8 +190,9 @@ class TopKDecoder:
         n = self.ckv.n_tokens
         keep = list(range(self.n_sink)) + list(range(n - self.n_tail, n))
         idx = torch.tensor(keep, dtype=torch.int64)
-        init_k = [k.index_select(1, idx).to(self.device, self.dtype) for k in self.ckv.keys]
-        init_v = [v.index_select(1, idx).to(self.device, self.dtype) for v in self.ckv.values]
+        rows = [self.ckv.kv_rows(layer, idx) for layer in range(self.ckv.n_layers)]
+        init_k = [k.to(self.device, self.dtype) for k, _ in rows]
+        init_v = [v.to(self.device, self.dtype) for _, v in rows]
         return Conversation(Window(init_k, init_v, n), self.strategy.new_state())
 
     def _context_part(
@@ -212,6 +213,7 @@ class TopKDecoder:
             return
         # strategies may keep the query (selection caches), and so may observers: hand them their own copy
         q_cpu = q_host.clone() if self.strategy.keeps_query or conv.observer is not None else q_host
+        q_cpu = self.ckv.search_queries(layer, q_cpu)  # an int8 cache's key scales folded in (store/quant.py)
         k = self.config.k_for_layer(layer)
         t1 = time.perf_counter()
         # a strategy that computes the context part inside its search (routed's compiled path): one pass
@@ -274,7 +276,7 @@ class TopKDecoder:
                 mz_all[:, :, b] = mz.view(hkv, G, 2)
             return
         # rows conversation-major, (Hkv, n·G, D): conversation j's queries are rows [j·G, (j+1)·G)
-        q = q_all[:, :, idx].transpose(1, 2).reshape(hkv, n * G, D)
+        q = self.ckv.search_queries(layer, q_all[:, :, idx].transpose(1, 2).reshape(hkv, n * G, D))
         k = self.config.k_for_layer(layer)
         t1 = time.perf_counter()
         sel = self.strategy.select(layer, q, k, None)

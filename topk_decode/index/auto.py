@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from topk_decode.store.format import QUANTIZED
+
 AUTO = "auto"
 EXACT_MAX_TOKENS = 8_192  # at most this many context tokens: flat (exact top-k); more, on a GPU: routed rank=keys
 FAST = "routed"
@@ -33,8 +35,13 @@ class AutoChoice:
     options: dict = field(default_factory=dict)
 
 
-def choose(n_tokens: int, gpu: bool = True) -> AutoChoice:
-    """The strategy `auto` picks for a context of `n_tokens` tokens decoded on a GPU (`gpu`) or a CPU."""
+def choose(n_tokens: int, gpu: bool = True, kv_dtype: str | None = None) -> AutoChoice:
+    """The strategy `auto` picks for a context of `n_tokens` tokens stored as `kv_dtype` (the manifest's), decoded
+    on a GPU (`gpu`) or a CPU."""
+    if kv_dtype == QUANTIZED:
+        return AutoChoice(
+            EXACT, "auto: the KV is stored as int8, which flat (the exact scan) reads; routed does not yet"
+        )
     if n_tokens <= EXACT_MAX_TOKENS:
         return AutoChoice(EXACT, f"auto: {n_tokens:,} context tokens ≤ {EXACT_MAX_TOKENS:,}, the exact scan is cheap")
     if not gpu:
@@ -52,8 +59,9 @@ def choose(n_tokens: int, gpu: bool = True) -> AutoChoice:
     )
 
 
-def resolve(name: str, n_tokens: int, gpu: bool = True) -> AutoChoice:
-    """A requested strategy name as it will run: `auto` resolved for this context and device, any other as is."""
+def resolve(name: str, n_tokens: int, gpu: bool = True, kv_dtype: str | None = None) -> AutoChoice:
+    """A requested strategy name as it will run: `auto` resolved for this context, KV dtype and device, any other as
+    is."""
     if name == AUTO:
-        return choose(n_tokens, gpu)
+        return choose(n_tokens, gpu, kv_dtype)
     return AutoChoice(name, "chosen by the user")

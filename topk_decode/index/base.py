@@ -23,9 +23,13 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 import torch
 
+from topk_decode.errors import TopkError
 from topk_decode.index.artifacts import artifact_dir, artifacts_complete  # noqa: F401 - re-exported
 from topk_decode.index.options import StrategyOptions
 from topk_decode.store.cache_dir import ContextKV
+from topk_decode.store.format import KV_DTYPES, QUANTIZED
+
+FLOAT_KV_DTYPES = tuple(name for name in KV_DTYPES if name != QUANTIZED)
 
 # What the compiled kernels (topk_decode.kernels) read: bf16 keys and values (what GPU prefills write), as their
 # uint16 bits; fp32 and fp16 caches take the strategies' torch paths.
@@ -102,16 +106,30 @@ class SelectionStrategy(ABC):
     # that a stateless `select` over several conversations' rows at once answers each as alone: the
     # decoder then searches concurrent conversations' queries in one call (decode/engine.py forward_batch)
     rows_independent: ClassVar[bool] = False
+    # the stored KV dtypes (the manifest's `kv_dtype`) the strategy reads: int8 caches (store/quant.py) only where it
+    # declares it
+    kv_dtypes: ClassVar[tuple[str, ...]] = FLOAT_KV_DTYPES
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.OPTIONS = cls.Options.types()
 
     def __init__(self, ckv: ContextKV, lo: int, hi: int, options: dict | StrategyOptions | None = None) -> None:
+        self.check_kv_dtype(ckv.manifest["kv_dtype"])
         self.ckv = ckv
         self.lo, self.hi = lo, hi
         self.options = self.parse_options(options)
         self.stats = StrategyStats()
+
+    @classmethod
+    def check_kv_dtype(cls, kv_dtype: str) -> None:
+        """Refuse, with a one-line TopkError, a cache whose KV is stored in a dtype this strategy does not read."""
+        if kv_dtype not in cls.kv_dtypes:
+            readers = "flat" if kv_dtype == QUANTIZED else "the other strategies"
+            raise TopkError(
+                f"{cls.name} does not read {kv_dtype} caches yet: decode with --strategy {readers}, or prefill without "
+                "--kv-dtype"
+            )
 
     @classmethod
     def parse_options(cls, options: dict | StrategyOptions | None) -> StrategyOptions:

@@ -23,7 +23,7 @@ import torch
 
 from topk_decode.errors import TopkError
 from topk_decode.index.artifacts import artifact_dir, read_done, start_artifacts, verify_done, write_done, writing
-from topk_decode.index.base import Selection
+from topk_decode.index.base import FLOAT_KV_DTYPES, Selection
 from topk_decode.index.flat import FlatStrategy, add_in_blocks, new_flat_index
 from topk_decode.index.options import StrategyOptions, option
 from topk_decode.index.threads import HeadPool, default_threads
@@ -130,6 +130,7 @@ class DuoStrategy(FlatStrategy):
 
     name = "duo"
     Options = DuoOptions
+    kv_dtypes = FLOAT_KV_DTYPES  # not flat's int8: its indices are built from float keys
 
     @classmethod
     def build_artifacts(

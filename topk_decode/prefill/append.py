@@ -23,7 +23,7 @@ from pathlib import Path
 from topk_decode.errors import TopkError
 from topk_decode.prefill.documents import collect_documents, has_headers, layout_more, safe_name
 from topk_decode.prefill.layerwise import CHUNK_SIZE
-from topk_decode.store.format import LAST_LOGITS, torch_dtype
+from topk_decode.store.format import LAST_LOGITS, QUANTIZED, torch_dtype
 
 # A cache written before the manifest recorded its chunk size was prefilled with the default of the time.
 
@@ -140,6 +140,11 @@ def append_cache(
             raise TopkError(
                 f"model {model_dir} (fingerprint {fingerprint}) is not the model this cache was built "
                 f"with ({recorded['path']}, fingerprint {recorded['fingerprint']})"
+            )
+        if manifest["kv_dtype"] == QUANTIZED:
+            raise TopkError(
+                f"{cache} holds int8 keys and values, which --append does not extend yet: prefill the documents "
+                "again with --kv-dtype int8"
             )
         kv_dtype = torch_dtype(manifest["kv_dtype"])
         if dtype is not None and parse_dtype(dtype) != kv_dtype:

@@ -118,6 +118,7 @@ def build_cache(
     include: list[str] | tuple[str, ...] = (),
     exclude: list[str] | tuple[str, ...] = (),
     prefill_fn: Callable[..., tuple[torch.Tensor, PrefillStats]] | None = None,
+    kv_dtype: str | None = None,
 ) -> tuple[Path, PrefillStats]:
     """Prefill documents with a model and write the cache directory atomically.
 
@@ -146,6 +147,8 @@ def build_cache(
             never read (exclude wins); see `list_files`.
         prefill_fn: runs the layers, with `prefill_layers`' arguments (default: `prefill_layers`, this
             process alone; prefill/distributed_launch.py passes rank 0 of a group of processes).
+        kv_dtype: "int8" stores the keys and values as int8 with per-channel key and per-token value scales
+            (store/quant.py; half of bf16's bytes); None: in the model's dtype.
     Returns:
         the cache path and the prefill statistics.
     """
@@ -162,7 +165,7 @@ def build_cache(
     check_context_length(n, shape.max_positions, allow_long_context)  # before the weights load
     dev = pick_device(device)
     weights_dtype = parse_dtype(dtype) or (torch.bfloat16 if dev.type == "cuda" else None)
-    writer = CacheWriter(out, overwrite=overwrite, resume=resume)  # the writer lock: one prefill per --out
+    writer = CacheWriter(out, overwrite=overwrite, resume=resume, kv_dtype=kv_dtype)  # the lock: one prefill per --out
     warn_leftovers(out)
     try:
         model = load_model(model_dir, "cpu" if offload_weights else dev, weights_dtype)
@@ -174,6 +177,7 @@ def build_cache(
             "chunk_size": chunk_size,
             "tokens": hashlib.blake2b(np.asarray(layout.ids, dtype=np.int32).tobytes(), digest_size=16).hexdigest(),
             "dtype": dtype_name(model_dtype),
+            "kv_dtype": writer.stored_dtype(model_dtype),
             "device": dev.type,
             "offload_weights": offload_weights,
         }
@@ -187,7 +191,8 @@ def build_cache(
                 _say(on_note, f"nothing to resume in {writer.tmp} ({why}): starting over")
             else:
                 _say(on_note, f"no interrupted prefill of {out} to resume: starting over")
-        layer_bytes = 2 * shape.n_kv_heads * n * shape.head_dim * model_dtype.itemsize
+        stored = 1 if kv_dtype else model_dtype.itemsize  # int8: one byte, and the value scales 4 per token
+        layer_bytes = 2 * shape.n_kv_heads * n * shape.head_dim * stored + (4 * shape.n_kv_heads * n if kv_dtype else 0)
         _check_space(out, (shape.n_layers - start) * layer_bytes + 4 * n + 4 * shape.vocab_size, on_note)
         if on_start is not None:
             on_start(n, shape.n_layers, skipped)
@@ -225,7 +230,7 @@ def build_cache(
                 "head_dim": shape.head_dim,
                 "vocab_size": shape.vocab_size,
             },
-            "kv_dtype": dtype_name(model_dtype),
+            "kv_dtype": writer.stored_dtype(model_dtype),
             "n_tokens": n,
             "documents": layout.documents,
             "skipped": skipped,

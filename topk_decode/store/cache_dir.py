@@ -27,13 +27,16 @@ from topk_decode.store.format import (
     FORMAT_MARKER,
     FORMAT_VERSION,
     MANIFEST,
+    QUANTIZED,
     TOKENS,
     as_torch,
     blake2_stream,
     dtype_name,
+    key_scales_file,
     keys_file,
     numpy_storage,
     partial_path,
+    value_scales_file,
     values_file,
 )
 from topk_decode.store.locking import PinnedDir, WriterLock, exchange, lock_dir, unwritable
@@ -77,11 +80,18 @@ class CacheWriter:
         overwrite: replace an existing cache at `out` (only once the new one is complete).
         resume: keep a partial directory left by an interrupted prefill of `out` (see `resume_point`);
             without it, a partial directory holding a checkpoint is refused, one without is removed.
+        kv_dtype: "int8" stores each layer's keys and values as int8 with their scales (store/quant.py);
+            None stores them as given.
     """
 
-    def __init__(self, out: str | os.PathLike, overwrite: bool = False, resume: bool = False) -> None:
+    def __init__(
+        self, out: str | os.PathLike, overwrite: bool = False, resume: bool = False, kv_dtype: str | None = None
+    ) -> None:
         self.out = Path(out)
         self.overwrite = overwrite
+        if kv_dtype not in (None, QUANTIZED):
+            raise TopkError(f"--kv-dtype must be {QUANTIZED} or left out (the model's dtype), got {kv_dtype!r}")
+        self.kv_dtype = kv_dtype
         self.lock = WriterLock(self.out)
         try:
             check_output(self.out, overwrite)
@@ -144,9 +154,20 @@ class CacheWriter:
         self.files[rel] = {"bytes": path.stat().st_size, "blake2b": h}
 
     def write_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write one layer's keys and values, each (Hkv, N, D)."""
+        """Write one layer's keys and values, each (Hkv, N, D) (int8 with their scales where the writer's
+        `kv_dtype` says so)."""
+        if self.kv_dtype == QUANTIZED:
+            from topk_decode.store.quant import quantize_keys, quantize_values
+
+            (keys, key_scales), (values, value_scales) = quantize_keys(keys), quantize_values(values)
+            self.write_array(key_scales_file(layer), key_scales)
+            self.write_array(value_scales_file(layer), value_scales)
         self.write_array(keys_file(layer), keys)
         self.write_array(values_file(layer), values)
+
+    def stored_dtype(self, dtype: torch.dtype) -> str:
+        """The manifest's `kv_dtype` of a cache whose layers this writer writes from `dtype` tensors."""
+        return self.kv_dtype or dtype_name(dtype)
 
     def write_tokens(self, ids: list[int]) -> None:
         """Write the context token ids as int32."""
@@ -247,6 +268,9 @@ class ContextKV:
     keys: list[torch.Tensor] = field(repr=False)
     values: list[torch.Tensor] = field(repr=False)
     cache_id: str = ""  # blake2b of the manifest file: strategy artifacts record it (built for this cache)
+    # int8 caches (store/quant.py): per layer (Hkv, D) key scales and (Hkv, N) value scales, float32; else None
+    key_scales: list[torch.Tensor] | None = field(default=None, repr=False)
+    value_scales: list[torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def n_tokens(self) -> int:
@@ -268,6 +292,31 @@ class ContextKV:
     @property
     def dtype(self) -> torch.dtype:
         return self.keys[0].dtype
+
+    @property
+    def quantized(self) -> bool:
+        """Whether keys and values are stored as int8 with scales (store/quant.py)."""
+        return self.key_scales is not None
+
+    def search_queries(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """(Hkv, Q, D) float32 queries as a strategy scores them against this cache's stored keys: scaled by an int8
+        cache's key scales (their dot products with the int8 keys are the dequantised keys' scores), else q."""
+        if self.key_scales is None:
+            return q
+        from topk_decode.store.quant import scaled_queries
+
+        return scaled_queries(q, self.key_scales[layer])
+
+    def kv_rows(self, layer: int, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of positions `idx` (M,) of one layer, (Hkv, M, D) each, dequantised to float32 from
+        an int8 cache, else in the stored dtype (the decoder's window copies the sinks and tail this way)."""
+        k, v = self.keys[layer].index_select(1, idx), self.values[layer].index_select(1, idx)
+        if self.key_scales is None:
+            return k, v
+        from topk_decode.store.quant import dequantize_keys, dequantize_values
+
+        vs = self.value_scales[layer].index_select(1, idx)
+        return dequantize_keys(k, self.key_scales[layer]), dequantize_values(v, vs)
 
     def nbytes(self) -> int:
         """Bytes of all stored files."""
@@ -386,7 +435,26 @@ def open_cache(path: str | os.PathLike, verify: bool | None = None) -> ContextKV
             tokens = np.fromfile(f, dtype=np.int32).tolist()
         keys = [mmap(keys_file(layer)) for layer in range(shape["n_layers"])]
         values = [mmap(values_file(layer)) for layer in range(shape["n_layers"])]
-    return ContextKV(path=path, manifest=manifest, tokens=tokens, keys=keys, values=values, cache_id=cache_id)
+        key_scales = value_scales = None
+        if name == QUANTIZED:  # small: read into RAM
+            import torch
+
+            def scales(rel: str, rows: int) -> torch.Tensor:
+                with d.open(rel) as f:
+                    return torch.from_numpy(np.fromfile(f, dtype=np.float32).reshape(hkv, rows))
+
+            key_scales = [scales(key_scales_file(layer), hd) for layer in range(shape["n_layers"])]
+            value_scales = [scales(value_scales_file(layer), n) for layer in range(shape["n_layers"])]
+    return ContextKV(
+        path=path,
+        manifest=manifest,
+        tokens=tokens,
+        keys=keys,
+        values=values,
+        cache_id=cache_id,
+        key_scales=key_scales,
+        value_scales=value_scales,
+    )
 
 
 __all__ = [

@@ -21,7 +21,7 @@ TOKENS = "tokens.i32"
 LAST_LOGITS = "last_logits.f32"
 # What a cache directory may hold at its top level (anything else means it is not only ours).
 TOP_LEVEL = frozenset({MANIFEST, TOKENS, LAST_LOGITS, "kv", "index"})
-KV_FILE = re.compile(r"(keys|values)\.\d{3,}\.bin")
+KV_FILE = re.compile(r"(keys|values|key_scales|value_scales)\.\d{3,}\.bin")
 
 
 def lock_path(out: Path) -> Path:
@@ -44,11 +44,28 @@ def values_file(layer: int) -> str:
     return f"kv/values.{layer:03d}.bin"
 
 
+def key_scales_file(layer: int) -> str:
+    """An int8 cache's per-channel key scales of layer `layer`, (Hkv, D) float32 (store/quant.py)."""
+    return f"kv/key_scales.{layer:03d}.bin"
+
+
+def value_scales_file(layer: int) -> str:
+    """An int8 cache's per-token value scales of layer `layer`, (Hkv, N) float32 (store/quant.py)."""
+    return f"kv/value_scales.{layer:03d}.bin"
+
+
+def layer_files(layer: int) -> tuple[str, ...]:
+    """Every file a layer of the KV may have (the scales only in int8 caches)."""
+    return keys_file(layer), values_file(layer), key_scales_file(layer), value_scales_file(layer)
+
+
 # Manifest dtype name → (numpy storage dtype, bytes per element). bf16 has no numpy dtype: it is stored
 # as raw 16-bit words and reinterpreted by torch. The torch dtype is torch's attribute of the same name.
 # numpy and torch are imported only when an array is made: `topk info` and error paths start without them.
-_STORAGE = {"float32": ("float32", 4), "float16": ("float16", 2), "bfloat16": ("uint16", 2)}
+# int8 (`topk prefill --kv-dtype int8`) is stored with float32 scales beside it (store/quant.py).
+_STORAGE = {"float32": ("float32", 4), "float16": ("float16", 2), "bfloat16": ("uint16", 2), "int8": ("int8", 1)}
 KV_DTYPES = tuple(_STORAGE)
+QUANTIZED = "int8"  # the one KV dtype stored with scales
 
 
 def dtype_name(dtype: torch.dtype) -> str:

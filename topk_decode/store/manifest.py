@@ -19,11 +19,14 @@ from topk_decode.store.format import (
     KV_FILE,
     LAST_LOGITS,
     MANIFEST,
+    QUANTIZED,
     READABLE_VERSIONS,
     TOKENS,
     TOP_LEVEL,
     itemsize,
+    key_scales_file,
     keys_file,
+    value_scales_file,
     values_file,
 )
 
@@ -49,6 +52,9 @@ def expected_sizes(manifest: dict) -> dict[str, int]:
     sizes = {TOKENS: 4 * n}
     for layer in range(shape["n_layers"]):
         sizes[keys_file(layer)] = sizes[values_file(layer)] = layer_bytes
+        if manifest["kv_dtype"] == QUANTIZED:  # float32 scales: keys per channel, values per token
+            sizes[key_scales_file(layer)] = 4 * shape["n_kv_heads"] * shape["head_dim"]
+            sizes[value_scales_file(layer)] = 4 * shape["n_kv_heads"] * n
     if LAST_LOGITS in manifest["files"] and _is_int(shape.get("vocab_size"), 1):
         sizes[LAST_LOGITS] = 4 * shape["vocab_size"]
     return sizes

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # for annotations: imported where used, so start-up does without it
     import torch
 
-from topk_decode.store.format import as_torch, blake2_file, dtype_name, keys_file, numpy_storage, values_file
+from topk_decode.store.format import as_torch, blake2_file, dtype_name, layer_files, numpy_storage
 
 STATE = "resume/state.json"
 
@@ -59,7 +59,7 @@ def save_checkpoint(partial: Path, key: dict, next_layer: int, files: dict[str, 
     hidden_rel = _hidden_file(next_layer)
     with open(partial / hidden_rel, "wb") as f:
         f.write(raw.reshape(-1).view(np.uint8).data)  # not tofile: a full disk must keep its errno
-    kept = {rel: files[rel] for layer in range(next_layer) for rel in (keys_file(layer), values_file(layer))}
+    kept = {rel: files[rel] for layer in range(next_layer) for rel in layer_files(layer) if rel in files}
     write_json_atomic(
         partial / STATE,
         {

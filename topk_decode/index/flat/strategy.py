@@ -25,7 +25,7 @@ from topk_decode.index.base import KERNEL_DTYPES, Selection, SelectionStrategy
 from topk_decode.index.flat.select_topk import topk_by_threshold
 from topk_decode.index.options import StrategyOptions, option
 from topk_decode.index.threads import HeadPool, default_threads
-from topk_decode.store.format import dtype_name
+from topk_decode.store.format import KV_DTYPES, dtype_name
 
 if TYPE_CHECKING:
     import faiss
@@ -75,6 +75,7 @@ class FlatStrategy(SelectionStrategy):
     Options = FlatOptions
     keeps_query = False
     rows_independent = True  # exact top-k per query row: one scan serves several conversations' rows
+    kv_dtypes = KV_DTYPES  # int8 keys: the torch backend's fp32 scan widens them block by block
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
         self.backend = self.options.backend

@@ -1,0 +1,62 @@
+"""The int8 KV format (`topk prefill --kv-dtype int8`): half of bf16's bytes, searched and attended as stored.
+
+Symmetric int8 with float32 scales, split as KIVI and KVQuant split them (keys have outlier channels, values
+outlier tokens), chosen by measurement (docs/EVAL.md "KV formats": dense's answer on 36 of 36 questions, KL
+against dense at bf16's level; fp8 and int4 lost answers):
+
+    keys    k ≈ k8 ⊙ s_k      s_k (Hkv, D): per KV head and channel, max |k| over the layer's tokens / 127
+    values  v ≈ v8 · s_v      s_v (Hkv, N): per KV head and token, max |v| over the row / 127
+
+Neither is widened into a copy. A per-channel key scale folds into the query, q·k ≈ (q ⊙ s_k)·k8, so a strategy
+searches the int8 keys with `scaled_queries(q)` and its scores are the dequantised keys' exact scores; a
+per-token value scale folds into the attention weight, Σ w_i v_i ≈ Σ (w_i s_v,i) v8_i (decode/context.py).
+
+    >>> import torch
+    >>> k, v = torch.randn(2, 5, 4), torch.randn(2, 5, 4)
+    >>> k8, sk = quantize_keys(k)
+    >>> v8, sv = quantize_values(v)
+    >>> k8.dtype, tuple(sk.shape), tuple(sv.shape)
+    (torch.int8, (2, 4), (2, 5))
+    >>> bool((dequantize_keys(k8, sk) - k).abs().max() <= sk.max() / 2 + 1e-6)
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+
+QMAX = 127.0  # symmetric: −127..127 (−128 unused, so that negation stays in range)
+_TINY = 1e-30  # the scale of an all-zero channel or row (any positive number: its codes are 0)
+
+
+def _quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x scaled by max |x| over `dim`, rounded to int8; the scale with `dim` squeezed out (float32)."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=dim, keepdim=True) / QMAX).clamp_min(_TINY)
+    return torch.round(xf / scale).clamp_(-QMAX, QMAX).to(torch.int8), scale.squeeze(dim)
+
+
+def quantize_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Hkv, N, D) keys → int8 keys and float32 scales (Hkv, D), one per KV head and channel."""
+    return _quantize(keys, 1)
+
+
+def quantize_values(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Hkv, N, D) values → int8 values and float32 scales (Hkv, N), one per KV head and token."""
+    return _quantize(values, 2)
+
+
+def dequantize_keys(k8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8 keys (Hkv, M, D) with their (Hkv, D) scales → float32 keys."""
+    return k8.float() * scales[:, None, :]
+
+
+def dequantize_values(v8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8 values (Hkv, M, D) with their (Hkv, M) scales → float32 values."""
+    return v8.float() * scales[..., None]
+
+
+def scaled_queries(q: torch.Tensor, key_scales: torch.Tensor) -> torch.Tensor:
+    """(Hkv, Q, D) float32 queries ⊙ the layer's (Hkv, D) key scales: their dot products with the int8 keys are
+    the scores against the dequantised keys."""
+    return q * key_scales[:, None, :]
