@@ -168,9 +168,10 @@ def test_ties_everywhere_with_a_sampled_cut_go_to_the_lowest_positions():
     assert all(set(ids[0, i].tolist()) == set(range(k)) for i in range(2))
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_numba_backend_selects_what_the_torch_backend_selects_from_a_memory_mapped_cache(tmp_path, d):
-    ckv = synthetic_kv(2, 2, d, 3000, torch.bfloat16, seed=d, path=tmp_path / "cache")
+@pytest.mark.parametrize("d,kv", [(64, None), (128, None), (64, "int8")])
+def test_numba_backend_selects_what_the_torch_backend_selects_from_a_memory_mapped_cache(tmp_path, d, kv):
+    """bf16 keys, and int8 ones (`--kv-dtype int8`: scanned as stored, their scales in the queries)."""
+    ckv = synthetic_kv(2, 2, d, 3000, torch.bfloat16, seed=d, path=tmp_path / "cache", kv_dtype=kv)
     lo, hi = 4, 2980
     compiled = FlatStrategy(ckv, lo, hi, {"backend": "numba", "threads": 2})
     plain = FlatStrategy(ckv, lo, hi, {"backend": "torch"})
@@ -179,6 +180,7 @@ def test_numba_backend_selects_what_the_torch_backend_selects_from_a_memory_mapp
     try:
         for layer, (Q, k) in enumerate(((4, 64), (6, 1000))):
             q = torch.randn(2, Q, d, generator=torch.Generator().manual_seed(layer)).bfloat16().float()
+            q = ckv.search_queries(layer, q)
             a, b = compiled.select(layer, q, k), plain.select(layer, q, k)
             assert a.ids.shape == (2, Q, k) and a.no_empty_slots
             assert torch.equal(a.ids.sort(-1).values, b.ids.sort(-1).values)
@@ -236,7 +238,7 @@ def test_bad_backend_values_raise_one_line_topk_errors():
     with pytest.raises(TopkError, match="backend must be auto, torch, numba or faiss"):
         FlatStrategy(ckv, 0, 100, {"backend": "numbaa"}).prepare()
     fp32 = kv_in_memory([keys.float()], [keys.float()], list(range(100)), "llama")
-    with pytest.raises(TopkError, match="reads bf16 keys, these are float32") as err:
+    with pytest.raises(TopkError, match="reads bf16 or int8 keys, these are float32") as err:
         FlatStrategy(fp32, 0, 100, {"backend": "numba"}).prepare()
     assert "\n" not in str(err.value)
 

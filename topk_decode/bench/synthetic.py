@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from topk_decode.store.cache_dir import CacheWriter, ContextKV, open_cache
-from topk_decode.store.format import FORMAT_VERSION, dtype_name
+from topk_decode.store.format import FORMAT_VERSION, QUANTIZED, dtype_name
+from topk_decode.store.quant import quantize_keys, quantize_values
 
 _POOL_ROWS = 1 << 20
 
@@ -75,6 +76,7 @@ def synthetic_kv(
     seed: int = 0,
     path: str | Path | None = None,
     model_type: str = "llama",
+    kv_dtype: str | None = None,
 ) -> ContextKV:
     """Random context KV of a given shape, in RAM (path=None) or written as a real cache directory.
 
@@ -86,6 +88,7 @@ def synthetic_kv(
         path: write a cache directory there (via CacheWriter) and open it memory-mapped; None keeps
             the tensors in RAM (faster to build; the decoder reads them the same way).
         model_type: recorded in the manifest.
+        kv_dtype: "int8": stored as `topk prefill --kv-dtype int8` stores them (store/quant.py); None: `dtype`.
     Returns:
         a ContextKV whose keys[l], values[l] are (Hkv, N, D).
     """
@@ -93,8 +96,8 @@ def synthetic_kv(
     pool = torch.randn((min(n_tokens, _POOL_ROWS), head_dim), generator=gen).to(dtype)
     vpool = torch.randn((min(n_tokens, _POOL_ROWS), head_dim), generator=gen).to(dtype)
     tokens = [3 + (i % 97) for i in range(n_tokens)]
-    writer = CacheWriter(path) if path is not None else None
-    keys, values = [], []
+    writer = CacheWriter(path, kv_dtype=kv_dtype) if path is not None else None
+    keys, values, key_scales, value_scales = [], [], [], []
     for _ in range(n_layers):
         k = torch.empty((n_kv_heads, n_tokens, head_dim), dtype=dtype)
         v = torch.empty_like(k)
@@ -105,12 +108,21 @@ def synthetic_kv(
             writer.write_layer(len(keys), k, v)
             keys.append(None)
             values.append(None)
+        elif kv_dtype == QUANTIZED:
+            for stored, scales, (x8, sx) in (
+                (keys, key_scales, quantize_keys(k)),
+                (values, value_scales, quantize_values(v)),
+            ):
+                stored.append(x8)
+                scales.append(sx)
         else:
             keys.append(k)
             values.append(v)
     manifest = shape_manifest(n_layers, n_kv_heads, head_dim, n_tokens, dtype, model_type)
+    manifest["kv_dtype"] = kv_dtype or manifest["kv_dtype"]
     if writer is None:
-        return ContextKV(path=Path("<memory>"), manifest=manifest, tokens=tokens, keys=keys, values=values)
+        scaled = {"key_scales": key_scales, "value_scales": value_scales} if kv_dtype == QUANTIZED else {}
+        return ContextKV(path=Path("<memory>"), manifest=manifest, tokens=tokens, keys=keys, values=values, **scaled)
     writer.write_tokens(tokens)
     manifest = {k: v for k, v in manifest.items() if k not in ("format_version", "files")}
     return open_cache(writer.commit(manifest), verify=False)

@@ -236,7 +236,7 @@ def score_rows4(keys, q, t0, t1, ahead, e, cut, sc, rows):
 
 @jit.jit
 def dot4_f32(keys, t, q, i):
-    """Row t of keys (uint16 bf16 bits) · float32 queries i .. i+3 of q (Qp, D), the row widened exactly.
+    """Row t of keys (uint16 bf16 bits, or int8) · float32 queries i .. i+3 of q (Qp, D), the row widened exactly.
 
     Indexes the 2-D arrays directly: a row view (keys[t]) would touch the array's shared reference count on
     every call, an atomic that all the threads of a scan contend for."""
@@ -245,7 +245,7 @@ def dot4_f32(keys, t, q, i):
     a2 = np.float32(0.0)
     a3 = np.float32(0.0)
     for j in range(keys.shape[1]):
-        x = jit.bf16_float(keys[t, j])  # bf16 → fp32 is exact; vectorizes with the FMAs
+        x = jit.stored_float(keys[t, j])  # bf16 or int8 → fp32 is exact; vectorizes with the FMAs
         a0 += q[i, j] * x
         a1 += q[i + 1, j] * x
         a2 += q[i + 2, j] * x

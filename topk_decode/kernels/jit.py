@@ -112,14 +112,17 @@ def prefetch_row(a, row):
 
 
 @intrinsic
-def bf16_float(typingctx, b):
-    """The float32 value of a bf16's bits (an unsigned 16-bit integer): exact, and a plain zero-extend,
-    shift and bitcast that LLVM vectorizes inside a dot-product loop (a widening loop through a uint32
-    buffer did not vectorize)."""
-    if not isinstance(b, numba.types.Integer) or b.bitwidth != 16:
+def stored_float(typingctx, b):
+    """The float32 value of a stored key element: a bf16's bits (an unsigned 16-bit integer) or an int8 (a cache
+    of `--kv-dtype int8`, its scale folded into the query). Exact, and a plain zero-extend, shift and bitcast
+    (bf16) or one signed conversion (int8) that LLVM vectorizes inside a dot-product loop (a widening loop
+    through a uint32 buffer did not vectorize)."""
+    if not isinstance(b, numba.types.Integer) or (b.bitwidth, b.signed) not in ((16, False), (8, True)):
         return None
 
     def codegen(context, builder, signature, args):
+        if signature.args[0].bitwidth == 8:
+            return builder.sitofp(args[0], ir.FloatType())
         i32 = ir.IntType(32)
         return builder.bitcast(builder.shl(builder.zext(args[0], i32), i32(16)), ir.FloatType())
 

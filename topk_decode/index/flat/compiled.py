@@ -21,12 +21,14 @@ TASKS_PER_WORKER = 2
 MIN_BLOCK = 1 << 12  # keys per task at least (1 MiB at D=128): smaller tasks only add setup and merging
 
 
-def warm_up(head_dim: int = 2) -> None:
+def warm_up(head_dim: int = 2, dtype: torch.dtype = torch.bfloat16) -> None:
     """Compile the kernels now (seconds on a first run without numba's disk cache), not inside a step:
-    the fp32 path, and the bf16 one where it is available for rows of `head_dim`. 2,048 rows and k = 256:
-    the smallest search that samples its cut (`flat_sample.sample_plan`)."""
-    search(torch.zeros((1, 2048, 2), dtype=torch.bfloat16), torch.zeros((1, 1, 2)), 256, 0, 2048, 1, dot="fp32")
-    if dots.bf16_available(head_dim):  # the fp32 path's types do not depend on D; the bf16 one needs D % 32 == 0
+    the fp32 path for keys of `dtype`, and for bf16 keys the bf16 one where it is available for rows of `head_dim`.
+    2,048 rows and k = 256: the smallest search that samples its cut (`flat_sample.sample_plan`)."""
+    search(torch.zeros((1, 2048, 2), dtype=dtype), torch.zeros((1, 1, 2)), 256, 0, 2048, 1, dot="fp32")
+    if dtype == torch.bfloat16 and dots.bf16_available(
+        head_dim
+    ):  # fp32's types do not depend on D; bf16 needs D % 32 == 0
         keys = torch.zeros((1, 2048, head_dim), dtype=torch.bfloat16)
         search(keys, torch.zeros((1, 1, head_dim)), 256, 0, 2048, 1, dot="bf16")
 
@@ -35,7 +37,12 @@ def bf16_dot_applies(keys: torch.Tensor, q: torch.Tensor) -> bool:
     """Whether `search` scores these (Hkv, N, D) keys and (Hkv, Q, D) float32 queries with the hardware bf16
     dot product: it is available here, the key rows are contiguous and every query is bf16-exact (the
     decoder's are)."""
-    return dots.bf16_available(q.shape[-1]) and keys.stride(-1) == 1 and torch.equal(q.to(torch.bfloat16).float(), q)
+    return (
+        keys.dtype == torch.bfloat16
+        and dots.bf16_available(q.shape[-1])
+        and keys.stride(-1) == 1
+        and torch.equal(q.to(torch.bfloat16).float(), q)
+    )
 
 
 def task_block(m: int, hkv: int, workers: int) -> int:
@@ -63,7 +70,8 @@ def search(
     """Exact top-k of every query over keys[:, lo:hi], (head, block) tasks in parallel on numba's threads.
 
     Args:
-        keys: (Hkv, N, D) bf16 keys (KERNEL_DTYPES), e.g. a memory map; q: (Hkv, Q, D) float32 queries.
+        keys: (Hkv, N, D) bf16 or int8 keys (strategy.py's `NUMBA_KEY_DTYPES`), e.g. a memory map; q: (Hkv, Q, D) float32 queries (for
+            int8 keys scaled by their key scales: `ContextKV.search_queries`).
         k: results per query; lo, hi: the searchable rows [lo, hi).
         threads: numba threads to use; block: keys per task (None: `task_block`).
         ahead: rows prefetched ahead of the dot products (a tuning knob: docs/BENCHMARKS.md "flat's numba scan against the DRAM floor").
@@ -95,7 +103,7 @@ def search(
     if dot == "auto":
         dot = "bf16" if bf16_dot_applies(keys, q) else "fp32"
     q_np = bf16_bits(q.to(torch.bfloat16).contiguous()) if dot == "bf16" else q.contiguous().numpy()
-    kbits = bf16_bits(keys)
+    kbits = bf16_bits(keys) if keys.dtype == torch.bfloat16 else keys.numpy()
     workers = min(threads, len(task_h))
     jit.set_threads(workers)
     t1 = time.perf_counter()

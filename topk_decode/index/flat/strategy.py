@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from topk_decode.errors import TopkError
-from topk_decode.index.base import KERNEL_DTYPES, Selection, SelectionStrategy
+from topk_decode.index.base import Selection, SelectionStrategy
 from topk_decode.index.flat.select_topk import topk_by_threshold
 from topk_decode.index.options import StrategyOptions, option
 from topk_decode.index.threads import HeadPool, default_threads
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 # auto takes numba where the context is long enough to repay its first-run compile (~30 s on 2 cores, cached on
 # disk after), torch otherwise (docs/STRATEGIES.md "flat's default backend")
 NUMBA_MIN_KEYS = 1 << 15
+NUMBA_KEY_DTYPES = (torch.bfloat16, torch.int8)  # the keys index/flat/compiled.py reads
 _SQ_TYPES = {torch.float16: "QT_fp16", torch.bfloat16: "QT_bf16"}
 _TORCH_BLOCK = 1 << 16  # keys per matmul block: bounds the fp32 temporary to ~32 MiB per head at D=128
 
@@ -59,9 +60,9 @@ class FlatOptions(StrategyOptions):
 
     backend: str = option(
         "auto",
-        "auto (numba for bf16 keys when at least NUMBA_MIN_KEYS keys are searchable, else "
+        "auto (numba for bf16 or int8 keys when at least NUMBA_MIN_KEYS keys are searchable, else "
         "torch), torch (a batched half-precision matmul of the memory map and an exact rescoring), "
-        "numba (compiled exact scan in (head, block of keys) tasks, index/flat/compiled.py; bf16 keys "
+        "numba (compiled exact scan in (head, block of keys) tasks, index/flat/compiled.py; bf16 or int8 keys "
         "only) or faiss (indices copied into RAM at open). All are exact.",
         check=("auto", "torch", "numba", "faiss"),
     )
@@ -92,9 +93,8 @@ class FlatStrategy(SelectionStrategy):
         if self.backend == "numba":
             from topk_decode.index.flat import compiled  # numba: imported where the backend runs
 
-            compiled.warm_up(
-                self.ckv.head_dim
-            )  # compile (or load numba's disk cache) at open, not inside the first step
+            # compile (or load numba's disk cache) at open, not inside the first step
+            compiled.warm_up(self.ckv.head_dim, self.ckv.dtype)
         if self.backend != "faiss" or self.n_searchable == 0:
             return
         L, H = self.ckv.n_layers, self.ckv.n_kv_heads
@@ -162,15 +162,17 @@ class FlatStrategy(SelectionStrategy):
 
 
 def auto_backend(dtype: torch.dtype, n_searchable: int) -> str:
-    """The backend `auto` stands for: numba for bf16 keys when at least NUMBA_MIN_KEYS keys are searchable,
+    """The backend `auto` stands for: numba for bf16 or int8 keys when at least NUMBA_MIN_KEYS keys are searchable,
     torch otherwise."""
-    return "numba" if dtype in KERNEL_DTYPES and n_searchable >= NUMBA_MIN_KEYS else "torch"
+    return "numba" if dtype in NUMBA_KEY_DTYPES and n_searchable >= NUMBA_MIN_KEYS else "torch"
 
 
 def _check_numba(dtype: torch.dtype) -> None:
-    """Refuse backend=numba, with a one-line TopkError, where it cannot run (keys not bf16)."""
-    if dtype not in KERNEL_DTYPES:
-        raise TopkError(f"flat: backend=numba reads bf16 keys, these are {dtype_name(dtype)} (use backend=torch)")
+    """Refuse backend=numba, with a one-line TopkError, where it cannot run (keys neither bf16 nor int8)."""
+    if dtype not in NUMBA_KEY_DTYPES:
+        raise TopkError(
+            f"flat: backend=numba reads bf16 or int8 keys, these are {dtype_name(dtype)} (use backend=torch)"
+        )
 
 
 def fp32_scan(keys: torch.Tensor, q: torch.Tensor, k: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
