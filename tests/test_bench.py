@@ -98,6 +98,24 @@ def test_synthetic_kv_can_be_written_as_a_real_cache_dir(tmp_path):
     disk = synthetic_kv(2, 2, 16, 300, torch.bfloat16, seed=3, path=tmp_path / "c")
     assert disk.keys[1].shape == (2, 300, 16) and disk.dtype == torch.bfloat16
     assert torch.equal(mem.keys[1], disk.keys[1]) and torch.equal(mem.values[0], disk.values[0])
+    mem8 = synthetic_kv(2, 2, 16, 300, torch.bfloat16, seed=3, kv_dtype="int8")
+    disk8 = synthetic_kv(2, 2, 16, 300, torch.bfloat16, seed=3, path=tmp_path / "c8", kv_dtype="int8")
+    assert disk8.manifest["kv_dtype"] == mem8.manifest["kv_dtype"] == "int8" and disk8.dtype == torch.int8
+    for a, b in ((mem8.keys, disk8.keys), (mem8.key_scales, disk8.key_scales), (mem8.value_scales, disk8.value_scales)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_bench_decodes_int8_kv_with_flat(tmp_path):
+    """`topk bench --kv-dtype int8`: the prefilled KV quantised as the cache stores it, decoded by flat."""
+    from topk_decode.bench.run import run_bench, smoke_config
+
+    cfg = smoke_config(str(tmp_path))
+    cfg.systems, cfg.offload_prefill, cfg.contexts, cfg.k, cfg.kv_dtype = ["topk"], False, [1024], 16, "int8"
+    row = next(r for r in run_bench(cfg, log=lambda line: None)["rows"] if r["system"] == "topk")
+    assert row["status"] == "ok" and row["kv_dtype"] == "int8" and row["ran"] == "flat" and row["tokens_per_s"] > 0
+    cfg.kv_cache = str(tmp_path)
+    with pytest.raises(TopkError, match="--kv-dtype applies to the bench's own KV"):
+        cfg.validate()
 
 
 def test_half_precision_scan_returns_the_exact_fp32_top_k():

@@ -28,7 +28,7 @@ import torch
 from topk_decode.bench.hf import fits_hf, hf_decode, weights_bytes
 from topk_decode.bench.measure import GIB, anon_huge_pages, cpu_rss, is_oom, peak_gpu, release, set_gpu_budget
 from topk_decode.bench.shapes import build_model
-from topk_decode.bench.synthetic import kv_bytes, kv_in_memory, synthetic_kv
+from topk_decode.bench.synthetic import kv_bytes, kv_in_memory, quantize_kv, synthetic_kv
 from topk_decode.config import DecodeConfig
 from topk_decode.cpus import usable_cpus
 from topk_decode.decode.engine import TopKDecoder
@@ -36,6 +36,7 @@ from topk_decode.errors import TopkError
 from topk_decode.index.routed.compiled import SPLIT_ROUNDS
 from topk_decode.model.blocks import ModelShape
 from topk_decode.prefill.layerwise import prefill_layers
+from topk_decode.store.format import QUANTIZED
 from topk_decode.store.huge_pages import available_bytes
 
 SYSTEMS = ("topk", "hf-dense", "hf-offload")
@@ -59,6 +60,8 @@ class BenchConfig:
         hf_offload_steps: timed steps of the (slow) offloaded baseline.
         gpu_memory: budget in bytes for top-k decoding and the offloaded prefill (None: whole GPU).
         kv: "auto" (prefill up to `prefill_max`, synthetic above), "prefill" or "synthetic".
+        kv_dtype: "int8": the top-k rows decode that KV quantised as `topk prefill --kv-dtype int8` stores it
+            (store/quant.py); None: as computed.
         kv_cache: decode over this cache directory's KV instead (its token count replaces `contexts`; the model
             must have the cache's shape).
         prefill_max: longest context prefilled for real under kv="auto".
@@ -84,6 +87,7 @@ class BenchConfig:
     hf_offload_steps: int = 4
     gpu_memory: int | None = None
     kv: str = "auto"
+    kv_dtype: str | None = None
     kv_cache: str | None = None
     prefill_max: int = 131072
     hf_max: int = 131072
@@ -103,6 +107,12 @@ class BenchConfig:
             raise TopkError(f"unknown system(s) {', '.join(bad)} (choose from {', '.join(SYSTEMS)})")
         if self.kv not in ("auto", "prefill", "synthetic"):
             raise TopkError(f"--kv must be auto, prefill or synthetic, got {self.kv!r}")
+        if self.kv_dtype not in (None, QUANTIZED):
+            raise TopkError(f"--kv-dtype must be {QUANTIZED} or left out, got {self.kv_dtype!r}")
+        if self.kv_dtype is not None and self.kv_cache is not None:
+            raise TopkError(
+                "--kv-dtype applies to the bench's own KV: a --kv-cache keeps the dtype it was prefilled with"
+            )
         if self.kv_cache is not None and not Path(self.kv_cache).is_dir():
             raise TopkError(f"--kv-cache {self.kv_cache}: no such cache directory")
         if not self.contexts or min(self.contexts) < 128:
@@ -420,9 +430,18 @@ def _run_topk(rec, model, shape, tokens, kv, source, cfg, device, dtype, budget)
     elif kind == "synthetic":
         t = time.perf_counter()
         ckv = synthetic_kv(
-            shape.n_layers, shape.n_kv_heads, shape.head_dim, n, dtype, cfg.seed, model_type=shape.model_type
+            shape.n_layers,
+            shape.n_kv_heads,
+            shape.head_dim,
+            n,
+            dtype,
+            cfg.seed,
+            model_type=shape.model_type,
+            kv_dtype=cfg.kv_dtype,
         )
         rec.data.setdefault("synthetic_build_s", {})[str(n)] = round(time.perf_counter() - t, 1)
+    if cfg.kv_dtype is not None and not ckv.quantized:  # a prefill's KV, stored as the cache would store it
+        ckv = quantize_kv(ckv)
     release(device)
     set_gpu_budget(device, budget)
     for name in strategies(cfg):
@@ -433,7 +452,8 @@ def _run_topk(rec, model, shape, tokens, kv, source, cfg, device, dtype, budget)
             lambda: _topk_decode(model, ckv, cfg, device, name),
             device,
             kv=kind,
-            kv_gib=_gib(kv),
+            kv_gib=_gib(sum(t.numel() * t.element_size() for t in ckv.keys + ckv.values)),  # as stored (int8: half)
+            kv_dtype=ckv.manifest["kv_dtype"],
             gpu_budget_gib=_gib(budget),
             strategy=name,
         )

@@ -54,6 +54,14 @@ def bench_command(
         str,
         typer.Option("--kv", help="auto (real prefill up to --prefill-max, synthetic above), prefill, or synthetic."),
     ] = "auto",
+    kv_dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--kv-dtype",
+            help="int8: the top-k rows decode the prefilled or synthetic KV stored as `topk prefill --kv-dtype int8` "
+            "stores it; default: the model's dtype.",
+        ),
+    ] = None,
     kv_cache: Annotated[
         str | None,
         typer.Option(
@@ -150,6 +158,7 @@ def bench_command(
             warmup=warmup,
             gpu_memory=parse_bytes(gpu_memory) if gpu_memory else None,
             kv=kv,
+            kv_dtype=kv_dtype,
             kv_cache=kv_cache,
             prefill_max=parse_tokens(prefill_max),
             hf_max=parse_tokens(hf_max),
