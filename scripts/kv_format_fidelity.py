@@ -48,7 +48,12 @@ def roundtrip(x: torch.Tensor, fmt: str, keys: bool) -> torch.Tensor:
     if fmt == "fp8":
         y, s = _scaled(xf, dim, FP8_MAX)
         return (y.to(torch.float8_e4m3fn).float() * s).to(x.dtype)
-    top = {"int8": 127.0, "int4": 7.0}[fmt]
+    if fmt == "int8":  # what `topk prefill --kv-dtype int8` stores
+        from topk_decode.store.quant import dequantize_keys, dequantize_values, quantize_keys, quantize_values
+
+        out = dequantize_keys(*quantize_keys(x)) if keys else dequantize_values(*quantize_values(x))
+        return out.to(x.dtype)
+    top = 7.0  # int4
     y, s = _scaled(xf, dim, top)
     return (y.round().clamp(-top, top) * s).to(x.dtype)
 
