@@ -116,13 +116,14 @@ def test_error_paths_import_no_torch(built_cache, docs_dir, tmp_path, args, frag
     assert heavy == "", f"{args}: imported {heavy}"
 
 
-def test_the_registry_knows_which_strategies_keep_files_without_importing_them():
-    from topk_decode.index import STRATEGIES, SelectionStrategy, keeps_artifacts
+def test_the_registry_knows_which_strategies_keep_files_and_read_int8_without_importing_them():
+    from topk_decode.index import STRATEGIES, SelectionStrategy, keeps_artifacts, reads_int8
 
     base = SelectionStrategy.build_artifacts.__func__
     for name, cls in STRATEGIES.items():
         assert cls.name == name
         assert keeps_artifacts(name) == (cls.build_artifacts.__func__ is not base), name
+        assert reads_int8(name) == ("int8" in cls.kv_dtypes), name
 
 
 # ---- stdout closed or failing: an error, not an answer lost in silence ----------------------------

@@ -19,16 +19,20 @@ def cache_facts(path: Path, verify: bool = False) -> dict:
         verify: hash every file against the manifest's checksums (reads the whole cache).
     """
     # Nothing here imports torch or a strategy's module: `topk info` answers in well under a second.
-    from topk_decode.index import STRATEGIES, keeps_artifacts
+    from topk_decode.index import STRATEGIES, keeps_artifacts, reads_int8
     from topk_decode.index.artifacts import artifact_dir, artifacts_match, read_done, verify_done
     from topk_decode.index.auto import choose
     from topk_decode.store.cache_dir import check_cache
+    from topk_decode.store.format import QUANTIZED
 
     m, cache_id, hashed = check_cache(path, full=verify)
     # Ready: strategies that need no files (flat, tokenselect) and those whose artifacts are complete and
     # were built from this cache; their files are checked (sizes; checksums with `verify`) like the cache's.
     ready = []
+    unreadable = sorted(n for n in STRATEGIES if m["kv_dtype"] == QUANTIZED and not reads_int8(n))
     for n in sorted(STRATEGIES):
+        if n in unreadable:
+            continue
         if not keeps_artifacts(n):
             ready.append(n)
         elif artifacts_match(path, n, {}, cache_id):
@@ -66,7 +70,8 @@ def cache_facts(path: Path, verify: bool = False) -> dict:
         "strategies": ready,
         "auto": vars(choose(m["n_tokens"], kv_dtype=m["kv_dtype"])),  # {"strategy", "reason", "options"} on a GPU
         "auto_cpu": vars(choose(m["n_tokens"], gpu=False, kv_dtype=m["kv_dtype"])),  # ... and on a CPU
-        "strategies_not_built": sorted(n for n in STRATEGIES if n not in ready),
+        "strategies_not_built": sorted(n for n in STRATEGIES if n not in ready and n not in unreadable),
+        "strategies_not_reading_this_kv": unreadable,  # an int8 cache: those that do not read it yet
         # what was really checked: the manifest's schema + checksum always, then sizes or every checksum
         "checked": "checksums" if verify else "sizes",
         "files_hashed": hashed,
@@ -143,6 +148,11 @@ def _print(f: dict) -> None:
             f"; {', '.join(f['strategies_not_built'])} build their artifacts on first use "
             "(or at prefill with --strategy)"
             if f["strategies_not_built"]
+            else ""
+        )
+        + (
+            f"; {', '.join(f['strategies_not_reading_this_kv'])} do not read {f['kv_dtype']} caches yet"
+            if f["strategies_not_reading_this_kv"]
             else ""
         )
     )

@@ -12,16 +12,17 @@ from collections.abc import Iterator, Mapping
 from topk_decode.errors import TopkError
 from topk_decode.index.artifacts import artifact_dir, artifacts_complete
 
-# name → (module, class, keeps files in the cache: overrides `build_artifacts`; a test checks this flag
-# against the class, so `topk info` can tell ready strategies without importing them)
+# name → (module, class, keeps files in the cache: overrides `build_artifacts`, reads int8 caches: "int8" in its
+# `kv_dtypes`); a test checks both flags against the class, so `topk info` can tell ready strategies without
+# importing them
 _REGISTRY = {
-    "flat": ("topk_decode.index.flat.strategy", "FlatStrategy", False),
-    "ivf": ("topk_decode.index.ann", "IvfStrategy", True),
-    "hnsw": ("topk_decode.index.ann", "HnswStrategy", True),
-    "quest": ("topk_decode.index.quest", "QuestStrategy", True),
-    "tokenselect": ("topk_decode.index.tokenselect", "TokenSelectStrategy", False),
-    "duo": ("topk_decode.index.duo", "DuoStrategy", True),
-    "routed": ("topk_decode.index.routed.strategy", "RoutedStrategy", True),
+    "flat": ("topk_decode.index.flat.strategy", "FlatStrategy", False, True),
+    "ivf": ("topk_decode.index.ann", "IvfStrategy", True, False),
+    "hnsw": ("topk_decode.index.ann", "HnswStrategy", True, False),
+    "quest": ("topk_decode.index.quest", "QuestStrategy", True, False),
+    "tokenselect": ("topk_decode.index.tokenselect", "TokenSelectStrategy", False, False),
+    "duo": ("topk_decode.index.duo", "DuoStrategy", True, False),
+    "routed": ("topk_decode.index.routed.strategy", "RoutedStrategy", True, False),
 }
 
 
@@ -29,7 +30,7 @@ class StrategyRegistry(Mapping):
     """Strategy name → class, importing a class's module only when the class is looked up."""
 
     def __getitem__(self, name: str):
-        module, cls, _ = _REGISTRY[name]
+        module, cls = _REGISTRY[name][:2]
         return getattr(importlib.import_module(module), cls)
 
     def __iter__(self) -> Iterator[str]:
@@ -63,6 +64,11 @@ def check_requested_strategy(name: str) -> str:
 def keeps_artifacts(name: str) -> bool:
     """True when strategy `name` keeps files in the cache (`index/NAME/`), without importing it."""
     return _REGISTRY[check_strategy_name(name)][2]
+
+
+def reads_int8(name: str) -> bool:
+    """True when strategy `name` decodes caches of `--kv-dtype int8`, without importing it."""
+    return _REGISTRY[check_strategy_name(name)][3]
 
 
 def get_strategy(name: str):
