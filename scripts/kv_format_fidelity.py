@@ -38,7 +38,10 @@ def _scaled(x: torch.Tensor, dim: int, top: float) -> tuple[torch.Tensor, torch.
 
 
 def roundtrip(x: torch.Tensor, fmt: str, keys: bool) -> torch.Tensor:
-    """x (Hkv, N, D) rounded through `fmt` and back to its dtype: keys scaled per channel (over N), values per token."""
+    """x (Hkv, N, D), or (1, Hkv, N, D) as the dense reference holds it, rounded through `fmt` and back to its dtype:
+    keys scaled per KV head and channel (over N), values per KV head and token (over D)."""
+    if x.dim() == 4:  # the batch dimension: before 2026-11-27 (session 8) the scales were taken over the wrong axes
+        return roundtrip(x[0], fmt, keys)[None]
     dim = 1 if keys else 2
     xf = x.float()
     if fmt == "bf16":  # what a GPU prefill stores: the floor of this measurement on an fp32 CPU run
