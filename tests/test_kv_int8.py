@@ -137,3 +137,26 @@ def test_prefill_command_takes_kv_dtype_int8_and_refuses_what_cannot_read_it(tmp
     bad = run("--append", str(tmp_path / "c"), docs=more)
     assert bad.exit_code != 0 and "--append does not extend yet" in bad.output and "Traceback" not in bad.output
     assert not (tmp_path / "d").exists()
+
+
+def test_batched_steps_over_an_int8_cache_equal_each_conversation_alone(caches):
+    """The server's batched one-token steps search several conversations' queries in one flat call: the key scales
+    are folded into those rows too."""
+    from topk_decode.decode.engine import StepRequest, forward_batch
+
+    store = KVStore.open(caches["int8"], k=16, strategy="flat", device="cpu")
+    prompts = [[5, 17], [42, 99, 7]]
+    alone = [store.decoder.new_conversation() for _ in prompts]
+    batched = [store.decoder.new_conversation() for _ in prompts]
+    toks = []
+    for p, c1, c2 in zip(prompts, alone, batched):
+        toks.append(int(torch.argmax(store.decoder.forward(p, c1))))
+        store.decoder.forward(p, c2)
+    for _ in range(3):
+        reqs = [StepRequest(store.decoder, c, [t]) for c, t in zip(batched, toks)]
+        forward_batch(reqs)
+        want = [store.decoder.forward([t], c) for c, t in zip(alone, toks)]
+        for r, w in zip(reqs, want):
+            assert r.error is None
+            torch.testing.assert_close(r.logits, w, rtol=1e-4, atol=1e-4)
+        toks = [int(torch.argmax(w)) for w in want]
