@@ -62,6 +62,20 @@ def test_two_gloo_ranks_write_the_cache_one_process_writes(tmp_path, docs_dir, d
     assert torch.get_num_threads() == threads  # rank 0 gave the CPUs it shared back
 
 
+def test_two_gloo_ranks_write_the_int8_cache_one_process_writes(tmp_path, docs_dir, demo_model):
+    """`--kv-dtype int8` with `--gpus 2`: rank 0's writer quantises the gathered layers as one process does
+    (`KVStore.build(..., kv_dtype="int8")` here, the Python API's way)."""
+    from topk_decode import KVStore
+
+    reference = tmp_path / "one"
+    KVStore.build(docs_dir, reference, demo_model, chunk_size=CHUNK, device="cpu", kv_dtype="int8").close()
+    out = tmp_path / "two"
+    args = ["prefill", str(docs_dir), "--out", str(out), "--device", "cpu", "--gpus", "2", "--chunk-size", str(CHUNK)]
+    result = CliRunner().invoke(app, [*args, "--kv-dtype", "int8"])
+    assert result.exit_code == 0, result.output
+    assert files(out) == files(reference) and "kv/value_scales.000.bin" in files(out)
+
+
 def test_bad_documents_found_after_the_ranks_started_are_one_line_and_stop_them(tmp_path):
     """An error rank 0 finds after spawning (no text in the folder) is one `error:` line; the ranks stop."""
     import multiprocessing

@@ -69,6 +69,7 @@ class KVStore:
         overwrite: bool = False,
         device: str | None = None,
         dtype: str | None = None,
+        kv_dtype: str | None = None,
         allow_long_context: bool = False,
         follow_symlinks: bool = False,
         include: list[str] | tuple[str, ...] = (),
@@ -85,6 +86,8 @@ class KVStore:
             chunk_size: prefill chunk length.
             overwrite: replace an existing cache.
             device, dtype: compute device and dtype for the prefill (and the open).
+            kv_dtype: "int8" stores the KV in 8 bits with its scales (`topk prefill --kv-dtype int8`; flat decodes
+                it); None: in the model's dtype.
             allow_long_context: prefill a context longer than the model's positions (with a warning);
                 by default it is refused (TopkError) before any model compute.
             follow_symlinks: also read links that leave the documents folder (skipped by default).
@@ -108,6 +111,7 @@ class KVStore:
             follow_symlinks=follow_symlinks,
             include=include,
             exclude=exclude,
+            kv_dtype=kv_dtype,
         )
         return cls.open(out, device=device, dtype=dtype, **open_kwargs)
 
