@@ -188,3 +188,26 @@ def test_failed_compilation_falls_back_to_the_uncompiled_step_with_a_warning(cud
         logits = store.decoder.forward([int(logits.argmax())], conv)
     assert store.decoder.segments.compiled is False and store.decoder.segments.graphs is not None
     torch.testing.assert_close(logits, plain[0], rtol=0, atol=0)
+
+
+def test_cuda_int8_cache_decodes_close_to_its_bf16_cache(tmp_path, model_factory, docs_dir):
+    """`--kv-dtype int8` on the GPU: prefilled in bf16 and stored as int8, decoded through the graphed one-token
+    segments with the context part crossing in fp32: the same greedy tokens as the bf16 cache, logits close."""
+    model_dir = model_factory("llama_gqa")
+    made = {}
+    for kv in (None, "int8"):
+        out = tmp_path / f"c-{kv}"
+        build_cache(docs_dir, out, model_dir, chunk_size=61, device="cuda", dtype="bf16", kv_dtype=kv)
+        made[kv] = KVStore.open(out, k=16, device="cuda", dtype="bf16")
+    assert made["int8"].decoder.config.strategy == "flat"
+    prompt = [5, 17, 42, 99, 7]
+    logits = []
+    for store in made.values():
+        conv = store.decoder.new_conversation()
+        store.decoder.forward(prompt[:2], conv)
+        for t in prompt[2:]:
+            out = store.decoder.forward([t], conv)
+        logits.append(out.float())
+    cos = torch.nn.functional.cosine_similarity(logits[0], logits[1], dim=0)
+    assert cos > 0.999, f"cosine {cos:.5f}"
+    assert made[None].generate_ids(prompt, 12) == made["int8"].generate_ids(prompt, 12)
