@@ -36,7 +36,7 @@ from topk_decode.errors import TopkError
 from topk_decode.index.routed.compiled import SPLIT_ROUNDS
 from topk_decode.model.blocks import ModelShape
 from topk_decode.prefill.layerwise import prefill_layers
-from topk_decode.store.format import QUANTIZED
+from topk_decode.store.format import check_kv_dtype
 from topk_decode.store.huge_pages import available_bytes
 
 SYSTEMS = ("topk", "hf-dense", "hf-offload")
@@ -107,8 +107,7 @@ class BenchConfig:
             raise TopkError(f"unknown system(s) {', '.join(bad)} (choose from {', '.join(SYSTEMS)})")
         if self.kv not in ("auto", "prefill", "synthetic"):
             raise TopkError(f"--kv must be auto, prefill or synthetic, got {self.kv!r}")
-        if self.kv_dtype not in (None, QUANTIZED):
-            raise TopkError(f"--kv-dtype must be {QUANTIZED} or left out, got {self.kv_dtype!r}")
+        check_kv_dtype(self.kv_dtype)
         if self.kv_dtype is not None and self.kv_cache is not None:
             raise TopkError(
                 "--kv-dtype applies to the bench's own KV: a --kv-cache keeps the dtype it was prefilled with"

@@ -254,11 +254,10 @@ def prefill_command(
 
     parse_dtype(dtype)
     if kv_dtype is not None:  # before anything loads: the value, and whether the named strategies read it
-        from topk_decode.store.format import QUANTIZED
-
-        if kv_dtype != QUANTIZED:
-            raise TopkError(f"--kv-dtype must be {QUANTIZED} (or left out: the model's dtype), got {kv_dtype!r}")
         from topk_decode.index import get_strategy
+        from topk_decode.store.format import check_kv_dtype
+
+        check_kv_dtype(kv_dtype)
 
         for name in names:
             get_strategy(name).check_kv_dtype(kv_dtype)

@@ -111,25 +111,22 @@ class ContextAttention:
             sw = w.view(-1) * self.scales_flat[layer].index_select(0, rows)
             v = self.values_flat[layer].index_select(0, rows).view(R, K, self.d).float()
             torch.bmm(sw.view(R, 1, K), v, out=o.view(R, 1, self.d))
-            if sel.rest is not None:
-                merge_rest(o, mz, sel.rest)
-            return int((sel.ids >= 0).sum()) if empty else ids.numel()
-        # F.embedding_bag straight into `o` (mode 0 = sum; its .out form saves a copy)
-        torch.ops.aten._embedding_bag_forward_only.out(
-            self.values_flat[layer],
-            rows,
-            self._bag_offsets(R, K),
-            False,
-            0,
-            False,
-            w_low.view(-1),
-            False,
-            -1,
-            out0=o,
-            out1=aux[0],
-            out2=aux[1],
-            out3=aux[2],
-        )
+        else:  # F.embedding_bag straight into `o` (mode 0 = sum; its .out form saves a copy)
+            torch.ops.aten._embedding_bag_forward_only.out(
+                self.values_flat[layer],
+                rows,
+                self._bag_offsets(R, K),
+                False,
+                0,
+                False,
+                w_low.view(-1),
+                False,
+                -1,
+                out0=o,
+                out1=aux[0],
+                out2=aux[1],
+                out3=aux[2],
+            )
         if sel.rest is not None:
             merge_rest(o, mz, sel.rest)
         return int((sel.ids >= 0).sum()) if empty else ids.numel()

@@ -138,8 +138,9 @@ def prepare_artifacts(ckv, names: list[str], options=None, progress=None) -> Non
     # one strategy's options already parsed (`split_options`' values) go to it as they are
     parsed = {names[0]: options} if isinstance(options, StrategyOptions) and len(names) == 1 else None
     for name, opts in (parsed or split_options(names, options)).items():
-        get_strategy(name).check_kv_dtype(ckv.manifest["kv_dtype"])
-        get_strategy(name).build_artifacts(ckv, opts, progress)
+        cls = get_strategy(name)
+        cls.check_kv_dtype(ckv.manifest["kv_dtype"])
+        cls.build_artifacts(ckv, opts, progress)
 
 
 __all__ = [

@@ -31,6 +31,7 @@ from topk_decode.store.format import (
     TOKENS,
     as_torch,
     blake2_stream,
+    check_kv_dtype,
     dtype_name,
     key_scales_file,
     keys_file,
@@ -89,8 +90,7 @@ class CacheWriter:
     ) -> None:
         self.out = Path(out)
         self.overwrite = overwrite
-        if kv_dtype not in (None, QUANTIZED):
-            raise TopkError(f"--kv-dtype must be {QUANTIZED} or left out (the model's dtype), got {kv_dtype!r}")
+        check_kv_dtype(kv_dtype)
         self.kv_dtype = kv_dtype
         self.lock = WriterLock(self.out)
         try:

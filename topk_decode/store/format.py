@@ -68,6 +68,14 @@ KV_DTYPES = tuple(_STORAGE)
 QUANTIZED = "int8"  # the one KV dtype stored with scales
 
 
+def check_kv_dtype(kv_dtype: str | None) -> None:
+    """Refuse, with a one-line TopkError, a `--kv-dtype` other than int8 (None: the model's dtype)."""
+    from topk_decode.errors import TopkError
+
+    if kv_dtype not in (None, QUANTIZED):
+        raise TopkError(f"--kv-dtype must be {QUANTIZED} (or left out: the model's dtype), got {kv_dtype!r}")
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """Manifest name of a torch dtype."""
     import torch

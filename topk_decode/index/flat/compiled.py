@@ -26,9 +26,8 @@ def warm_up(head_dim: int = 2, dtype: torch.dtype = torch.bfloat16) -> None:
     the fp32 path for keys of `dtype`, and for bf16 keys the bf16 one where it is available for rows of `head_dim`.
     2,048 rows and k = 256: the smallest search that samples its cut (`flat_sample.sample_plan`)."""
     search(torch.zeros((1, 2048, 2), dtype=dtype), torch.zeros((1, 1, 2)), 256, 0, 2048, 1, dot="fp32")
-    if dtype == torch.bfloat16 and dots.bf16_available(
-        head_dim
-    ):  # fp32's types do not depend on D; bf16 needs D % 32 == 0
+    # the fp32 path's types do not depend on D; the bf16 one needs D % 32 == 0
+    if dtype == torch.bfloat16 and dots.bf16_available(head_dim):
         keys = torch.zeros((1, 2048, head_dim), dtype=torch.bfloat16)
         search(keys, torch.zeros((1, 1, head_dim)), 256, 0, 2048, 1, dot="bf16")
 
