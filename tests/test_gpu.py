@@ -190,16 +190,21 @@ def test_failed_compilation_falls_back_to_the_uncompiled_step_with_a_warning(cud
     torch.testing.assert_close(logits, plain[0], rtol=0, atol=0)
 
 
-def test_cuda_int8_cache_decodes_close_to_its_bf16_cache(tmp_path, model_factory, docs_dir):
+@pytest.mark.parametrize(
+    "strategy,options",
+    [("auto", {}), ("routed", {"rank": "keys", "pq_values": 8, "probe_fraction": 0.1})],
+)
+def test_cuda_int8_cache_decodes_close_to_its_bf16_cache(tmp_path, model_factory, docs_dir, strategy, options):
     """`--kv-dtype int8` on the GPU: prefilled in bf16 and stored as int8, decoded through the graphed one-token
-    segments with the context part crossing in fp32: the same greedy tokens as the bf16 cache, logits close."""
+    segments with the context part crossing in fp32: close to the bf16 cache (flat, auto's choice on int8: the same
+    greedy tokens; routed ranking keys on the device, which scales the query by the key scales first)."""
     model_dir = model_factory("llama_gqa")
     made = {}
     for kv in (None, "int8"):
         out = tmp_path / f"c-{kv}"
         build_cache(docs_dir, out, model_dir, chunk_size=61, device="cuda", dtype="bf16", kv_dtype=kv)
-        made[kv] = KVStore.open(out, k=16, device="cuda", dtype="bf16")
-    assert made["int8"].decoder.config.strategy == "flat"
+        made[kv] = KVStore.open(out, k=16, device="cuda", dtype="bf16", strategy=strategy, strategy_options=options)
+    assert made["int8"].decoder.config.strategy == ("flat" if strategy == "auto" else strategy)
     prompt = [5, 17, 42, 99, 7]
     logits = []
     for store in made.values():
@@ -210,4 +215,8 @@ def test_cuda_int8_cache_decodes_close_to_its_bf16_cache(tmp_path, model_factory
         logits.append(out.float())
     cos = torch.nn.functional.cosine_similarity(logits[0], logits[1], dim=0)
     assert cos > 0.999, f"cosine {cos:.5f}"
-    assert made[None].generate_ids(prompt, 12) == made["int8"].generate_ids(prompt, 12)
+    if strategy == "routed":
+        routes = made["int8"].decoder.segments.routes
+        assert routes is not None and routes.rank_keys and routes.tables[0].kscale is not None
+    else:
+        assert made[None].generate_ids(prompt, 12) == made["int8"].generate_ids(prompt, 12)

@@ -104,8 +104,8 @@ def test_int8_decode_stays_within_its_stated_error_of_full_precision(caches):
 def test_auto_runs_flat_on_an_int8_cache_and_the_others_refuse_it(caches):
     store = KVStore.open(caches["int8"], device="cpu")
     assert store.decoder.config.strategy == "flat" and "int8" in store.decoder.strategy_reason
-    with pytest.raises(TopkError, match="routed does not read int8 caches yet: decode with --strategy flat"):
-        KVStore.open(caches["int8"], strategy="routed", device="cpu")
+    with pytest.raises(TopkError, match="tokenselect does not read int8 caches yet: decode with --strategy flat"):
+        KVStore.open(caches["int8"], strategy="tokenselect", device="cpu")
     from topk_decode.index import prepare_artifacts
 
     with pytest.raises(TopkError, match="quest does not read int8"):
@@ -121,15 +121,15 @@ def test_prefill_command_takes_kv_dtype_int8_and_refuses_what_cannot_read_it(tmp
     def run(*args: str, docs=docs_dir):
         return CliRunner().invoke(app, ["prefill", str(docs), "--model", model, "--device", "cpu", *args])
 
-    ok = run("--out", str(tmp_path / "c"), "--kv-dtype", "int8")
+    ok = run("--out", str(tmp_path / "c"), "--kv-dtype", "int8", "--strategy", "routed")
     assert ok.exit_code == 0, ok.output
     assert json.loads((tmp_path / "c" / "manifest.json").read_text())["kv_dtype"] == "int8"
     info = CliRunner().invoke(app, ["info", str(tmp_path / "c")])
-    assert info.exit_code == 0 and "KV stored as int8" in info.output and "flat ready" in info.output
-    assert "routed, tokenselect do not read int8 caches yet" in " ".join(info.output.split())
+    assert info.exit_code == 0 and "KV stored as int8" in info.output and "flat, routed ready" in info.output
+    assert "quest, tokenselect do not read int8 caches yet" in " ".join(info.output.split())
     for args, message in (
         (("--out", str(tmp_path / "d"), "--kv-dtype", "int4"), "--kv-dtype must be int8"),
-        (("--out", str(tmp_path / "d"), "--kv-dtype", "int8", "--strategy", "routed"), "routed does not read int8"),
+        (("--out", str(tmp_path / "d"), "--kv-dtype", "int8", "--strategy", "quest"), "quest does not read int8"),
         (("--append", str(tmp_path / "c"), "--kv-dtype", "int8"), "--kv-dtype does not apply to --append"),
     ):
         bad = run(*args)
@@ -160,3 +160,80 @@ def test_batched_steps_over_an_int8_cache_equal_each_conversation_alone(caches):
             assert r.error is None
             torch.testing.assert_close(r.logits, w, rtol=1e-4, atol=1e-4)
         toks = [int(torch.argmax(w)) for w in want]
+
+
+# ---- routed on an int8 cache: clustered as the float keys, stored and scanned as int8 (index/routed/layout.py) ----
+
+ROUTED_BUILD = dict(cluster_size=16, iters=6, store_values=True, segment=65536, pq_m=8, pq_values=8)
+
+
+def test_routed_layout_of_an_int8_cache_is_its_dequantised_copys_in_the_int8_keys_space(caches, dequantised):
+    """The same clusters as the float keys it stands for; the int8 rows permuted with the values' scales beside them;
+    the centroids and key codebooks divided by the key scales, so that q ⊙ s_k scores them as q scores the float ones."""
+    from topk_decode.index.routed.layout import layer_layouts
+
+    small, full = open_cache(caches["int8"]), open_cache(dequantised)
+    for layer, (a, b) in enumerate(
+        zip(layer_layouts(small, ROUTED_BUILD, None), layer_layouts(full, ROUTED_BUILD, None))
+    ):
+        ks = small.key_scales[layer]
+        assert a.keys.dtype == a.values.dtype == torch.int8 and a.value_scales.shape == a.pos.shape
+        assert torch.equal(a.pos, b.pos) and torch.equal(a.offsets, b.offsets)
+        assert torch.equal(dequantize_keys(a.keys, ks), b.keys)
+        assert torch.equal(dequantize_values(a.values, a.value_scales), b.values)
+        torch.testing.assert_close(a.centroids * ks[:, None, :], b.centroids)
+        torch.testing.assert_close(a.value_means, b.value_means)
+        assert torch.equal(a.codes.codes, b.codes.codes) and torch.equal(a.value_codes.codes, b.value_codes.codes)
+        m = a.codes.codebooks.shape[1]
+        torch.testing.assert_close(a.codes.codebooks * ks.view(ks.shape[0], m, 1, -1), b.codes.codebooks)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "numba"])
+@pytest.mark.parametrize("rank", ["clusters", "keys"])
+def test_routed_reading_every_cluster_of_an_int8_cache_is_dense_over_the_dequantised_kv(
+    caches, dequantised, kernel, rank
+):
+    """probe_fraction = 1 reads every key: the exact top-k, scanned as stored (the compiled path weighs each int8
+    value row by its scale), equals flat's over the dequantised keys and values."""
+    opts = {"probe_fraction": 1.0, "kernel": kernel, "rank": rank, "max_read_per_k": 0}
+    ours = last_logits(caches["int8"], 16, strategy="routed", strategy_options=opts)
+    torch.testing.assert_close(ours, last_logits(dequantised, 16, strategy="flat"), rtol=1e-4, atol=1e-4)
+
+
+def test_routed_compiled_path_on_an_int8_cache_selects_and_attends_as_its_torch_path(caches):
+    """Reading a tenth of the keys: the compiled scan of the int8 rows (its value sums times the rows' scales) and the
+    torch path (the rows widened) choose the same keys and give the same next-token logits."""
+    opts = {"probe_fraction": 0.1}
+    compiled = last_logits(caches["int8"], 8, strategy="routed", strategy_options=dict(opts, kernel="numba"))
+    reference = last_logits(caches["int8"], 8, strategy="routed", strategy_options=dict(opts, kernel="torch"))
+    torch.testing.assert_close(compiled, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_routed_on_an_int8_cache_stays_near_routed_on_its_dequantised_copy(caches, dequantised):
+    """auto's fast options (rank=keys, value codes) at k = 8: the int8 cache's layout is its dequantised copy's
+    (above); only the tables' precision differs (bf16 centroids there, fp32 here), so the logits stay close."""
+    opts = {"rank": "keys", "pq_values": 8, "kernel": "torch"}
+    ours = last_logits(caches["int8"], 8, strategy="routed", strategy_options=opts)
+    theirs = last_logits(dequantised, 8, strategy="routed", strategy_options=opts)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-2)
+
+
+def test_routed_device_stage_on_an_int8_cache_scales_the_query_as_the_host_does(caches):
+    """Routing, per-key ranking and the estimate on the decode device (run here on the CPU device, the same ops the
+    captured step runs) score the query scaled by the key scales against tables in the int8 keys' space: the device's
+    one-token steps give the torch path's logits."""
+    opts = {"probe_fraction": 0.1, "rank": "keys", "pq_values": 8, "kernel": "numba"}
+    logits = {}
+    for mode in ("true", "false"):
+        store = KVStore.open(
+            caches["int8"], k=8, device="cpu", strategy="routed", strategy_options=dict(opts, device_route=mode)
+        )
+        dec = store.decoder
+        dec._use_segments = True
+        conv = dec.new_conversation()
+        logits[mode] = [dec.forward(PROMPT, conv)] + [dec.forward([t], conv) for t in (7, 8, 9)]
+        routes = dec.segments.routes
+        assert (routes is not None and routes.tables[0].kscale is not None) == (mode == "true")
+        store.close()
+    for a, b in zip(logits["true"], logits["false"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=5e-2)

@@ -143,7 +143,7 @@ def test_kernel_option_picks_the_compiled_path_wherever_it_applies(clustered_cac
         _open(clustered_cache, "routed", {"kernel": "fast"})
     fp32_cache, _ = own_cache  # the tiny model's fp32 KV
     assert not _open(fp32_cache, "routed", {"cluster_size": 16}).kernel
-    with pytest.raises(TopkError, match="it reads bf16 keys"):
+    with pytest.raises(TopkError, match="it reads bf16 or int8 keys"):
         _open(fp32_cache, "routed", {"cluster_size": 16, "kernel": "numba"})
 
 

@@ -169,7 +169,7 @@ def prefill_command(
         typer.Option(
             "--kv-dtype",
             help="int8: store keys and values in 8 bits (keys scaled per channel, values per token; half of bf16's "
-            "disk and RAM; decoded by flat); default: the model's dtype.",
+            "disk and RAM; decoded by flat and routed); default: the model's dtype.",
         ),
     ] = None,
     strategy: Annotated[

@@ -22,7 +22,7 @@ _REGISTRY = {
     "quest": ("topk_decode.index.quest", "QuestStrategy", True, False),
     "tokenselect": ("topk_decode.index.tokenselect", "TokenSelectStrategy", False, False),
     "duo": ("topk_decode.index.duo", "DuoStrategy", True, False),
-    "routed": ("topk_decode.index.routed.strategy", "RoutedStrategy", True, False),
+    "routed": ("topk_decode.index.routed.strategy", "RoutedStrategy", True, True),
 }
 
 

@@ -147,6 +147,7 @@ def finish_head(
     scale,
     estimate,
     vals,
+    vscale,
     values_by_row,
     attend,
     logit,
@@ -174,7 +175,7 @@ def finish_head(
         qh: (Q, D) float32 queries; budget: keys to read (at least); k: results per query; scale: s.
         estimate: fill rest_o/rest_lse with the unread clusters' estimate.
         vals: (N or positions, D) bf16 values as uint16, indexed by layout row when values_by_row, else by
-            position (attend only).
+            position (attend only); or int8 values with vscale (N or positions,) their float32 scales (else (0,)).
         attend: also write the context part into o_out (Q, D) float32 and mz_out (Q, 2).
         logit, e: (C, Q) routing's logits and exponentials; bounds: (J + 1,) the routing tasks' cluster
             ranges; mx_parts, z_parts: (J, Q) their maxima and sums (`route_chunk`).
@@ -209,6 +210,7 @@ def finish_head(
         qh,
         scale,
         vals,
+        vscale,
         values_by_row,
         rest_o,
         rest_lse,
@@ -250,7 +252,7 @@ def search_layer_par(a, q, budget, k, scale, estimate, attend, route, out, rest,
         heads: `HeadClock` (read and the `cycles` at which each head's `finish_head` started and ended).
     """
     # unpacked outside the parallel loops (kernels/routed_scan.py `scan_layer_par` says why)
-    keys, pos, offsets, cent, bias, size_factor, vmeans, vals, values_by_row = a
+    keys, pos, offsets, cent, bias, size_factor, vmeans, vals, values_by_row, vscale = a
     logit, e, bounds, mx_p, z_p = route
     ids, scores, o, mz = out
     rest_o, rest_lse = rest
@@ -275,6 +277,7 @@ def search_layer_par(a, q, budget, k, scale, estimate, attend, route, out, rest,
             scale,
             estimate,
             vals[h],
+            vscale[h],
             values_by_row,
             attend,
             logit[h],

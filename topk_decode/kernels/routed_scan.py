@@ -28,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from topk_decode.kernels.dots import GROUP, dot4, pad_queries
-from topk_decode.kernels.jit import cycles, jit, pjit, prange, prefetch_row
+from topk_decode.kernels.jit import cycles, jit, pjit, prange, prefetch_row, stored_float
 from topk_decode.kernels.topk import top_k_rows
 
 
@@ -38,7 +38,9 @@ class LayerArrays(NamedTuple):
     keys: (Hkv, N, D) uint16 bf16 bits, cluster-contiguous; pos: (Hkv, N) int32 positions, −1 outside the searchable
     range; offsets: (Hkv, C + 1) int64; cent: (Hkv, C, D) uint16 (bf16) centroids; bias, size_factor: (Hkv, C)
     float32 (`finish_head`); vmeans: (Hkv, C, D) uint16 (bf16) mean values, or (Hkv, 1, D) zeros; vals: (Hkv, N, D)
-    uint16 values, by layout row when values_by_row, else by position.
+    uint16 values, by layout row when values_by_row, else by position; or, in an int8 cache (`--kv-dtype int8`,
+    store/quant.py), int8 keys (their scales folded into the queries: q ⊙ s_k, the centroids in the same space) and
+    int8 values with vscale (Hkv, N) float32 their per-row scales in the values' order; (Hkv, 0) for float values.
     """
 
     keys: np.ndarray
@@ -50,6 +52,7 @@ class LayerArrays(NamedTuple):
     vmeans: np.ndarray
     vals: np.ndarray
     values_by_row: bool
+    vscale: np.ndarray
 
 
 class LayerOut(NamedTuple):
@@ -246,28 +249,33 @@ def hit_rows(w, r0, r1, hits):
 
 
 @jit
-def sum_values(vals, src, hits, x0, x1, w, out):
+def sum_values(vals, vscale, src, hits, x0, x1, w, out):
     """out (Q, D) += Σ_r w[r, i]·v_r over the scan columns r of hits[x0:x1] (value row src[r]): each value row is
-    read once for all the queries that weigh it, in scan order (cluster runs), prefetched ahead."""
+    read once for all the queries that weigh it, in scan order (cluster runs), prefetched ahead. vals: bf16 bits,
+    or int8 with vscale (rows,) float32 the rows' scales (each weight times its row's scale); vscale (0,): none."""
     Q, d = out.shape
-    widened = np.empty(d, dtype=np.uint32)
-    vf = widened.view(np.float32)
+    vf = np.empty(d, dtype=np.float32)
+    scaled = vscale.shape[0] > 0
     for x in range(x0, min(x0 + _AHEAD, x1)):
         prefetch_row(vals, src[hits[x]])
     for x in range(x0, x1):
         if x + _AHEAD < x1:
             prefetch_row(vals, src[hits[x + _AHEAD]])
         r = hits[x]
-        widen(vals[src[r]], widened)
+        row = vals[src[r]]
+        for j in range(d):
+            vf[j] = stored_float(row[j])  # exact: bf16 bits or int8
+        f = vscale[src[r]] if scaled else np.float32(1.0)
         for i in range(Q):
             wi = w[r, i]
             if wi != 0.0:
+                wi = wi * f
                 for j in range(d):
                     out[i, j] += wi * vf[j]
 
 
 @jit
-def _attend(vals, src, cols, sc, scale, rest_o, rest_lse, with_rest, o_out, mz_out):
+def _attend(vals, vscale, src, cols, sc, scale, rest_o, rest_lse, with_rest, o_out, mz_out):
     """The context part (decode/context.py) of each query's selected rows, merged with the estimate.
 
     Writes o = Σ exp(s·a − m)·v (fp32) and (m, z); a query with no selected row and no estimate gets
@@ -288,7 +296,7 @@ def _attend(vals, src, cols, sc, scale, rest_o, rest_lse, with_rest, o_out, mz_o
     hits = np.empty(m, dtype=np.int64)
     n_hit = hit_rows(w, 0, m, hits)
     o_out[:, :] = 0.0
-    sum_values(vals, src, hits, 0, n_hit, w, o_out)
+    sum_values(vals, vscale, src, hits, 0, n_hit, w, o_out)
     for i in range(Q):
         m_i, z = ms[i], zs[i]
         if with_rest and rest_lse[i] > -np.inf:
@@ -314,6 +322,7 @@ def read_clusters(
     qh,
     scale,
     vals,
+    vscale,
     values_by_row,
     rest_o,
     rest_lse,
@@ -332,11 +341,25 @@ def read_clusters(
     cols = np.empty(ids_out.shape, dtype=np.int64)
     top_k_rows(scores, rpos, ids_out, sc_out, cols)
     if attend:  # the values' row of each scan column: its layout row (values stored by row) or its position
-        _attend(vals, rows if values_by_row else rpos, cols, sc_out, scale, rest_o, rest_lse, with_rest, o_out, mz_out)
+        _attend(
+            vals,
+            vscale,
+            rows if values_by_row else rpos,
+            cols,
+            sc_out,
+            scale,
+            rest_o,
+            rest_lse,
+            with_rest,
+            o_out,
+            mz_out,
+        )
 
 
 @jit
-def scan_head(keys, pos, offsets, order, taken, qh, k, scale, vals, values_by_row, ids_out, sc_out, o_out, mz_out):
+def scan_head(
+    keys, pos, offsets, order, taken, qh, k, scale, vals, vscale, values_by_row, ids_out, sc_out, o_out, mz_out
+):
     """One KV head whose clusters were chosen elsewhere (index/routed/device.py, on the decode device): scan the
     first `taken` clusters of `order`, top-k, context part (without an estimate: the device merges its
     own). Returns the keys read.
@@ -355,6 +378,7 @@ def scan_head(keys, pos, offsets, order, taken, qh, k, scale, vals, values_by_ro
         qh,
         scale,
         vals,
+        vscale,
         values_by_row,
         no_rest_o,
         no_rest_lse,
@@ -377,7 +401,7 @@ def scan_layer_par(a, order, take, q, k, scale, out, heads):
     """
     # the named tuples unpacked here, outside the parallel loops: numba 0.68 drops writes made through a
     # tuple's array field inside a prange body (tests/test_routed_kernel.py checks the results)
-    keys, pos, offsets, _, _, _, _, vals, values_by_row = a
+    keys, pos, offsets, _, _, _, _, vals, values_by_row, vscale = a
     ids, scores, o, mz = out
     read, clock = heads
     for h in prange(keys.shape[0]):
@@ -392,6 +416,7 @@ def scan_layer_par(a, order, take, q, k, scale, out, heads):
             k,
             scale,
             vals[h],
+            vscale[h],
             values_by_row,
             ids[h],
             scores[h],

@@ -164,7 +164,7 @@ def split_layer_par(a, order, take, given, q, qf, qb, k, scale, pieces, buf, out
             no array work.
     """
     # unpacked outside the parallel loops (kernels/routed_scan.py `scan_layer_par` says why)
-    keys, pos, offsets, _, _, _, _, vals, values_by_row = a
+    keys, pos, offsets, _, _, _, _, vals, values_by_row, vscale = a
     rows, rpos, sc, w, part = buf
     ids, scores, o, mz = out
     hkv, Q, d = q.shape
@@ -229,7 +229,9 @@ def split_layer_par(a, order, take, given, q, qf, qb, k, scale, pieces, buf, out
             if r1 > r0:
                 part[p, h] = 0.0
                 n_hit = hit_rows(w[h].T, r0, r1, hits)
-                sum_values(vals[h], rows[h] if values_by_row else rpos[h], hits, 0, n_hit, w[h].T, part[p, h])
+                sum_values(
+                    vals[h], vscale[h], rows[h] if values_by_row else rpos[h], hits, 0, n_hit, w[h].T, part[p, h]
+                )
         clock[p, 1] = cycles()
     tally[0].values = cycles()
     for h in prange(hkv):

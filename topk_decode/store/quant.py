@@ -26,13 +26,13 @@ from __future__ import annotations
 import torch
 
 QMAX = 127.0  # symmetric: −127..127 (−128 unused, so that negation stays in range)
-_TINY = 1e-30  # the scale of an all-zero channel or row (any positive number: its codes are 0)
+TINY_SCALE = 1e-30  # the scale of an all-zero channel or row (any positive number: its codes are 0)
 
 
 def _quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x scaled by max |x| over `dim`, rounded to int8; the scale with `dim` squeezed out (float32)."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=dim, keepdim=True) / QMAX).clamp_min(_TINY)
+    scale = (xf.abs().amax(dim=dim, keepdim=True) / QMAX).clamp_min(TINY_SCALE)
     return torch.round(xf / scale).clamp_(-QMAX, QMAX).to(torch.int8), scale.squeeze(dim)
 
 

@@ -70,6 +70,10 @@ class LayerLayout:
         (layouts built before it existed): what routed's estimate of the unread clusters attends to.
     codes: the rows' residual codes (index/routed/pq.py), or None (built with `pq_m=0`).
     value_codes: the rows' value residuals to value_means, coded the same way, or None (built with `pq_values=0`).
+    value_scales: (Hkv, N) float32 the stored values' scales in row order (an int8 cache with values stored), or None.
+
+    In an int8 cache (index/routed/layout.py `in_key_space`) keys and values are its int8 rows, and the centroids
+    and key codes are in the int8 keys' space (divided by the key scales): queries scaled by them score both.
     """
 
     keys: torch.Tensor
@@ -81,6 +85,7 @@ class LayerLayout:
     value_means: torch.Tensor | None = None
     codes: ResidualCodes | None = None
     value_codes: ResidualCodes | None = None
+    value_scales: torch.Tensor | None = None
 
     @property
     def sizes(self) -> torch.Tensor:

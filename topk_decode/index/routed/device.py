@@ -65,6 +65,8 @@ class LayerTables:
     codes: the residual codes (index/routed/device_codes.py) of the per-key ranking and estimate, or None;
     vcodes: the value residual codes and the means they are to (`pq_values`), or None.
     pad: (Hkv, 1) int64 a row outside the searchable range per head (rank_keys in blocks: `pq.top_rows`), or None.
+    kscale: (Hkv, 1, D) float32 an int8 cache's key scales (its tables are in the int8 keys' space: the query is
+        scaled by them first, as the CPU's is), or None.
     """
 
     def __init__(
@@ -81,15 +83,17 @@ class LayerTables:
         codes: DeviceCodes | None = None,
         pad: torch.Tensor | None = None,
         vcodes: DeviceValueCodes | None = None,
+        kscale: torch.Tensor | None = None,
     ) -> None:
         self.cent, self.cscale, self.bias, self.log_n, self.sizes = cent, cscale, bias, log_n, sizes
+        self.kscale = kscale
         self.vmeans, self.vscale = vmeans, vscale
         self.budget, self.width = budget, width
         self.codes, self.pad, self.vcodes = codes, pad, vcodes
 
     def nbytes(self) -> int:
         """Device bytes held."""
-        ts = [self.cent, self.cscale, self.bias, self.log_n, self.sizes, self.vmeans, self.vscale]
+        ts = [self.cent, self.cscale, self.bias, self.log_n, self.sizes, self.vmeans, self.vscale, self.kscale]
         held = sum(t.numel() * t.element_size() for t in ts if t is not None)
         return held + sum(c.nbytes() for c in (self.codes, self.vcodes) if c is not None)
 
@@ -142,6 +146,7 @@ class DeviceRoutes:
             `pq_values`, or None: placed with the layer's codes, they give every unread key its own coded value.
         key_block: with rank_keys, read blocks of this many consecutive rows (`pq.top_rows`); pad_rows: per layer
             (Hkv, 1) int64 an outside row of each head, read past the last block's end (needed when key_block > 1).
+        key_scales: an int8 cache's per layer (Hkv, D) key scales (`LayerTables.kscale`), or None.
     """
 
     def __init__(
@@ -162,8 +167,10 @@ class DeviceRoutes:
         value_codes: list[DeviceValueCodes] | None = None,
         key_block: int = 1,
         pad_rows: list[torch.Tensor] | None = None,
+        key_scales: list[torch.Tensor] | None = None,
     ) -> None:
         self.device, self.scale, self.estimate = device, scale, estimate
+        self._key_scales = key_scales
         self._codes, self.rank_keys = codes, rank_keys
         self._row_budgets = row_budgets if row_budgets is not None else budgets
         self._value_codes = value_codes
@@ -271,6 +278,7 @@ class DeviceRoutes:
             budget=budget,
             width=ranked_width(budget, C, n_tokens),  # clusters; rows once `_place_codes` adds the codes
             pad=self._pad_rows[layer].to(dev) if self._pad_rows is not None else None,
+            kscale=None if self._key_scales is None else self._key_scales[layer].float()[:, None, :].to(dev),
         )
 
     def handles(self, layer: int) -> bool:
@@ -309,6 +317,8 @@ class DeviceRoutes:
             q32: (Hkv, G, D) float32 queries on the device.
         """
         t = self.tables[layer]
+        if t.kscale is not None:  # an int8 cache: tables in its keys' space, as the host's scaled queries
+            q32 = q32 * t.kscale
         q = q32 if t.cscale is None else q32 * t.cscale  # float8 centroids: their scale moves to q
         base = self.bmm(q, t.cent.transpose(1, 2)).mul_(self.scale)  # (Hkv, G, C) s·q·μ_c
         if self.ranks_rows(t):  # every key by centroid + residual code; the budget's best of each head, in row order

@@ -5,6 +5,11 @@ original positions, the cluster offsets, centroids, spreads and mean values (ind
 and, with `pq_m`, the residual codes and codebooks (index/routed/pq.py),
 one file per array and layer (`keys.000.bin`, ...), checksummed in `done.json` (artifacts.py). The
 permuted keys and values are memory-mapped, the small per-cluster arrays read into RAM.
+
+An int8 cache (`--kv-dtype int8`, store/quant.py) is clustered and coded as the float keys and values it stands for,
+and its layout stores what the cache stores: the int8 rows, permuted, with the values' scales beside them
+(`vscales`); the centroids and key codes are moved into the int8 keys' space (`in_key_space`), where the decoder's
+scaled queries (q ⊙ s_k) score them as they score the int8 keys.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from topk_decode.index.routed.cluster import KMeansConfig, LayerLayout, build_la
 from topk_decode.index.routed.pq import NBITS, ResidualCodes, train_codes
 from topk_decode.store import huge_pages
 from topk_decode.store.cache_dir import ContextKV
-from topk_decode.store.format import as_torch, dtype_name, numpy_storage
+from topk_decode.store.format import QUANTIZED, as_torch, dtype_name, numpy_storage
+from topk_decode.store.quant import TINY_SCALE, dequantize_keys, dequantize_values
 
 
 def on_disk(ckv: ContextKV) -> bool:
@@ -43,19 +49,47 @@ def layer_layouts(ckv: ContextKV, opts: dict, progress: Callable[[int, int], Non
         if sub and ckv.head_dim % sub:
             raise TopkError(f"routed: {name}={sub} must divide the head dimension {ckv.head_dim}")
     for layer in range(ckv.n_layers):
-        lay = build_layer(ckv.keys[layer], ckv.values[layer], cfg, device, store_values=opts["store_values"])
+        keys, values = ckv.keys[layer], ckv.values[layer]
+        if ckv.quantized:  # clustered as the float keys they stand for (one layer at a time: 2 GiB each at 1M)
+            keys = dequantize_keys(keys, ckv.key_scales[layer])
+            values = dequantize_values(values, ckv.value_scales[layer])
+        lay = build_layer(keys, values, cfg, device, store_values=opts["store_values"])
         if m:
             lay.codes = train_codes(lay.keys, lay.centroids, lay.labels(), m)
         if mv:  # the values in row order, coded as residuals to their cluster's mean value
             rows = (
                 lay.values
                 if lay.values is not None
-                else ckv.values[layer].gather(1, lay.pos[..., None].expand(-1, -1, ckv.head_dim))
+                else values.gather(1, lay.pos[..., None].expand(-1, -1, ckv.head_dim))
             )
             lay.value_codes = train_codes(rows, lay.value_means, lay.labels(), mv)
+        if ckv.quantized:
+            lay = in_key_space(lay, ckv, layer)
         yield lay
         if progress:
             progress(layer + 1, ckv.n_layers)
+
+
+def in_key_space(lay: LayerLayout, ckv: ContextKV, layer: int) -> LayerLayout:
+    """An int8 cache's layout built on its dequantised keys, as stored: the cache's int8 rows permuted (values with
+    their scales), the centroids and the key codes' codebooks divided by the key scales (q ⊙ s_k scores them as
+    q scores the float ones; the spread, used only with `spread=true`, stays in the float space)."""
+    ks = ckv.key_scales[layer]  # (Hkv, D)
+    inv = torch.where(ks > TINY_SCALE, 1.0 / ks, 0.0)  # an all-zero channel: its codes are 0, and so is it here
+    hkv, n, d = ckv.n_kv_heads, ckv.n_tokens, ckv.head_dim
+    keys = torch.empty((hkv, n, d), dtype=torch.int8)
+    values = torch.empty((hkv, n, d), dtype=torch.int8) if lay.values is not None else None
+    for h in range(hkv):  # index_select per head: a gather's (Hkv, N, D) int64 index would be 8 bytes per element
+        torch.index_select(ckv.keys[layer][h], 0, lay.pos[h], out=keys[h])
+        if values is not None:
+            torch.index_select(ckv.values[layer][h], 0, lay.pos[h], out=values[h])
+    lay.keys, lay.values = keys, values
+    lay.value_scales = ckv.value_scales[layer].gather(1, lay.pos) if values is not None else None
+    lay.centroids = lay.centroids * inv[:, None, :]
+    if lay.codes is not None:
+        m = lay.codes.codebooks.shape[1]
+        lay.codes = ResidualCodes(lay.codes.codes, lay.codes.codebooks * inv.view(hkv, m, 1, d // m))
+    return lay
 
 
 def _files(lay: LayerLayout) -> dict[str, torch.Tensor]:
@@ -69,6 +103,8 @@ def _files(lay: LayerLayout) -> dict[str, torch.Tensor]:
     }
     if lay.values is not None:
         arrays["values"] = lay.values
+    if lay.value_scales is not None:
+        arrays["vscales"] = lay.value_scales
     if lay.value_means is not None:
         arrays["vmeans"] = lay.value_means
     if lay.codes is not None:
@@ -127,6 +163,9 @@ def load_layouts(ckv: ContextKV, name: str, built: dict) -> list[LayerLayout]:
     for layer in range(ckv.n_layers):
         codes = coded("pq", layer, m)
         values = arr("values", layer, numpy_storage(dt), (hkv, n, D), dt) if built.get("store_values") else None
+        scales = (
+            arr("vscales", layer, np.float32, (hkv, n), "float32") if values is not None and dt == QUANTIZED else None
+        )
         out.append(
             LayerLayout(
                 keys=arr("keys", layer, numpy_storage(dt), (hkv, n, D), dt),
@@ -138,6 +177,7 @@ def load_layouts(ckv: ContextKV, name: str, built: dict) -> list[LayerLayout]:
                 value_means=arr("vmeans", layer, np.float32, (hkv, C, D)) if built.get("value_means") else None,
                 codes=codes,
                 value_codes=coded("pqv", layer, mv),
+                value_scales=scales,
             )
         )
     return out
@@ -154,7 +194,10 @@ def to_huge_pages(layouts: list[LayerLayout], mapped: bool) -> int:
     """
     # (no list of the arrays: it would keep every original alive until all copies exist)
     need = sum(
-        t.numel() * t.element_size() for lay in layouts for t in (lay.keys, lay.values, lay.offsets) if t is not None
+        t.numel() * t.element_size()
+        for lay in layouts
+        for t in (lay.keys, lay.values, lay.offsets, lay.value_scales)
+        if t is not None
     )
     avail = huge_pages.available_bytes()
     if not huge_pages.supported() or (mapped and (avail is None or need > avail // 2)):
@@ -163,4 +206,6 @@ def to_huge_pages(layouts: list[LayerLayout], mapped: bool) -> int:
         lay.keys, lay.offsets = huge_pages.huge_copy(lay.keys), huge_pages.huge_copy(lay.offsets)
         if lay.values is not None:
             lay.values = huge_pages.huge_copy(lay.values)
+        if lay.value_scales is not None:  # read beside each value row
+            lay.value_scales = huge_pages.huge_copy(lay.value_scales)
     return need

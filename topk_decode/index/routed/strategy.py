@@ -59,7 +59,7 @@ from topk_decode.index.routed.torch_path import TorchPath
 from topk_decode.index.threads import default_threads
 from topk_decode.store import huge_pages
 from topk_decode.store.cache_dir import ContextKV
-from topk_decode.store.format import dtype_name
+from topk_decode.store.format import KV_DTYPES, dtype_name
 
 # Every query must find at least k candidates: read at least this many keys per k.
 _MIN_READ_PER_K = 2
@@ -214,6 +214,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
     name = "routed"
     keeps_query = False
     Options = RoutedOptions
+    kv_dtypes = KV_DTYPES  # int8: clustered as the float keys, stored and scanned as int8 (layout.py `in_key_space`)
 
     @classmethod
     def build_artifacts(
@@ -237,6 +238,10 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             raise TopkError(
                 "routed: rank=keys estimates the unread keys one by one; estimate_by=clusters needs rank=clusters"
             )
+        if self.ckv.quantized and self.use_spread:
+            raise TopkError("routed: spread=true is not available on an int8 cache (its spread is in the float space)")
+        # the centroids' and mean values' precision: the keys' own, bf16 for an int8 cache (its layout: layout.py)
+        self.table_dtype = torch.bfloat16 if self.ckv.quantized else self.ckv.dtype
         self.kernel = self._use_kernel(o.kernel)  # refused before any build
         self.device_route, self.device_tables, self.hugepages = o.device_route, o.device_tables, o.hugepages
         if not on_disk(self.ckv):
@@ -261,13 +266,14 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         self._outside = [((lay.pos < self.lo) | (lay.pos >= self.hi)).reshape(-1) for lay in self.layouts]
         # Cluster statistics over the searchable keys only (the window attends to sinks and tail exactly):
         # routing ranks and the estimate sums what the strategy may return (index/routed/estimate.py).
+        vscales = self.ckv.value_scales or [None] * self.ckv.n_layers  # an int8 cache's: the means dequantised
         self._stats = [
-            searchable_stats(lay, out, self.ckv.values[i])
+            searchable_stats(lay, out, self.ckv.values[i], vscales[i])
             for i, (lay, out) in enumerate(zip(self.layouts, self._outside))
         ]
         if (self.estimate or self.estimate_read) and any(st.value_means is None for st in self._stats):
             raise TopkError("routed: estimate needs the clusters' mean values; rebuild the layout")
-        if self.ckv.dtype == torch.bfloat16:
+        if self.table_dtype == torch.bfloat16:
             # Routing and the estimate read every centroid and mean value each step: in the keys' own
             # precision that is half the bytes of fp32 (docs/STRATEGIES.md "routed: the compiled path").
             self._stats = [st.stored_as(torch.bfloat16) for st in self._stats]
@@ -313,8 +319,8 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
     def _use_kernel(self, choice: str) -> bool:
         """Whether the compiled path (index/routed/compiled.py) runs (the `kernel` option; "auto": wherever it applies)."""
         why = (
-            f"it reads bf16 keys and values, these are {dtype_name(self.ckv.dtype)}"
-            if self.ckv.dtype not in KERNEL_DTYPES
+            f"it reads bf16 or int8 keys and values, these are {dtype_name(self.ckv.dtype)}"
+            if self.ckv.dtype not in (*KERNEL_DTYPES, torch.int8)
             else "it does not implement spread=true"
             if self.use_spread
             else "it does not implement estimate_read=true"
@@ -337,16 +343,21 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         bias = self._bias[layer][:, 0].contiguous()  # (Hkv, C)
         # n_c·exp(−bias_c): turns routing's exp(s·q·μ_c + bias_c − max) into the estimate's weights
         size_factor = torch.where(torch.isinf(bias), 0.0, (st.log_n[:, 0] - bias).exp())
+        if self.ckv.quantized:  # int8 rows as they are, the values' scales in the values' order
+            stored, vscale = (lambda t: t.numpy()), (lay.value_scales if by_row else self.ckv.value_scales[layer])
+        else:
+            stored, vscale = bf16_bits, torch.empty((hkv, 0))
         return routed_compiled.LayerArrays(
-            keys=bf16_bits(lay.keys),
+            keys=stored(lay.keys),
             pos=self._positions(layer),
             offsets=lay.offsets.numpy(),
             cent=bf16_bits(st.centroids.contiguous()),
             bias=bias.numpy(),
             size_factor=size_factor.numpy(),
             vmeans=bf16_bits(vmeans.contiguous()),
-            vals=bf16_bits(lay.values if by_row else self.ckv.values[layer]),
+            vals=stored(lay.values if by_row else self.ckv.values[layer]),
             values_by_row=by_row,
+            vscale=vscale.numpy(),
         )
 
     def _positions(self, layer: int) -> np.ndarray:
@@ -477,13 +488,14 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             rank_keys=self.rank_keys,
             row_budgets=[self._budget(k, rows=True) for k in k_per_layer] if self.rank_keys else None,
             value_codes=[
-                device_value_codes(codes, means, self.ckv.dtype)
+                device_value_codes(codes, means, self.table_dtype)
                 for means, codes in map(self.rest_values, range(self.ckv.n_layers))
             ]
             if self.rank_keys and self.estimate and self.options.pq_values
             else None,
             key_block=self.key_block if self.rank_keys else 1,
             pad_rows=[p - self._row_base for p in self._pad_rows] if self.rank_keys and self.key_block > 1 else None,
+            key_scales=self.ckv.key_scales,
         )
         self.routes = routes if routes.layers_on_device() else None
         if self.routes is not None and self.kernel:  # the torch path runs for a question's tokens only: no fp32 tables
@@ -506,9 +518,8 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         elsewhere the torch path does both."""
         per_key = self.rank_keys or self.estimate_keys
         left_out = per_key and self.routes is not None and not self.routes.handles(layer)
-        return (
-            self.kernel and k < self.n_searchable and o.dtype in KERNEL_DTYPES and (routed or not per_key or left_out)
-        )
+        part_dtype = o.dtype in KERNEL_DTYPES or (self.ckv.quantized and o.dtype == torch.float32)
+        return self.kernel and k < self.n_searchable and part_dtype and (routed or not per_key or left_out)
 
     def select_and_attend(
         self,
@@ -566,7 +577,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         if hit is not None and hit[0] is o and hit[1] is mz and hit[3].shape[:2] == shape[:2]:
             return hit[2], hit[3]
         hkv, Q, D = shape
-        o16 = bf16_bits(o).reshape(hkv, Q, D) if o.is_contiguous() else None
+        o16 = bf16_bits(o).reshape(hkv, Q, D) if o.is_contiguous() and o.dtype == torch.bfloat16 else None
         mz_np = mz.numpy().reshape(hkv, Q, 2) if mz.is_contiguous() else np.empty((hkv, Q, 2), np.float32)
         if len(views) > 4 * self.ckv.n_layers:  # the eager path's buffers are new every call
             views.clear()
