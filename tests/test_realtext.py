@@ -170,6 +170,33 @@ def test_one_prefill_serves_every_question_and_covering_k_equals_dense(model_fac
     assert "flat@100%" in markdown_tables(res)
 
 
+def test_a_kv_int8_variant_decodes_an_int8_copy_against_full_precision_dense(model_factory, tmp_path):
+    """`kv=int8` runs a strategy over the prefill stored as `--kv-dtype int8` stores it: every key attended, it is
+    dense over the int8 KV (KL against full-precision dense small but not zero); the variant without it stays exact."""
+    cfg = EvalConfig(
+        model=str(model_factory("llama_gqa", chat=True)),
+        tasks=["real_needle"],
+        lengths=[2500],
+        questions=2,
+        strategies=["flat:k=100%", "flat:k=100%:kv=int8", "routed:k=4:rank=keys:kv=int8"],
+        ks=[4],
+        fidelity_steps=2,
+        device="cpu",
+        work_dir=str(tmp_path),
+    )
+    res = run_eval(cfg)
+    for inst in res.instances:
+        full, int8, routed = inst.runs
+        assert (full.strategy, int8.strategy, routed.strategy) == ("flat", "flat:kv=int8", "routed:rank=keys:kv=int8")
+        assert full.kl_max < 1e-4 and 0 < int8.kl_max < 1e-2
+        assert routed.k == 4 and routed.steps == full.steps
+    from topk_decode.eval.realrun import kv_variant
+
+    assert kv_variant("routed:rank=keys:kv=int8") == ("routed:rank=keys", "int8")
+    with pytest.raises(TopkError, match="kv must be int8"):
+        kv_variant("flat:kv=int4")
+
+
 def test_cli_rejects_a_bad_percentage_in_one_line():
     r = subprocess.run(
         [sys.executable, "-m", "topk_decode", "eval", "--tasks", "real_needle", "--k", "1%,abc"],

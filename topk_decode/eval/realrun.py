@@ -9,12 +9,15 @@ Per suite:
      against the HF model run over context + prompt from scratch;
   3. per strategy (its indices built once for all questions) × schedule × k: every question on a
      fresh conversation, teacher-forced for fidelity and free-running for the answer, through the
-     harness's `run_one` (same metrics and observer as the demo tasks).
+     harness's `run_one` (same metrics and observer as the demo tasks). A variant with `kv=int8`
+     ("routed:rank=keys:kv=int8", `kv_variant`) decodes the same prefill stored as `topk prefill --kv-dtype int8`
+     stores it (an in-RAM copy), against the same full-precision dense answers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +27,7 @@ import torch
 
 from topk_decode.api import KVStore
 from topk_decode.config import DecodeConfig
+from topk_decode.errors import TopkError
 from topk_decode.eval.realtext import RealSuite
 from topk_decode.eval.runs import (
     InstanceResult,
@@ -38,6 +42,7 @@ from topk_decode.eval.runs import (
 from topk_decode.prefill.build import build_cache
 from topk_decode.prefill.documents import PromptFormat
 from topk_decode.store.cache_dir import ContextKV, open_cache
+from topk_decode.store.format import QUANTIZED
 
 
 class DenseContext:
@@ -100,6 +105,23 @@ class DenseContext:
 
 
 _DENSE_FILE = "dense_refs.pt"
+
+
+def kv_variant(spec: str) -> tuple[str, str | None]:
+    """A strategy variant without its `kv=` key, and that KV format (None: the cache as prefilled):
+    "routed:rank=keys:kv=int8" → ("routed:rank=keys", "int8")."""
+    name, own = split_variant(spec)
+    kv = own.pop("kv", None)
+    if kv not in (None, QUANTIZED):
+        raise TopkError(f"strategy variant {spec!r}: kv must be {QUANTIZED}")
+    return ":".join([name, *(f"{k}={v}" for k, v in own.items())]), kv
+
+
+def int8_copy(ckv: ContextKV) -> ContextKV:
+    """An in-RAM copy of a context's KV as `topk prefill --kv-dtype int8` stores it (the cache itself untouched)."""
+    from topk_decode.bench.synthetic import quantize_kv
+
+    return quantize_kv(dataclasses.replace(ckv, path=Path("<memory>"), keys=list(ckv.keys), values=list(ckv.values)))
 
 
 @contextlib.contextmanager
@@ -237,9 +259,13 @@ def eval_suite(
             "qa_topics": suite.qa_topics,
             "questions": len(suite.questions),
         }
-        for strategy in cfg.strategies:
+        int8 = None
+        for spec in cfg.strategies:
+            strategy, kv = kv_variant(spec)
+            if kv is not None:
+                int8 = int8 or int8_copy(ckv)
             ks = run_budgets(strategy, cfg.ks, n_ctx)  # a variant's own budget ("flat:k=100%") or the run's
-            shown = variant_label(strategy)  # its name in tables: "flat@100%", not "flat:k=100%@100%"
+            shown = variant_label(spec)  # its name in tables: "flat@100%", not "flat:k=100%@100%"
             t1 = time.perf_counter()
             dc = DecodeConfig(
                 k=max(k for k, _ in ks),
@@ -249,7 +275,7 @@ def eval_suite(
                 n_tail=cfg.n_tail,
                 compile=False,
             )
-            store = KVStore(ckv, m.model, tok, dc)
+            store = KVStore(ckv if kv is None else int8, m.model, tok, dc)
             log(f"  {strategy}: opened in {time.perf_counter() - t1:.1f} s")
             for schedule in cfg.k_schedules:
                 store.decoder.config.k_schedule = schedule
