@@ -258,3 +258,19 @@ def test_artifacts_build_in_a_cache_given_by_a_relative_path(clustered_cache, tm
     strat = _open("cache", "routed", {"cluster_size": 32})  # as `topk chat cache --strategy routed`
     assert (tmp_path / "cache" / "index" / "routed" / "done.json").is_file()
     assert strat.select(0, _queries(), 8).ids.shape == (2, 4, 8)
+
+
+def test_ranking_clusters_keeps_the_searchable_statistics_only_and_per_key_ranking_keeps_the_layouts_tables(
+    clustered_cache,
+):
+    """The layout's own fp32 centroids and mean values are read only by the residual codes' paths: dropped where
+    clusters are ranked without them (7 GiB at 1M tokens of the Qwen2.5-7B shape), kept for rank=keys."""
+    q = _queries()
+    by_clusters = _open(clustered_cache, "routed", {"probe_fraction": 0.1})
+    assert all(lay.centroids is None and lay.value_means is None for lay in by_clusters.layouts)
+    assert by_clusters.select(0, q, 8).rest is not None  # the estimate reads the searchable means
+    by_keys = _open(clustered_cache, "routed", {"probe_fraction": 0.1, "rank": "keys", "pq_m": 8})
+    assert all(lay.centroids is not None for lay in by_keys.layouts)
+    assert by_keys.select(0, q, 8).rest is not None
+    by_clusters.close()
+    by_keys.close()

@@ -64,10 +64,12 @@ class LayerLayout:
     values: (Hkv, N, D) values in the same order, or None when not stored.
     pos: (Hkv, N) int64 original position of every permuted row.
     offsets: (Hkv, C + 1) int64; cluster c of head h is rows offsets[h, c]:offsets[h, c + 1].
-    centroids: (Hkv, C, D) float32 mean of each cluster's raw keys (0 for an empty cluster).
+    centroids: (Hkv, C, D) float32 mean of each cluster's raw keys (0 for an empty cluster); None once routed has
+        taken its searchable statistics where nothing else reads them (ranking clusters without codes: strategy.py).
     spread: (Hkv, C) float32 mean squared distance of a cluster's keys to its centroid, per dimension.
     value_means: (Hkv, C, D) float32 mean of each cluster's values (0 for an empty cluster), or None
-        (layouts built before it existed): what routed's estimate of the unread clusters attends to.
+        (layouts built before it existed, or dropped as the centroids are): what routed's estimate of the unread
+        clusters attends to.
     codes: the rows' residual codes (index/routed/pq.py), or None (built with `pq_m=0`).
     value_codes: the rows' value residuals to value_means, coded the same way, or None (built with `pq_values=0`).
     value_scales: (Hkv, N) float32 the stored values' scales in row order (an int8 cache with values stored), or None.
@@ -80,7 +82,7 @@ class LayerLayout:
     values: torch.Tensor | None
     pos: torch.Tensor
     offsets: torch.Tensor
-    centroids: torch.Tensor
+    centroids: torch.Tensor | None
     spread: torch.Tensor
     value_means: torch.Tensor | None = None
     codes: ResidualCodes | None = None

@@ -198,6 +198,9 @@ class DeviceRoutes:
                 torch.cuda.empty_cache()
         if codes is not None:
             self._place_codes(n_tokens, reserve)
+        # the codes as built on the host: on the device now, or left out; kept, they would hold 5 GiB of RAM at 1M
+        # tokens of the Qwen2.5-7B shape (packed key and value codes, the value codes' means) for nothing
+        self._codes = self._value_codes = None
         # per layer, what the device sends the CPU: ranked clusters (Hkv, W) int32 and how many to read
         # (rank_keys: the rows to read, all W of them)
         pin = device.type == "cuda"

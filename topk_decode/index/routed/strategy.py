@@ -293,6 +293,12 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         self._sizes = [lay.sizes for lay in self.layouts]
         per_key = self.rank_keys or self.estimate_keys
         self._labels = [lay.labels() for lay in self.layouts] if per_key else None  # (Hkv, N) per layer
+        if not (per_key or o.pq_values):
+            # The layout's own fp32 centroids and mean values (over every key, sinks and tail included) feed only the
+            # residual codes' paths; ranking clusters reads the searchable statistics above. 7 GiB at 1M tokens of
+            # the Qwen2.5-7B shape (docs/BENCHMARKS.md "RAM at decode").
+            for lay in self.layouts:
+                lay.centroids = lay.value_means = None
         self._starts = [lay.offsets[:, :-1] + self._row_base for lay in self.layouts]  # (Hkv, C) flat rows
         # Padding reads an outside row of its head when there is one (then the flag alone masks padding
         # too), else the head's first row, masked by `valid`.
