@@ -200,10 +200,12 @@ def test_routed_reading_every_cluster_of_an_int8_cache_is_dense_over_the_dequant
     torch.testing.assert_close(ours, last_logits(dequantised, 16, strategy="flat"), rtol=1e-4, atol=1e-4)
 
 
-def test_routed_compiled_path_on_an_int8_cache_selects_and_attends_as_its_torch_path(caches):
+@pytest.mark.parametrize("one_copy", [False, True])
+def test_routed_compiled_path_on_an_int8_cache_selects_and_attends_as_its_torch_path(caches, one_copy):
     """Reading a tenth of the keys: the compiled scan of the int8 rows (its value sums times the rows' scales) and the
-    torch path (the rows widened) choose the same keys and give the same next-token logits."""
-    opts = {"probe_fraction": 0.1}
+    torch path (the rows widened) choose the same keys and give the same next-token logits; so they do where the
+    layout holds no copy of the KV and both read the cache's int8 rows by position."""
+    opts = {"probe_fraction": 0.1, "store_keys": not one_copy, "store_values": not one_copy}
     compiled = last_logits(caches["int8"], 8, strategy="routed", strategy_options=dict(opts, kernel="numba"))
     reference = last_logits(caches["int8"], 8, strategy="routed", strategy_options=dict(opts, kernel="torch"))
     torch.testing.assert_close(compiled, reference, rtol=1e-4, atol=1e-4)

@@ -29,6 +29,7 @@ def test_values_are_converted_once_and_build_options_are_told_apart():
     assert opts.build_values() == {
         "cluster_size": 24,
         "iters": 6,
+        "store_keys": True,
         "store_values": True,
         "segment": 65536,
         "pq_m": 0,

@@ -180,6 +180,28 @@ def _routed_stores(tmp_path, model_factory, docs_dir, device: str, modes: tuple[
     return stores, logits
 
 
+@pytest.mark.parametrize("per_key", [{}, {"rank": "keys", "pq_values": 8}])
+def test_one_copy_of_the_kv_decodes_as_the_stored_layout(tmp_path, model_factory, docs_dir, per_key):
+    """store_keys=false, store_values=false: the layout holds no keys or values (routing tables, codes and positions
+    only), the scan and the context part read the cache's own rows at each layout row's position; the device's
+    one-token steps then give the stored layout's logits exactly (the same clusters, rows and arithmetic)."""
+    from topk_decode.index.artifacts import artifact_dir
+
+    one = dict(per_key, store_keys=False, store_values=False)
+    stores, logits = {}, {}
+    for name, options in (("stored", per_key), ("one copy", one)):
+        (tmp_path / name).mkdir()
+        got, out = _routed_stores(tmp_path / name, model_factory, docs_dir, "cpu", ("true",), segments=True, **options)
+        stores[name], logits[name] = got["true"], out["true"]
+    files = [f.name for f in artifact_dir(stores["one copy"].ckv.path, "routed").iterdir()]
+    assert not [f for f in files if f.startswith(("keys.", "values."))] and any(f.startswith("pos.") for f in files)
+    assert stores["one copy"].decoder.segments.routes is not None
+    for a, b in zip(logits["stored"], logits["one copy"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    for store in stores.values():
+        store.close()
+
+
 def test_decoder_routes_on_the_device_in_one_token_steps_and_matches_cpu_routing(tmp_path, model_factory, docs_dir):
     stores, logits = _routed_stores(tmp_path, model_factory, docs_dir, "cpu", ("true", "false"), segments=True)
     seg = stores["true"].decoder.segments

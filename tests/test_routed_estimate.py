@@ -10,8 +10,10 @@ import torch
 from topk_decode import KVStore
 from topk_decode.decode.context import ContextAttention, merge_rest
 from topk_decode.index import get_strategy
+from topk_decode.index.artifacts import recorded_options
 from topk_decode.index.base import RestPart
 from topk_decode.index.routed.estimate import searchable_stats
+from topk_decode.index.routed.layout import load_layouts
 from topk_decode.store.cache_dir import CacheWriter, open_cache
 
 
@@ -83,8 +85,10 @@ def test_an_empty_rest_part_leaves_the_context_part_unchanged():
 def test_cluster_statistics_leave_out_the_sinks_and_the_tail(grouped_cache):
     lo, hi = 10, 2900
     strat = _routed(grouped_cache, lo, hi)
-    lay, ckv = strat.layouts[0], strat.ckv
-    stats = searchable_stats(lay, strat._outside[0], ckv.values[0])
+    ckv = strat.ckv
+    # the layout as stored (the strategy keeps only what it reads: ranking clusters drops the layout's own tables)
+    lay = load_layouts(ckv, "routed", recorded_options(ckv.path, "routed"))[0]
+    stats = searchable_stats(lay, strat._outside[0], ckv.keys[0], ckv.values[0])
     for h in range(2):
         for c in range(lay.offsets.shape[1] - 1):
             pos = lay.pos[h, lay.offsets[h, c] : lay.offsets[h, c + 1]]

@@ -98,12 +98,20 @@ def _normalised(o, mz, shape):
     return (o.float() / mz[:, 1:]).view(hkv, Q, d), (mz[:, 0] + mz[:, 1].log()).view(hkv, Q)
 
 
-@pytest.mark.parametrize("store_values", [True, False])  # values read next to their keys / by position
+# keys and values read next to each other in the layout / the values by position / both from the cache by position
+# (store_keys=false, store_values=false: the KV held once)
+@pytest.mark.parametrize("store_keys,store_values", [(True, True), (True, False), (False, False)])
 @pytest.mark.parametrize("lo,hi,k,estimate", [(3, 2990, 40, True), (3, 2990, 40, False), (700, 1500, 200, True)])
 def test_fused_context_part_equals_select_then_the_decoders_context_part(
-    clustered_cache, store_values, lo, hi, k, estimate
+    clustered_cache, store_keys, store_values, lo, hi, k, estimate
 ):
-    options = {"cluster_size": 32, "probe_fraction": 0.05, "estimate": estimate, "store_values": store_values}
+    options = {
+        "cluster_size": 32,
+        "probe_fraction": 0.05,
+        "estimate": estimate,
+        "store_keys": store_keys,
+        "store_values": store_values,
+    }
     compiled, plain = _pair(clustered_cache, options, lo, hi)
     for layer, seed in ((0, 21), (1, 22)):
         q = _queries(seed=seed)

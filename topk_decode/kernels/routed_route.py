@@ -137,6 +137,7 @@ def _unread(e, size_factor, vmeans, order, taken, bounds, factor, mxs, rest_o, r
 @jit
 def finish_head(
     keys,
+    keys_by_row,
     pos,
     offsets,
     size_factor,
@@ -166,7 +167,8 @@ def finish_head(
     [context part]. Returns the keys read.
 
     Args:
-        keys: (N, D) the head's cluster-contiguous bf16 keys as their uint16 bits.
+        keys: (N, D) the head's cluster-contiguous bf16 keys as their uint16 bits (or int8); keys_by_row False: the
+            cache's keys by position instead (`LayerArrays`).
         pos: (N,) int32 original positions, −1 for rows never returned (sinks, tail): one array read per row,
             not positions and flags (docs/BENCHMARKS.md "segmented k-means, Qwen2.5-7B at 1M, one position array, huge pages").
         offsets: (C + 1,) int64 cluster c = rows [offsets[c], offsets[c+1]).
@@ -202,6 +204,7 @@ def finish_head(
         _unread(e, size_factor, vmeans, order, taken, bounds, factor, mxs, rest_o, rest_lse)
     read_clusters(
         keys,
+        keys_by_row,
         pos,
         offsets,
         order,
@@ -252,7 +255,7 @@ def search_layer_par(a, q, budget, k, scale, estimate, attend, route, out, rest,
         heads: `HeadClock` (read and the `cycles` at which each head's `finish_head` started and ended).
     """
     # unpacked outside the parallel loops (kernels/routed_scan.py `scan_layer_par` says why)
-    keys, pos, offsets, cent, bias, size_factor, vmeans, vals, values_by_row, vscale = a
+    keys, pos, offsets, cent, bias, size_factor, vmeans, vals, values_by_row, vscale, keys_by_row = a
     logit, e, bounds, mx_p, z_p = route
     ids, scores, o, mz = out
     rest_o, rest_lse = rest
@@ -267,6 +270,7 @@ def search_layer_par(a, q, budget, k, scale, estimate, attend, route, out, rest,
         clock[h, 0] = cycles()
         read[h] = finish_head(
             keys[h],
+            keys_by_row,
             pos[h],
             offsets[h],
             size_factor[h],

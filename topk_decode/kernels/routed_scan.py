@@ -41,6 +41,8 @@ class LayerArrays(NamedTuple):
     uint16 values, by layout row when values_by_row, else by position; or, in an int8 cache (`--kv-dtype int8`,
     store/quant.py), int8 keys (their scales folded into the queries: q ⊙ s_k, the centroids in the same space) and
     int8 values with vscale (Hkv, N) float32 their per-row scales in the values' order; (Hkv, 0) for float values.
+    keys_by_row: keys are the layout's (N rows, cluster-contiguous); False: the cache's own keys by position (routed's
+    `store_keys=false`: one copy of the KV), each layout row read at its position.
     """
 
     keys: np.ndarray
@@ -53,6 +55,7 @@ class LayerArrays(NamedTuple):
     vals: np.ndarray
     values_by_row: bool
     vscale: np.ndarray
+    keys_by_row: bool
 
 
 class LayerOut(NamedTuple):
@@ -162,7 +165,7 @@ def cluster_rows_into(offsets, order, taken, rows, t0=0, r=0):
 
 
 @jit
-def _scan(keys, pos, rows, qh):
+def _scan(keys, keys_by_row, pos, rows, qh):
     """Exact fp32 q·k of every row in `rows`: (positions (m,), scores (Q, m), −inf for rows outside the
     searchable range, whose pos is −1)."""
     m = rows.shape[0]
@@ -171,35 +174,41 @@ def _scan(keys, pos, rows, qh):
     rpos = np.empty(m, dtype=np.int64)
     qf = np.empty(((Q + GROUP - 1) // GROUP * GROUP, d), dtype=np.float32)  # (Qp, D) padded queries
     pad_queries(qh, qf, qf)
-    scan_range(keys, pos, rows, 0, m, qf, qf, False, rpos, scores)
+    scan_range(keys, keys_by_row, pos, rows, 0, m, qf, qf, False, rpos, scores)
     return rpos, scores
 
 
 @jit
-def scan_range(keys, pos, rows, r0, r1, qf, qb, use_b, rpos, scores):
+def scan_range(keys, keys_by_row, pos, rows, r0, r1, qf, qb, use_b, rpos, scores):
     """`_scan` of rows[r0:r1] into rpos[r0:r1] and scores[:, r0:r1] (Q = scores.shape[0] queries).
 
+    keys: the layout's rows (keys_by_row) or the cache's keys by position (each row read at pos[row]).
     qf: (Qp, D) float32 queries padded to groups of GROUP (`dots.pad_queries`); qb: the same as bf16 bits,
     used instead where `use_b` (the hardware bf16 dot product, kernels/dots.py; same scores up to summation order)."""
     Q = scores.shape[0]
+    for r in range(r0, min(r0 + 2 * _AHEAD, r1)):
+        prefetch_row(pos, rows[r])
     for r in range(r0, min(r0 + _AHEAD, r1)):
-        prefetch_row(keys, rows[r])
+        prefetch_row(keys, rows[r] if keys_by_row else pos[rows[r]])
     for r in range(r0, r1):
+        if r + 2 * _AHEAD < r1:  # positions further ahead: a key read by position waits on its position
+            prefetch_row(pos, rows[r + 2 * _AHEAD])
         if r + _AHEAD < r1:
             ahead = rows[r + _AHEAD]
-            prefetch_row(keys, ahead)
-            prefetch_row(pos, ahead)
+            prefetch_row(keys, ahead if keys_by_row else pos[ahead])  # (−1 outside: a hint never faults)
         row = rows[r]
-        rpos[r] = pos[row]
-        if pos[row] < 0:
+        p = pos[row]
+        rpos[r] = p
+        if p < 0:
             for i in range(Q):
                 scores[i, r] = -np.inf
             continue
+        at = row if keys_by_row else p
         for i in range(0, Q, GROUP):
             if use_b:
-                a0, a1, a2, a3 = dot4(keys, row, qb, i)
+                a0, a1, a2, a3 = dot4(keys, at, qb, i)
             else:
-                a0, a1, a2, a3 = dot4(keys, row, qf, i)
+                a0, a1, a2, a3 = dot4(keys, at, qf, i)
             scores[i, r] = a0
             if i + 1 < Q:
                 scores[i + 1, r] = a1
@@ -314,6 +323,7 @@ def _attend(vals, vscale, src, cols, sc, scale, rest_o, rest_lse, with_rest, o_o
 @jit
 def read_clusters(
     keys,
+    keys_by_row,
     pos,
     offsets,
     order,
@@ -337,7 +347,7 @@ def read_clusters(
     each query's top-k into ids_out / sc_out, and with `attend` the context part (merged with rest_o /
     rest_lse when `with_rest`) into o_out / mz_out."""
     rows = _cluster_rows(offsets, order, taken, m)
-    rpos, scores = _scan(keys, pos, rows, qh)
+    rpos, scores = _scan(keys, keys_by_row, pos, rows, qh)
     cols = np.empty(ids_out.shape, dtype=np.int64)
     top_k_rows(scores, rpos, ids_out, sc_out, cols)
     if attend:  # the values' row of each scan column: its layout row (values stored by row) or its position
@@ -358,7 +368,22 @@ def read_clusters(
 
 @jit
 def scan_head(
-    keys, pos, offsets, order, taken, qh, k, scale, vals, vscale, values_by_row, ids_out, sc_out, o_out, mz_out
+    keys,
+    keys_by_row,
+    pos,
+    offsets,
+    order,
+    taken,
+    qh,
+    k,
+    scale,
+    vals,
+    vscale,
+    values_by_row,
+    ids_out,
+    sc_out,
+    o_out,
+    mz_out,
 ):
     """One KV head whose clusters were chosen elsewhere (index/routed/device.py, on the decode device): scan the
     first `taken` clusters of `order`, top-k, context part (without an estimate: the device merges its
@@ -370,6 +395,7 @@ def scan_head(
     no_rest_o, no_rest_lse = np.zeros((1, o_out.shape[1]), np.float32), np.zeros(1, np.float32)
     read_clusters(
         keys,
+        keys_by_row,
         pos,
         offsets,
         order,
@@ -401,13 +427,14 @@ def scan_layer_par(a, order, take, q, k, scale, out, heads):
     """
     # the named tuples unpacked here, outside the parallel loops: numba 0.68 drops writes made through a
     # tuple's array field inside a prange body (tests/test_routed_kernel.py checks the results)
-    keys, pos, offsets, _, _, _, _, vals, values_by_row, vscale = a
+    keys, pos, offsets, _, _, _, _, vals, values_by_row, vscale, keys_by_row = a
     ids, scores, o, mz = out
     read, clock = heads
     for h in prange(keys.shape[0]):
         clock[h, 0] = cycles()
         read[h] = scan_head(
             keys[h],
+            keys_by_row,
             pos[h],
             offsets[h],
             order[h],

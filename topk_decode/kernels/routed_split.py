@@ -164,7 +164,7 @@ def split_layer_par(a, order, take, given, q, qf, qb, k, scale, pieces, buf, out
             no array work.
     """
     # unpacked outside the parallel loops (kernels/routed_scan.py `scan_layer_par` says why)
-    keys, pos, offsets, _, _, _, _, vals, values_by_row, vscale = a
+    keys, pos, offsets, _, _, _, _, vals, values_by_row, vscale, keys_by_row = a
     rows, rpos, sc, w, part = buf
     ids, scores, o, mz = out
     hkv, Q, d = q.shape
@@ -206,7 +206,7 @@ def split_layer_par(a, order, take, given, q, qf, qb, k, scale, pieces, buf, out
         for h in range(hkv):
             r0, r1 = seg[p, h, 0], seg[p, h, 1]
             if r1 > r0:
-                scan_range(keys[h], pos[h], rows[h], r0, r1, qf[h], qb[h], use_b[h], rpos[h], sc[h])
+                scan_range(keys[h], keys_by_row, pos[h], rows[h], r0, r1, qf[h], qb[h], use_b[h], rpos[h], sc[h])
     tally[0].scan = cycles()
     ms, zs = np.empty((hkv, Q), np.float32), np.empty((hkv, Q), np.float32)
     K = ids.shape[2]

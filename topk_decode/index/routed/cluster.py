@@ -60,7 +60,8 @@ class KMeansConfig:
 class LayerLayout:
     """One layer's cluster-contiguous layout, all KV heads.
 
-    keys: (Hkv, N, D) keys permuted cluster by cluster, in the cache's dtype.
+    keys: (Hkv, N, D) keys permuted cluster by cluster, in the cache's dtype; None where not stored (routed's
+        `store_keys=false`: the cache's own keys are read at `pos`).
     values: (Hkv, N, D) values in the same order, or None when not stored.
     pos: (Hkv, N) int64 original position of every permuted row.
     offsets: (Hkv, C + 1) int64; cluster c of head h is rows offsets[h, c]:offsets[h, c + 1].
@@ -78,7 +79,7 @@ class LayerLayout:
     and key codes are in the int8 keys' space (divided by the key scales): queries scaled by them score both.
     """
 
-    keys: torch.Tensor
+    keys: torch.Tensor | None
     values: torch.Tensor | None
     pos: torch.Tensor
     offsets: torch.Tensor

@@ -51,14 +51,19 @@ class SearchableStats:
 
 
 def searchable_stats(
-    lay: LayerLayout, outside: torch.Tensor, values: torch.Tensor, value_scales: torch.Tensor | None = None
+    lay: LayerLayout,
+    outside: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    value_scales: torch.Tensor | None = None,
 ) -> SearchableStats:
     """Remove the sink and tail keys from a layer's cluster means (they are few: one gather per head).
 
     Args:
         lay: the layer's layout (without `value_means`, the stats have none either).
         outside: (Hkv·N,) bool, per layout row whether its position is outside [lo, hi).
-        values: (Hkv, N, D) the layer's values in original order (the cache's memory map).
+        keys, values: (Hkv, N, D) the layer's keys and values in original order (the cache's memory maps); the keys
+            are read where the layout holds none (`store_keys=false`).
         value_scales: an int8 cache's (Hkv, N) value scales (store/quant.py), or None. (Its keys' means are in the
             int8 keys' space, as the layout's centroids are: index/routed/layout.py.)
     """
@@ -73,9 +78,10 @@ def searchable_stats(
         if rows.numel() == 0:
             continue
         cluster = torch.searchsorted(lay.offsets[h], rows, right=True) - 1  # (r,)
-        key_sums[h].index_add_(0, cluster, lay.keys[h].index_select(0, rows).float(), alpha=-1)
+        p = lay.pos[h, rows]
+        k = lay.keys[h].index_select(0, rows) if lay.keys is not None else keys[h].index_select(0, p)
+        key_sums[h].index_add_(0, cluster, k.float(), alpha=-1)
         if value_sums is not None:
-            p = lay.pos[h, rows]
             v = values[h].index_select(0, p).float()
             if value_scales is not None:
                 v.mul_(value_scales[h].index_select(0, p)[:, None])

@@ -63,6 +63,8 @@ def layer_layouts(ckv: ContextKV, opts: dict, progress: Callable[[int, int], Non
                 else values.gather(1, lay.pos[..., None].expand(-1, -1, ckv.head_dim))
             )
             lay.value_codes = train_codes(rows, lay.value_means, lay.labels(), mv)
+        if not opts.get("store_keys", True):  # the scan reads the cache's own keys at each row's position
+            lay.keys = None
         if ckv.quantized:
             lay = in_key_space(lay, ckv, layer)
         yield lay
@@ -77,10 +79,11 @@ def in_key_space(lay: LayerLayout, ckv: ContextKV, layer: int) -> LayerLayout:
     ks = ckv.key_scales[layer]  # (Hkv, D)
     inv = torch.where(ks > TINY_SCALE, 1.0 / ks, 0.0)  # an all-zero channel: its codes are 0, and so is it here
     hkv, n, d = ckv.n_kv_heads, ckv.n_tokens, ckv.head_dim
-    keys = torch.empty((hkv, n, d), dtype=torch.int8)
+    keys = torch.empty((hkv, n, d), dtype=torch.int8) if lay.keys is not None else None
     values = torch.empty((hkv, n, d), dtype=torch.int8) if lay.values is not None else None
     for h in range(hkv):  # index_select per head: a gather's (Hkv, N, D) int64 index would be 8 bytes per element
-        torch.index_select(ckv.keys[layer][h], 0, lay.pos[h], out=keys[h])
+        if keys is not None:
+            torch.index_select(ckv.keys[layer][h], 0, lay.pos[h], out=keys[h])
         if values is not None:
             torch.index_select(ckv.values[layer][h], 0, lay.pos[h], out=values[h])
     lay.keys, lay.values = keys, values
@@ -95,12 +98,13 @@ def in_key_space(lay: LayerLayout, ckv: ContextKV, layer: int) -> LayerLayout:
 def _files(lay: LayerLayout) -> dict[str, torch.Tensor]:
     """A layer's arrays by file tag (what `load_layouts` reads back)."""
     arrays = {
-        "keys": lay.keys,
         "pos": lay.pos.to(torch.int32),
         "offsets": lay.offsets,
         "centroids": lay.centroids,
         "spread": lay.spread,
     }
+    if lay.keys is not None:
+        arrays["keys"] = lay.keys
     if lay.values is not None:
         arrays["values"] = lay.values
     if lay.value_scales is not None:
@@ -168,7 +172,7 @@ def load_layouts(ckv: ContextKV, name: str, built: dict) -> list[LayerLayout]:
         )
         out.append(
             LayerLayout(
-                keys=arr("keys", layer, numpy_storage(dt), (hkv, n, D), dt),
+                keys=arr("keys", layer, numpy_storage(dt), (hkv, n, D), dt) if built.get("store_keys", True) else None,
                 values=values,
                 pos=arr("pos", layer, np.int32, (hkv, n)).long(),
                 offsets=arr("offsets", layer, np.int64, (hkv, C + 1)),
@@ -183,29 +187,41 @@ def load_layouts(ckv: ContextKV, name: str, built: dict) -> list[LayerLayout]:
     return out
 
 
-def to_huge_pages(layouts: list[LayerLayout], mapped: bool) -> int:
-    """Move the layouts' keys, values and offsets into huge-page memory (routed's `hugepages` option,
-    store/huge_pages.py); returns the bytes moved (0 where the platform cannot, or where memory-mapped
-    layouts would not fit in half the available memory).
-
-    Args:
-        layouts: every layer's layout (their fields are replaced); mapped: the layouts are memory-mapped files
-            (their copies add to RAM) rather than in RAM (each copy replaces its original).
+def to_huge_pages(layouts: list[LayerLayout], ckv: ContextKV) -> int:
+    """Move what the compiled path reads into huge-page memory (routed's `hugepages` option, store/huge_pages.py): per
+    layer the keys and values, the layout's or, where it stores none (`store_keys`, `store_values` false), the cache's
+    own (replaced in `ckv`, so every reader shares the one copy), the values' scales and the cluster offsets. Returns the
+    bytes moved (0 where the platform cannot, or where memory-mapped arrays would not fit in half the available
+    memory: their copies add to RAM, where an in-RAM original is freed as its copy replaces it).
     """
+    scales = ckv.value_scales or [None] * len(layouts)
+
+    def read(layer: int, lay: LayerLayout) -> tuple:
+        return (
+            lay.keys if lay.keys is not None else ckv.keys[layer],
+            lay.values if lay.values is not None else ckv.values[layer],
+            lay.value_scales if lay.values is not None else scales[layer],
+            lay.offsets,
+        )
+
     # (no list of the arrays: it would keep every original alive until all copies exist)
-    need = sum(
-        t.numel() * t.element_size()
-        for lay in layouts
-        for t in (lay.keys, lay.values, lay.offsets, lay.value_scales)
-        if t is not None
-    )
+    need = sum(t.numel() * t.element_size() for i, lay in enumerate(layouts) for t in read(i, lay) if t is not None)
     avail = huge_pages.available_bytes()
-    if not huge_pages.supported() or (mapped and (avail is None or need > avail // 2)):
+    if not huge_pages.supported() or (on_disk(ckv) and (avail is None or need > avail // 2)):
         return 0
-    for lay in layouts:  # layer by layer: an in-RAM original is freed as its copy replaces it
-        lay.keys, lay.offsets = huge_pages.huge_copy(lay.keys), huge_pages.huge_copy(lay.offsets)
+    copy = huge_pages.huge_copy
+    for layer, lay in enumerate(layouts):  # layer by layer: an in-RAM original is freed as its copy replaces it
+        lay.offsets = copy(lay.offsets)
+        if lay.keys is not None:
+            lay.keys = copy(lay.keys)
+        else:
+            ckv.keys[layer] = copy(ckv.keys[layer])
         if lay.values is not None:
-            lay.values = huge_pages.huge_copy(lay.values)
-        if lay.value_scales is not None:  # read beside each value row
-            lay.value_scales = huge_pages.huge_copy(lay.value_scales)
+            lay.values = copy(lay.values)
+            if lay.value_scales is not None:  # read beside each value row
+                lay.value_scales = copy(lay.value_scales)
+        else:
+            ckv.values[layer] = copy(ckv.values[layer])
+            if ckv.value_scales is not None:
+                ckv.value_scales[layer] = copy(ckv.value_scales[layer])
     return need

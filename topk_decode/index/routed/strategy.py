@@ -85,9 +85,17 @@ class RoutedOptions(StrategyOptions):
         build=True,
         check=POSITIVE,
     )
+    store_keys: bool = option(
+        True,
+        "Store the keys cluster-contiguously (a second copy of them, on disk and in RAM); false: the scan reads the "
+        "cache's own keys at each row's position, so that with store_values=false the KV is held once "
+        "(docs/BENCHMARKS.md 'The int8 KV format').",
+        build=True,
+    )
     store_values: bool = option(
         True,
-        "Also store the values cluster-contiguously (the compiled context part reads them next to their keys).",
+        "Also store the values cluster-contiguously (the compiled context part reads them next to their keys); false: "
+        "the cache's own values, read by position.",
         build=True,
     )
     segment: int = option(
@@ -268,7 +276,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         # routing ranks and the estimate sums what the strategy may return (index/routed/estimate.py).
         vscales = self.ckv.value_scales or [None] * self.ckv.n_layers  # an int8 cache's: the means dequantised
         self._stats = [
-            searchable_stats(lay, out, self.ckv.values[i], vscales[i])
+            searchable_stats(lay, out, self.ckv.keys[i], self.ckv.values[i], vscales[i])
             for i, (lay, out) in enumerate(zip(self.layouts, self._outside))
         ]
         if (self.estimate or self.estimate_read) and any(st.value_means is None for st in self._stats):
@@ -312,7 +320,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         self.huge_bytes = 0
         if self.kernel:
             if self.hugepages:
-                self.huge_bytes = to_huge_pages(self.layouts, on_disk(self.ckv))
+                self.huge_bytes = to_huge_pages(self.layouts, self.ckv)
             self.threads = routed_compiled.team_size(default_threads())  # numba threads per layer call
             self._kernel_in = [self._kernel_arrays(layer) for layer in range(self.ckv.n_layers)]
             routed_compiled.warm_up(self._kernel_in[0])  # compile at open, not inside the first step
@@ -353,8 +361,9 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             stored, vscale = (lambda t: t.numpy()), (lay.value_scales if by_row else self.ckv.value_scales[layer])
         else:
             stored, vscale = bf16_bits, torch.empty((hkv, 0))
+        keys_by_row = lay.keys is not None  # else the cache's keys, read at each row's position (`store_keys`)
         return routed_compiled.LayerArrays(
-            keys=stored(lay.keys),
+            keys=stored(lay.keys if keys_by_row else self.ckv.keys[layer]),
             pos=self._positions(layer),
             offsets=lay.offsets.numpy(),
             cent=bf16_bits(st.centroids.contiguous()),
@@ -364,6 +373,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             vals=stored(lay.values if by_row else self.ckv.values[layer]),
             values_by_row=by_row,
             vscale=vscale.numpy(),
+            keys_by_row=keys_by_row,
         )
 
     def _positions(self, layer: int) -> np.ndarray:
@@ -413,6 +423,16 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         if self.options.pq_values:  # asked for: a layout built with other options is rebuilt with them
             return lay.value_means, lay.value_codes
         return self.fp32_value_means(layer), None
+
+    def key_rows(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the keys of flat layout rows `rows` (M,) int64 (row = head·N + r) are: a (rows, D) tensor of stored
+        keys and the indices into it; the layout's own keys, or with `store_keys=false` the cache's at each row's
+        position."""
+        lay, D = self.layouts[layer], self.ckv.head_dim
+        if lay.keys is not None:
+            return lay.keys.reshape(-1, D), rows
+        n = self.ckv.n_tokens
+        return self.ckv.keys[layer].reshape(-1, D), lay.pos.reshape(-1).index_select(0, rows) + rows // n * n
 
     def approx_scores(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """(Hkv, Q, N) float32 s·q·k̂ for every layout row, k̂ = μ_c + r̂ its approximate key (rank=keys,

@@ -95,8 +95,9 @@ class TorchPath:
         route = self.route(layer, q, budget)
         rows, valid = route.rows, route.valid  # (Hkv, Mmax)
         m_max = rows.shape[1]
-        k_low, k32, scores = self._buffers(hkv * m_max, Q, D, lay.keys.dtype)
-        torch.index_select(lay.keys.reshape(-1, D), 0, rows.view(-1), out=k_low)  # (Hkv·Mmax, D) contiguous runs
+        stored, at = self.key_rows(layer, rows.view(-1))
+        k_low, k32, scores = self._buffers(hkv * m_max, Q, D, stored.dtype)
+        torch.index_select(stored, 0, at, out=k_low)  # (Hkv·Mmax, D) contiguous runs
         pos = lay.pos.reshape(-1).index_select(0, rows.view(-1)).view(hkv, m_max)
         bad = self._outside[layer].index_select(0, rows.view(-1)).view(hkv, m_max)  # sinks, tail (and padding)
         if valid is not None:
@@ -132,7 +133,8 @@ class TorchPath:
         local = top_rows(share, budget, self.key_block, pad)  # (Hkv, B) rows of each head read
         width = local.shape[1]
         rows = (local + self._row_base).view(-1)
-        keys = lay.keys.reshape(-1, D).index_select(0, rows).float().view(hkv, width, D)
+        stored, at = self.key_rows(layer, rows)
+        keys = stored.index_select(0, at).float().view(hkv, width, D)
         scores = torch.bmm(q, keys.transpose(1, 2))  # (Hkv, Q, B) exact
         if self.key_block > 1:  # a block holds sinks or tail rows too (and the padding): never selected
             scores.masked_fill_(outside.gather(1, local)[:, None, :], float("-inf"))
