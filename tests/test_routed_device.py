@@ -261,7 +261,7 @@ def test_cluster_lse_sums_each_clusters_searchable_rows():
 
     gen = torch.Generator().manual_seed(3)
     hkv, n, m, d = 2, 50, 3, 6  # an odd m: a zero sub-vector pads the bytes
-    codes = ResidualCodes(
+    codes = ResidualCodes.packing(
         torch.randint(0, 16, (hkv, n, m), dtype=torch.uint8, generator=gen), torch.randn(hkv, m, 16, 2)
     )
     offsets = torch.tensor([[0, 10, 10, 35, 50], [0, 20, 21, 22, 50]])
@@ -309,7 +309,7 @@ def test_cluster_lse_triton_kernel_gives_the_torch_reference():
 
     gen = torch.Generator().manual_seed(7)
     hkv, n, m, d, c = 4, 5000, 32, 128, 300
-    codes = ResidualCodes(
+    codes = ResidualCodes.packing(
         torch.randint(0, 16, (hkv, n, m), dtype=torch.uint8, generator=gen), torch.randn(hkv, m, 16, 4)
     )
     cuts = torch.sort(torch.randint(0, n, (hkv, c - 1), generator=gen), 1).values
@@ -370,7 +370,7 @@ def test_residual_sum_of_the_codes_histogram_equals_the_weighted_decoded_residua
 
     gen = torch.Generator().manual_seed(60)
     for m, d in ((8, 16), (3, 12)):
-        codes = pq.ResidualCodes(
+        codes = pq.ResidualCodes.packing(
             torch.randint(0, 16, (2, 1000, m), generator=gen, dtype=torch.uint8),
             torch.randn(2, m, 16, d // m, generator=gen),
         )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
@@ -36,7 +35,7 @@ def test_codes_decode_to_the_residuals_they_encode():
     assert (pq.decode(codes) - res).norm() < 0.5 * res.norm()
     # sub-vector j of row i decodes to codeword codes[h, i, j] of codebook j
     h, i, j = 1, 17, 3
-    want = codes.codebooks[h, j, codes.codes[h, i, j].long()]
+    want = codes.codebooks[h, j, codes.unpacked()[h, i, j].long()]
     assert torch.equal(pq.decode(codes)[h, i, 2 * j : 2 * j + 2], want)
 
 
@@ -61,9 +60,12 @@ def test_top_rows_takes_the_best_rows_or_the_blocks_holding_them():
     assert pq.top_rows(share, 8, block=3, pad=pad).shape == (2, 6)  # whole blocks only
 
 
-def test_unpack_takes_the_first_sub_vector_from_the_low_nibble():
-    packed = np.array([[0x21, 0x43]], dtype=np.uint8)
-    assert pq.unpack(packed, 4).tolist() == [[1, 2, 3, 4]]
+def test_codes_are_kept_two_per_byte_the_first_sub_vector_in_the_low_nibble():
+    books = torch.zeros(1, 3, 16, 2)
+    packed = pq.ResidualCodes(torch.tensor([[[0x21, 0x03]]], dtype=torch.uint8), books)  # an odd m: 3 codes
+    assert packed.unpacked().tolist() == [[[1, 2, 3]]]
+    again = pq.ResidualCodes.packing(torch.tensor([[[1, 2, 3]]], dtype=torch.uint8), books)
+    assert torch.equal(again.codes, packed.codes)
 
 
 def test_rank_keys_builds_codes_and_finds_most_of_the_exact_top_k(grouped_cache):  # noqa: F811
@@ -117,7 +119,7 @@ def test_value_codes_bring_the_keyed_estimate_closer_to_the_unread_keys_values(g
         rest = keyed_rest_part(logit, lay.labels(), *strat.rest_values(0))
         exact = torch.bmm((logit - rest.lse[..., None]).exp(), lay.values.float())
         errs[mv] = ((rest.out - exact).norm() / exact.norm()).item()
-    assert lay.value_codes is not None and lay.value_codes.codes.shape == (2, 3000, 8)
+    assert lay.value_codes is not None and lay.value_codes.codes.shape == (2, 3000, 4)
     assert errs[8] < 0.7 * errs[0], errs
     reopened = _routed(grouped_cache, lo, hi, rank="keys", pq_values=8)
     assert torch.equal(reopened.layouts[0].value_codes.codes, lay.value_codes.codes)  # read back, not rebuilt
@@ -167,7 +169,15 @@ def test_prefill_with_rank_keys_builds_the_codes_and_open_reuses_them(tmp_path, 
     done = artifact_dir(cache, "routed") / "done.json"
     stamp = done.stat().st_mtime_ns
     strat = _routed(cache, 4, 2984, rank="keys")
-    assert done.stat().st_mtime_ns == stamp and strat.layouts[0].codes.codes.shape == (2, 3000, 8)
+    assert done.stat().st_mtime_ns == stamp and strat.layouts[0].codes.codes.shape == (2, 3000, 4)
+    # a layout whose codes were kept one per byte (built before `packed_codes`) is rebuilt, not misread
+    import json
+
+    record = json.loads(done.read_text())
+    del record["meta"]["options"]["packed_codes"]
+    done.write_text(json.dumps(record))
+    assert _routed(cache, 4, 2984, rank="keys").layouts[0].codes.codes.shape == (2, 3000, 4)
+    assert json.loads(done.read_text())["meta"]["options"]["packed_codes"] is True
     # a layout built without codes is rebuilt with them when rank=keys asks
     shutil.rmtree(artifact_dir(cache, "routed"))
     _routed(cache, 4, 2984)

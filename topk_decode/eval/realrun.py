@@ -276,7 +276,7 @@ def eval_suite(
                 compile=False,
             )
             store = KVStore(ckv if kv is None else int8, m.model, tok, dc)
-            log(f"  {strategy}: opened in {time.perf_counter() - t1:.1f} s")
+            log(f"  {spec}: opened in {time.perf_counter() - t1:.1f} s")
             for schedule in cfg.k_schedules:
                 store.decoder.config.k_schedule = schedule
                 for k, label in ks:

@@ -25,7 +25,7 @@ clusters, so logit_c is the log of Σ exp(s·q·(μ_c + r̂_k)) over its searcha
 
     >>> import torch
     >>> from topk_decode.index.routed.pq import ResidualCodes
-    >>> codes = ResidualCodes(torch.zeros(1, 4, 2, dtype=torch.uint8), torch.zeros(1, 2, 16, 2))
+    >>> codes = ResidualCodes(torch.zeros(1, 4, 1, dtype=torch.uint8), torch.zeros(1, 2, 16, 2))
     >>> dc = device_codes(codes, torch.tensor([[0, 3, 4]]), torch.zeros(4, dtype=torch.bool), torch.zeros(1, 2, 4),
     ...                   torch.zeros(1, 2, 4))
     >>> cluster_lse(dc, torch.ones(1, 1, 4), scale=0.5)  # log 3 and log 1: every residual scores 0
@@ -103,14 +103,10 @@ class DeviceValueCodes(Tensors):
 def pack_codes(codes: ResidualCodes) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed (Hkv, m/2, N) uint8, books (Hkv, m, 16, D/m) float32): two sub-vectors' codes per byte, the even one in
     the low nibble, sub-vector-major; an odd m gets a zero sub-vector."""
-    c8 = codes.codes  # (Hkv, N, m)
-    hkv, n, m = c8.shape
     books = codes.codebooks
-    if m % 2:  # a zero sub-vector makes whole bytes
-        c8 = torch.cat([c8, torch.zeros(hkv, n, 1, dtype=torch.uint8)], 2)
-        books = torch.cat([books, torch.zeros(hkv, 1, *books.shape[2:])], 1)
-    packed = (c8[..., 0::2] | (c8[..., 1::2] << 4)).transpose(1, 2).contiguous()  # (Hkv, m/2, N)
-    return packed, books.float().contiguous()
+    if codes.m % 2:  # the last byte's high nibble (0) codes a zero sub-vector
+        books = torch.cat([books, torch.zeros(books.shape[0], 1, *books.shape[2:])], 1)
+    return codes.codes.transpose(1, 2).contiguous(), books.float().contiguous()  # (Hkv, m/2, N): packed as stored
 
 
 def device_value_codes(codes: ResidualCodes, means: torch.Tensor, dtype: torch.dtype) -> DeviceValueCodes:

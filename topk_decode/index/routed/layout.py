@@ -136,7 +136,12 @@ def write_layouts(ckv: ContextKV, name: str, opts: dict, progress: Callable[[int
                 files.append(d / f"{tag}.{layer:03d}.bin")
                 write_file(files[-1], raw.contiguous().numpy().reshape(-1).view(np.uint8).data)
         n_clusters = -(-ckv.n_tokens // opts["cluster_size"])
-        meta = {"options": dict(opts, dtype=dtype_name(ckv.dtype), n_clusters=n_clusters, value_means=True)}
+        # packed_codes: residual codes two per byte (pq.py `ResidualCodes`); layouts from before are rebuilt
+        meta = {
+            "options": dict(
+                opts, dtype=dtype_name(ckv.dtype), n_clusters=n_clusters, value_means=True, packed_codes=True
+            )
+        }
         write_done(d, files, meta, ckv.cache_id)
 
 
@@ -158,7 +163,7 @@ def load_layouts(ckv: ContextKV, name: str, built: dict) -> list[LayerLayout]:
         if not m:
             return None
         return ResidualCodes(
-            arr(f"{tag}codes", layer, np.uint8, (hkv, n, m)),
+            arr(f"{tag}codes", layer, np.uint8, (hkv, n, (m * NBITS + 7) // 8)),
             arr(f"{tag}books", layer, np.float32, (hkv, m, 1 << NBITS, D // m)),
         )
 

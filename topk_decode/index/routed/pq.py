@@ -9,7 +9,8 @@ ranking of whole clusters reaches them within a 4 % read; scoring every key by c
 
 with μ_c its cluster's centroid, q_j the j-th of m sub-vectors of q and B_j the j-th codebook (16 entries of
 D/m dimensions). The codebooks are trained by faiss' `ProductQuantizer` (a hard dependency already), one per
-(layer, KV head); codes are kept unpacked, one byte per sub-vector, in the layout's row order. The same codes of
+(layer, KV head); codes are kept as faiss packs them, two sub-vectors per byte (16 bytes per key at m = 32), in
+the layout's row order, and unpacked a block of rows at a time where decoded. The same codes of
 each value's residual to its cluster's mean value (`pq_values`) give the per-key estimate every unread key's own
 approximate value v̄_c + r̂v (index/routed/estimate.py `keyed_rest_part`).
 
@@ -21,8 +22,8 @@ block by block: no fp32 copy of the keys is kept), which gives the same scores a
     >>> keys = torch.randn(1, 512, 8)
     >>> cent = keys.mean(1, keepdim=True)  # one cluster
     >>> codes = train_codes(keys, cent, torch.zeros(1, 512, dtype=torch.long), m=4)
-    >>> codes.codes.shape, codes.codebooks.shape
-    (torch.Size([1, 512, 4]), torch.Size([1, 4, 16, 2]))
+    >>> codes.codes.shape, codes.unpacked().shape, codes.codebooks.shape
+    (torch.Size([1, 512, 2]), torch.Size([1, 512, 4]), torch.Size([1, 4, 16, 2]))
 """
 
 from __future__ import annotations
@@ -42,12 +43,31 @@ SCORE_ROWS = 16_384  # rows decoded at a time by `approximate_scores` (Hkv × 8 
 class ResidualCodes:
     """One layer's residual codes, all KV heads.
 
-    codes: (Hkv, N, m) uint8 code of every layout row's residual k − μ_c per sub-vector (0..15).
+    codes: (Hkv, N, ⌈m/2⌉) uint8 the code (0..15) of every layout row's residual k − μ_c per sub-vector, two per
+        byte: sub-vector 2j in the low nibble of byte j, 2j + 1 in the high one (faiss' packing; an odd m leaves the
+        last high nibble 0).
     codebooks: (Hkv, m, 16, D/m) float32 codewords per sub-vector.
     """
 
     codes: torch.Tensor
     codebooks: torch.Tensor
+
+    @property
+    def m(self) -> int:
+        """Sub-vectors per key."""
+        return self.codebooks.shape[1]
+
+    def unpacked(self) -> torch.Tensor:
+        """(Hkv, N, m) uint8 one code per sub-vector."""
+        p = self.codes
+        return torch.stack([p & 0x0F, p >> 4], -1).view(*p.shape[:-1], 2 * p.shape[-1])[..., : self.m]
+
+    @classmethod
+    def packing(cls, codes: torch.Tensor, codebooks: torch.Tensor) -> ResidualCodes:
+        """Codes given one per sub-vector, (Hkv, N, m) uint8, packed two per byte."""
+        if codes.shape[-1] % 2:
+            codes = torch.cat([codes, torch.zeros(*codes.shape[:-1], 1, dtype=torch.uint8)], -1)
+        return cls(codes[..., 0::2] | (codes[..., 1::2] << 4), codebooks)
 
 
 def default_m(head_dim: int) -> int:
@@ -73,7 +93,7 @@ def train_codes(
     from topk_decode.index.threads import HeadPool, default_threads
 
     hkv, n, d = keys.shape
-    codes = torch.empty((hkv, n, m), dtype=torch.uint8)
+    codes = torch.empty((hkv, n, (m * NBITS + 7) // 8), dtype=torch.uint8)
     books = torch.empty((hkv, m, 1 << NBITS, d // m), dtype=torch.float32)
     rng = np.random.default_rng(0)  # every head's sample drawn in head order: the codes do not depend on `threads`
     samples = [None if n <= TRAIN_ROWS else rng.choice(n, TRAIN_ROWS, replace=False) for _ in range(hkv)]
@@ -83,7 +103,7 @@ def train_codes(
         res = np.ascontiguousarray(residuals[h].numpy())
         pq = faiss.ProductQuantizer(d, m, NBITS)
         pq.train(np.ascontiguousarray(res if samples[h] is None else res[samples[h]]))
-        codes[h] = torch.from_numpy(unpack(pq.compute_codes(res), m))
+        codes[h] = torch.from_numpy(pq.compute_codes(res))  # packed as `ResidualCodes` keeps them
         books[h] = torch.from_numpy(faiss.vector_to_array(pq.centroids).reshape(m, 1 << NBITS, d // m))
 
     pool = HeadPool(min(hkv, threads or default_threads()))
@@ -148,18 +168,10 @@ def top_rows(share: torch.Tensor, width: int, block: int = 1, pad: torch.Tensor 
     return torch.where(rows < n, rows, pad)
 
 
-def unpack(packed: np.ndarray, m: int) -> np.ndarray:
-    """faiss' packed 4-bit codes (n, m/2) uint8, the first sub-vector in the low nibble, → (n, m) uint8."""
-    out = np.empty((packed.shape[0], m), dtype=np.uint8)
-    out[:, 0::2] = packed & 0x0F
-    out[:, 1::2] = packed >> 4
-    return out
-
-
 def decode(codes: ResidualCodes) -> torch.Tensor:
     """(Hkv, N, D) float32 decoded residuals r̂ (q·r̂ = Σ_j LUT_j[code_j])."""
-    hkv, n, m = codes.codes.shape
+    idx = codes.unpacked().long()  # (Hkv, N, m)
+    hkv, n, m = idx.shape
     books = codes.codebooks  # (Hkv, m, 16, d)
-    idx = codes.codes.long()  # (Hkv, N, m)
     parts = books[torch.arange(hkv)[:, None, None], torch.arange(m)[None, None, :], idx]  # (Hkv, N, m, d)
     return parts.reshape(hkv, n, -1)

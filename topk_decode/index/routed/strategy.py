@@ -258,6 +258,8 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             wanted = o.given_build_values()
             if self.estimate or self.estimate_read:
                 wanted["value_means"] = True  # layouts built before the estimate lack them: rebuild
+            if o.pq_m or o.pq_values:
+                wanted["packed_codes"] = True  # codes of layouts built before were one per byte: rebuild
 
             def build() -> None:
                 # a rebuild for the value means alone keeps the build options recorded before
