@@ -13,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 
 from topk_decode.kernels.jit import cycles, jit, pjit, prange
-from topk_decode.kernels.routed_scan import dot_queries, exp_into, read_clusters, widen
+from topk_decode.kernels.routed_scan import dot_queries, exp_into, head_arrays, read_clusters, widen
 
 
 @jit
@@ -136,10 +136,7 @@ def _unread(e, size_factor, vmeans, order, taken, bounds, factor, mxs, rest_o, r
 
 @jit
 def finish_head(
-    keys,
-    keys_by_row,
-    pos,
-    offsets,
+    head,
     size_factor,
     vmeans,
     qh,
@@ -147,9 +144,6 @@ def finish_head(
     k,
     scale,
     estimate,
-    vals,
-    vscale,
-    values_by_row,
     attend,
     logit,
     e,
@@ -167,17 +161,16 @@ def finish_head(
     [context part]. Returns the keys read.
 
     Args:
-        keys: (N, D) the head's cluster-contiguous bf16 keys as their uint16 bits (or int8); keys_by_row False: the
-            cache's keys by position instead (`LayerArrays`).
-        pos: (N,) int32 original positions, −1 for rows never returned (sinks, tail): one array read per row,
-            not positions and flags (docs/BENCHMARKS.md "segmented k-means, Qwen2.5-7B at 1M, one position array, huge pages").
-        offsets: (C + 1,) int64 cluster c = rows [offsets[c], offsets[c+1]).
+        head: the head's `HeadArrays` (kernels/routed_scan.py): its keys (N, D) cluster-contiguous bf16 bits or int8,
+            or with keys_by_row False the cache's keys by position; pos (N,) int32 original positions, −1 for rows
+            never returned (sinks, tail): one array read per row, not positions and flags (docs/BENCHMARKS.md
+            "segmented k-means, Qwen2.5-7B at 1M, one position array, huge pages"); offsets (C + 1,) int64, cluster
+            c = rows [offsets[c], offsets[c+1]); vals (N or positions, D) bf16 bits, by layout row when
+            values_by_row, else by position (attend only), or int8 with vscale their float32 scales (else (0,)).
         size_factor: (C,) float32 n_c·exp(−bias_c), 0 without searchable keys; vmeans: (C, D) bf16 mean
             values as uint16 (both for the estimate only).
         qh: (Q, D) float32 queries; budget: keys to read (at least); k: results per query; scale: s.
         estimate: fill rest_o/rest_lse with the unread clusters' estimate.
-        vals: (N or positions, D) bf16 values as uint16, indexed by layout row when values_by_row, else by
-            position (attend only); or int8 values with vscale (N or positions,) their float32 scales (else (0,)).
         attend: also write the context part into o_out (Q, D) float32 and mz_out (Q, 2).
         logit, e: (C, Q) routing's logits and exponentials; bounds: (J + 1,) the routing tasks' cluster
             ranges; mx_parts, z_parts: (J, Q) their maxima and sums (`route_chunk`).
@@ -199,31 +192,10 @@ def finish_head(
                 factor[p, i] = math.exp(mx_parts[p, i] - mxs[i])
                 total += z_parts[p, i] * factor[p, i]
         lz[i] = mxs[i] + math.log(total)
-    order, taken, m = _cluster_order(logit, lz, offsets, budget, keys.shape[0])
+    order, taken, m = _cluster_order(logit, lz, head.offsets, budget, head.pos.shape[0])
     if estimate:
         _unread(e, size_factor, vmeans, order, taken, bounds, factor, mxs, rest_o, rest_lse)
-    read_clusters(
-        keys,
-        keys_by_row,
-        pos,
-        offsets,
-        order,
-        taken,
-        m,
-        qh,
-        scale,
-        vals,
-        vscale,
-        values_by_row,
-        rest_o,
-        rest_lse,
-        estimate,
-        attend,
-        ids_out,
-        sc_out,
-        o_out,
-        mz_out,
-    )
+    read_clusters(head, order, taken, m, qh, scale, rest_o, rest_lse, estimate, attend, ids_out, sc_out, o_out, mz_out)
     return m
 
 
@@ -255,12 +227,12 @@ def search_layer_par(a, q, budget, k, scale, estimate, attend, route, out, rest,
         heads: `HeadClock` (read and the `cycles` at which each head's `finish_head` started and ended).
     """
     # unpacked outside the parallel loops (kernels/routed_scan.py `scan_layer_par` says why)
-    keys, pos, offsets, cent, bias, size_factor, vmeans, vals, values_by_row, vscale, keys_by_row = a
+    cent, bias, size_factor, vmeans = a.cent, a.bias, a.size_factor, a.vmeans
     logit, e, bounds, mx_p, z_p = route
     ids, scores, o, mz = out
     rest_o, rest_lse = rest
     read, clock = heads
-    hkv = keys.shape[0]
+    hkv = a.keys.shape[0]
     J = bounds.shape[0] - 1
     for t in prange(hkv * J):
         h, p = t // J, t % J
@@ -269,10 +241,7 @@ def search_layer_par(a, q, budget, k, scale, estimate, attend, route, out, rest,
     for h in prange(hkv):
         clock[h, 0] = cycles()
         read[h] = finish_head(
-            keys[h],
-            keys_by_row,
-            pos[h],
-            offsets[h],
+            head_arrays(a, h),
             size_factor[h],
             vmeans[h],
             q[h],
@@ -280,9 +249,6 @@ def search_layer_par(a, q, budget, k, scale, estimate, attend, route, out, rest,
             k,
             scale,
             estimate,
-            vals[h],
-            vscale[h],
-            values_by_row,
             attend,
             logit[h],
             e[h],

@@ -58,6 +58,25 @@ class LayerArrays(NamedTuple):
     keys_by_row: bool
 
 
+class HeadArrays(NamedTuple):
+    """One KV head's slice of `LayerArrays` as a head's scan reads it (made inside the parallel loops; read only:
+    outputs stay separate arguments, kernels/routed_scan.py `scan_layer_par` says why)."""
+
+    keys: np.ndarray
+    keys_by_row: bool
+    pos: np.ndarray
+    offsets: np.ndarray
+    vals: np.ndarray
+    vscale: np.ndarray
+    values_by_row: bool
+
+
+@jit
+def head_arrays(a, h):
+    """`HeadArrays` of head h of a `LayerArrays`."""
+    return HeadArrays(a.keys[h], a.keys_by_row, a.pos[h], a.offsets[h], a.vals[h], a.vscale[h], a.values_by_row)
+
+
 class LayerOut(NamedTuple):
     """What a per-layer call writes: ids (Hkv, Q, K) int64 (−1 in empty slots), scores (Hkv, Q, K) float32, the
     context part's o (Hkv, Q, D) float32 and mz (Hkv, Q, 2) float32 (m, z)."""
@@ -165,7 +184,7 @@ def cluster_rows_into(offsets, order, taken, rows, t0=0, r=0):
 
 
 @jit
-def _scan(keys, keys_by_row, pos, rows, qh):
+def _scan(head, rows, qh):
     """Exact fp32 q·k of every row in `rows`: (positions (m,), scores (Q, m), −inf for rows outside the
     searchable range, whose pos is −1)."""
     m = rows.shape[0]
@@ -174,7 +193,7 @@ def _scan(keys, keys_by_row, pos, rows, qh):
     rpos = np.empty(m, dtype=np.int64)
     qf = np.empty(((Q + GROUP - 1) // GROUP * GROUP, d), dtype=np.float32)  # (Qp, D) padded queries
     pad_queries(qh, qf, qf)
-    scan_range(keys, keys_by_row, pos, rows, 0, m, qf, qf, False, rpos, scores)
+    scan_range(head.keys, head.keys_by_row, head.pos, rows, 0, m, qf, qf, False, rpos, scores)
     return rpos, scores
 
 
@@ -322,39 +341,20 @@ def _attend(vals, vscale, src, cols, sc, scale, rest_o, rest_lse, with_rest, o_o
 
 @jit
 def read_clusters(
-    keys,
-    keys_by_row,
-    pos,
-    offsets,
-    order,
-    taken,
-    m,
-    qh,
-    scale,
-    vals,
-    vscale,
-    values_by_row,
-    rest_o,
-    rest_lse,
-    with_rest,
-    attend,
-    ids_out,
-    sc_out,
-    o_out,
-    mz_out,
+    head, order, taken, m, qh, scale, rest_o, rest_lse, with_rest, attend, ids_out, sc_out, o_out, mz_out
 ):
-    """What a head does once its clusters are chosen: the exact scan of the first `taken` of `order` (m rows),
-    each query's top-k into ids_out / sc_out, and with `attend` the context part (merged with rest_o /
+    """What a head (`HeadArrays`) does once its clusters are chosen: the exact scan of the first `taken` of `order`
+    (m rows), each query's top-k into ids_out / sc_out, and with `attend` the context part (merged with rest_o /
     rest_lse when `with_rest`) into o_out / mz_out."""
-    rows = _cluster_rows(offsets, order, taken, m)
-    rpos, scores = _scan(keys, keys_by_row, pos, rows, qh)
+    rows = _cluster_rows(head.offsets, order, taken, m)
+    rpos, scores = _scan(head, rows, qh)
     cols = np.empty(ids_out.shape, dtype=np.int64)
     top_k_rows(scores, rpos, ids_out, sc_out, cols)
     if attend:  # the values' row of each scan column: its layout row (values stored by row) or its position
         _attend(
-            vals,
-            vscale,
-            rows if values_by_row else rpos,
+            head.vals,
+            head.vscale,
+            rows if head.values_by_row else rpos,
             cols,
             sc_out,
             scale,
@@ -367,54 +367,16 @@ def read_clusters(
 
 
 @jit
-def scan_head(
-    keys,
-    keys_by_row,
-    pos,
-    offsets,
-    order,
-    taken,
-    qh,
-    k,
-    scale,
-    vals,
-    vscale,
-    values_by_row,
-    ids_out,
-    sc_out,
-    o_out,
-    mz_out,
-):
-    """One KV head whose clusters were chosen elsewhere (index/routed/device.py, on the decode device): scan the
+def scan_head(head, order, taken, qh, k, scale, ids_out, sc_out, o_out, mz_out):
+    """One KV head (`HeadArrays`) whose clusters were chosen elsewhere (index/routed/device.py, on the decode device): scan the
     first `taken` clusters of `order`, top-k, context part (without an estimate: the device merges its
     own). Returns the keys read.
 
     Args: as `finish_head`; order: (W,) int32 clusters by priority; taken: how many of them to read.
     """
-    m = count_rows(offsets, order, taken)
+    m = count_rows(head.offsets, order, taken)
     no_rest_o, no_rest_lse = np.zeros((1, o_out.shape[1]), np.float32), np.zeros(1, np.float32)
-    read_clusters(
-        keys,
-        keys_by_row,
-        pos,
-        offsets,
-        order,
-        taken,
-        m,
-        qh,
-        scale,
-        vals,
-        vscale,
-        values_by_row,
-        no_rest_o,
-        no_rest_lse,
-        False,
-        True,
-        ids_out,
-        sc_out,
-        o_out,
-        mz_out,
-    )
+    read_clusters(head, order, taken, m, qh, scale, no_rest_o, no_rest_lse, False, True, ids_out, sc_out, o_out, mz_out)
     return m
 
 
@@ -425,29 +387,12 @@ def scan_layer_par(a, order, take, q, k, scale, out, heads):
     Args: a: `LayerArrays`; order (Hkv, W) int32 clusters by priority, take (Hkv,) int32 how many to read;
         q (Hkv, Q, D) float32; out: `LayerOut`; heads: `HeadClock`.
     """
-    # the named tuples unpacked here, outside the parallel loops: numba 0.68 drops writes made through a
-    # tuple's array field inside a prange body (tests/test_routed_kernel.py checks the results)
-    keys, pos, offsets, _, _, _, _, vals, values_by_row, vscale, keys_by_row = a
+    # the output tuples unpacked here, outside the parallel loops: numba 0.68 drops writes made through a
+    # tuple's array field inside a prange body (tests/test_routed_kernel.py checks the results); the inputs are only
+    # read, through each head's `HeadArrays`
     ids, scores, o, mz = out
     read, clock = heads
-    for h in prange(keys.shape[0]):
+    for h in prange(a.keys.shape[0]):
         clock[h, 0] = cycles()
-        read[h] = scan_head(
-            keys[h],
-            keys_by_row,
-            pos[h],
-            offsets[h],
-            order[h],
-            take[h],
-            q[h],
-            k,
-            scale,
-            vals[h],
-            vscale[h],
-            values_by_row,
-            ids[h],
-            scores[h],
-            o[h],
-            mz[h],
-        )
+        read[h] = scan_head(head_arrays(a, h), order[h], take[h], q[h], k, scale, ids[h], scores[h], o[h], mz[h])
         clock[h, 1] = cycles()
