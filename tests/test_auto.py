@@ -66,9 +66,7 @@ def test_auto_passes_its_options_and_the_users_win(built_cache, tmp_path, monkey
     shutil.copytree(built_cache[0], cache)
     monkeypatch.setattr(auto, "EXACT_MAX_TOKENS", 16)
     on_cpu = auto.resolve
-    monkeypatch.setattr(
-        engine.auto, "resolve", lambda name, n, gpu=True, kv_dtype=None: on_cpu(name, n, gpu=True, kv_dtype=kv_dtype)
-    )
+    monkeypatch.setattr(engine.auto, "resolve", lambda name, n, gpu=True: on_cpu(name, n, gpu=True))
     with KVStore.open(cache, k=8, device="cpu") as store:
         assert store.config.strategy == "routed" and "rank=keys" in store.strategy_reason
         assert store.config.strategy_options == {"rank": "keys", "pq_values": 32}

@@ -101,15 +101,26 @@ def test_int8_decode_stays_within_its_stated_error_of_full_precision(caches):
     assert stores[0].generate_ids(PROMPT, 12) == stores[1].generate_ids(PROMPT, 12)
 
 
-def test_auto_runs_flat_on_an_int8_cache_and_the_others_refuse_it(caches):
+def test_auto_chooses_on_an_int8_cache_as_on_a_float_one_and_the_others_refuse_it(caches, monkeypatch):
+    """auto's choice does not depend on the KV format (flat and routed read int8): on a short context the exact scan;
+    past the threshold, on a GPU (resolved here on the CPU through `resolve`'s gpu flag), routed with auto's options."""
+    from topk_decode.decode import engine
+    from topk_decode.index import auto
+
     store = KVStore.open(caches["int8"], device="cpu")
-    assert store.decoder.config.strategy == "flat" and "int8" in store.decoder.strategy_reason
+    assert store.decoder.config.strategy == "flat" and "exact" in store.decoder.strategy_reason
     with pytest.raises(TopkError, match="tokenselect does not read int8 caches yet: decode with --strategy flat"):
         KVStore.open(caches["int8"], strategy="tokenselect", device="cpu")
     from topk_decode.index import prepare_artifacts
 
     with pytest.raises(TopkError, match="quest does not read int8"):
         prepare_artifacts(open_cache(caches["int8"]), ["quest"])
+    monkeypatch.setattr(auto, "EXACT_MAX_TOKENS", 16)
+    monkeypatch.setattr(engine.auto, "resolve", lambda name, n, gpu=True: auto.choose(n, gpu=True))
+    fast = KVStore.open(caches["int8"], k=8, device="cpu")
+    assert fast.decoder.config.strategy == "routed" and fast.decoder.strategy.options.rank == "keys"
+    assert fast.decoder.strategy.options.pq_values > 0  # value codes (at most D/2 sub-vectors)
+    fast.close()
 
 
 def test_prefill_command_takes_kv_dtype_int8_and_refuses_what_cannot_read_it(tmp_path, docs_dir, model_factory):

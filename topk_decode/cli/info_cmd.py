@@ -68,8 +68,8 @@ def cache_facts(path: Path, verify: bool = False) -> dict:
         },
         "prefill": m.get("prefill", {}),
         "strategies": ready,
-        "auto": vars(choose(m["n_tokens"], kv_dtype=m["kv_dtype"])),  # {"strategy", "reason", "options"} on a GPU
-        "auto_cpu": vars(choose(m["n_tokens"], gpu=False, kv_dtype=m["kv_dtype"])),  # ... and on a CPU
+        "auto": vars(choose(m["n_tokens"])),  # {"strategy", "reason", "options"} on a GPU
+        "auto_cpu": vars(choose(m["n_tokens"], gpu=False)),  # ... and on a CPU
         "strategies_not_built": sorted(n for n in STRATEGIES if n not in ready and n not in unreadable),
         "strategies_not_reading_this_kv": unreadable,  # an int8 cache: those that do not read it yet
         # what was really checked: the manifest's schema + checksum always, then sizes or every checksum

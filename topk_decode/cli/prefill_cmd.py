@@ -359,7 +359,7 @@ def prefill_command(
         from topk_decode.index.auto import choose
 
         if not names:  # what `auto` will run on a GPU, so the first question does not wait for a build
-            choice = choose(stats.n_tokens, kv_dtype=kv_dtype)
+            choice = choose(stats.n_tokens)
             names = [choice.strategy] if keeps_artifacts(choice.strategy) else []
             per_strategy = {n: dict(choice.options) for n in names}
         if names:

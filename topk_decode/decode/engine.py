@@ -151,7 +151,7 @@ class TopKDecoder:
         n = ckv.n_tokens
         self.n_sink = min(config.n_sink, n)
         self.n_tail = min(config.n_tail, n - self.n_sink)
-        choice = auto.resolve(config.strategy, n, gpu=self.device.type == "cuda", kv_dtype=ckv.manifest["kv_dtype"])
+        choice = auto.resolve(config.strategy, n, gpu=self.device.type == "cuda")
         config.strategy = choice.strategy
         config.strategy_options = {**choice.options, **config.strategy_options}  # the user's options win
         self.strategy_reason = choice.reason  # why this strategy runs (`topk info`, /show)

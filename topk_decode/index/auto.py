@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from topk_decode.store.format import QUANTIZED
-
 AUTO = "auto"
 EXACT_MAX_TOKENS = 8_192  # at most this many context tokens: flat (exact top-k); more, on a GPU: routed rank=keys
 FAST = "routed"
@@ -35,13 +33,10 @@ class AutoChoice:
     options: dict = field(default_factory=dict)
 
 
-def choose(n_tokens: int, gpu: bool = True, kv_dtype: str | None = None) -> AutoChoice:
-    """The strategy `auto` picks for a context of `n_tokens` tokens stored as `kv_dtype` (the manifest's), decoded
-    on a GPU (`gpu`) or a CPU."""
-    if kv_dtype == QUANTIZED:
-        return AutoChoice(
-            EXACT, "auto: the KV is stored as int8, which flat (the exact scan) reads; routed does not yet"
-        )
+def choose(n_tokens: int, gpu: bool = True) -> AutoChoice:
+    """The strategy `auto` picks for a context of `n_tokens` tokens decoded on a GPU (`gpu`) or a CPU. The same for
+    an int8 cache: flat and routed read it as stored, and routed on int8 gave dense's answer as often as on the float
+    KV (docs/EVAL.md "routed on int8")."""
     if n_tokens <= EXACT_MAX_TOKENS:
         return AutoChoice(EXACT, f"auto: {n_tokens:,} context tokens ≤ {EXACT_MAX_TOKENS:,}, the exact scan is cheap")
     if not gpu:
@@ -59,9 +54,8 @@ def choose(n_tokens: int, gpu: bool = True, kv_dtype: str | None = None) -> Auto
     )
 
 
-def resolve(name: str, n_tokens: int, gpu: bool = True, kv_dtype: str | None = None) -> AutoChoice:
-    """A requested strategy name as it will run: `auto` resolved for this context, KV dtype and device, any other as
-    is."""
+def resolve(name: str, n_tokens: int, gpu: bool = True) -> AutoChoice:
+    """A requested strategy name as it will run: `auto` resolved for this context and device, any other as is."""
     if name == AUTO:
-        return choose(n_tokens, gpu, kv_dtype)
+        return choose(n_tokens, gpu)
     return AutoChoice(name, "chosen by the user")
