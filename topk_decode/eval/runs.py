@@ -98,7 +98,6 @@ def strategy_options(options: dict, strategy: str) -> dict:
     out = {k: v for k, v in options.items() if "." not in k and (cls.OPTIONS is None or k in cls.OPTIONS)}
     out.update({k.split(".", 1)[1]: v for k, v in options.items() if k.startswith(strategy + ".")})
     own.pop("k", None)  # the variant's budget (split_variant)
-    own.pop("kv", None)  # the variant's KV format (eval/realrun.py `kv_variant`)
     return cls.checked_options({**out, **own})
 
 
