@@ -90,7 +90,7 @@ def in_key_space(lay: LayerLayout, ckv: ContextKV, layer: int) -> LayerLayout:
     lay.value_scales = ckv.value_scales[layer].gather(1, lay.pos) if values is not None else None
     lay.centroids = lay.centroids * inv[:, None, :]
     if lay.codes is not None:
-        m = lay.codes.codebooks.shape[1]
+        m = lay.codes.m
         lay.codes = ResidualCodes(lay.codes.codes, lay.codes.codebooks * inv.view(hkv, m, 1, d // m))
     return lay
 
