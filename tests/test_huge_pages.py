@@ -24,16 +24,24 @@ def test_huge_copy_is_an_equal_contiguous_copy_that_outlives_its_source(dtype):
     assert huge_pages.huge_copy(torch.empty(0, 4)).shape == (0, 4)
 
 
-def test_routed_reads_its_huge_page_copies_with_the_same_selection_and_output(clustered_cache):
-    base = {"cluster_size": 32, "probe_fraction": 0.1, "kernel": "numba"}
+@pytest.mark.parametrize("stored", [True, False])  # the layout's own copies, or (the default) the cache's arrays
+def test_routed_reads_its_huge_page_copies_with_the_same_selection_and_output(clustered_cache, stored):
+    base = {"cluster_size": 32, "probe_fraction": 0.1, "kernel": "numba", "store_keys": stored, "store_values": stored}
     huge, plain = (_open(clustered_cache, "routed", dict(base, hugepages=h)) for h in (True, False))
+
+    def read(strat):  # what the compiled path reads, per layer: keys, values, cluster offsets
+        kv = [
+            (lay.keys, lay.values) if stored else (strat.ckv.keys[i], strat.ckv.values[i])
+            for i, lay in enumerate(strat.layouts)
+        ]
+        return [t for (k, v), lay in zip(kv, strat.layouts) for t in (k, v, lay.offsets)]
+
     try:
         assert plain.huge_bytes == 0
         if huge_pages.supported():  # a small layout always fits: all of it moved
-            moved = [t for lay in plain.layouts for t in (lay.keys, lay.values, lay.offsets)]
-            assert huge.huge_bytes == sum(t.numel() * t.element_size() for t in moved)
-        for a, b in zip(huge.layouts, plain.layouts):
-            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) and torch.equal(a.offsets, b.offsets)
+            assert huge.huge_bytes == sum(t.numel() * t.element_size() for t in read(plain))
+        for a, b in zip(read(huge), read(plain)):
+            assert torch.equal(a, b)
         for layer, seed in ((0, 21), (1, 22)):
             q = _queries(seed=seed)
             outs = []

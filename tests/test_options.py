@@ -29,8 +29,8 @@ def test_values_are_converted_once_and_build_options_are_told_apart():
     assert opts.build_values() == {
         "cluster_size": 24,
         "iters": 6,
-        "store_keys": True,
-        "store_values": True,
+        "store_keys": False,  # one copy of the KV: the layout holds routing tables, codes and positions
+        "store_values": False,
         "segment": 65536,
         "pq_m": 0,
         "pq_values": 0,

@@ -184,12 +184,13 @@ def _routed_stores(tmp_path, model_factory, docs_dir, device: str, modes: tuple[
 def test_one_copy_of_the_kv_decodes_as_the_stored_layout(tmp_path, model_factory, docs_dir, per_key):
     """store_keys=false, store_values=false: the layout holds no keys or values (routing tables, codes and positions
     only), the scan and the context part read the cache's own rows at each layout row's position; the device's
-    one-token steps then give the stored layout's logits exactly (the same clusters, rows and arithmetic)."""
+    one-token steps then give the stored layout's logits exactly (the same clusters, rows and arithmetic). One copy
+    is the default (no option given)."""
     from topk_decode.index.artifacts import artifact_dir
 
-    one = dict(per_key, store_keys=False, store_values=False)
+    stored = dict(per_key, store_keys=True, store_values=True)
     stores, logits = {}, {}
-    for name, options in (("stored", per_key), ("one copy", one)):
+    for name, options in (("stored", stored), ("one copy", per_key)):
         (tmp_path / name).mkdir()
         got, out = _routed_stores(tmp_path / name, model_factory, docs_dir, "cpu", ("true",), segments=True, **options)
         stores[name], logits[name] = got["true"], out["true"]

@@ -117,7 +117,8 @@ def test_value_codes_bring_the_keyed_estimate_closer_to_the_unread_keys_values(g
         lay = strat.layouts[0]
         logit = strat.approx_scores(0, q).masked_fill(((lay.pos < lo) | (lay.pos >= hi))[:, None, :], float("-inf"))
         rest = keyed_rest_part(logit, lay.labels(), *strat.rest_values(0))
-        exact = torch.bmm((logit - rest.lse[..., None]).exp(), lay.values.float())
+        values = torch.take_along_dim(strat.ckv.values[0], lay.pos[..., None], dim=1)  # each layout row's value
+        exact = torch.bmm((logit - rest.lse[..., None]).exp(), values.float())
         errs[mv] = ((rest.out - exact).norm() / exact.norm()).item()
     assert lay.value_codes is not None and lay.value_codes.codes.shape == (2, 3000, 4)
     assert errs[8] < 0.7 * errs[0], errs
@@ -198,7 +199,8 @@ def test_estimate_by_keys_weighs_the_unread_clusters_closer_to_their_true_mass(g
         rows = strat.route(0, q, budget).rows % n  # flat rows (Hkv·N) → each head's own
         read = torch.zeros(2, n, dtype=torch.bool).scatter_(1, rows, True)
         unread = ~read & (lay.pos >= lo) & (lay.pos < hi)
-        s = torch.bmm(q, lay.keys.float().transpose(1, 2)) * strat.scale
+        keys = torch.take_along_dim(strat.ckv.keys[0], lay.pos[..., None], dim=1)  # each layout row's key
+        s = torch.bmm(q, keys.float().transpose(1, 2)) * strat.scale
         true = s.masked_fill(~unread[:, None, :], float("-inf")).logsumexp(-1)  # (Hkv, Q)
         errs[by], ids[by] = (sel.rest.lse - true).abs().mean().item(), sel.ids
         if by == "clusters":

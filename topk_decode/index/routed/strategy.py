@@ -86,16 +86,16 @@ class RoutedOptions(StrategyOptions):
         check=POSITIVE,
     )
     store_keys: bool = option(
-        True,
-        "Store the keys cluster-contiguously (a second copy of them, on disk and in RAM); false: the scan reads the "
-        "cache's own keys at each row's position, so that with store_values=false the KV is held once "
-        "(docs/BENCHMARKS.md 'The int8 KV format').",
+        False,
+        "Store the keys cluster-contiguously (a second copy of them, on disk and in RAM); false (default): the scan "
+        "reads the cache's own keys at each row's position, so that with store_values=false the KV is held once: "
+        "as fast end to end, 28 % less RSS (docs/BENCHMARKS.md 'One copy of the KV').",
         build=True,
     )
     store_values: bool = option(
-        True,
-        "Also store the values cluster-contiguously (the compiled context part reads them next to their keys); false: "
-        "the cache's own values, read by position.",
+        False,
+        "Also store the values cluster-contiguously (a second copy; the compiled context part reads them next to their "
+        "keys); false (default): the cache's own values, read by position.",
         build=True,
     )
     segment: int = option(
