@@ -231,6 +231,20 @@ def test_routed_on_an_int8_cache_stays_near_routed_on_its_dequantised_copy(cache
     torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-2)
 
 
+def test_routed_keeps_an_int8_caches_layout_tables_in_bf16_once_its_statistics_are_made(caches):
+    """The layout's own centroids and mean values (the residual codes' reference, read by the per-key torch path) are
+    kept in the tables' precision, bf16, beside the searchable statistics made from them in fp32: half the RAM."""
+    from topk_decode.index import get_strategy
+
+    ckv = open_cache(caches["int8"])
+    strat = get_strategy("routed")(ckv, 4, ckv.n_tokens - 8, {"rank": "keys", "pq_values": 8, "kernel": "torch"})
+    strat.prepare()
+    for lay in strat.layouts:
+        assert lay.centroids.dtype == lay.value_means.dtype == torch.bfloat16
+    q = torch.randn(ckv.n_kv_heads, 3, ckv.head_dim)
+    assert strat.approx_scores(0, q).dtype == torch.float32 and strat.rest_values(0)[0].dtype == torch.bfloat16
+
+
 def test_routed_device_stage_on_an_int8_cache_scales_the_query_as_the_host_does(caches):
     """Routing, per-key ranking and the estimate on the decode device (run here on the CPU device, the same ops the
     captured step runs) score the query scaled by the key scales against tables in the int8 keys' space: the device's

@@ -108,7 +108,9 @@ class RoutedOptions(StrategyOptions):
     pq_m: int = option(
         0,
         "Sub-vectors of the 4-bit residual codes stored per key (index/routed/pq.py; 0: none). rank=keys builds "
-        "them with 32 (D/2 under 64 dimensions) when not given: 16 bytes per key.",
+        "them with 32 (D/2 under 64 dimensions) when not given: 16 bytes per key. 64 (32 bytes) ranks and weighs "
+        "closer to the true keys: dense's answer on 97 % of 72 held-out questions at 8K against 92 % (docs/EVAL.md "
+        "'pq_m=64 on the suite'; not yet auto's: its GPU cost is not measured).",
         build=True,
         check=NON_NEGATIVE,
     )
@@ -287,6 +289,12 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             # Routing and the estimate read every centroid and mean value each step: in the keys' own
             # precision that is half the bytes of fp32 (docs/STRATEGIES.md "routed: the compiled path").
             self._stats = [st.stored_as(torch.bfloat16) for st in self._stats]
+            # The layout's own tables (the residual codes' reference, read by the per-key paths) likewise, once the
+            # statistics above are made from them: the device's copies are bf16 or float8 already (3.5 GiB less at
+            # 1M tokens of the Qwen2.5-7B shape; docs/BENCHMARKS.md "RAM at decode").
+            for lay in self.layouts:
+                lay.centroids = lay.centroids.to(torch.bfloat16)
+                lay.value_means = None if lay.value_means is None else lay.value_means.to(torch.bfloat16)
         # The torch path's fp32 tables (`fp32_centroids`, `fp32_value_means`; the compiled path reads the stored ones):
         # made here where the torch path runs every step (no compiled path), else on first use.
         self._cent_t: list[torch.Tensor | None] = [None] * self.ckv.n_layers
