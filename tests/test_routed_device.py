@@ -302,16 +302,17 @@ def test_decoder_keyed_estimate_on_the_device_matches_the_torch_path(tmp_path, m
 
 
 @pytest.mark.gpu
-def test_cluster_lse_triton_kernel_gives_the_torch_reference():
+@pytest.mark.parametrize("m", [32, 64])  # 4 and 2 dimensions per sub-vector
+def test_cluster_lse_triton_kernel_gives_the_torch_reference(m):
     """The Triton kernel (CUDA) and the torch ops (CPU) give one per-cluster log-sum-exp, with 7 query heads (padded
     to 8 in the kernel), empty clusters and clusters longer than the kernel's block."""
     from topk_decode.index.routed.device_codes import cluster_lse, device_codes, row_scores
     from topk_decode.index.routed.pq import ResidualCodes
 
     gen = torch.Generator().manual_seed(7)
-    hkv, n, m, d, c = 4, 5000, 32, 128, 300
+    hkv, n, d, c = 4, 5000, 128, 300
     codes = ResidualCodes.packing(
-        torch.randint(0, 16, (hkv, n, m), dtype=torch.uint8, generator=gen), torch.randn(hkv, m, 16, 4)
+        torch.randint(0, 16, (hkv, n, m), dtype=torch.uint8, generator=gen), torch.randn(hkv, m, 16, d // m)
     )
     cuts = torch.sort(torch.randint(0, n, (hkv, c - 1), generator=gen), 1).values
     offsets = torch.cat([torch.zeros(hkv, 1, dtype=torch.long), cuts, torch.full((hkv, 1), n)], 1)
@@ -393,11 +394,12 @@ def _selection_attention(strat, layer: int, sel) -> tuple[torch.Tensor, torch.Te
     return lse_merge(out, lse, sel.rest.out.float().cpu(), sel.rest.lse.float().cpu())
 
 
-def test_value_codes_on_the_device_give_the_torch_paths_estimate(clustered_cache, opened):
+@pytest.mark.parametrize("pq_m", [0, 16])  # rank=keys' default (D/2 sub-vectors), and one dimension per sub-vector
+def test_value_codes_on_the_device_give_the_torch_paths_estimate(clustered_cache, opened, pq_m):
     """rank=keys with pq_values on the device: its estimate holds every unread key's coded value residual, so a layer's
     attention over context ∪ estimate is the torch path's pq_values attention up to the bf16 rounding of the device's
     centroids and means, and closer to it than the torch path's attention without value codes."""
-    opts = {"cluster_size": 32, "probe_fraction": 0.05, "rank": "keys", "pq_values": 8}
+    opts = {"cluster_size": 32, "probe_fraction": 0.05, "rank": "keys", "pq_values": 8, "pq_m": pq_m}
     dev = opened(clustered_cache, "routed", dict(opts, kernel="numba", device_route="true"), lo=3, hi=2990)
     ref = opened(clustered_cache, "routed", dict(opts, kernel="torch"), lo=3, hi=2990)
     plain = opened(clustered_cache, "routed", dict(opts, kernel="torch", pq_values=0), lo=3, hi=2990)
