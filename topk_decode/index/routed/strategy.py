@@ -89,7 +89,7 @@ class RoutedOptions(StrategyOptions):
         False,
         "Store the keys cluster-contiguously (a second copy of them, on disk and in RAM); false (default): the scan "
         "reads the cache's own keys at each row's position, so that with store_values=false the KV is held once: "
-        "as fast end to end, 28 % less RSS (docs/BENCHMARKS.md 'One copy of the KV').",
+        "as fast end to end, 28 % less RSS (docs/STRATEGIES.md 'One copy of the KV').",
         build=True,
     )
     store_values: bool = option(
