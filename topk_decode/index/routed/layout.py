@@ -23,7 +23,7 @@ import torch
 from topk_decode.errors import TopkError
 from topk_decode.index.artifacts import artifact_dir, start_artifacts, write_done, write_file, writing
 from topk_decode.index.routed.cluster import KMeansConfig, LayerLayout, build_layer, kmeans_device
-from topk_decode.index.routed.pq import NBITS, ResidualCodes, train_codes
+from topk_decode.index.routed.pq import NBITS, ResidualCodes, packed_bytes, train_codes
 from topk_decode.store import huge_pages
 from topk_decode.store.cache_dir import ContextKV
 from topk_decode.store.format import QUANTIZED, as_torch, dtype_name, numpy_storage
@@ -163,7 +163,7 @@ def load_layouts(ckv: ContextKV, name: str, built: dict) -> list[LayerLayout]:
         if not m:
             return None
         return ResidualCodes(
-            arr(f"{tag}codes", layer, np.uint8, (hkv, n, (m * NBITS + 7) // 8)),
+            arr(f"{tag}codes", layer, np.uint8, (hkv, n, packed_bytes(m))),
             arr(f"{tag}books", layer, np.float32, (hkv, m, 1 << NBITS, D // m)),
         )
 

@@ -70,6 +70,11 @@ class ResidualCodes:
         return cls(codes[..., 0::2] | (codes[..., 1::2] << 4), codebooks)
 
 
+def packed_bytes(m: int) -> int:
+    """Bytes of one key's codes at m sub-vectors (two 4-bit codes per byte)."""
+    return (m * NBITS + 7) // 8
+
+
 def default_m(head_dim: int) -> int:
     """Sub-vectors per key when `pq_m` is not given: 32, or D/2 for heads under 64 dimensions."""
     return min(MAX_M, max(1, head_dim // 2))
@@ -95,7 +100,7 @@ def train_codes(
     from topk_decode.index.threads import HeadPool, default_threads
 
     hkv, n, d = keys.shape
-    codes = torch.empty((hkv, n, (m * NBITS + 7) // 8), dtype=torch.uint8)
+    codes = torch.empty((hkv, n, packed_bytes(m)), dtype=torch.uint8)
     books = torch.empty((hkv, m, 1 << NBITS, d // m), dtype=torch.float32)
     rng = np.random.default_rng(0)  # every head's sample drawn in head order: the codes do not depend on `threads`
     samples = [None if n <= TRAIN_ROWS else rng.choice(n, TRAIN_ROWS, replace=False) for _ in range(hkv)]

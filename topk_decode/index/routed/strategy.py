@@ -88,8 +88,8 @@ class RoutedOptions(StrategyOptions):
     store_keys: bool = option(
         False,
         "Store the keys cluster-contiguously (a second copy of them, on disk and in RAM); false (default): the scan "
-        "reads the cache's own keys at each row's position, so that with store_values=false the KV is held once: "
-        "as fast end to end, 28 % less RSS (docs/STRATEGIES.md 'One copy of the KV').",
+        "reads the cache's own keys at each row's position, so that with store_values=false the KV is held once "
+        "(as fast end to end, less RSS: docs/STRATEGIES.md 'One copy of the KV').",
         build=True,
     )
     store_values: bool = option(
@@ -109,8 +109,8 @@ class RoutedOptions(StrategyOptions):
         0,
         "Sub-vectors of the 4-bit residual codes stored per key (index/routed/pq.py; 0: none). rank=keys builds "
         "them with 32 (D/2 under 64 dimensions) when not given: 16 bytes per key. 64 (32 bytes) ranks and weighs "
-        "closer to the true keys: dense's answer on 97 % of 72 held-out questions at 8K against 92 % (docs/EVAL.md "
-        "'pq_m=64 on the suite'; not yet auto's: its GPU cost is not measured).",
+        "closer to the true keys and kept dense's answers more often (docs/EVAL.md 'pq_m=64 on the suite'; not yet "
+        "auto's: its GPU cost is not measured).",
         build=True,
         check=NON_NEGATIVE,
     )
@@ -290,8 +290,8 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             # precision that is half the bytes of fp32 (docs/STRATEGIES.md "routed: the compiled path").
             self._stats = [st.stored_as(torch.bfloat16) for st in self._stats]
             # The layout's own tables (the residual codes' reference, read by the per-key paths) likewise, once the
-            # statistics above are made from them: the device's copies are bf16 or float8 already (3.5 GiB less at
-            # 1M tokens of the Qwen2.5-7B shape; docs/BENCHMARKS.md "RAM at decode").
+            # statistics above are made from them: the device's copies are bf16 or float8 already, and at 1M tokens
+            # these are gigabytes (docs/BENCHMARKS.md "RAM at decode").
             for lay in self.layouts:
                 lay.centroids = lay.centroids.to(torch.bfloat16)
                 lay.value_means = None if lay.value_means is None else lay.value_means.to(torch.bfloat16)
