@@ -71,7 +71,8 @@ def test_auto_passes_its_options_and_the_users_win(built_cache, tmp_path, monkey
         assert store.config.strategy == "routed" and "rank=keys" in store.strategy_reason
         assert store.config.strategy_options == {"rank": "keys", "pq_values": 32}
         o = store.decoder.strategy.options
-        assert o.rank == "keys" and o.pq_m > 0 and o.pq_values == o.pq_m  # value codes, at most D/2 sub-vectors
+        d = store.decoder.strategy.ckv.head_dim
+        assert o.rank == "keys" and o.pq_m == min(64, d) and o.pq_values == d // 2  # key codes: a dimension each
         first = store.ask("What is in the documents?", max_new_tokens=3)
     with KVStore.open(cache, k=8, device="cpu", strategy_options={"rank": "clusters"}) as store:
         assert store.decoder.strategy.options.rank == "clusters"
@@ -99,7 +100,7 @@ def test_prefill_builds_what_auto_will_run(tmp_path, model_factory, docs_dir, mo
         from topk_decode.index.artifacts import recorded_options
 
         recorded = recorded_options(out, "routed")
-        assert recorded["pq_m"] > 0 and recorded["pq_values"] == recorded["pq_m"]
+        assert recorded["pq_values"] > 0 and recorded["pq_m"] == 2 * recorded["pq_values"]  # D and D/2 sub-vectors
     assert ("routed" in facts["strategies"]) == built  # ready: the first question waits for no build
     text = CliRunner().invoke(app, ["info", str(out)]).stdout
     assert f"auto runs {'routed rank=keys' if built else 'flat'}" in text

@@ -242,7 +242,7 @@ def test_keyed_estimate_on_the_device_is_the_torch_paths(clustered_cache, opened
     dev = opened(clustered_cache, "routed", dict(opts, kernel="numba", device_route="true"), lo=3, hi=2990)
     ref = opened(clustered_cache, "routed", dict(opts, kernel="torch"), lo=3, hi=2990)
     routes = dev.device_routes(CPU, [40, 40])
-    assert routes.keyed_layers() == 2 and routes.tables[0].codes.packed.shape == (2, 4, 3000)  # m = 8 → 4 bytes
+    assert routes.keyed_layers() == 2 and routes.tables[0].codes.packed.shape == (2, 8, 3000)  # m = 16 → 8 bytes
     plain = opened(clustered_cache, "routed", dict(opts, estimate_by="clusters", kernel="numba", device_route="true"))
     for layer, seed in ((0, 41), (1, 42)):
         q = _queries(seed=seed)
@@ -394,7 +394,7 @@ def _selection_attention(strat, layer: int, sel) -> tuple[torch.Tensor, torch.Te
     return lse_merge(out, lse, sel.rest.out.float().cpu(), sel.rest.lse.float().cpu())
 
 
-@pytest.mark.parametrize("pq_m", [0, 16])  # rank=keys' default (D/2 sub-vectors), and one dimension per sub-vector
+@pytest.mark.parametrize("pq_m", [0, 8])  # rank=keys' default (one dimension per sub-vector), and two dimensions each
 def test_value_codes_on_the_device_give_the_torch_paths_estimate(clustered_cache, opened, pq_m):
     """rank=keys with pq_values on the device: its estimate holds every unread key's coded value residual, so a layer's
     attention over context ∪ estimate is the torch path's pq_values attention up to the bf16 rounding of the device's

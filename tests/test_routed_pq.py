@@ -72,7 +72,7 @@ def test_rank_keys_builds_codes_and_finds_most_of_the_exact_top_k(grouped_cache)
     n = 3000
     keys = open_cache(grouped_cache).keys[0][:, 4 : n - 16].float()
     strat = _routed(grouped_cache, 4, n - 16, rank="keys", probe_fraction=0.1, estimate=False)
-    assert strat.layouts[0].codes is not None and strat.options.pq_m == pq.default_m(16) == 8
+    assert strat.layouts[0].codes is not None and strat.options.pq_m == pq.default_m(16) == 16
     clusters = _routed(grouped_cache, 4, n - 16, probe_fraction=0.1, estimate=False)
     q = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(1))
     k = 30
@@ -170,14 +170,14 @@ def test_prefill_with_rank_keys_builds_the_codes_and_open_reuses_them(tmp_path, 
     done = artifact_dir(cache, "routed") / "done.json"
     stamp = done.stat().st_mtime_ns
     strat = _routed(cache, 4, 2984, rank="keys")
-    assert done.stat().st_mtime_ns == stamp and strat.layouts[0].codes.codes.shape == (2, 3000, 4)
+    assert done.stat().st_mtime_ns == stamp and strat.layouts[0].codes.codes.shape == (2, 3000, 8)
     # a layout whose codes were kept one per byte (built before `packed_codes`) is rebuilt, not misread
     import json
 
     record = json.loads(done.read_text())
     del record["meta"]["options"]["packed_codes"]
     done.write_text(json.dumps(record))
-    assert _routed(cache, 4, 2984, rank="keys").layouts[0].codes.codes.shape == (2, 3000, 4)
+    assert _routed(cache, 4, 2984, rank="keys").layouts[0].codes.codes.shape == (2, 3000, 8)
     assert json.loads(done.read_text())["meta"]["options"]["packed_codes"] is True
     # a layout built without codes is rebuilt with them when rank=keys asks
     shutil.rmtree(artifact_dir(cache, "routed"))
@@ -218,10 +218,11 @@ def test_with_codes_fills_pq_m_for_rank_keys_and_bounds_pq_values_by_half_the_he
     from topk_decode.index.routed.strategy import RoutedOptions, with_codes
 
     o = with_codes(RoutedOptions(rank="keys", pq_values=32), 128)
-    assert (o.pq_m, o.pq_values) == (32, 32)
+    assert (o.pq_m, o.pq_values) == (64, 32)  # key codes: one dimension per sub-vector, at most 64
+    assert with_codes(RoutedOptions(rank="keys", pq_values=32), 64).pq_m == 64
     assert with_codes(RoutedOptions(rank="keys", pq_values=64), 128).pq_values == 64  # a user's 2-dimension codes
     small = with_codes(RoutedOptions(rank="keys", pq_values=32), 16)  # auto's 32 on 16-dimension heads
-    assert (small.pq_m, small.pq_values) == (8, 8)
+    assert (small.pq_m, small.pq_values) == (16, 8)
     assert with_codes(RoutedOptions(), 128) == RoutedOptions()  # rank=clusters, no value codes: nothing to fill
 
 

@@ -20,7 +20,7 @@ the same arithmetic is a few microseconds of a kernel. So, for the layers whose 
   estimate over the rows not read, summed per cluster (`segment_lse`).
 
 The tables: centroids and mean values, log cluster sizes, sizes (and with `rank=keys` or `estimate_by=keys` the
-residual codes, 16 bytes per key). Where the tables of every layer do not fit
+residual codes, m/2 bytes per key: 32 at the default m = 64). Where the tables of every layer do not fit
 beside `reserve` bytes in the keys' dtype, the mean values (they only feed the estimate) go to float8
 (e4m3, one scale per KV head and dimension), and where that does not fit either, the centroids too (then
 routing ranks with e4m3 rounding, 3 mantissa bits per centroid element: docs/STRATEGIES.md "Routing on

@@ -9,14 +9,14 @@ ranking of whole clusters reaches them within a 4 % read; scoring every key by c
 
 with μ_c its cluster's centroid, q_j the j-th of m sub-vectors of q and B_j the j-th codebook (16 entries of
 D/m dimensions). The codebooks are trained by faiss' `ProductQuantizer` (a hard dependency already), one per
-(layer, KV head); codes are kept as faiss packs them, two sub-vectors per byte (16 bytes per key at m = 32), in
+(layer, KV head); codes are kept as faiss packs them, two sub-vectors per byte (32 bytes per key at m = 64), in
 the layout's row order, and unpacked a block of rows at a time where decoded. The same codes of
 each value's residual to its cluster's mean value (`pq_values`) give the per-key estimate every unread key's own
 approximate value v̄_c + r̂v (index/routed/estimate.py `keyed_rest_part`).
 
 The torch path (index/routed/torch_path.py) scores with the decoded keys μ_c + r̂ (`approximate_scores`, decoded
 block by block: no fp32 copy of the keys is kept), which gives the same scores as the table lookups; the fast form
-(16 bytes per key scanned by lookups inside the captured step on the GPU) is index/routed/device_codes.py.
+(32 bytes per key at the default m scanned by lookups inside the captured step on the GPU) is index/routed/device_codes.py.
 
     >>> import torch
     >>> keys = torch.randn(1, 512, 8)
@@ -34,7 +34,9 @@ import numpy as np
 import torch
 
 NBITS = 4  # bits per sub-vector code: 16 codewords, one LUT of 16 entries per sub-vector
-MAX_M = 32  # sub-vectors per key by default: 16 bytes of codes (docs/EVAL.md's replay measured 32 × 4 bits)
+# sub-vectors per key by default: one dimension each up to 64 (32 bytes of codes), which kept dense's answer more
+# often than 32 on the suite (docs/EVAL.md "pq_m=64 on the GPU")
+MAX_M = 64
 TRAIN_ROWS = 65_536  # residuals per (layer, KV head) the codebooks are trained on (all when fewer)
 SCORE_ROWS = 16_384  # rows decoded at a time by `approximate_scores` (Hkv × 8 MiB of fp32 keys at D = 128)
 
@@ -76,8 +78,8 @@ def packed_bytes(m: int) -> int:
 
 
 def default_m(head_dim: int) -> int:
-    """Sub-vectors per key when `pq_m` is not given: 32, or D/2 for heads under 64 dimensions."""
-    return min(MAX_M, max(1, head_dim // 2))
+    """Sub-vectors per key when `pq_m` is not given: one per dimension, at most 64."""
+    return min(MAX_M, max(1, head_dim))
 
 
 def train_codes(

@@ -108,9 +108,8 @@ class RoutedOptions(StrategyOptions):
     pq_m: int = option(
         0,
         "Sub-vectors of the 4-bit residual codes stored per key (index/routed/pq.py; 0: none). rank=keys builds "
-        "them with 32 (D/2 under 64 dimensions) when not given: 16 bytes per key. 64 (32 bytes) ranks and weighs "
-        "closer to the true keys and kept dense's answers more often (docs/EVAL.md 'pq_m=64 on the suite'; not yet "
-        "auto's: its GPU cost is not measured).",
+        "them with one per dimension, at most 64, when not given: 32 bytes per key at D ≥ 64; 32 sub-vectors (16 "
+        "bytes) kept dense's answers less often (docs/EVAL.md 'pq_m=64 on the GPU').",
         build=True,
         check=NON_NEGATIVE,
     )
