@@ -220,7 +220,9 @@ def test_decoder_routes_on_the_device_in_one_token_steps_and_matches_cpu_routing
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("per_key", [{}, {"estimate_by": "keys"}, {"rank": "keys"}])
+@pytest.mark.parametrize(
+    "per_key", [{}, {"estimate_by": "keys"}, {"rank": "keys"}, {"rank": "keys", "pq_values": 8, "estimate_read": True}]
+)
 def test_captured_cuda_step_routes_on_the_gpu_and_matches_cpu_routing(tmp_path, model_factory, docs_dir, per_key):
     stores, logits = _routed_stores(
         tmp_path, model_factory, docs_dir, "cuda", ("auto", "false"), segments=False, **per_key
@@ -287,6 +289,24 @@ def test_cluster_lse_sums_each_clusters_searchable_rows():
             torch.testing.assert_close(got[h, :, c], want, rtol=1e-5, atol=1e-5)
     lut = code_tables(dc, q, 0.7)
     assert lut.shape == (hkv, 3, 4, 16) and torch.equal(lut[:, :, 3], torch.zeros(hkv, 3, 16))
+
+
+def test_decoder_estimate_read_on_the_device_matches_the_torch_path(tmp_path, model_factory, docs_dir):
+    """rank=keys, value codes and estimate_read through the decoder's one-token segments (eagerly on the CPU): the
+    read rows outside the top-k merged by the device (`read_part`) give the torch path's logits."""
+    opts = {"rank": "keys", "pq_values": 8, "estimate_read": True}
+    stores, logits = _routed_stores(tmp_path, model_factory, docs_dir, "cpu", ("true", "false"), segments=True, **opts)
+    routes = stores["true"].decoder.segments.routes
+    assert (
+        routes is not None and routes.estimate_read and routes.keyed_layers() == stores["true"].decoder.shape.n_layers
+    )
+    assert all(bool(torch.isfinite(r).any()) for r in routes.read_host)  # every layer's host scan wrote its scores
+    # within 4e-3 on the dev box, where leaving the read rows out moves the logits by 0.02-0.03: a tolerance that fails
+    # without them
+    for a, b in zip(logits["true"], logits["false"]):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=1e-2)
+    for store in stores.values():
+        store.close()
 
 
 def test_decoder_keyed_estimate_on_the_device_matches_the_torch_path(tmp_path, model_factory, docs_dir):
@@ -383,6 +403,22 @@ def test_residual_sum_of_the_codes_histogram_equals_the_weighted_decoded_residua
         torch.testing.assert_close(residual_sum(vc, w, block=300), want, rtol=1e-5, atol=1e-4)
 
 
+def test_row_residuals_decode_the_rows_codes():
+    """`row_residuals`: the decoded value residual of each row asked for, as `pq.decode` gives it (an odd m too)."""
+    from topk_decode.index.routed.device_codes import device_value_codes, row_residuals
+
+    gen = torch.Generator().manual_seed(63)
+    for m, d in ((8, 16), (3, 12)):
+        codes = pq.ResidualCodes.packing(
+            torch.randint(0, 16, (2, 500, m), generator=gen, dtype=torch.uint8),
+            torch.randn(2, m, 16, d // m, generator=gen),
+        )
+        vc = device_value_codes(codes, torch.zeros(2, 5, d), torch.float32)
+        rows = torch.randint(0, 500, (2, 37), generator=gen)
+        want = pq.decode(codes).gather(1, rows[..., None].expand(2, 37, d))
+        torch.testing.assert_close(row_residuals(vc, rows), want)
+
+
 def _selection_attention(strat, layer: int, sel) -> tuple[torch.Tensor, torch.Tensor]:
     """A selection's attention over its top-k ∪ its estimate of the rest: out (Hkv, Q, D), lse (Hkv, Q) float32."""
     logits = sel.scores.float() * strat.scale  # (Hkv, Q, K)
@@ -423,6 +459,41 @@ def test_value_codes_on_the_device_give_the_torch_paths_estimate(clustered_cache
         err = (out_d - out_t).abs()
         assert float(err.max()) < 0.05 and float(err.mean()) < 4e-3, (float(err.max()), float(err.mean()))
         assert float((out_d - out_t).norm()) < float((out_d - out_p).norm())
+
+
+@pytest.mark.parametrize("pq_values", [8, 0])
+def test_estimate_read_on_the_device_gives_the_torch_paths_estimate(clustered_cache, opened, pq_values):
+    """estimate_read with rank=keys on the device: the host's scan returns the exact scores of the rows read outside
+    each query's top-k (`read_host`), the device weighs them with their coded values (`read_part`); unread part ∪
+    read part is the torch path's estimate_read attention up to the device's bf16 tables, and closer to it than the
+    device without the read rows."""
+    opts = {"cluster_size": 32, "probe_fraction": 0.05, "rank": "keys", "pq_values": pq_values, "estimate_read": True}
+    dev = opened(clustered_cache, "routed", dict(opts, kernel="numba", device_route="true"), lo=3, hi=2990)
+    ref = opened(clustered_cache, "routed", dict(opts, kernel="torch"), lo=3, hi=2990)
+    k = 40
+    routes = dev.device_routes(CPU, [k, k])
+    assert routes is not None and routes.estimate_read and routes.keyed_layers() == 2
+    for layer, seed in ((0, 71), (1, 72)):
+        q = _queries(seed=seed)
+        hkv, Q, d = q.shape
+        routes.route(layer, q)
+        o, mz = torch.empty(hkv * Q, d, dtype=torch.bfloat16), torch.empty(hkv * Q, 2)
+        sel_d = dev.select_and_attend(layer, q, k, None, o, mz, route=routes.host_route(layer))
+        scores = routes.read_host[layer]  # (Hkv, Q, W): −inf at each query's top-k, exact s·q·k elsewhere
+        width = routes.tables[layer].width
+        assert scores.shape == (hkv, Q, width)
+        assert int(torch.isfinite(scores).sum(-1).min()) == width - k  # every read row but the top-k (no outside)
+        unread, read = routes.estimate_part(layer), routes.read_part(layer)
+        sel_d.rest = RestPart(*lse_merge(*unread, *read))
+        out_d, lse_d = _selection_attention(dev, layer, sel_d)
+        out_t, lse_t = _selection_attention(ref, layer, ref.select(layer, q, k))
+        sel_d.rest = RestPart(*unread)  # the device without the read rows
+        out_u, lse_u = _selection_attention(dev, layer, sel_d)
+        torch.testing.assert_close(lse_d, lse_t, rtol=1e-3, atol=1e-2)
+        err = (out_d - out_t).abs()
+        assert float(err.max()) < 0.05 and float(err.mean()) < 4e-3, (float(err.max()), float(err.mean()))
+        assert float((out_d - out_t).norm()) < float((out_u - out_t).norm())
+        assert float((lse_d - lse_t).abs().max()) < float((lse_u - lse_t).abs().max())
 
 
 def test_rank_keys_in_blocks_reads_runs_of_rows_and_the_device_reads_the_torch_paths(clustered_cache, opened):

@@ -141,11 +141,12 @@ def test_fused_path_is_not_taken_where_the_exact_path_applies(clustered_cache):
 def test_kernel_option_picks_the_compiled_path_wherever_it_applies(clustered_cache, own_cache):
     assert _open(clustered_cache, "routed", {}).kernel  # auto, bf16 keys: compiled
     assert not _open(clustered_cache, "routed", {"spread": True}).kernel  # auto falls back to torch
-    assert not _open(clustered_cache, "routed", {"estimate_read": True}).kernel
+    assert not _open(clustered_cache, "routed", {"estimate_read": True}).kernel  # rank=clusters: the torch path's
+    assert _open(clustered_cache, "routed", {"estimate_read": True, "rank": "keys", "pq_m": 8}).kernel  # the device's
     assert not _open(clustered_cache, "routed", {"kernel": "torch"}).kernel
     with pytest.raises(TopkError, match="kernel=numba is not available: it does not implement spread"):
         _open(clustered_cache, "routed", {"spread": True, "kernel": "numba"})
-    with pytest.raises(TopkError, match="it does not implement estimate_read"):
+    with pytest.raises(TopkError, match="it implements estimate_read=true with rank=keys only"):
         _open(clustered_cache, "routed", {"estimate_read": True, "kernel": "numba"})
     with pytest.raises(TopkError, match="kernel must be auto, torch or numba"):
         _open(clustered_cache, "routed", {"kernel": "fast"})

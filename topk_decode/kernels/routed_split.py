@@ -147,7 +147,7 @@ def _tally_work(filled, clock, tally):
 
 
 @pjit
-def split_layer_par(a, order, take, given, q, qf, qb, k, scale, pieces, buf, out, o16, tally):
+def split_layer_par(a, order, take, given, q, qf, qb, k, scale, pieces, buf, out, o16, read_sc, tally):
     """One device-routed layer (as `scan_layer_par`) in `pieces` equal pieces per round.
 
     Args:
@@ -160,6 +160,9 @@ def split_layer_par(a, order, take, given, q, qf, qb, k, scale, pieces, buf, out
             how many), nothing else is written and the caller retries with a larger one.
         out: `LayerOut`; o16: (Hkv, Q, D) uint16 receives o rounded to bf16 as well (the decoder's part buffer:
             no conversion on the Python side), or (0, Q, D): o only.
+        read_sc: (Hkv, Q, W) float32 receives s·q·k of every row read, −inf at each query's top-k and outside the
+            searchable range and past the head's rows (routed's estimate_read on the device: the read rows outside
+            the top-k join the estimate with their exact weights), or (0, Q, 0): nothing.
         tally: (1,) TALLY record array: the call's counts and times, reduced here so that the Python side does
             no array work.
     """
@@ -221,6 +224,12 @@ def split_layer_par(a, order, take, given, q, qf, qb, k, scale, pieces, buf, out
         ms[h, i], zs[h, i] = slot_weights(
             scores[h, i], cols, scale, w[h, i], np.empty(K, np.float32), np.empty(K, np.float32), np.empty(K, np.int32)
         )
+        if read_sc.shape[0] > 0:
+            for r in range(read_sc.shape[2]):
+                read_sc[h, i, r] = sc[h, i, r] * scale if r < n else -np.inf
+            for t2 in range(K):
+                if cols[t2] >= 0:
+                    read_sc[h, i, cols[t2]] = -np.inf
     tally[0].top_k = cycles()
     for p in prange(pieces):  # the same row ranges as the scan: each piece sums the rows it scanned that were chosen
         hits = np.empty(cap, np.int64)

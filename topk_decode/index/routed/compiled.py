@@ -227,6 +227,7 @@ def split_layer(
     scratch: dict,
     o_bf16: np.ndarray | None = None,
     rows_given: bool = False,
+    read_scores: np.ndarray | None = None,
 ) -> LayerResult:
     """`scan_layer` with the heads' work cut into `threads` equal pieces per round (kernels/routed_split.py), so every
     thread of the team has work however few the KV heads are.
@@ -234,7 +235,9 @@ def split_layer(
     Args: as `scan_layer`; scratch: the caller's dict, which keeps the buffers (grown when a layer needs more
         rows than they hold) across layers and steps; o_bf16: (Hkv, Q, D) uint16 that receives o rounded to
         bf16 too (the decoder's part buffer), or None; rows_given: `order` holds (Hkv, B) layout rows, `take[h]`
-        of them read for head h (rank=keys: the device ranked every key), not clusters.
+        of them read for head h (rank=keys: the device ranked every key), not clusters; read_scores: (Hkv, Q, W)
+        float32 that receives the scaled exact scores of the rows read outside each query's top-k (−inf elsewhere;
+        `split_layer_par`'s read_sc), or None.
     """
     # Called once per layer and step: its Python side is on the critical path (docs/BENCHMARKS.md "huge pages over a whole step, a faster top-k, less Python per layer")
     hkv, Q, d = q.shape
@@ -246,6 +249,8 @@ def split_layer(
         tally = scratch["tally"] = new_tally()
     if o_bf16 is None:
         o_bf16 = reused_buffer(scratch, "no_bf16", (0, Q, d), np.uint16)
+    if read_scores is None:
+        read_scores = reused_buffer(scratch, "no_read", (0, Q, 0), np.float32)
     qp = (Q + GROUP - 1) // GROUP * GROUP
     qf = reused_buffer(scratch, "qf", (hkv, qp, d), np.float32)
     # bf16 bits where the CPU scores with bf16 dot products (kernels/dots.py); a float32 buffer tells the kernel it cannot
@@ -271,6 +276,7 @@ def split_layer(
             buf,
             LayerOut(ids, scores, o, mz),
             o_bf16,
+            read_scores,
             tally,
         )
         c_out = jit.now()

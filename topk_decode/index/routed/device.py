@@ -17,7 +17,10 @@ the same arithmetic is a few microseconds of a kernel. So, for the layers whose 
   (index/routed/device_codes.py `cluster_lse`) instead of n_c·exp(s·q·μ_c);
 - with `rank=keys` (`rank_keys`) the device ranks keys, not clusters: every row's approximate score
   (`row_scores`), the budget's best rows of each head to the host (in row order, in place of the clusters), and the
-  estimate over the rows not read, summed per cluster (`segment_lse`).
+  estimate over the rows not read, summed per cluster (`segment_lse`);
+- with `estimate_read` as well, the rows read but outside a query's top-k join too (`read_part`, a fourth disjoint
+  part, merged once the host's part has come back): the host's scan writes their exact scaled scores (`read_host`,
+  −inf at the top-k), each row's value is its cluster's mean plus its coded residual (`row_residuals`).
 
 The tables: centroids and mean values, log cluster sizes, sizes (and with `rank=keys` or `estimate_by=keys` the
 residual codes, m/2 bytes per key: 32 at the default m = 64). Where the tables of every layer do not fit
@@ -41,6 +44,7 @@ from topk_decode.index.routed.device_codes import (
     Tensors,
     cluster_lse,
     residual_sum,
+    row_residuals,
     row_scores,
     segment_lse,
 )
@@ -147,6 +151,8 @@ class DeviceRoutes:
         key_block: with rank_keys, read blocks of this many consecutive rows (`pq.top_rows`); pad_rows: per layer
             (Hkv, 1) int64 an outside row of each head, read past the last block's end (needed when key_block > 1).
         key_scales: an int8 cache's per layer (Hkv, D) key scales (`LayerTables.kscale`), or None.
+        estimate_read: with rank_keys and the estimate, also weigh the rows read outside each query's top-k by the
+            exact scores the host's scan returns (`read_part`).
     """
 
     def __init__(
@@ -168,8 +174,10 @@ class DeviceRoutes:
         key_block: int = 1,
         pad_rows: list[torch.Tensor] | None = None,
         key_scales: list[torch.Tensor] | None = None,
+        estimate_read: bool = False,
     ) -> None:
         self.device, self.scale, self.estimate = device, scale, estimate
+        self.estimate_read = estimate_read and estimate and rank_keys
         self._key_scales = key_scales
         self._codes, self.rank_keys = codes, rank_keys
         self._row_budgets = row_budgets if row_budgets is not None else budgets
@@ -214,6 +222,12 @@ class DeviceRoutes:
             for t in self.tables
         ]
         self._read: list[tuple[torch.Tensor, ...] | None] = [None] * self.n_layers  # for `estimate_part`
+        # with estimate_read, per layer: (Hkv, G, W) float32 the host's exact scores of the rows read (−inf at the
+        # top-k; pinned), its copy on the device (the same tensor on a CPU), and the (Hkv, W) rows; made at the first
+        # step (G is the queries'), before any capture
+        self.read_host: list[torch.Tensor | None] = [None] * self.n_layers
+        self._read_dev: list[torch.Tensor | None] = [None] * self.n_layers
+        self._read_rows: list[torch.Tensor | None] = [None] * self.n_layers
 
     def _place(self, stats, sizes, bias, budgets, n_tokens, kind, reserve) -> None:
         """Copy the layers' tables to the device in layer order while they fit beside `reserve`."""
@@ -332,6 +346,8 @@ class DeviceRoutes:
             self.order_host[layer].copy_(rows, non_blocking=True)
             if self.estimate:
                 self._read[layer] = (q32, scores, rows, lse)
+            if self.estimate_read:
+                self._keep_rows(layer, rows, q32.shape[1])
             return
         logit = base + t.bias
         share = logit - torch.logsumexp(logit, dim=-1, keepdim=True)
@@ -372,6 +388,40 @@ class DeviceRoutes:
         size = t.log_n if t.codes is None else cluster_lse(t.codes, q32, self.scale)
         rest = unread_part(base + size, read, t.vmeans, bmm=self.vmeans_bmm(t))
         return rest.out, rest.lse
+
+    def _keep_rows(self, layer: int, rows: torch.Tensor, g: int) -> None:
+        """Keep layer `layer`'s rows read (Hkv, W) for `read_part`; the first time, make its buffers."""
+        if self.read_host[layer] is None:
+            hkv, w = rows.shape
+            pin = self.device.type == "cuda"
+            self.read_host[layer] = torch.full((hkv, g, w), float("-inf"), pin_memory=pin)
+            self._read_dev[layer] = torch.empty((hkv, g, w), device=self.device) if pin else self.read_host[layer]
+            self._read_rows[layer] = torch.empty((hkv, w), dtype=torch.int64, device=self.device)
+        self._read_rows[layer].copy_(rows)
+
+    def read_part(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rows layer `layer` read outside each query's top-k (`estimate_read`), once the host's scan has written
+        their exact scaled scores to `read_host`: out (Hkv, G, D) and lse (Hkv, G) float32, each row's value its
+        cluster's mean (+ its coded residual with `pq_values`); None where not asked or the layer sends clusters."""
+        t = self.tables[layer]
+        if not self.estimate_read or t is None or not self.ranks_rows(t):
+            return None
+        logit = self._read_dev[layer]
+        if logit is not self.read_host[layer]:
+            logit.copy_(self.read_host[layer], non_blocking=True)
+        lse = torch.logsumexp(logit, -1)  # (Hkv, G)
+        w = logit.sub(torch.where(torch.isfinite(lse), lse, 0.0)[..., None]).exp_()  # (Hkv, G, W): 0 at −inf
+        return torch.bmm(w, self._row_values(t, self._read_rows[layer])), lse
+
+    def _row_values(self, t: LayerTables, rows: torch.Tensor) -> torch.Tensor:
+        """(Hkv, W, D) float32 the estimate's value of each layout row in `rows` (Hkv, W): its cluster's mean value
+        (the value codes' means with `pq_values`, plus the row's coded residual)."""
+        labels = torch.searchsorted(t.codes.offsets, rows.to(torch.int32), right=True).long() - 1  # (Hkv, W)
+        means = t.vmeans if t.vcodes is None else t.vcodes.means
+        v = means.gather(1, labels[..., None].expand(*labels.shape, means.shape[2])).float()
+        if t.vcodes is not None:
+            return v.add_(row_residuals(t.vcodes, rows))
+        return v if t.vscale is None else v.mul_(t.vscale)
 
     def vmeans_bmm(self, t: LayerTables):
         """The estimate's product p (Hkv, G, C) × a layer's stored mean values → (Hkv, G, D) float32."""

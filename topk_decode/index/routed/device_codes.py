@@ -139,6 +139,16 @@ def residual_sum(vc: DeviceValueCodes, w: torch.Tensor, block: int = RESIDUAL_RO
     return out.reshape(hkv, g, -1)[:, :, : vc.means.shape[2]]  # the padding sub-vector's dimensions dropped
 
 
+def row_residuals(vc: DeviceValueCodes, rows: torch.Tensor) -> torch.Tensor:
+    """(Hkv, W, D) float32 the decoded value residuals r̂ of the layout rows `rows` (Hkv, W) int64 of each head."""
+    hkv, w = rows.shape
+    m2, dsub = vc.packed.shape[1], vc.books.shape[3]
+    p = vc.packed.gather(2, rows[:, None, :].expand(hkv, m2, w)).long()  # (Hkv, m/2, W)
+    codes = torch.stack([p & 0xF, p >> 4], 2).view(hkv, 2 * m2, w)  # sub-vector 2j: the low nibble of byte j
+    r = vc.books.gather(2, codes[..., None].expand(hkv, 2 * m2, w, dsub))  # (Hkv, m, W, D/m)
+    return r.permute(0, 2, 1, 3).reshape(hkv, w, 2 * m2 * dsub)[:, :, : vc.means.shape[2]]
+
+
 def device_codes(
     codes: ResidualCodes,
     offsets: torch.Tensor,

@@ -173,13 +173,16 @@ class RoutedOptions(StrategyOptions):
         check=("auto", "clusters", "keys"),
     )
     estimate_read: bool = option(
-        False, "Add the read keys outside the top-k too (exact weights, cluster-mean values; torch path only)."
+        False,
+        "Add the read keys outside the top-k to the estimate too (exact weights; their cluster's mean value, with "
+        "pq_values plus their coded residual): on the torch path, and with rank=keys in the device's one-token steps "
+        "(index/routed/device.py `read_part`); not in layers that rank clusters.",
     )
     kernel: str = option(
         "auto",
         "auto (numba where it applies, else torch), numba (index/routed/compiled.py: each "
         "layer one compiled call over all KV heads, which also computes the context part; bf16 keys "
-        "and values, neither spread nor estimate_read) or torch (index/routed/torch_path.py, the "
+        "and values, no spread; estimate_read with rank=keys only) or torch (index/routed/torch_path.py, the "
         "exact reference). Both give the same selection and estimate (tests/test_routed_kernel.py).",
         check=("auto", "torch", "numba"),
     )
@@ -346,8 +349,8 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             if self.ckv.dtype not in (*KERNEL_DTYPES, torch.int8)
             else "it does not implement spread=true"
             if self.use_spread
-            else "it does not implement estimate_read=true"
-            if self.estimate_read
+            else "it implements estimate_read=true with rank=keys only"
+            if self.estimate_read and not self.rank_keys
             else None
         )
         if choice == "numba" and why:
@@ -531,6 +534,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             key_block=self.key_block if self.rank_keys else 1,
             pad_rows=[p - self._row_base for p in self._pad_rows] if self.rank_keys and self.key_block > 1 else None,
             key_scales=self.ckv.key_scales,
+            estimate_read=self.estimate_read,
         )
         self.routes = routes if routes.layers_on_device() else None
         if self.routes is not None and self.kernel:  # the torch path runs for a question's tokens only: no fp32 tables
@@ -593,6 +597,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
                     self._split_scratch,
                     o16,
                     rows_given=self.routes is not None and self.routes.sends_rows(layer),  # rows, not clusters
+                    read_scores=self._read_scores(layer),
                 )
             )
         self.stats.extra["kernel_s"] += time.perf_counter() - t  # the compiled call (bench: kernel_ms)
@@ -601,6 +606,12 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         if not mz.is_contiguous():  # mz_np is a buffer of our own
             mz.copy_(torch.from_numpy(mz_np).view(hkv * Q, 2))
         return sel
+
+    def _read_scores(self, layer: int) -> np.ndarray | None:
+        """Where the device weighs the rows read outside the top-k (`estimate_read`), the host buffer their exact
+        scores go to (`DeviceRoutes.read_host`, as numpy), else None."""
+        buf = None if self.routes is None or not self.routes.sends_rows(layer) else self.routes.read_host[layer]
+        return None if buf is None else buf.numpy()
 
     def _part_views(self, o: torch.Tensor, mz: torch.Tensor, shape: tuple) -> tuple[np.ndarray | None, np.ndarray]:
         """Numpy views of the decoder's part buffers for the compiled calls: o's bf16 bits (Hkv, Q, D) uint16
