@@ -365,9 +365,7 @@ def test_rank_keys_on_the_device_reads_the_torch_paths_rows(clustered_cache, ope
     for layer, seed in ((0, 51), (1, 52)):
         q = _queries(seed=seed)
         hkv, Q, d = q.shape
-        routes.route(layer, q)
-        o, mz = torch.empty(hkv * Q, d, dtype=torch.bfloat16), torch.empty(hkv * Q, 2)
-        sel_d = dev.select_and_attend(layer, q, k, None, o, mz, route=routes.host_route(layer))
+        sel_d = _device_select(dev, routes, layer, q, k)
         rows = routes.host_route(layer)[0].long()
         assert bool((rows.diff(dim=1) > 0).all())  # sorted, distinct
         sel_t = ref.select(layer, q, k)
@@ -419,6 +417,15 @@ def test_row_residuals_decode_the_rows_codes():
         torch.testing.assert_close(row_residuals(vc, rows), want)
 
 
+def _device_select(strat, routes, layer: int, q: torch.Tensor, k: int):
+    """One layer's one-token step as the decoder runs it with device routing: the device ranks (`routes.route`), the
+    host's compiled split scans what it sent and attends (`select_and_attend`); the Selection."""
+    hkv, Q, d = q.shape
+    routes.route(layer, q)
+    o, mz = torch.empty(hkv * Q, d, dtype=torch.bfloat16), torch.empty(hkv * Q, 2)
+    return strat.select_and_attend(layer, q, k, None, o, mz, route=routes.host_route(layer))
+
+
 def _selection_attention(strat, layer: int, sel) -> tuple[torch.Tensor, torch.Tensor]:
     """A selection's attention over its top-k ∪ its estimate of the rest: out (Hkv, Q, D), lse (Hkv, Q) float32."""
     logits = sel.scores.float() * strat.scale  # (Hkv, Q, K)
@@ -445,9 +452,7 @@ def test_value_codes_on_the_device_give_the_torch_paths_estimate(clustered_cache
     for layer, seed in ((0, 61), (1, 62)):
         q = _queries(seed=seed)
         hkv, Q, d = q.shape
-        routes.route(layer, q)
-        o, mz = torch.empty(hkv * Q, d, dtype=torch.bfloat16), torch.empty(hkv * Q, 2)
-        sel_d = dev.select_and_attend(layer, q, k, None, o, mz, route=routes.host_route(layer))
+        sel_d = _device_select(dev, routes, layer, q, k)
         sel_d.rest = RestPart(*routes.estimate_part(layer))
         out_d, lse_d = _selection_attention(dev, layer, sel_d)
         out_t, lse_t = _selection_attention(ref, layer, ref.select(layer, q, k))
@@ -476,9 +481,7 @@ def test_estimate_read_on_the_device_gives_the_torch_paths_estimate(clustered_ca
     for layer, seed in ((0, 71), (1, 72)):
         q = _queries(seed=seed)
         hkv, Q, d = q.shape
-        routes.route(layer, q)
-        o, mz = torch.empty(hkv * Q, d, dtype=torch.bfloat16), torch.empty(hkv * Q, 2)
-        sel_d = dev.select_and_attend(layer, q, k, None, o, mz, route=routes.host_route(layer))
+        sel_d = _device_select(dev, routes, layer, q, k)
         scores = routes.read_host[layer]  # (Hkv, Q, W): −inf at each query's top-k, exact s·q·k elsewhere
         width = routes.tables[layer].width
         assert scores.shape == (hkv, Q, width)
