@@ -143,10 +143,11 @@ def test_kernel_option_picks_the_compiled_path_wherever_it_applies(clustered_cac
     assert not _open(clustered_cache, "routed", {"spread": True}).kernel  # auto falls back to torch
     assert not _open(clustered_cache, "routed", {"estimate_read": True}).kernel  # rank=clusters: the torch path's
     assert _open(clustered_cache, "routed", {"estimate_read": True, "rank": "keys", "pq_m": 8}).kernel  # the device's
+    assert not _open(clustered_cache, "routed", {"estimate_read": True, "rank": "keys", "estimate": False}).kernel
     assert not _open(clustered_cache, "routed", {"kernel": "torch"}).kernel
     with pytest.raises(TopkError, match="kernel=numba is not available: it does not implement spread"):
         _open(clustered_cache, "routed", {"spread": True, "kernel": "numba"})
-    with pytest.raises(TopkError, match="it implements estimate_read=true with rank=keys only"):
+    with pytest.raises(TopkError, match="it implements estimate_read=true only with rank=keys and estimate=true"):
         _open(clustered_cache, "routed", {"estimate_read": True, "kernel": "numba"})
     with pytest.raises(TopkError, match="kernel must be auto, torch or numba"):
         _open(clustered_cache, "routed", {"kernel": "fast"})

@@ -182,7 +182,7 @@ class RoutedOptions(StrategyOptions):
         "auto",
         "auto (numba where it applies, else torch), numba (index/routed/compiled.py: each "
         "layer one compiled call over all KV heads, which also computes the context part; bf16 keys "
-        "and values, no spread; estimate_read with rank=keys only) or torch (index/routed/torch_path.py, the "
+        "and values, no spread; estimate_read with rank=keys and the estimate only) or torch (index/routed/torch_path.py, the "
         "exact reference). Both give the same selection and estimate (tests/test_routed_kernel.py).",
         check=("auto", "torch", "numba"),
     )
@@ -349,8 +349,8 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             if self.ckv.dtype not in (*KERNEL_DTYPES, torch.int8)
             else "it does not implement spread=true"
             if self.use_spread
-            else "it implements estimate_read=true with rank=keys only"
-            if self.estimate_read and not self.rank_keys
+            else "it implements estimate_read=true only with rank=keys and estimate=true"
+            if self.estimate_read and not (self.rank_keys and self.estimate)
             else None
         )
         if choice == "numba" and why:
