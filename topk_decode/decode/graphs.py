@@ -177,7 +177,7 @@ class StepSegments:
             self.part_o_dev[l].copy_(self.part_o[l], non_blocking=True)
             self.part_mz_dev[l].copy_(self.part_mz[l], non_blocking=True)
         win_out, win_lse = self.win_out[l], self.win_lse[l]
-        rest = self.routes.read_part(l) if self.routes is not None and self.routes.handles(l) else None
+        rest = self.routes.read_part(l) if self.routes is not None else None
         if rest is not None:  # the rows read outside the top-k (routed's estimate_read): one more disjoint part
             win_out, win_lse = lse_merge(win_out, win_lse, rest[0].view_as(win_out), rest[1].view_as(win_lse))
         return self.xs[l], win_out, win_lse, self.part_o_dev[l], self.part_mz_dev[l]

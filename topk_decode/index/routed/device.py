@@ -48,7 +48,7 @@ from topk_decode.index.routed.device_codes import (
     row_scores,
     segment_lse,
 )
-from topk_decode.index.routed.estimate import unread_part
+from topk_decode.index.routed.estimate import softmax_weights, unread_part
 from topk_decode.index.routed.pq import top_rows
 
 # Free device memory kept beside the tables for the step itself (its graphs' temporaries, the window).
@@ -409,8 +409,7 @@ class DeviceRoutes:
         logit = self._read_dev[layer]
         if logit is not self.read_host[layer]:
             logit.copy_(self.read_host[layer], non_blocking=True)
-        lse = torch.logsumexp(logit, -1)  # (Hkv, G)
-        w = logit.sub(torch.where(torch.isfinite(lse), lse, 0.0)[..., None]).exp_()  # (Hkv, G, W): 0 at −inf
+        w, lse = softmax_weights(logit)  # (Hkv, G, W): 0 at −inf; (Hkv, G)
         return torch.bmm(w, self._row_values(t, self._read_rows[layer])), lse
 
     def _row_values(self, t: LayerTables, rows: torch.Tensor) -> torch.Tensor:

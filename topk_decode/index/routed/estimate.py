@@ -104,11 +104,15 @@ def unread_part(logit: torch.Tensor, read: torch.Tensor, value_means: torch.Tens
         value_means: (Hkv, C, D) float32 v̄_c.
         bmm: the batched product p·v̄ (index/routed/device.py passes one that reads stored low-precision means).
     """
-    logit = logit.masked_fill(read[:, None, :], float("-inf"))
-    lse = torch.logsumexp(logit, dim=-1)  # (Hkv, Q)
-    finite = torch.isfinite(lse)
-    p = (logit - torch.where(finite, lse, 0.0)[..., None]).exp_()  # (Hkv, Q, C), 0 where −inf
+    p, lse = softmax_weights(logit.masked_fill(read[:, None, :], float("-inf")))  # (Hkv, Q, C), (Hkv, Q)
     return RestPart(out=bmm(p, value_means), lse=lse)
+
+
+def softmax_weights(logit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """exp(logit − lse) and lse = logsumexp(logit) over the last axis: weights 0 where logit is −inf, lse −inf (and
+    every weight 0) where all of a query's are."""
+    lse = torch.logsumexp(logit, dim=-1)
+    return (logit - torch.where(torch.isfinite(lse), lse, 0.0)[..., None]).exp_(), lse
 
 
 def read_rest_part(
@@ -151,9 +155,7 @@ def keyed_rest_part(
         value_codes: (Hkv, N, m) codes of every row's v − v̄_c (index/routed/pq.py), or None.
     """
     hkv, Q, n = logit.shape
-    lse = torch.logsumexp(logit, dim=-1)  # (Hkv, Q)
-    finite = torch.isfinite(lse)
-    w = (logit - torch.where(finite, lse, 0.0)[..., None]).exp_()  # (Hkv, Q, N), 0 where −inf
+    w, lse = softmax_weights(logit)  # (Hkv, Q, N), (Hkv, Q)
     per_cluster = torch.zeros((hkv, Q, value_means.shape[1])).scatter_add_(-1, labels[:, None, :].expand(hkv, Q, n), w)
     out = torch.bmm(per_cluster, value_means.float())
     if value_codes is not None:  # Σ_i w_i·r̂_i, the residuals decoded a block of rows at a time
