@@ -322,7 +322,7 @@ def test_decoder_keyed_estimate_on_the_device_matches_the_torch_path(tmp_path, m
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [32, 64])  # 4 and 2 dimensions per sub-vector
+@pytest.mark.parametrize("m", [32, 64, 128])  # 4, 2 and 1 dimensions per sub-vector
 def test_cluster_lse_triton_kernel_gives_the_torch_reference(m):
     """The Triton kernel (CUDA) and the torch ops (CPU) give one per-cluster log-sum-exp, with 7 query heads (padded
     to 8 in the kernel), empty clusters and clusters longer than the kernel's block."""
