@@ -72,7 +72,7 @@ def test_auto_passes_its_options_and_the_users_win(built_cache, tmp_path, monkey
         assert store.config.strategy_options == {"rank": "keys", "pq_values": 32}
         o = store.decoder.strategy.options
         d = store.decoder.strategy.ckv.head_dim
-        assert o.rank == "keys" and o.pq_m == min(64, d) and o.pq_values == d // 2  # key codes: a dimension each
+        assert o.rank == "keys" and o.pq_m == min(128, d) and o.pq_values == d // 2  # key codes: a dimension each
         first = store.ask("What is in the documents?", max_new_tokens=3)
     with KVStore.open(cache, k=8, device="cpu", strategy_options={"rank": "clusters"}) as store:
         assert store.decoder.strategy.options.rank == "clusters"

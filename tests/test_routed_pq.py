@@ -218,8 +218,9 @@ def test_with_codes_fills_pq_m_for_rank_keys_and_bounds_pq_values_by_half_the_he
     from topk_decode.index.routed.strategy import RoutedOptions, with_codes
 
     o = with_codes(RoutedOptions(rank="keys", pq_values=32), 128)
-    assert (o.pq_m, o.pq_values) == (64, 32)  # key codes: one dimension per sub-vector, at most 64
+    assert (o.pq_m, o.pq_values) == (128, 32)  # key codes: one dimension per sub-vector, at most 128
     assert with_codes(RoutedOptions(rank="keys", pq_values=32), 64).pq_m == 64
+    assert with_codes(RoutedOptions(rank="keys"), 256).pq_m == 128
     assert with_codes(RoutedOptions(rank="keys", pq_values=64), 128).pq_values == 64  # a user's 2-dimension codes
     small = with_codes(RoutedOptions(rank="keys", pq_values=32), 16)  # auto's 32 on 16-dimension heads
     assert (small.pq_m, small.pq_values) == (16, 8)

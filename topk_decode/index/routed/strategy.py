@@ -108,8 +108,9 @@ class RoutedOptions(StrategyOptions):
     pq_m: int = option(
         0,
         "Sub-vectors of the 4-bit residual codes stored per key (index/routed/pq.py; 0: none). rank=keys builds "
-        "them with one per dimension, at most 64, when not given: 32 bytes per key at D ≥ 64; 32 sub-vectors (16 "
-        "bytes) kept dense's answers less often (docs/EVAL.md 'pq_m=64 on the GPU').",
+        "them with one per dimension, at most 128, when not given: D/2 bytes per key; two or four dimensions per "
+        "sub-vector kept dense's answers less often (docs/EVAL.md 'pq_m=64 on the GPU', 'Key codes on a d = 128 "
+        "model at 16K and 32K').",
         build=True,
         check=NON_NEGATIVE,
     )
