@@ -228,14 +228,32 @@ def test_with_codes_fills_pq_m_for_rank_keys_and_bounds_pq_values_by_half_the_he
 
 
 def test_codes_trained_by_several_threads_equal_one_threads():
-    """train_codes trains the KV heads in parallel: the same codes and codebooks as one head after another (each
-    head's training sample is drawn in head order)."""
+    """train_codes trains the KV heads' sub-vectors in parallel: the same codes and codebooks as one head after
+    another (each head's training sample is drawn in head order), with fewer or more threads than heads."""
     gen = torch.Generator().manual_seed(70)
     keys = torch.randn(3, 70_000, 16, generator=gen)  # more rows than TRAIN_ROWS: each head draws a sample
     cent = torch.randn(3, 50, 16, generator=gen)
     labels = torch.randint(0, 50, (3, 70_000), generator=gen)
-    one, three = (pq.train_codes(keys, cent, labels, 4, threads=t) for t in (1, 3))
-    assert torch.equal(one.codes, three.codes) and torch.equal(one.codebooks, three.codebooks)
+    one, three, eight = (pq.train_codes(keys, cent, labels, 4, threads=t) for t in (1, 3, 8))
+    for other in (three, eight):
+        assert torch.equal(one.codes, other.codes) and torch.equal(one.codebooks, other.codebooks)
+
+
+@pytest.mark.parametrize("m", [4, 16])  # 4 dimensions per sub-vector, and one
+def test_codes_are_faiss_product_quantizers(m):
+    """Each head's codebooks and codes are those of faiss' `ProductQuantizer` trained on its residuals."""
+    import faiss
+
+    gen = torch.Generator().manual_seed(72)
+    keys, cent = torch.randn(2, 3000, 16, generator=gen), torch.randn(2, 40, 16, generator=gen)
+    labels = torch.randint(0, 40, (2, 3000), generator=gen)
+    got = pq.train_codes(keys, cent, labels, m, threads=5)
+    for h in range(2):
+        res = (keys[h] - cent[h][labels[h]]).numpy()
+        want = faiss.ProductQuantizer(16, m, pq.NBITS)
+        want.train(res)
+        assert torch.equal(got.codebooks[h].flatten(), torch.from_numpy(faiss.vector_to_array(want.centroids)))
+        assert torch.equal(got.codes[h], torch.from_numpy(want.compute_codes(res)))
 
 
 def test_codes_trained_by_several_threads_under_inference_mode():

@@ -86,9 +86,9 @@ def default_m(head_dim: int) -> int:
 def train_codes(
     keys: torch.Tensor, centroids: torch.Tensor, labels: torch.Tensor, m: int, threads: int | None = None
 ) -> ResidualCodes:
-    """Train and encode the residuals of every KV head of one layer: the heads trained in parallel, then the rows
-    encoded in chunks over every thread (a layer has fewer KV heads than a host has cores: 4 of 16 at 1M tokens of
-    the Qwen2.5-7B shape).
+    """Train and encode the residuals of every KV head of one layer: the sub-vectors of every head trained in
+    parallel (the codebooks `ProductQuantizer.train` gives, one `Clustering` each), then the rows encoded in chunks
+    over every thread (a layer has fewer KV heads than a host has cores: 2 of 8 on Qwen2.5-Coder-1.5B).
 
     Args:
         keys: (Hkv, N, D) the layer's keys in layout row order.
@@ -110,11 +110,20 @@ def train_codes(
     residuals = keys.float() - row_centroids(centroids, labels)  # (Hkv, N, D)
     workers = threads or default_threads()
 
-    def train(h: int):
-        res = residuals[h].numpy()
+    dsub = d // m
+    train_rows = [residuals[h].numpy() if samples[h] is None else residuals[h].numpy()[samples[h]] for h in range(hkv)]
+    params = faiss.ProductQuantizer(d, m, NBITS).cp  # faiss' own: `ProductQuantizer.train` clusters with these
+
+    def train(task: tuple[int, int, int]) -> None:
+        h, j0, j1 = task  # sub-vectors j0..j1 of one head, each as `ProductQuantizer.train` does them
+        for j in range(j0, j1):
+            clus = faiss.Clustering(dsub, 1 << NBITS, params)
+            clus.train(np.ascontiguousarray(train_rows[h][:, j * dsub : (j + 1) * dsub]), faiss.IndexFlatL2(dsub))
+            books[h, j] = torch.from_numpy(faiss.vector_to_array(clus.centroids).reshape(1 << NBITS, dsub))
+
+    def quantizer(h: int):
         pq = faiss.ProductQuantizer(d, m, NBITS)
-        pq.train(np.ascontiguousarray(res if samples[h] is None else res[samples[h]]))
-        books[h] = torch.from_numpy(faiss.vector_to_array(pq.centroids).reshape(m, 1 << NBITS, d // m))
+        faiss.copy_array_to_vector(books[h].numpy().ravel(), pq.centroids)
         return pq
 
     chunk = max(4096, -(-hkv * n // (4 * workers)))  # rows per encoding task: ~4 tasks per worker
@@ -126,7 +135,9 @@ def train_codes(
 
     pool = HeadPool(workers)
     try:
-        quantizers = pool.map(train, range(hkv))
+        per = -(-m // -(-workers // hkv))  # sub-vectors per training task: every worker busy, no more tasks
+        pool.map(train, [(h, j, min(m, j + per)) for h in range(hkv) for j in range(0, m, per)])
+        quantizers = [quantizer(h) for h in range(hkv)]
         pool.map(encode, [(h, a) for h in range(hkv) for a in range(0, n, chunk)])
     finally:
         pool.close()
