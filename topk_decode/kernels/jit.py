@@ -62,6 +62,12 @@ def pjit(fn):
     return numba.njit(nogil=True, cache=True, fastmath=FASTMATH, parallel=True)(fn)
 
 
+def pjit_ieee(fn):
+    """`pjit` without fast-math: each operation rounded as written, so results equal a C reference's bit for bit
+    (kernels/pq_codes.py: faiss' codes)."""
+    return numba.njit(nogil=True, cache=True, parallel=True)(fn)
+
+
 prange = numba.prange
 
 

@@ -87,8 +87,9 @@ def train_codes(
     keys: torch.Tensor, centroids: torch.Tensor, labels: torch.Tensor, m: int, threads: int | None = None
 ) -> ResidualCodes:
     """Train and encode the residuals of every KV head of one layer: the sub-vectors of every head trained in
-    parallel (the codebooks `ProductQuantizer.train` gives, one `Clustering` each), then the rows encoded in chunks
-    over every thread (a layer has fewer KV heads than a host has cores: 2 of 8 on Qwen2.5-Coder-1.5B).
+    parallel (the codebooks `ProductQuantizer.train` gives, one `Clustering` each), then the rows encoded over every
+    thread (a layer has fewer KV heads than a host has cores: 2 of 8 on Qwen2.5-Coder-1.5B): by faiss'
+    `compute_codes` in chunks, or at one dimension per sub-vector by kernels/pq_codes.py (the same codes).
 
     Args:
         keys: (Hkv, N, D) the layer's keys in layout row order.
@@ -137,8 +138,16 @@ def train_codes(
     try:
         per = -(-m // -(-workers // hkv))  # sub-vectors per training task: every worker busy, no more tasks
         pool.map(train, [(h, j, min(m, j + per)) for h in range(hkv) for j in range(0, m, per)])
-        quantizers = [quantizer(h) for h in range(hkv)]
-        pool.map(encode, [(h, a) for h in range(hkv) for a in range(0, n, chunk)])
+        if dsub == 1:  # faiss' own nearest codewords, in one compiled loop (kernels/pq_codes.py: ~15× faster)
+            from topk_decode.kernels.jit import set_threads
+            from topk_decode.kernels.pq_codes import nearest_codes_1d
+
+            set_threads(workers)
+            for h in range(hkv):
+                nearest_codes_1d(residuals[h].numpy(), books[h, :, :, 0].contiguous().numpy(), codes[h].numpy())
+        else:
+            quantizers = [quantizer(h) for h in range(hkv)]
+            pool.map(encode, [(h, a) for h in range(hkv) for a in range(0, n, chunk)])
     finally:
         pool.close()
     return ResidualCodes(codes, books)
