@@ -8,8 +8,9 @@ ranking of whole clusters reaches them within a 4 % read; scoring every key by c
     q·k ≈ q·μ_c + Σ_j LUT_j[code_j],   LUT_j[b] = q_j·B_j[b]
 
 with μ_c its cluster's centroid, q_j the j-th of m sub-vectors of q and B_j the j-th codebook (16 entries of
-D/m dimensions). The codebooks are trained by faiss' `ProductQuantizer` (a hard dependency already), one per
-(layer, KV head); codes are kept as faiss packs them, two sub-vectors per byte (32 bytes per key at m = 64), in
+D/m dimensions). The codebooks are faiss' `ProductQuantizer`'s (a hard dependency already), one per (layer, KV
+head), its sub-vectors trained in parallel; the codes are faiss' too (at one dimension per sub-vector computed by
+kernels/pq_codes.py), kept as faiss packs them, two sub-vectors per byte (64 bytes per key at m = 128), in
 the layout's row order, and unpacked a block of rows at a time where decoded. The same codes of
 each value's residual to its cluster's mean value (`pq_values`) give the per-key estimate every unread key's own
 approximate value v̄_c + r̂v (index/routed/estimate.py `keyed_rest_part`).
