@@ -663,3 +663,62 @@ def test_decoder_ranks_keys_on_the_device_and_matches_the_torch_path(tmp_path, m
         torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=5e-2)
     for store in stores.values():
         store.close()
+
+
+def test_coarsened_codes_decode_about_as_well_as_codes_trained_at_half_the_sub_vectors():
+    """`device_codes.coarsened` makes codes of m/2 sub-vectors from the m-codes alone (a weighted k-means of each
+    byte's 256 combined codewords): they decode the keys' residuals within 25 % of the error of codes trained on the
+    residuals at m/2, far below codes at m/4; each row's coarse code is its byte's nearest coarse codeword."""
+    from topk_decode.index.routed.device_codes import coarsened, device_codes
+
+    gen = torch.Generator().manual_seed(80)
+    hkv, n, d = 2, 20_000, 32
+    keys = torch.randn(hkv, n, d, generator=gen) @ (0.3 * torch.randn(d, d, generator=gen) + torch.eye(d))
+    zero, labels = torch.zeros(hkv, 1, d), torch.zeros(hkv, n, dtype=torch.long)
+    offsets, outside = torch.tensor([[0, n]] * hkv), torch.zeros(hkv * n, dtype=torch.bool)
+
+    def codes_at(m):
+        return device_codes(pq.train_codes(keys, zero, labels, m, threads=2), offsets, outside, zero, zero)
+
+    def error(dc):
+        m2, dsub = dc.packed.shape[1], dc.books.shape[3]
+        p = dc.packed.long()
+        codes = torch.stack([p & 0xF, p >> 4], 2).view(hkv, 2 * m2, n)
+        r = dc.books.gather(2, codes[..., None].expand(hkv, 2 * m2, n, dsub)).permute(0, 2, 1, 3).reshape(hkv, n, d)
+        return float((keys - r).square().sum(-1).mean() / keys.square().sum(-1).mean())
+
+    fine = codes_at(32)
+    coarse = coarsened(fine)
+    assert coarse.packed.shape == (hkv, 8, n) and coarse.books.shape == (hkv, 16, 16, 2)
+    assert error(fine) < error(coarse) < 1.25 * error(codes_at(16)) < error(codes_at(8))
+    p, c = fine.packed.long(), coarse.packed.long()
+    points = torch.cat([fine.books[0, 0][p[0, 0] & 0xF], fine.books[0, 1][p[0, 0] >> 4]], -1)  # (N, 2) row's point
+    assert torch.equal(torch.cdist(points, coarse.books[0, 0]).argmin(-1), c[0, 0] & 0xF)
+    with pytest.raises(ValueError, match="cannot be halved"):
+        coarsened(codes_at(2))
+
+
+def test_key_codes_are_coarsened_so_that_every_layers_fit(clustered_cache, opened, monkeypatch):
+    """Where every layer's key codes do not fit the device but half-size ones do, each layer ranks keys by codes
+    coarsened once (rather than the first layers by fine codes and the rest by clusters), and opening says so."""
+    from topk_decode.index.routed import device
+    from topk_decode.index.routed.device_codes import DeviceCodes
+
+    opts = {"cluster_size": 32, "probe_fraction": 0.05, "rank": "keys", "pq_m": 16, "kernel": "numba"}
+    dev = opened(clustered_cache, "routed", dict(opts, device_route="true"), lo=3, hi=2990)
+    k = 40
+    fine = dev.device_routes(CPU, [k, k])
+    assert fine.code_halvings == 0 and fine.keyed_layers() == 2
+    need = sum(t.codes.nbytes() for t in fine.tables)
+    packed = sum(t.codes.packed.numel() for t in fine.tables)
+    room = need - packed // 2 + device.DEFAULT_RESERVE  # every layer at half the codes, beside the reserve
+    monkeypatch.setattr(DeviceRoutes, "_fits", lambda self, nbytes: nbytes <= room)
+    monkeypatch.setattr(device, "MIN_COARSE_M", 4)  # D = 16 here: halve 16 sub-vectors to 8
+    with pytest.warns(TopkWarning, match="coarsened from 16 to 8 sub-vectors"):
+        routes = dev.device_routes(CPU, [k, k])
+    assert routes.code_halvings == 1 and routes.keyed_layers() == 2
+    for t in routes.tables:
+        assert isinstance(t.codes, DeviceCodes) and t.codes.books.shape[1] == 8
+    q = _queries(seed=56)
+    sel, out, lse = _device_part(dev, routes, 1, q, k)
+    assert sel.ids.shape == (q.shape[0], q.shape[1], k) and bool(torch.isfinite(lse).all())

@@ -307,6 +307,7 @@ def _device_routes_row(decoder) -> dict:
         "device_values": routes.values_kind,
         "device_route_gib": _gib(routes.nbytes()),
         "device_keyed_layers": routes.keyed_layers(),
+        "device_key_code_halvings": routes.code_halvings,
         "device_value_coded_layers": routes.value_coded_layers(),
     }
 

@@ -43,6 +43,7 @@ from topk_decode.index.routed.device_codes import (
     DeviceValueCodes,
     Tensors,
     cluster_lse,
+    coarsened,
     residual_sum,
     row_residuals,
     row_scores,
@@ -53,6 +54,7 @@ from topk_decode.index.routed.pq import top_rows
 
 # Free device memory kept beside the tables for the step itself (its graphs' temporaries, the window).
 DEFAULT_RESERVE = 384 << 20
+MIN_COARSE_M = 16  # key codes are coarsened (`_place_codes`) down to this many sub-vectors, no further
 # The tables' precisions, most exact first: what `values="auto"` tries in turn (see `DeviceRoutes`).
 TABLE_KINDS = ("keys", "fp8-values", "fp8")
 _FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -190,6 +192,7 @@ class DeviceRoutes:
         self.n_layers = len(stats)
         hkv = sizes[0].shape[0]
         self.tables: list[LayerTables | None] = [None] * self.n_layers
+        self.code_halvings = 0  # how many times the key codes were halved to fit (`_place_codes`)
         kinds = list(TABLE_KINDS) if values == "auto" else [values]
         if _FP8 is None:
             kinds = ["keys"]
@@ -242,12 +245,20 @@ class DeviceRoutes:
     def _place_codes(self, n_tokens: int, reserve: int) -> None:
         """Add the residual codes to the placed layers in layer order while they fit beside `reserve`: every layer's
         cluster tables come first (a layer without them routes on the CPU, by far the slowest), so a layer whose
-        codes do not fit ranks and estimates by clusters on the device; then the value codes (`pq_values`) the same
-        way, after every layer's key codes (per-key ranking keeps more of dense's answers than the value codes add:
-        docs/EVAL.md), so a layer without them estimates its unread keys' values by their clusters' means."""
+        codes do not fit ranks and estimates by clusters on the device. Where the codes of every placed layer do not
+        fit but coarser ones would, every layer's are coarsened (`device_codes.coarsened`, half the bytes each time)
+        the fewest times that make them fit, down to `MIN_COARSE_M` sub-vectors: a layer ranking keys by coarser codes
+        keeps dense's answer more often than one ranking clusters (docs/EVAL.md "Key codes under a GPU budget").
+        Then the value codes (`pq_values`) the same way, after every layer's key codes (per-key ranking keeps more of
+        dense's answers than the value codes add: docs/EVAL.md), so a layer without them estimates its unread keys'
+        values by their clusters' means."""
+        placed = [c for t, c in zip(self.tables, self._codes) if t is not None]
+        self.code_halvings = self._halvings(placed, reserve)
         for t, codes, rows in zip(self.tables, self._codes, self._row_budgets):
             if t is None:
                 break
+            for _ in range(self.code_halvings):
+                codes = coarsened(codes)
             t.codes = self._moved(codes, reserve)
             if t.codes is None:
                 break
@@ -260,6 +271,30 @@ class DeviceRoutes:
             t.vcodes = self._moved(vcodes, reserve)
             if t.vcodes is None:
                 break
+
+    def _halvings(self, codes: list[DeviceCodes], reserve: int) -> int:
+        """How many times every layer's key codes are halved: the fewest for all of them to fit beside `reserve` (0
+        where they fit as built), or as many as `MIN_COARSE_M` allows where none does (the most layers keyed)."""
+        if not codes:
+            return 0
+        m = codes[0].books.shape[1]
+        packed = sum(c.packed.numel() for c in codes)  # halved by each halving; the rest is not
+        rest = sum(c.nbytes() for c in codes) - packed
+        r = 0
+        while not self._fits(rest + (packed >> r) + reserve) and m >> r >= 2 * MIN_COARSE_M and (m >> r) % 4 == 0:
+            r += 1
+        return r
+
+    def _fits(self, nbytes: int) -> bool:
+        """Whether `nbytes` more fit on the device now (CUDA: one probe allocation; elsewhere always)."""
+        if self.device.type != "cuda":
+            return True
+        try:
+            probe = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        except torch.OutOfMemoryError:
+            return False
+        del probe
+        return True
 
     def _moved(self, tensors: Tensors, reserve: int) -> Tensors | None:
         """`tensors` on the device if they fit beside `reserve`, else None (the copy freed)."""

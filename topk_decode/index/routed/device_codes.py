@@ -181,6 +181,52 @@ def device_codes(
     return DeviceCodes(packed, books, offsets.to(torch.int32), bits, fix_ids, fix_delta)
 
 
+def coarsened(codes: DeviceCodes, iters: int = 20) -> DeviceCodes:
+    """The same codes at half the sub-vectors (half the bytes per key), made from the codes alone.
+
+    Each byte holds the codes (a, b) of sub-vectors 2j and 2j + 1: one of 256 combined codewords (B_2j[a], B_2j+1[b]).
+    A k-means of those 256 points into 16, weighted by how many rows hold each byte, gives sub-vector j of the coarse
+    codes: its codebook (the 16 means) and every row's code (the mean its byte's point joined). No key is read: a
+    layer's codes are coarsened where they are, in a few milliseconds, when the fine ones do not fit the device
+    (index/routed/device.py `_place_codes`). m must be a multiple of 4 (the coarse codes are two per byte too).
+    """
+    hkv, m2, n = codes.packed.shape
+    _, m, _, dsub = codes.books.shape
+    if m % 4:
+        raise ValueError(f"{m} sub-vectors cannot be halved into whole bytes")
+    b = torch.arange(256)
+    lo, hi = codes.books[:, 0::2].index_select(2, b & 0xF), codes.books[:, 1::2].index_select(2, b >> 4)
+    points = torch.cat([lo, hi], -1)  # (Hkv, m/2, 256, 2·dsub) the byte value v's point: (B_2j[v & 15], B_2j+1[v >> 4])
+    packed = codes.packed.numpy()
+    weight = torch.from_numpy(
+        np.stack([np.bincount(packed[h, j], minlength=256) for h in range(hkv) for j in range(m2)]).astype(np.float32)
+    )
+    means, join = _weighted_kmeans(points.flatten(0, 1), weight, _WORDS, iters)
+    join = join.view(hkv, m2, 256).to(torch.uint8).numpy()
+    coarse = np.empty((hkv, m2 // 2, n), np.uint8)
+    for h in range(hkv):
+        for j in range(0, m2, 2):  # rows' coarse codes of sub-vectors j and j + 1, two per byte
+            coarse[h, j // 2] = join[h, j][packed[h, j]] | (join[h, j + 1][packed[h, j + 1]] << 4)
+    books = means.view(hkv, m2, _WORDS, 2 * dsub).contiguous()
+    return DeviceCodes(torch.from_numpy(coarse), books, codes.offsets, codes.searchable, codes.fix_ids, codes.fix_delta)
+
+
+def _weighted_kmeans(x: torch.Tensor, w: torch.Tensor, k: int, iters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batched weighted k-means: x (P, S, d) points with weights w (P, S) → means (P, k, d), each point's mean (P, S).
+    Seeded with each batch's k heaviest points; a mean that loses all its weight keeps its place."""
+    means = x.gather(1, w.topk(k, dim=1).indices[:, :, None].expand(-1, -1, x.shape[2]))
+    xw, x2 = x * w[:, :, None], x.square().sum(-1, keepdim=True)
+    for step in range(iters + 1):
+        d2 = x2 - 2 * torch.bmm(x, means.transpose(1, 2)) + means.square().sum(-1)[:, None, :]  # (P, S, k)
+        join = d2.argmin(-1)
+        if step == iters:
+            return means, join
+        member = torch.nn.functional.one_hot(join, k).to(x.dtype).transpose(1, 2)  # (P, k, S)
+        total = torch.bmm(member, w[:, :, None])  # (P, k, 1)
+        means = torch.where(total > 0, torch.bmm(member, xw) / total.clamp(min=1e-30), means)
+    return means, join
+
+
 def code_tables(codes: DeviceCodes, q32: torch.Tensor, scale: float) -> torch.Tensor:
     """(Hkv, G, m, 16) float32 s·q_j·B_j[b]: each query's score of every codeword, per sub-vector.
 

@@ -541,6 +541,15 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         if self.routes is not None and self.kernel:  # the torch path runs for a question's tokens only: no fp32 tables
             self._cent_t, self._vmeans = [None] * self.ckv.n_layers, [None] * self.ckv.n_layers
         keyed = 0 if self.routes is None else self.routes.keyed_layers()
+        if self.routes is not None and self.routes.code_halvings:
+            m = self.options.pq_m
+            warnings.warn(
+                f"routed: the key codes are coarsened from {m} to {m >> self.routes.code_halvings} sub-vectors per key "
+                f"so that more layers' fit the {device.type} beside the model ({keyed} of {self.ckv.n_layers} layers "
+                "rank keys); a larger GPU memory budget keeps them finer",
+                TopkWarning,
+                stacklevel=2,
+            )
         if self.routes is not None and (self.rank_keys or self.estimate_keys) and keyed < self.ckv.n_layers:
             warnings.warn(
                 f"routed: the residual codes of {keyed} of {self.ckv.n_layers} layers fit the {device.type} beside the "
