@@ -221,9 +221,9 @@ def _weighted_kmeans(x: torch.Tensor, w: torch.Tensor, k: int, iters: int) -> tu
         join = d2.argmin(-1)
         if step == iters:
             return means, join
-        member = torch.nn.functional.one_hot(join, k).to(x.dtype).transpose(1, 2)  # (P, k, S)
-        total = torch.bmm(member, w[:, :, None])  # (P, k, 1)
-        means = torch.where(total > 0, torch.bmm(member, xw) / total.clamp(min=1e-30), means)
+        total = torch.zeros(x.shape[0], k, 1).scatter_add_(1, join[:, :, None], w[:, :, None])  # (P, k, 1)
+        sums = torch.zeros_like(means).scatter_add_(1, join[:, :, None].expand_as(xw), xw)
+        means = torch.where(total > 0, sums / total.clamp(min=1e-30), means)
     return means, join
 
 
