@@ -712,7 +712,7 @@ def test_key_codes_are_coarsened_so_that_every_layers_fit(clustered_cache, opene
     need = sum(t.codes.nbytes() for t in fine.tables)
     packed = sum(t.codes.packed.numel() for t in fine.tables)
     room = need - packed // 2 + device.DEFAULT_RESERVE  # every layer at half the codes, beside the reserve
-    monkeypatch.setattr(DeviceRoutes, "_fits", lambda self, nbytes: nbytes <= room)
+    monkeypatch.setattr(DeviceRoutes, "fits", lambda self, nbytes: nbytes <= room)
     monkeypatch.setattr(device, "MIN_COARSE_M", 4)  # D = 16 here: halve 16 sub-vectors to 8
     with pytest.warns(TopkWarning, match="coarsened from 16 to 8 sub-vectors"):
         routes = dev.device_routes(CPU, [k, k])

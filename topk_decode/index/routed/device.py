@@ -281,11 +281,11 @@ class DeviceRoutes:
         packed = sum(c.packed.numel() for c in codes)  # halved by each halving; the rest is not
         rest = sum(c.nbytes() for c in codes) - packed
         r = 0
-        while not self._fits(rest + (packed >> r) + reserve) and m >> r >= 2 * MIN_COARSE_M and (m >> r) % 4 == 0:
+        while not self.fits(rest + (packed >> r) + reserve) and m >> r >= 2 * MIN_COARSE_M and (m >> r) % 4 == 0:
             r += 1
         return r
 
-    def _fits(self, nbytes: int) -> bool:
+    def fits(self, nbytes: int) -> bool:
         """Whether `nbytes` more fit on the device now (CUDA: one probe allocation; elsewhere always)."""
         if self.device.type != "cuda":
             return True
