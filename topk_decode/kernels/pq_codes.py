@@ -1,9 +1,10 @@
 """routed's residual codes of one dimension per sub-vector, encoded (index/routed/pq.py `train_codes`).
 
 faiss' `ProductQuantizer.compute_codes` finds each sub-vector's nearest of its 16 codewords through one distance
-call per sub-vector: about 15 µs a row at 128 sub-vectors of one dimension, the largest part of a build at that
-size. Here every row's sub-vectors are compared with their codewords in one compiled loop, with faiss' arithmetic
-((x − c)² per codeword, the first of equal minima): the same codes (tests/test_routed_pq.py).
+call per sub-vector: at one dimension per sub-vector that call is most of the work, and encoding was most of a
+build (docs/history/benchmarks-2026-11.md "the residual codes' build"). Here every row's sub-vectors are compared
+with their codewords in one compiled loop, with faiss' arithmetic ((x − c)² per codeword, the first of equal
+minima): the same codes (tests/test_routed_pq.py).
 """
 
 from __future__ import annotations

@@ -187,8 +187,8 @@ def coarsened(codes: DeviceCodes, iters: int = 20) -> DeviceCodes:
     Each byte holds the codes (a, b) of sub-vectors 2j and 2j + 1: one of 256 combined codewords (B_2j[a], B_2j+1[b]).
     A k-means of those 256 points into 16, weighted by how many rows hold each byte, gives sub-vector j of the coarse
     codes: its codebook (the 16 means) and every row's code (the mean its byte's point joined). No key is read: a
-    layer's codes are coarsened where they are, in a few milliseconds, when the fine ones do not fit the device
-    (index/routed/device.py `_place_codes`). m must be a multiple of 4 (the coarse codes are two per byte too).
+    layer's codes are coarsened on the host when the fine ones do not fit the device (index/routed/device.py
+    `_place_codes`). m must be a multiple of 4 (the coarse codes are two per byte too).
     """
     hkv, m2, n = codes.packed.shape
     _, m, _, dsub = codes.books.shape

@@ -139,7 +139,7 @@ def train_codes(
     try:
         per = -(-m // -(-workers // hkv))  # sub-vectors per training task: every worker busy, no more tasks
         pool.map(train, [(h, j, min(m, j + per)) for h in range(hkv) for j in range(0, m, per)])
-        if dsub == 1:  # faiss' own nearest codewords, in one compiled loop (kernels/pq_codes.py: ~15× faster)
+        if dsub == 1:  # faiss' own nearest codewords, in one compiled loop (kernels/pq_codes.py says why)
             from topk_decode.kernels.jit import set_threads
             from topk_decode.kernels.pq_codes import nearest_codes_1d
 

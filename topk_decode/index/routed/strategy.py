@@ -545,7 +545,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             m = self.options.pq_m
             warnings.warn(
                 f"routed: the key codes are coarsened from {m} to {m >> self.routes.code_halvings} sub-vectors per key "
-                f"so that more layers' fit the {device.type} beside the model ({keyed} of {self.ckv.n_layers} layers "
+                f"so that more layers' codes fit the {device.type} beside the model ({keyed} of {self.ckv.n_layers} layers "
                 "rank keys); a larger GPU memory budget keeps them finer",
                 TopkWarning,
                 stacklevel=2,
