@@ -114,7 +114,8 @@ def train_codes(
 
     dsub = d // m
     train_rows = [residuals[h].numpy() if samples[h] is None else residuals[h].numpy()[samples[h]] for h in range(hkv)]
-    params = faiss.ProductQuantizer(d, m, NBITS).cp  # faiss' own: `ProductQuantizer.train` clusters with these
+    reference = faiss.ProductQuantizer(d, m, NBITS)  # held: its `cp` is a view into it, not a copy
+    params = reference.cp  # faiss' own: `ProductQuantizer.train` clusters with these
 
     def train(task: tuple[int, int, int]) -> None:
         h, j0, j1 = task  # sub-vectors j0..j1 of one head, each as `ProductQuantizer.train` does them
