@@ -681,10 +681,7 @@ def test_coarsened_codes_decode_about_as_well_as_codes_trained_at_half_the_sub_v
         return device_codes(pq.train_codes(keys, zero, labels, m, threads=2), offsets, outside, zero, zero)
 
     def error(dc):
-        m2, dsub = dc.packed.shape[1], dc.books.shape[3]
-        p = dc.packed.long()
-        codes = torch.stack([p & 0xF, p >> 4], 2).view(hkv, 2 * m2, n)
-        r = dc.books.gather(2, codes[..., None].expand(hkv, 2 * m2, n, dsub)).permute(0, 2, 1, 3).reshape(hkv, n, d)
+        r = pq.decode(pq.ResidualCodes(dc.packed.transpose(1, 2).contiguous(), dc.books))  # (Hkv, N, D)
         return float((keys - r).square().sum(-1).mean() / keys.square().sum(-1).mean())
 
     fine = codes_at(32)
