@@ -192,7 +192,11 @@ def test_failed_compilation_falls_back_to_the_uncompiled_step_with_a_warning(cud
 
 @pytest.mark.parametrize(
     "strategy,options",
-    [("auto", {}), ("routed", {"rank": "keys", "pq_values": 8, "probe_fraction": 0.1})],
+    [
+        ("auto", {}),
+        ("routed", {"rank": "keys", "pq_values": 8, "probe_fraction": 0.1, "device_read": "false"}),
+        ("routed", {"rank": "keys", "pq_values": 8, "probe_fraction": 0.1}),  # device_read=auto: the GPU reads
+    ],
 )
 def test_cuda_int8_cache_decodes_close_to_its_bf16_cache(tmp_path, model_factory, docs_dir, strategy, options):
     """`--kv-dtype int8` on the GPU: prefilled in bf16 and stored as int8, decoded through the graphed one-token
@@ -218,5 +222,7 @@ def test_cuda_int8_cache_decodes_close_to_its_bf16_cache(tmp_path, model_factory
     if strategy == "routed":
         routes = made["int8"].decoder.segments.routes
         assert routes is not None and routes.rank_keys and routes.tables[0].kscale is not None
+        # device_read: the GPU read the int8 rows and their value scales from the host's RAM itself
+        assert routes.attends(0) == (options.get("device_read") != "false")
     else:
         assert made[None].generate_ids(prompt, 12) == made["int8"].generate_ids(prompt, 12)

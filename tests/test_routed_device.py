@@ -221,7 +221,15 @@ def test_decoder_routes_on_the_device_in_one_token_steps_and_matches_cpu_routing
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "per_key", [{}, {"estimate_by": "keys"}, {"rank": "keys"}, {"rank": "keys", "pq_values": 8, "estimate_read": True}]
+    "per_key",
+    [
+        {},
+        {"estimate_by": "keys"},
+        {"rank": "keys", "device_read": "false"},  # the host scans the rows the GPU ranked
+        {"rank": "keys", "pq_values": 8, "estimate_read": True, "device_read": "false"},
+        {"rank": "keys", "pq_values": 8},  # device_read=auto: the GPU reads the host's rows itself
+        {"rank": "keys", "pq_values": 8, "estimate_read": True},
+    ],
 )
 def test_captured_cuda_step_routes_on_the_gpu_and_matches_cpu_routing(tmp_path, model_factory, docs_dir, per_key):
     stores, logits = _routed_stores(
@@ -231,6 +239,8 @@ def test_captured_cuda_step_routes_on_the_gpu_and_matches_cpu_routing(tmp_path, 
     assert seg.graphs is not None and seg.routes is not None and seg.routes.layers_on_device() > 0
     assert seg.routes.keyed_layers() == (seg.routes.layers_on_device() if per_key else 0)
     assert seg.routes.rank_keys == ("rank" in per_key)
+    reads = "rank" in per_key and per_key.get("device_read") != "false"
+    assert seg.routes.attends(0) == reads  # the GPU read the host's rows inside the graph
     for a, b in zip(logits["auto"], logits["false"]):
         torch.testing.assert_close(a.float().cpu(), b.float().cpu(), rtol=0, atol=5e-2)
     for store in stores.values():
@@ -719,3 +729,55 @@ def test_key_codes_are_coarsened_so_that_every_layers_fit(clustered_cache, opene
     q = _queries(seed=56)
     sel, out, lse = _device_part(dev, routes, 1, q, k)
     assert sel.ids.shape == (q.shape[0], q.shape[1], k) and bool(torch.isfinite(lse).all())
+
+
+@pytest.mark.parametrize("estimate_read", [False, True])
+def test_device_read_attends_as_the_hosts_scan_of_the_same_rows(clustered_cache, opened, estimate_read):
+    """device_read: the device reads the rows it ranked from the host's KV, scores them exactly, takes each query's
+    top-k and sums their values (`attend`, index/routed/device_read.py). The host's compiled scan of the same rows gives
+    the same context part (o, m, z) and, with estimate_read, the same exact scores of the read rows outside the top-k."""
+    from topk_decode.decode.merge import context_part
+
+    opts = {"cluster_size": 32, "probe_fraction": 0.05, "rank": "keys", "pq_values": 8, "estimate_read": estimate_read}
+    dev = opened(clustered_cache, "routed", dict(opts, kernel="numba", device_route="true", device_read="true"), lo=3)
+    k = 40
+    routes = dev.device_routes(CPU, [k, k])
+    assert routes.host_kv is dev.host_kv and all(routes.attends(layer) for layer in range(2))
+    for layer, seed in ((0, 81), (1, 82)):
+        q = _queries(seed=seed)
+        hkv, Q, d = q.shape
+        routes.route(layer, q)
+        o_d, mz_d = torch.empty(hkv * Q, d, dtype=torch.bfloat16), torch.empty(hkv * Q, 2)
+        routes.attend(layer, o_d, mz_d)
+        read_d = routes.read_host[layer].clone() if estimate_read else None
+        o_h, mz_h = torch.empty(hkv * Q, d, dtype=torch.bfloat16), torch.empty(hkv * Q, 2)
+        dev.select_and_attend(layer, q, k, None, o_h, mz_h, route=routes.host_route(layer))
+        out_d, lse_d = context_part(o_d, mz_d)
+        out_h, lse_h = context_part(o_h, mz_h)
+        torch.testing.assert_close(lse_d, lse_h, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(out_d, out_h, rtol=0, atol=2e-2)  # o rounded to bf16 on both sides
+        if estimate_read:  # the host's scan wrote its scores over the device's: the same −inf and the same values
+            torch.testing.assert_close(read_d, routes.read_host[layer], rtol=1e-5, atol=1e-4)
+    before = dev.stats.extra["keys_read"]
+    assert routes.attended(0) == hkv * Q * k  # slots filled at most
+    assert dev.stats.extra["keys_read"] - before == hkv * routes.tables[0].width
+
+
+def test_decoder_with_device_read_gives_the_host_scans_logits(tmp_path, model_factory, docs_dir):
+    """device_read through the decoder's one-token segments (eagerly on the CPU): the host does nothing for the layers
+    the device attends, and the logits are those of the host's scan of the same rows."""
+    opts = {"rank": "keys", "pq_values": 8}
+    stores, logits = _routed_stores(tmp_path, model_factory, docs_dir, "cpu", ("true",), segments=True, **opts)
+    (tmp_path / "read").mkdir()
+    got, out = _routed_stores(
+        tmp_path / "read", model_factory, docs_dir, "cpu", ("true",), segments=True, device_read="true", **opts
+    )
+    routes = got["true"].decoder.segments.routes
+    n_layers = got["true"].decoder.shape.n_layers
+    assert all(routes.attends(layer) for layer in range(n_layers))
+    assert got["true"].decoder.strategy.stats.searches == n_layers  # the prompt's: none in the one-token steps...
+    assert got["true"].decoder.strategy.keys_read_fraction() > 0  # ... yet its reads are counted
+    for a, b in zip(logits["true"], out["true"]):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=2e-2)
+    for store in (*stores.values(), *got.values()):
+        store.close()

@@ -454,13 +454,17 @@ class TopKDecoder:
         seg.run(0)
         for layer_idx in range(self.shape.n_layers):
             t1 = clock()
-            seg.wait_query(layer_idx)  # the GPU goes on with the window part meanwhile
-            t2 = clock()
-            route = routes.host_route(layer_idx) if routes is not None and routes.handles(layer_idx) else None
-            self._context_part(
-                layer_idx, seg.q_host[layer_idx], conv, seg.part_o[layer_idx], seg.part_mz[layer_idx], route
-            )
-            t3 = clock()
+            if routes is not None and routes.attends(layer_idx):  # the device computed the context part too
+                st.retrieved += routes.attended(layer_idx)
+                t2 = t3 = clock()
+            else:
+                seg.wait_query(layer_idx)  # the GPU goes on with the window part meanwhile
+                t2 = clock()
+                route = routes.host_route(layer_idx) if routes is not None and routes.handles(layer_idx) else None
+                self._context_part(
+                    layer_idx, seg.q_host[layer_idx], conv, seg.part_o[layer_idx], seg.part_mz[layer_idx], route
+                )
+                t3 = clock()
             seg.run(layer_idx + 1)
             st.launch_s += t1 - t0
             st.wait_s += t2 - t1

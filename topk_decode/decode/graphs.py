@@ -11,7 +11,8 @@ those kernels cost more CPU time than the GPU spends on them. Here they are cut 
     segment L:      the same for layer L-1, then final norm and LM head
 
 Between segments l and l+1 the CPU searches and computes the context part (decode/context.py) into
-`part_o[l]` and `part_mz[l]`, while the GPU finishes the window part of layer l: the segment marks,
+`part_o[l]` and `part_mz[l]` (unless the device stage computes it itself, `DeviceStage.attends`: then nothing runs
+between the segments), while the GPU finishes the window part of layer l: the segment marks,
 with an event recorded inside the graph, the moment the query has reached the host. Each segment
 reads and writes fixed tensors (the transfers included: pinned host buffers), so on CUDA it is
 captured once as a CUDA graph and replayed (one launch instead of ~35). The part of a segment on the
@@ -173,7 +174,8 @@ class StepSegments:
 
     def _ends(self, l: int) -> tuple[torch.Tensor, ...]:
         """Layer l's residual and both attention parts, the context part copied in from the host first."""
-        if self.part_o_dev[l] is not self.part_o[l]:  # (on the CPU they are the same tensors)
+        attended = self.routes is not None and self.routes.attends(l)  # the device wrote the part itself
+        if self.part_o_dev[l] is not self.part_o[l] and not attended:  # (on the CPU they are the same tensors)
             self.part_o_dev[l].copy_(self.part_o[l], non_blocking=True)
             self.part_mz_dev[l].copy_(self.part_mz[l], non_blocking=True)
         win_out, win_lse = self.win_out[l], self.win_lse[l]
@@ -192,6 +194,8 @@ class StepSegments:
         routed = self.routes is not None and self.routes.handles(l)
         if routed:
             self.routes.route(l, q32)  # the ranking follows the query to the host
+            if self.routes.attends(l):  # or the device reads the rows itself: the context part, no host work
+                self.routes.attend(l, self.part_o_dev[l], self.part_mz_dev[l])
         if self.events_in_graph:
             self.q_ready[l].record()
         self.win_k[l].index_copy_(1, self.win_len, k[0])  # (Hkv, C, D) ← (Hkv, 1, D)

@@ -275,6 +275,16 @@ class DeviceStage(Protocol):
     def host_route(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What the host's `FusedAttention.select_and_attend` receives as `route` for this layer."""
 
+    def attends(self, layer: int) -> bool:
+        """Whether the device also computes this layer's context part (`attend`): the host then does nothing for it."""
+
+    def attend(self, layer: int, o: torch.Tensor, mz: torch.Tensor) -> None:
+        """The layer's context part on the device, after `route` (inside the captured step), into the step's device
+        buffers o (H, D) and mz (H, 2) (decode/merge.py `context_part`)."""
+
+    def attended(self, layer: int) -> int:
+        """Count one step of a layer the device attended; returns the top-k slots it filled (at most)."""
+
 
 class DeviceStaged(ABC):
     """Capability: part of the strategy's search can run on the decode device (`DeviceStage`)."""

@@ -20,7 +20,9 @@ the same arithmetic is a few microseconds of a kernel. So, for the layers whose 
   estimate over the rows not read, summed per cluster (`segment_lse`);
 - with `estimate_read` as well, the rows read but outside a query's top-k join too (`read_part`, a fourth disjoint
   part, merged once the host's part has come back): the host's scan writes their exact scaled scores (`read_host`,
-  −inf at the top-k), each row's value is its cluster's mean plus its coded residual (`row_residuals`).
+  −inf at the top-k), each row's value is its cluster's mean plus its coded residual (`row_residuals`);
+- with `device_read` (`host_kv`), the device also reads those rows from the host's RAM itself, scores them exactly,
+  takes the top-k and sums their values (`attend`, index/routed/device_read.py): the host does nothing for the layer.
 
 The tables: centroids and mean values, log cluster sizes, sizes (and with `rank=keys` or `estimate_by=keys` the
 residual codes, m/2 bytes per key: 32 at the default m = 64). Where the tables of every layer do not fit
@@ -35,6 +37,7 @@ the device (routed's default), far faster than routing on the CPU (the real 1M c
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -49,6 +52,7 @@ from topk_decode.index.routed.device_codes import (
     row_scores,
     segment_lse,
 )
+from topk_decode.index.routed.device_read import HostKV, read_scores, weighted_values
 from topk_decode.index.routed.estimate import softmax_weights, unread_part
 from topk_decode.index.routed.pq import top_rows
 
@@ -58,6 +62,11 @@ MIN_COARSE_M = 16  # key codes are coarsened (`_place_codes`) down to this many 
 # The tables' precisions, most exact first: what `values="auto"` tries in turn (see `DeviceRoutes`).
 TABLE_KINDS = ("keys", "fp8-values", "fp8")
 _FP8 = getattr(torch, "float8_e4m3fn", None)
+
+
+@dataclass
+class _Positions(Tensors):
+    positions: torch.Tensor  # (Hkv, N) int32
 
 
 class LayerTables:
@@ -73,6 +82,8 @@ class LayerTables:
     pad: (Hkv, 1) int64 a row outside the searchable range per head (rank_keys in blocks: `pq.top_rows`), or None.
     kscale: (Hkv, 1, D) float32 an int8 cache's key scales (its tables are in the int8 keys' space: the query is
         scaled by them first, as the CPU's is), or None.
+    positions: (Hkv, N) int32 each layout row's cache position (−1 outside the searchable range) where the device reads
+        the rows itself (`device_read`), else None; k: the layer's top-k there.
     """
 
     def __init__(
@@ -96,10 +107,13 @@ class LayerTables:
         self.vmeans, self.vscale = vmeans, vscale
         self.budget, self.width = budget, width
         self.codes, self.pad, self.vcodes = codes, pad, vcodes
+        self.positions: torch.Tensor | None = None
+        self.k = 0
 
     def nbytes(self) -> int:
         """Device bytes held."""
         ts = [self.cent, self.cscale, self.bias, self.log_n, self.sizes, self.vmeans, self.vscale, self.kscale]
+        ts.append(self.positions)
         held = sum(t.numel() * t.element_size() for t in ts if t is not None)
         return held + sum(c.nbytes() for c in (self.codes, self.vcodes) if c is not None)
 
@@ -155,6 +169,10 @@ class DeviceRoutes:
         key_scales: an int8 cache's per layer (Hkv, D) key scales (`LayerTables.kscale`), or None.
         estimate_read: with rank_keys and the estimate, also weigh the rows read outside each query's top-k by the
             exact scores the host's scan returns (`read_part`).
+        host_kv: with rank_keys, the host's keys and values the device reads itself (`device_read`: `attend`), or
+            None; positions: then per layer (Hkv, N) int32 each layout row's position (−1 outside the searchable
+            range); ks: per layer the top-k; count_read: called with (rows read, rows searchable) for every layer
+            the device attends (the strategy's read counters); n_searchable: the searchable rows per head.
     """
 
     def __init__(
@@ -177,8 +195,15 @@ class DeviceRoutes:
         pad_rows: list[torch.Tensor] | None = None,
         key_scales: list[torch.Tensor] | None = None,
         estimate_read: bool = False,
+        host_kv: HostKV | None = None,
+        positions: list[torch.Tensor] | None = None,
+        ks: list[int] | None = None,
+        count_read=None,
+        n_searchable: int = 0,
     ) -> None:
         self.device, self.scale, self.estimate = device, scale, estimate
+        self.host_kv, self._count_read, self._n_searchable = host_kv, count_read, n_searchable
+        self._group = 1  # query heads per KV head, known at the first `attend`
         self.estimate_read = estimate_read and estimate and rank_keys
         self._key_scales = key_scales
         self._codes, self.rank_keys = codes, rank_keys
@@ -209,6 +234,8 @@ class DeviceRoutes:
                 torch.cuda.empty_cache()
         if codes is not None:
             self._place_codes(n_tokens, reserve)
+        if host_kv is not None:
+            self._place_positions(positions, ks, reserve)
         # the codes as built on the host: on the device now, or left out; kept, they would hold 5 GiB of RAM at 1M
         # tokens of the Qwen2.5-7B shape (packed key and value codes, the value codes' means) for nothing
         self._codes = self._value_codes = None
@@ -231,6 +258,7 @@ class DeviceRoutes:
         self.read_host: list[torch.Tensor | None] = [None] * self.n_layers
         self._read_dev: list[torch.Tensor | None] = [None] * self.n_layers
         self._read_rows: list[torch.Tensor | None] = [None] * self.n_layers
+        self._attend_in: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.n_layers  # for `attend`
 
     def _place(self, stats, sizes, bias, budgets, n_tokens, kind, reserve) -> None:
         """Copy the layers' tables to the device in layer order while they fit beside `reserve`."""
@@ -271,6 +299,17 @@ class DeviceRoutes:
             t.vcodes = self._moved(vcodes, reserve)
             if t.vcodes is None:
                 break
+
+    def _place_positions(self, positions: list[torch.Tensor], ks: list[int], reserve: int) -> None:
+        """Add the rows' positions to the layers that rank rows, in layer order while they fit: those layers the device
+        attends itself (`attend`); the others send the host their rows."""
+        for t, pos, k in zip(self.tables, positions, ks):
+            if t is None or not self.ranks_rows(t):
+                continue
+            moved = self._moved(_Positions(pos), reserve)
+            if moved is None:
+                break
+            t.positions, t.k = moved.positions, k
 
     def _halvings(self, codes: list[DeviceCodes], reserve: int) -> int:
         """How many times every layer's key codes are halved: the fewest for all of them to fit beside `reserve` (0
@@ -346,6 +385,20 @@ class DeviceRoutes:
         t = self.tables[layer]
         return t is not None and self.ranks_rows(t)
 
+    def attends(self, layer: int) -> bool:
+        """Whether the device reads layer `layer`'s rows and computes its context part itself (`attend`)."""
+        t = self.tables[layer]
+        return t is not None and t.positions is not None
+
+    def attended(self, layer: int) -> int:
+        """Count a step of layer `layer` that the device attended (its rows read, through `count_read`); returns the
+        top-k slots it filled at most (the step's exact count would need a sync)."""
+        t = self.tables[layer]
+        hkv = t.positions.shape[0]
+        if self._count_read is not None:
+            self._count_read(hkv * t.width, hkv * self._n_searchable)
+        return hkv * self._group * min(t.k, t.width)
+
     def layers_on_device(self) -> int:
         """How many layers route on the device."""
         return sum(t is not None for t in self.tables)
@@ -383,6 +436,8 @@ class DeviceRoutes:
                 self._read[layer] = (q32, scores, rows, lse)
             if self.estimate_read:
                 self._keep_rows(layer, rows, q32.shape[1])
+            if t.positions is not None:
+                self._attend_in[layer] = (q32, rows)
             return
         logit = base + t.bias
         share = logit - torch.logsumexp(logit, dim=-1, keepdim=True)
@@ -424,6 +479,31 @@ class DeviceRoutes:
         rest = unread_part(base + size, read, t.vmeans, bmm=self.vmeans_bmm(t))
         return rest.out, rest.lse
 
+    def attend(self, layer: int, o: torch.Tensor, mz: torch.Tensor) -> None:
+        """Layer `layer`'s context part on the device, after `route`: the rows it ranked read from the host's RAM and
+        scored exactly, each query's exact top-k, their values summed (index/routed/device_read.py); written as the
+        host's part is, o (H, D) Σ exp(s − m)·v in o's dtype and mz (H, 2) float32 (m, z) (decode/merge.py
+        `context_part`). With `estimate_read`, the read rows outside the top-k go to `read_part` too."""
+        t = self.tables[layer]
+        q32, rows = self._attend_in[layer]
+        self._attend_in[layer] = None
+        hkv, g, _ = q32.shape
+        self._group = g
+        pos = t.positions.gather(1, rows)  # (Hkv, W) int32
+        host = self.host_kv
+        s = read_scores(host.keys[layer], pos, q32 * self.scale)  # (Hkv, G, W) exact, scaled
+        top = s.topk(min(t.k, s.shape[2]), dim=-1, sorted=False)
+        m = top.values.amax(-1, keepdim=True)  # (Hkv, G, 1)
+        m = torch.where(torch.isfinite(m), m, 0.0)
+        w = (top.values - m).exp_()  # 0 at −inf
+        sel = pos.gather(1, top.indices.view(hkv, -1)).view_as(top.indices)
+        out = weighted_values(host.values[layer], host.value_scales[layer], sel, w)  # (Hkv, G, D)
+        o.copy_(out.view_as(o))
+        mz[:, 0].copy_(m.view(-1))
+        mz[:, 1].copy_(w.sum(-1).view(-1))
+        if self.estimate_read:
+            self._read_dev[layer].copy_(s.scatter_(-1, top.indices, float("-inf")))
+
     def _keep_rows(self, layer: int, rows: torch.Tensor, g: int) -> None:
         """Keep layer `layer`'s rows read (Hkv, W) for `read_part`; the first time, make its buffers."""
         if self.read_host[layer] is None:
@@ -442,7 +522,7 @@ class DeviceRoutes:
         if not self.estimate_read or t is None or not self.ranks_rows(t):
             return None
         logit = self._read_dev[layer]
-        if logit is not self.read_host[layer]:
+        if logit is not self.read_host[layer] and not self.attends(layer):  # (attend wrote it on the device)
             logit.copy_(self.read_host[layer], non_blocking=True)
         w, lse = softmax_weights(logit)  # (Hkv, G, W): 0 at −inf; (Hkv, G)
         return torch.bmm(w, self._row_values(t, self._read_rows[layer])), lse

@@ -52,6 +52,7 @@ from topk_decode.index.options import FRACTION, NON_NEGATIVE, POSITIVE, Strategy
 from topk_decode.index.routed import compiled as routed_compiled
 from topk_decode.index.routed.device import TABLE_KINDS, DeviceRoutes
 from topk_decode.index.routed.device_codes import device_codes, device_value_codes
+from topk_decode.index.routed.device_read import HostKV
 from topk_decode.index.routed.estimate import searchable_stats
 from topk_decode.index.routed.layout import layer_layouts, load_layouts, on_disk, to_huge_pages, write_layouts
 from topk_decode.index.routed.pq import ResidualCodes, approximate_scores, default_m
@@ -179,6 +180,16 @@ class RoutedOptions(StrategyOptions):
         "pq_values plus their coded residual): on the torch path, and with rank=keys in the device's one-token steps "
         "(index/routed/device.py `read_part`); not in layers that rank clusters.",
     )
+    device_read: str = option(
+        "auto",
+        "With rank=keys, in the layers whose codes the device holds: the device reads the rows it ranked from the host's "
+        "RAM itself (registered with CUDA, unified addressing), scores them exactly, takes the top-k and sums their "
+        "values inside the captured step (index/routed/device_read.py), and the CPU leaves the step's critical path "
+        "(the same arithmetic; docs/BENCHMARKS.md 'The device reads the rows itself'). auto: on a CUDA device; true: "
+        "also on a CPU decode device (the tests' way in); false: the host scans the rows. Needs the KV in RAM (huge "
+        "pages or an in-RAM cache) and the cache's own keys and values (store_keys=false, store_values=false).",
+        check=("auto", "true", "false"),
+    )
     kernel: str = option(
         "auto",
         "auto (numba where it applies, else torch), numba (index/routed/compiled.py: each "
@@ -242,6 +253,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         o = self.options = with_codes(self.options, self.ckv.head_dim)
         self.rank_keys = o.rank == "keys"
         self.routes: DeviceRoutes | None = None  # set by `device_routes` when the decode device routes
+        self.host_kv: HostKV | None = None  # the KV the device reads (`device_read`), registered at the first stage
         self.probe_fraction = o.probe_fraction
         self.use_spread, use_sizes = o.spread, o.sizes
         self.estimate, self.estimate_read = o.estimate, o.estimate_read
@@ -536,6 +548,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             pad_rows=[p - self._row_base for p in self._pad_rows] if self.rank_keys and self.key_block > 1 else None,
             key_scales=self.ckv.key_scales,
             estimate_read=self.estimate_read,
+            **self._device_read_args(device, k_per_layer),
         )
         self.routes = routes if routes.layers_on_device() else None
         if self.routes is not None and self.kernel:  # the torch path runs for a question's tokens only: no fp32 tables
@@ -559,6 +572,48 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
                 stacklevel=2,
             )
         return self.routes
+
+    def _device_read_args(self, device: torch.device, k_per_layer: list[int]) -> dict:
+        """`DeviceRoutes`' arguments for `device_read`: the host's KV registered once (`HostKV`, kept across device
+        stages), the layers' positions, their k; none where the option is off or does not apply (with a warning)."""
+        asked = self.options.device_read
+        if not self.rank_keys or asked == "false" or (asked == "auto" and device.type != "cuda"):
+            return {}
+        why = (
+            "it reads the cache's own keys and values (store_keys=false, store_values=false)"
+            if any(lay.keys is not None or lay.values is not None for lay in self.layouts)
+            else "the KV is memory-mapped from disk, not in RAM (hugepages=true copies it in when it fits)"
+            if on_disk(self.ckv) and not self.huge_bytes
+            else None
+        )
+        if why is None and self.host_kv is None:
+            try:
+                self.host_kv = HostKV(self.ckv.keys, self.ckv.values, self.ckv.value_scales, device)
+            except (RuntimeError, ValueError) as e:
+                why = f"the host's KV could not be mapped for the device ({e})"
+        if why is not None:
+            if asked == "true":
+                warnings.warn(f"routed: device_read is off: {why}", TopkWarning, stacklevel=3)
+            return {}
+
+        def count_read(read: int, searchable: int) -> None:
+            self.stats.extra["keys_read"] += read
+            self.stats.extra["keys_searchable"] += searchable
+
+        return dict(
+            host_kv=self.host_kv,
+            positions=[torch.from_numpy(self._kernel_in[layer].pos) for layer in range(self.ckv.n_layers)],
+            ks=k_per_layer,
+            count_read=count_read,
+            n_searchable=self.n_searchable,
+        )
+
+    def close(self) -> None:
+        """Unregister the host's KV from the device (`device_read`), then as every strategy."""
+        if getattr(self, "host_kv", None) is not None:
+            self.host_kv.close()
+            self.host_kv = None
+        super().close()
 
     def attends(self, layer: int, k: int, o: torch.Tensor, routed: bool = False) -> bool:
         """The compiled path attends (bf16 values) wherever k leaves something to search; with rank=keys or
