@@ -115,28 +115,57 @@ def device_value_codes(codes: ResidualCodes, means: torch.Tensor, dtype: torch.d
     return DeviceValueCodes(packed, books, means.to(dtype).contiguous())
 
 
-def residual_sum(vc: DeviceValueCodes, w: torch.Tensor, block: int = RESIDUAL_ROWS) -> torch.Tensor:
+def residual_sum(
+    vc: DeviceValueCodes, w: torch.Tensor, block: int = RESIDUAL_ROWS, triton: bool | None = None
+) -> torch.Tensor:
     """(Hkv, G, D) float32 Σ_i w_i·r̂_i over every layout row i: the weighted sum of the rows' decoded value residuals.
 
     As a weighted histogram of the codes per sub-vector, H_j[b] = Σ_{i: code_j(i) = b} w_i, then
     Σ_i w_i·r̂_i = Σ_j Σ_b H_j[b]·B_j[b] (the j-th D/m dimensions): the codes are read once (16 bytes per key at
-    m = 32) and nothing is decoded per row. Torch ops (scatter-add), `block` rows at a time.
+    m = 32) and nothing is decoded per row. On CUDA a Triton kernel (one program per chunk of rows and KV head, its
+    histograms added atomically once per sub-vector), elsewhere torch ops (scatter-add), `block` rows at a time.
 
     Args:
         vc: the layer's `DeviceValueCodes` on w's device; w: (Hkv, G, N) float32 each row's weight (0 where none).
+        triton: the Triton kernel or torch's ops (default: Triton on CUDA).
     """
     hkv, g, n = w.shape
     m = 2 * vc.packed.shape[1]
+    if w.is_cuda if triton is None else triton:
+        hist = _residual_hist_triton(vc.packed, w)
+    else:
+        hist = _residual_hist_torch(vc.packed, w, block)
+    out = torch.einsum("hgjb,hjbd->hgjd", hist.view(hkv, g, m, _WORDS), vc.books)  # (Hkv, G, m, D/m)
+    return out.reshape(hkv, g, -1)[:, :, : vc.means.shape[2]]  # the padding sub-vector's dimensions dropped
+
+
+def _residual_hist_torch(packed: torch.Tensor, w: torch.Tensor, block: int) -> torch.Tensor:
+    """(Hkv, G, m·16) float32 each sub-vector's weighted histogram of the codes, by scatter-adds of `block` rows."""
+    hkv, g, n = w.shape
+    m = 2 * packed.shape[1]
     hist = w.new_zeros(hkv, g, m * _WORDS)
     first = (torch.arange(m, device=w.device) * _WORDS).view(1, m, 1)  # each sub-vector's first bin
     for a in range(0, n, block):
         b = min(n, a + block)
-        p = vc.packed[:, :, a:b].long()  # (Hkv, m/2, B)
+        p = packed[:, :, a:b].long()  # (Hkv, m/2, B)
         bins = torch.stack([p & 0xF, p >> 4], 2).view(hkv, m, b - a) + first  # sub-vector 2j: low nibble of byte j
         src = w[:, :, None, a:b].expand(hkv, g, m, b - a).reshape(hkv, g, m * (b - a))
         hist.scatter_add_(-1, bins.view(hkv, 1, m * (b - a)).expand(hkv, g, m * (b - a)), src)
-    out = torch.einsum("hgjb,hjbd->hgjd", hist.view(hkv, g, m, _WORDS), vc.books)  # (Hkv, G, m, D/m)
-    return out.reshape(hkv, g, -1)[:, :, : vc.means.shape[2]]  # the padding sub-vector's dimensions dropped
+    return hist
+
+
+RESIDUAL_CHUNK = 2048  # rows per program of the Triton histogram
+
+
+def _residual_hist_triton(packed: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`_residual_hist_torch` by a Triton kernel (one program per chunk of rows and KV head)."""
+    hkv, g, n = w.shape
+    m2 = packed.shape[1]
+    gp = _pow2(g)
+    hist = torch.zeros((hkv, gp, 2 * m2 * _WORDS), dtype=torch.float32, device=w.device)
+    grid = (-(-n // RESIDUAL_CHUNK), hkv)
+    _kernels()["hist"][grid](packed, w, hist, n, g, RESIDUAL_CHUNK, M2=m2, GP=gp, BLOCK=64)
+    return hist[:, :g]
 
 
 def row_residuals(vc: DeviceValueCodes, rows: torch.Tensor) -> torch.Tensor:
@@ -402,5 +431,28 @@ def _compile_kernels() -> dict:
         res = tl.where(run_sum > 0, run_max + tl.log(run_sum), float("-inf"))
         tl.store(out + (h * GP + g) * C + c, res)
 
+    @triton.jit
+    def hist_kernel(packed, w, hist, N, G, CHUNK, M2: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr):
+        c = tl.program_id(0)
+        h = tl.program_id(1)
+        start = c * CHUNK
+        g = tl.arange(0, GP)
+        bins = tl.arange(0, 16)
+        for j in tl.static_range(M2):
+            lo = tl.zeros([GP, 16], tl.float32)
+            hi = tl.zeros([GP, 16], tl.float32)
+            for r0 in range(start, start + CHUNK, BLOCK):
+                rows = r0 + tl.arange(0, BLOCK)
+                ok = rows < N
+                b = tl.load(packed + (h * M2 + j) * N + rows, mask=ok, other=0).to(tl.int32)
+                wt = tl.load(
+                    w + (h * G + g[:, None]) * N + rows[None, :], mask=ok[None, :] & (g[:, None] < G), other=0.0
+                )
+                lo += tl.sum(wt[:, :, None] * ((b & 15)[:, None] == bins[None, :]).to(tl.float32)[None, :, :], 1)
+                hi += tl.sum(wt[:, :, None] * ((b >> 4)[:, None] == bins[None, :]).to(tl.float32)[None, :, :], 1)
+            at = hist + ((h * GP + g[:, None]) * (2 * M2) + 2 * j) * 16 + bins[None, :]
+            tl.atomic_add(at, lo)
+            tl.atomic_add(at + 16, hi)
+
     log.info("routed: the per-key scores of the device's estimate and ranking run as Triton kernels")
-    return {"rows": rows_kernel, "lse": lse_kernel}
+    return {"rows": rows_kernel, "lse": lse_kernel, "hist": hist_kernel}

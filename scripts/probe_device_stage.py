@@ -1,0 +1,96 @@
+"""Probe: what each piece of routed's device stage costs per layer at a long context (CUDA; no model, no build).
+
+Random residual codes in the device's form (index/routed/device_codes.py) for one layer of --kv-heads KV heads,
+--group queries each, d = --dim, --tokens rows in clusters of 16, times (median of --reps, CUDA events):
+row_scores at each --key-m, segment_lse, top_rows of 4 % of the rows, residual_sum at --value-m sub-vectors
+(rank=keys' estimate with pq_values).
+
+    python scripts/probe_device_stage.py [--tokens 131072] [--out probe.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from topk_decode.index.routed.device_codes import DeviceCodes, DeviceValueCodes, residual_sum, row_scores, segment_lse
+from topk_decode.index.routed.pq import top_rows
+
+
+def timed_ms(fn, reps: int) -> float:
+    """Median milliseconds of fn() (CUDA events around each call)."""
+    fn()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b))
+    return sorted(out)[len(out) // 2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=131072)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--group", type=int, default=4)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--key-m", default="16,32,64,128")
+    p.add_argument("--value-m", type=int, default=32)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    dev = torch.device("cuda")
+    hkv, n, d, g = a.kv_heads, a.tokens, a.dim, a.group
+    c = n // 16
+    offsets = (torch.arange(c + 1, dtype=torch.int32) * 16).expand(hkv, c + 1).contiguous().to(dev)
+    bits = torch.full((hkv, -(-n // 8)), 255, dtype=torch.uint8, device=dev)
+    q = torch.randn(hkv, g, d, device=dev)
+    base = torch.randn(hkv, g, c, device=dev)
+    report: dict = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "tokens": n,
+        "kv_heads": hkv,
+        "group": g,
+        "dim": d,
+        "rows": {},
+    }
+    scores = None
+    for m in [int(x) for x in a.key_m.split(",")]:
+        codes = DeviceCodes(
+            torch.randint(0, 256, (hkv, m // 2, n), dtype=torch.uint8, device=dev),
+            torch.randn(hkv, m, 16, d // m, device=dev),
+            offsets,
+            bits,
+            torch.zeros(hkv, 0, dtype=torch.int64, device=dev),
+            torch.zeros(hkv, 0, d, device=dev),
+        )
+        report["rows"][f"row_scores_m{m}_ms"] = timed_ms(lambda: row_scores(codes, q, 0.088, base), a.reps)
+        scores = row_scores(codes, q, 0.088, base)
+    report["rows"]["segment_lse_ms"] = timed_ms(lambda: segment_lse(scores, offsets), a.reps)
+    share = scores.amax(1)
+    report["rows"]["top_rows_4pct_ms"] = timed_ms(lambda: top_rows(share, int(0.04 * n)), a.reps)
+    vm = a.value_m
+    vc = DeviceValueCodes(
+        torch.randint(0, 256, (hkv, vm // 2, n), dtype=torch.uint8, device=dev),
+        torch.randn(hkv, vm, 16, d // vm, device=dev),
+        torch.randn(hkv, c, d, device=dev).bfloat16(),
+    )
+    w = torch.rand(hkv, g, n, device=dev)
+    report["rows"][f"residual_sum_m{vm}_triton_ms"] = timed_ms(lambda: residual_sum(vc, w), a.reps)
+    report["rows"][f"residual_sum_m{vm}_torch_ms"] = timed_ms(lambda: residual_sum(vc, w, triton=False), a.reps)
+    a, b = residual_sum(vc, w), residual_sum(vc, w, triton=False)  # sums of ~10^5 weights: compared to their size
+    report["rows"]["residual_sum_rel_err"] = float((a - b).abs().max() / b.abs().max())
+    print(json.dumps(report), flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
