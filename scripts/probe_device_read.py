@@ -23,22 +23,9 @@ import time
 
 import torch
 
+from topk_decode.bench.measure import cuda_median_ms
 from topk_decode.index.routed.device_read import HostKV, read_scores, weighted_values
 from topk_decode.store import huge_pages
-
-
-def timed_ms(fn, reps: int) -> float:
-    """Median milliseconds of fn(i) over reps (CUDA events around each call)."""
-    fn(0)
-    out = []
-    for i in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn(i)
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return sorted(out)[len(out) // 2]
 
 
 def main() -> None:
@@ -111,12 +98,12 @@ def main() -> None:
             "ready_s": round(ready_s, 2),
             "scores_equal": bool(torch.allclose(s0.cpu(), ref_s, rtol=1e-4, atol=1e-4)),
             "values_equal": bool(torch.allclose(o0.cpu(), ref_o, rtol=1e-3, atol=1e-3)),
-            "scores_ms": timed_ms(scores, a.reps),
-            "topk_ms": timed_ms(lambda i: s0.topk(a.k, dim=-1), a.reps),
-            "values_ms": timed_ms(
+            "scores_ms": cuda_median_ms(scores, a.reps),
+            "topk_ms": cuda_median_ms(lambda i: s0.topk(a.k, dim=-1), a.reps),
+            "values_ms": cuda_median_ms(
                 lambda i: weighted_values(host.values[i % L], host.value_scales[i % L], sel0, w0), a.reps
             ),
-            "layer_ms": timed_ms(part, a.reps),
+            "layer_ms": cuda_median_ms(part, a.reps),
         }
         # one graph of all layers' parts: what a captured step replays
         side = torch.cuda.Stream()
@@ -129,7 +116,7 @@ def main() -> None:
         with torch.cuda.graph(graph):
             for i in range(L):
                 part(i)
-        case["graph_all_layers_ms"] = timed_ms(lambda i: graph.replay(), 20)
+        case["graph_all_layers_ms"] = cuda_median_ms(lambda i: graph.replay(), 20)
         case["bytes_per_layer"] = hkv * w_rows * d + hkv * g * a.k * (d + 4)
         print(json.dumps(case), flush=True)
         report["cases"].append(case)

@@ -15,22 +15,9 @@ import json
 
 import torch
 
+from topk_decode.bench.measure import cuda_median_ms
 from topk_decode.index.routed.device_codes import DeviceCodes, DeviceValueCodes, residual_sum, row_scores, segment_lse
 from topk_decode.index.routed.pq import top_rows
-
-
-def timed_ms(fn, reps: int) -> float:
-    """Median milliseconds of fn() (CUDA events around each call)."""
-    fn()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return sorted(out)[len(out) // 2]
 
 
 def main() -> None:
@@ -70,11 +57,11 @@ def main() -> None:
             torch.zeros(hkv, 0, dtype=torch.int64, device=dev),
             torch.zeros(hkv, 0, d, device=dev),
         )
-        report["rows"][f"row_scores_m{m}_ms"] = timed_ms(lambda: row_scores(codes, q, 0.088, base), a.reps)
+        report["rows"][f"row_scores_m{m}_ms"] = cuda_median_ms(lambda i: row_scores(codes, q, 0.088, base), a.reps)
         scores = row_scores(codes, q, 0.088, base)
-    report["rows"]["segment_lse_ms"] = timed_ms(lambda: segment_lse(scores, offsets), a.reps)
+    report["rows"]["segment_lse_ms"] = cuda_median_ms(lambda i: segment_lse(scores, offsets), a.reps)
     share = scores.amax(1)
-    report["rows"]["top_rows_4pct_ms"] = timed_ms(lambda: top_rows(share, int(0.04 * n)), a.reps)
+    report["rows"]["top_rows_4pct_ms"] = cuda_median_ms(lambda i: top_rows(share, int(0.04 * n)), a.reps)
     vm = a.value_m
     vc = DeviceValueCodes(
         torch.randint(0, 256, (hkv, vm // 2, n), dtype=torch.uint8, device=dev),
@@ -82,8 +69,8 @@ def main() -> None:
         torch.randn(hkv, c, d, device=dev).bfloat16(),
     )
     w = torch.rand(hkv, g, n, device=dev)
-    report["rows"][f"residual_sum_m{vm}_triton_ms"] = timed_ms(lambda: residual_sum(vc, w), a.reps)
-    report["rows"][f"residual_sum_m{vm}_torch_ms"] = timed_ms(lambda: residual_sum(vc, w, triton=False), a.reps)
+    report["rows"][f"residual_sum_m{vm}_triton_ms"] = cuda_median_ms(lambda i: residual_sum(vc, w), a.reps)
+    report["rows"][f"residual_sum_m{vm}_torch_ms"] = cuda_median_ms(lambda i: residual_sum(vc, w, triton=False), a.reps)
     a, b = residual_sum(vc, w), residual_sum(vc, w, triton=False)  # sums of ~10^5 weights: compared to their size
     report["rows"]["residual_sum_rel_err"] = float((a - b).abs().max() / b.abs().max())
     print(json.dumps(report), flush=True)

@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from topk_decode.bench.measure import cuda_median_ms
+
 
 def cuda_view(host: torch.Tensor) -> torch.Tensor:
     """A CUDA tensor over the pinned host tensor's memory (cupy's UnownedMemory, then DLPack)."""
@@ -36,20 +38,6 @@ def rows_drawn(n_rows: int, count: int, run: int, gen: torch.Generator) -> torch
     """count row indices in runs of `run` consecutive rows starting at random places."""
     starts = torch.randint(0, n_rows - run, (-(-count // run),), generator=gen)
     return (starts[:, None] + torch.arange(run)).flatten()[:count]
-
-
-def timed_ms(fn, reps: int) -> float:
-    """Median milliseconds of fn() (CUDA events around each call)."""
-    fn()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return sorted(out)[len(out) // 2]
 
 
 def main() -> None:
@@ -98,9 +86,11 @@ def main() -> None:
         case = {
             "run": run,
             "equal": same,
-            "gpu_gather_ms": round(timed_ms(lambda: dev_view.index_select(0, idx_dev), a.reps), 4) if same else None,
-            "cpu_gather_copy_ms": round(timed_ms(cpu_gather_copy, a.reps), 4),
-            "copy_contiguous_ms": round(timed_ms(lambda: dst.copy_(staging, non_blocking=True), a.reps), 4),
+            "gpu_gather_ms": round(cuda_median_ms(lambda i: dev_view.index_select(0, idx_dev), a.reps), 4)
+            if same
+            else None,
+            "cpu_gather_copy_ms": round(cuda_median_ms(lambda i: cpu_gather_copy(), a.reps), 4),
+            "copy_contiguous_ms": round(cuda_median_ms(lambda i: dst.copy_(staging, non_blocking=True), a.reps), 4),
         }
         for k in ("gpu_gather", "cpu_gather_copy", "copy_contiguous"):
             case[k + "_gb_s"] = round(mb / case[k + "_ms"], 2) if case[k + "_ms"] else None

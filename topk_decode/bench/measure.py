@@ -1,4 +1,4 @@
-"""Memory facts and limits: CPU RSS, peak GPU memory, the GPU budget, and fit estimates."""
+"""Memory facts and limits: CPU RSS, peak GPU memory, the GPU budget, and fit estimates; a CUDA timer for the probes."""
 
 from __future__ import annotations
 
@@ -111,3 +111,17 @@ def free_gpu(device: torch.device) -> int | None:
 def is_oom(e: BaseException) -> bool:
     """True for device (or host) out-of-memory errors."""
     return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(e).lower()
+
+
+def cuda_median_ms(fn, reps: int) -> float:
+    """Median milliseconds of fn(i) for i in range(reps), each timed by CUDA events (one untimed call first)."""
+    fn(0)
+    out = []
+    for i in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn(i)
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b))
+    return sorted(out)[len(out) // 2]
