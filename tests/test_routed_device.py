@@ -781,3 +781,35 @@ def test_decoder_with_device_read_gives_the_host_scans_logits(tmp_path, model_fa
         torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=2e-2)
     for store in (*stores.values(), *got.values()):
         store.close()
+
+
+def test_float8_tables_are_taken_where_they_leave_room_for_finer_key_codes(clustered_cache, opened, monkeypatch):
+    """device_tables=auto with key codes: where bf16 tables leave room only for coarsened codes but float8 mean values
+    leave room for the codes as built, the tables go to float8 and every layer keeps its fine codes (coarser codes
+    and layers ranking clusters keep dense's answer less often than float8 tables change it)."""
+    from topk_decode.index.routed import device
+
+    opts = {"cluster_size": 32, "probe_fraction": 0.05, "rank": "keys", "pq_m": 16, "kernel": "numba"}
+    dev = opened(clustered_cache, "routed", dict(opts, device_route="true"), lo=3, hi=2990)
+    k = 40
+    fine = dev.device_routes(CPU, [k, k])
+    assert fine.values_kind == "keys" and fine.code_halvings == 0
+    codes = sum(t.codes.nbytes() for t in fine.tables)
+    held = {"keys": fine.nbytes() - codes}  # the bf16 tables' bytes
+    fp8 = opened(clustered_cache, "routed", dict(opts, device_route="true", device_tables="fp8-values"), lo=3, hi=2990)
+    routes8 = fp8.device_routes(CPU, [k, k])
+    held["fp8-values"] = routes8.nbytes() - codes
+    assert held["fp8-values"] < held["keys"]
+    capacity = held["fp8-values"] + codes  # float8 value means and the codes as built: no more
+
+    def fits(self, nbytes):  # the tables placed so far, plus nbytes
+        return (
+            sum(t.nbytes() - (t.codes.nbytes() if t.codes is not None else 0) for t in self.tables if t)
+            + (nbytes - device.DEFAULT_RESERVE)
+            <= capacity
+        )
+
+    monkeypatch.setattr(DeviceRoutes, "fits", fits)
+    monkeypatch.setattr(device, "MIN_COARSE_M", 4)
+    routes = dev.device_routes(CPU, [k, k])
+    assert routes.values_kind == "fp8-values" and routes.code_halvings == 0 and routes.keyed_layers() == 2

@@ -25,12 +25,13 @@ the same arithmetic is a few microseconds of a kernel. So, for the layers whose 
   takes the top-k and sums their values (`attend`, index/routed/device_read.py): the host does nothing for the layer.
 
 The tables: centroids and mean values, log cluster sizes, sizes (and with `rank=keys` or `estimate_by=keys` the
-residual codes, m/2 bytes per key: 32 at the default m = 64). Where the tables of every layer do not fit
+residual codes, m/2 bytes per key: 64 at rank=keys' default m = D = 128). Where the tables of every layer do not fit
 beside `reserve` bytes in the keys' dtype, the mean values (they only feed the estimate) go to float8
 (e4m3, one scale per KV head and dimension), and where that does not fit either, the centroids too (then
 routing ranks with e4m3 rounding, 3 mantissa bits per centroid element: docs/STRATEGIES.md "Routing on
-the device"). Layers whose tables still do not fit route on the CPU as before. The residual codes are placed only
-after every layer's tables, in layer order while they fit: a layer left without them ranks and estimates by clusters on
+the device"); with codes, float8 tables are taken too where they leave room for finer codes of every layer
+(`_place_tables`). Layers whose tables still do not fit route on the CPU as before. The residual codes are placed only
+after every layer's tables, coarsened until every layer's fit (`_place_codes`), in layer order while they fit: a layer left without them ranks and estimates by clusters on
 the device (routed's default), far faster than routing on the CPU (the real 1M cache under 16 GiB: docs/BENCHMARKS.md).
 """
 
@@ -224,16 +225,11 @@ class DeviceRoutes:
         # On CUDA bf16 products accumulate into fp32 outputs directly: no fp32 copy of a table per step
         # (q is exactly bf16: the model computed it in bf16). Elsewhere the tables are widened per step.
         self._bf16_bmm = device.type == "cuda" and _cuda_bmm_to_fp32()
-        for kind in kinds:
-            self._place(stats, sizes, bias, budgets, n_tokens, kind, reserve)
-            if all(t is not None for t in self.tables) or kind == kinds[-1]:
-                self.values_kind = kind
-                break
-            self.tables = [None] * self.n_layers
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        # device_read's positions are placed after the codes: room is kept for them
+        code_reserve = reserve + (0 if host_kv is None else sum(p.numel() * 4 for p in positions))
+        self.values_kind = self._place_tables(stats, sizes, bias, budgets, n_tokens, kinds, reserve, code_reserve)
         if codes is not None:
-            self._place_codes(n_tokens, reserve)
+            self._place_codes(n_tokens, code_reserve)
         if host_kv is not None:
             self._place_positions(positions, ks, reserve)
         # the codes as built on the host: on the device now, or left out; kept, they would hold 5 GiB of RAM at 1M
@@ -260,6 +256,32 @@ class DeviceRoutes:
         self._read_rows: list[torch.Tensor | None] = [None] * self.n_layers
         self._attend_in: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.n_layers  # for `attend`
 
+    def _place_tables(self, stats, sizes, bias, budgets, n_tokens, kinds, reserve, code_reserve) -> str:
+        """Place every layer's tables in the first of `kinds` that holds them all (the last where none does); with key
+        codes, in the kind that leaves room for the finest codes of every layer (`_halvings`: all layers keyed first,
+        then the fewest halvings, then the most exact tables): a layer ranking clusters, or coarser codes, keep dense's
+        answer less often than float8 tables change it (docs/EVAL.md "Key codes under a GPU budget", docs/STRATEGIES.md
+        "Routing on the device"). Returns the kind placed."""
+        best = None  # (score, kind) of the kinds whose tables all fit
+        for i, kind in enumerate(kinds):
+            self._place(stats, sizes, bias, budgets, n_tokens, kind, reserve)
+            if all(t is not None for t in self.tables):
+                if self._codes is None:
+                    return kind
+                r, fit = self._halvings(self._codes, code_reserve)
+                if fit and r == 0:
+                    return kind
+                score = (fit, -r, -i if fit else i)  # none fits: the most compact tables key the most layers
+                if best is None or score > best[0]:
+                    best = (score, kind)
+            elif best is None and i == len(kinds) - 1:
+                return kind  # no kind holds every layer's tables: as many layers as the most compact ones allow
+            self.tables = [None] * self.n_layers
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        self._place(stats, sizes, bias, budgets, n_tokens, best[1], reserve)
+        return best[1]
+
     def _place(self, stats, sizes, bias, budgets, n_tokens, kind, reserve) -> None:
         """Copy the layers' tables to the device in layer order while they fit beside `reserve`."""
         for layer, st in enumerate(stats):
@@ -281,7 +303,7 @@ class DeviceRoutes:
         dense's answers than the value codes add: docs/EVAL.md), so a layer without them estimates its unread keys'
         values by their clusters' means."""
         placed = [c for t, c in zip(self.tables, self._codes) if t is not None]
-        self.code_halvings = self._halvings(placed, reserve)
+        self.code_halvings = self._halvings(placed, reserve)[0]
         for t, codes, rows in zip(self.tables, self._codes, self._row_budgets):
             if t is None:
                 break
@@ -311,18 +333,21 @@ class DeviceRoutes:
                 break
             t.positions, t.k = moved.positions, k
 
-    def _halvings(self, codes: list[DeviceCodes], reserve: int) -> int:
+    def _halvings(self, codes: list[DeviceCodes], reserve: int) -> tuple[int, bool]:
         """How many times every layer's key codes are halved: the fewest for all of them to fit beside `reserve` (0
-        where they fit as built), or as many as `MIN_COARSE_M` allows where none does (the most layers keyed)."""
+        where they fit as built), or as many as `MIN_COARSE_M` allows where none does (the most layers keyed); and
+        whether they all fit then."""
         if not codes:
-            return 0
+            return 0, True
         m = codes[0].books.shape[1]
         packed = sum(c.packed.numel() for c in codes)  # halved by each halving; the rest is not
         rest = sum(c.nbytes() for c in codes) - packed
         r = 0
-        while not self.fits(rest + (packed >> r) + reserve) and m >> r >= 2 * MIN_COARSE_M and (m >> r) % 4 == 0:
+        while not (fit := self.fits(rest + (packed >> r) + reserve)):
+            if not (m >> r >= 2 * MIN_COARSE_M and (m >> r) % 4 == 0):
+                break
             r += 1
-        return r
+        return r, fit
 
     def fits(self, nbytes: int) -> bool:
         """Whether `nbytes` more fit on the device now (CUDA: one probe allocation; elsewhere always)."""
