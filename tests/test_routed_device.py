@@ -152,14 +152,19 @@ def test_device_tables_option_picks_the_tables_precision(clustered_cache, opened
         opened(clustered_cache, "routed", {"device_tables": "fp4"})
 
 
-def _routed_stores(tmp_path, model_factory, docs_dir, device: str, modes: tuple[str, str], segments: bool, **options):
-    """Two stores over one bf16 cache of the tiny model, device_route=modes[0] and modes[1] (plus routed `options`),
-    and each one's logits for a prompt then one-token steps (the captured step's segments; eagerly on the CPU)."""
+def _routed_stores(
+    tmp_path, model_factory, docs_dir, device: str, modes: tuple[str, str], segments: bool, kv_dtype=None, **options
+):
+    """Two stores over one bf16 (or `kv_dtype`) cache of the tiny model, device_route=modes[0] and modes[1] (plus routed
+    `options`), and each one's logits for a prompt then one-token steps (the captured step's segments; eagerly on the
+    CPU)."""
     from topk_decode import KVStore
     from topk_decode.prefill.build import build_cache
 
-    cache = tmp_path / "bf16"
-    build_cache(docs_dir, cache, model_factory("llama_gqa"), chunk_size=97, device="cpu", dtype="bf16")
+    cache = tmp_path / (kv_dtype or "bf16")
+    build_cache(
+        docs_dir, cache, model_factory("llama_gqa"), chunk_size=97, device="cpu", dtype="bf16", kv_dtype=kv_dtype
+    )
     opts = {"probe_fraction": 0.1, "cluster_size": 16, "kernel": "numba", **options}
     logits, stores = {}, {}
     for mode in modes:
@@ -763,10 +768,12 @@ def test_device_read_attends_as_the_hosts_scan_of_the_same_rows(clustered_cache,
     assert dev.stats.extra["keys_read"] - before == hkv * routes.tables[0].width
 
 
-def test_decoder_with_device_read_gives_the_host_scans_logits(tmp_path, model_factory, docs_dir):
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_decoder_with_device_read_gives_the_host_scans_logits(tmp_path, model_factory, docs_dir, kv_dtype):
     """device_read through the decoder's one-token segments (eagerly on the CPU): the host does nothing for the layers
-    the device attends, and the logits are those of the host's scan of the same rows."""
-    opts = {"rank": "keys", "pq_values": 8}
+    the device attends, and the logits are those of the host's scan of the same rows (an int8 cache: its keys scored
+    with the query scaled by the key scales, its values dequantised by their per-token scales)."""
+    opts = {"rank": "keys", "pq_values": 8, "kv_dtype": kv_dtype}
     stores, logits = _routed_stores(tmp_path, model_factory, docs_dir, "cpu", ("true",), segments=True, **opts)
     (tmp_path / "read").mkdir()
     got, out = _routed_stores(
