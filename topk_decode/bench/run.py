@@ -309,6 +309,7 @@ def _device_routes_row(decoder) -> dict:
         "device_keyed_layers": routes.keyed_layers(),
         "device_key_code_halvings": routes.code_halvings,
         "device_value_coded_layers": routes.value_coded_layers(),
+        "device_read_layers": sum(routes.attends(layer) for layer in range(routes.n_layers)),
     }
 
 
