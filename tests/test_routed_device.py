@@ -820,3 +820,13 @@ def test_float8_tables_are_taken_where_they_leave_room_for_finer_key_codes(clust
     monkeypatch.setattr(device, "MIN_COARSE_M", 4)
     routes = dev.device_routes(CPU, [k, k])
     assert routes.values_kind == "fp8-values" and routes.code_halvings == 0 and routes.keyed_layers() == 2
+
+
+def test_device_read_where_it_cannot_apply_warns_and_the_host_scans(clustered_cache, opened):
+    """device_read=true over a layout that stores its own copy of the keys (store_keys=true): it reads the cache's
+    own rows, so it is off with a one-line warning and the host scans the ranked rows as before."""
+    opts = {"cluster_size": 32, "probe_fraction": 0.05, "rank": "keys", "kernel": "numba", "device_route": "true"}
+    dev = opened(clustered_cache, "routed", dict(opts, store_keys=True, device_read="true"), lo=3)
+    with pytest.warns(TopkWarning, match="device_read is off: it reads the cache's own keys"):
+        routes = dev.device_routes(CPU, [40, 40])
+    assert routes.sends_rows(0) and not routes.attends(0) and dev.host_kv is None

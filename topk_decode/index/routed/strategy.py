@@ -575,7 +575,8 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
 
     def _device_read_args(self, device: torch.device, k_per_layer: list[int]) -> dict:
         """`DeviceRoutes`' arguments for `device_read`: the host's KV registered once (`HostKV`, kept across device
-        stages), the layers' positions, their k; none where the option is off or does not apply (with a warning)."""
+        stages), the layers' positions, their k; none where the option is off or does not apply (a warning where it was asked
+        for with `true`; `auto` falls back to the host's scan quietly)."""
         asked = self.options.device_read
         if not self.rank_keys or asked == "false" or (asked == "auto" and device.type != "cuda"):
             return {}
