@@ -31,8 +31,9 @@ beside `reserve` bytes in the keys' dtype, the mean values (they only feed the e
 routing ranks with e4m3 rounding, 3 mantissa bits per centroid element: docs/STRATEGIES.md "Routing on
 the device"); with codes, float8 tables are taken too where they leave room for finer codes of every layer
 (`_place_tables`). Layers whose tables still do not fit route on the CPU as before. The residual codes are placed only
-after every layer's tables, coarsened until every layer's fit (`_place_codes`), in layer order while they fit: a layer left without them ranks and estimates by clusters on
-the device (routed's default), far faster than routing on the CPU (the real 1M cache under 16 GiB: docs/BENCHMARKS.md).
+after every layer's tables, coarsened until every layer's fit (`_place_codes`), in layer order while they fit: a layer
+left without them ranks and estimates by clusters on the device (routed's default), far faster than routing on the CPU
+(the real 1M cache under 16 GiB: docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
