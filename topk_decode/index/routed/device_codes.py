@@ -34,6 +34,7 @@ clusters, so logit_c is the log of Σ exp(s·q·(μ_c + r̂_k)) over its searcha
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, fields
 from typing import Self
@@ -328,16 +329,6 @@ def _lse_torch(scores: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, safe + total.log(), float("-inf"))
 
 
-_KERNELS: dict = {}
-
-
-def _kernels() -> dict:
-    """The Triton kernels, compiled at first use."""
-    if not _KERNELS:
-        _KERNELS.update(_compile_kernels())
-    return _KERNELS
-
-
 def _pow2(g: int) -> int:
     """The kernels' query axis: g rounded up to a power of two."""
     return 1 << max(0, (g - 1).bit_length())
@@ -382,8 +373,9 @@ def _lse_triton(scores: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return out[:, :g]
 
 
-def _compile_kernels() -> dict:
-    """The Triton kernels (imported here: Triton ships with CUDA builds of torch only)."""
+@functools.cache
+def _kernels() -> dict:
+    """The Triton kernels, compiled at first use (Triton is imported here: it ships with CUDA builds of torch only)."""
     import triton
     import triton.language as tl
 

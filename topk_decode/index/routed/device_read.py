@@ -26,6 +26,7 @@ head; one per query and slice of its top-k); elsewhere torch ops do the same (th
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -150,18 +151,9 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-_KERNELS: dict = {}
-
-
+@functools.cache
 def _kernels() -> dict:
-    """The Triton kernels, compiled at first use."""
-    if not _KERNELS:
-        _KERNELS.update(_compile_kernels())
-    return _KERNELS
-
-
-def _compile_kernels() -> dict:
-    """The Triton kernels (imported here: Triton ships with CUDA builds of torch only)."""
+    """The Triton kernels, compiled at first use (Triton is imported here: it ships with CUDA builds of torch only)."""
     import triton
     import triton.language as tl
 
