@@ -127,7 +127,7 @@ def _scores_triton(keys: torch.Tensor, pos: torch.Tensor, q: torch.Tensor) -> to
     hkv, n, d = keys.shape
     g, w = q.shape[1], pos.shape[1]
     out = torch.empty((hkv, g, w), dtype=torch.float32, device=q.device)
-    grid = (triton_cdiv(w, SCORE_BLOCK), hkv)
+    grid = (-(-w // SCORE_BLOCK), hkv)
     _kernels()["scores"][grid](_pointer(keys), pos, q, out, n, w, G=g, D=d, BLOCK=SCORE_BLOCK)
     return out
 
@@ -138,17 +138,12 @@ def _values_triton(
     hkv, n, d = values.shape
     _, g, k = pos.shape
     part = torch.empty((hkv * g, VALUE_SLICES, d), dtype=torch.float32, device=w.device)
-    chunk = triton_cdiv(k, VALUE_SLICES)
+    chunk = -(-k // VALUE_SLICES)
     sc = _pointer(scales) if scales is not None else w  # (any pointer when there are no scales: not read)
     _kernels()["values"][(hkv * g, VALUE_SLICES)](
         _pointer(values), sc, pos, w, part, n, k, chunk, G=g, D=d, SCALED=scales is not None, BLOCK=32
     )
     return part.sum(1).view(hkv, g, d)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    """⌈a / b⌉."""
-    return -(-a // b)
 
 
 @functools.cache
