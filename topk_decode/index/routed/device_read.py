@@ -1,13 +1,13 @@
 """routed's exact part on the decode device: the GPU reads the rows it ranked straight from the host's RAM.
 
 With `rank=keys` the device already ranks every key and knows the rows to read (index/routed/device.py `route`).
-Until now it sent them to the CPU, which scanned them exactly, took each query's top-k and summed their values:
-~35 ms a token at 128K on 16 cores, ~56 on 8, the whole step's critical path (docs/BENCHMARKS.md). A pinned host page
-is addressable from the GPU (unified addressing), and the GPU reads a layer's 4 % of 128K rows in ~0.12–0.9 ms
-(docs/BENCHMARKS.md "The GPU reading the host's rows"). So with `device_read` the device does it all inside the
-captured step, per layer:
+Until now it sent them to the CPU, which scanned them exactly, took each query's top-k and summed their values: the
+step's critical path, and slower on fewer cores. A pinned host page is addressable from the GPU (unified addressing),
+and the GPU reads those rows faster than the CPU searches them (docs/BENCHMARKS.md "The GPU reading the host's rows",
+"The device reads the rows itself"). So with `device_read` the device does it all inside the captured step, per layer:
 
-1. `row_positions`: the rows' cache positions (a device table per layer; −1 for rows outside the searchable range);
+1. the rows' cache positions, gathered from a device table per layer (−1 for rows outside the searchable range;
+   index/routed/device.py `attend`);
 2. `read_scores`: their keys read from the host's RAM and scored exactly against the queries (scaled as the host's);
 3. the exact top-k of each query among them (torch.topk), their softmax weights;
 4. `weighted_values`: the values of each query's top-k read from the host's RAM, summed with those weights.
