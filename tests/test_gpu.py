@@ -223,6 +223,9 @@ def test_cuda_int8_cache_decodes_close_to_its_bf16_cache(tmp_path, model_factory
         routes = made["int8"].decoder.segments.routes
         assert routes is not None and routes.rank_keys and routes.tables[0].kscale is not None
         # device_read: the GPU read the int8 rows and their value scales from the host's RAM itself
-        assert routes.attends(0) == (options.get("device_read") != "false")
+        why = made["int8"].decoder.strategy.device_read_off
+        assert routes.attends(0) == (options.get("device_read") != "false"), why
     else:
         assert made[None].generate_ids(prompt, 12) == made["int8"].generate_ids(prompt, 12)
+    for store in made.values():
+        store.close()

@@ -245,7 +245,8 @@ def test_captured_cuda_step_routes_on_the_gpu_and_matches_cpu_routing(tmp_path, 
     assert seg.routes.keyed_layers() == (seg.routes.layers_on_device() if per_key else 0)
     assert seg.routes.rank_keys == ("rank" in per_key)
     reads = "rank" in per_key and per_key.get("device_read") != "false"
-    assert seg.routes.attends(0) == reads  # the GPU read the host's rows inside the graph
+    why = stores["auto"].decoder.strategy.device_read_off
+    assert seg.routes.attends(0) == reads, why  # the GPU read the host's rows inside the graph
     for a, b in zip(logits["auto"], logits["false"]):
         torch.testing.assert_close(a.float().cpu(), b.float().cpu(), rtol=0, atol=5e-2)
     for store in stores.values():
@@ -723,7 +724,7 @@ def test_key_codes_are_coarsened_so_that_every_layers_fit(clustered_cache, opene
     assert fine.code_halvings == 0 and fine.keyed_layers() == 2
     need = sum(t.codes.nbytes() for t in fine.tables)
     packed = sum(t.codes.packed.numel() for t in fine.tables)
-    room = need - packed // 2 + device.DEFAULT_RESERVE  # every layer at half the codes, beside the reserve
+    room = need - packed // 2 + fine.reserve  # every layer at half the codes, beside the reserve
     monkeypatch.setattr(DeviceRoutes, "fits", lambda self, nbytes: nbytes <= room)
     monkeypatch.setattr(device, "MIN_COARSE_M", 4)  # D = 16 here: halve 16 sub-vectors to 8
     with pytest.warns(TopkWarning, match="coarsened from 16 to 8 sub-vectors"):
@@ -736,6 +737,28 @@ def test_key_codes_are_coarsened_so_that_every_layers_fit(clustered_cache, opene
     assert sel.ids.shape == (q.shape[0], q.shape[1], k) and bool(torch.isfinite(lse).all())
 
 
+def test_host_kv_unregisters_when_collected_without_close(monkeypatch):
+    """A store dropped without `close` still unregisters its host KV (`HostKV`'s finalizer) before the tensors go: a
+    mapping freed while registered made the next store's registration fail, and `device_read=auto` quietly off."""
+    import gc
+
+    from topk_decode.index.routed.device_read import HostKV
+
+    unregistered = []
+
+    class FakeCudart:
+        def cudaHostUnregister(self, ptr):
+            unregistered.append(ptr)
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    keys = [torch.zeros(2, 8, 4)]
+    host = HostKV(keys, keys, None, CPU)
+    host._registered.append(keys[0].data_ptr())  # as a CUDA device registers it
+    del host
+    gc.collect()
+    assert unregistered == [keys[0].data_ptr()]
+
+
 @pytest.mark.parametrize("estimate_read", [False, True])
 def test_device_read_attends_as_the_hosts_scan_of_the_same_rows(clustered_cache, opened, estimate_read):
     """device_read: the device reads the rows it ranked from the host's KV, scores them exactly, takes each query's
@@ -746,7 +769,7 @@ def test_device_read_attends_as_the_hosts_scan_of_the_same_rows(clustered_cache,
     opts = {"cluster_size": 32, "probe_fraction": 0.05, "rank": "keys", "pq_values": 8, "estimate_read": estimate_read}
     dev = opened(clustered_cache, "routed", dict(opts, kernel="numba", device_route="true", device_read="true"), lo=3)
     k = 40
-    routes = dev.device_routes(CPU, [k, k])
+    routes = dev.device_routes(CPU, [k, k], group=_queries().shape[1])
     assert routes.host_kv is dev.host_kv and all(routes.attends(layer) for layer in range(2))
     for layer, seed in ((0, 81), (1, 82)):
         q = _queries(seed=seed)
@@ -812,7 +835,7 @@ def test_float8_tables_are_taken_where_they_leave_room_for_finer_key_codes(clust
     def fits(self, nbytes):  # the tables placed so far, plus nbytes
         return (
             sum(t.nbytes() - (t.codes.nbytes() if t.codes is not None else 0) for t in self.tables if t)
-            + (nbytes - device.DEFAULT_RESERVE)
+            + (nbytes - fine.reserve)
             <= capacity
         )
 

@@ -433,7 +433,8 @@ class TopKDecoder:
         if self._segments is not None and self._segments_k != ks:
             self._segments = None  # the device's routing budgets are fixed in the step: new segments
         if self._segments is None:
-            routes = self.strategy.device_routes(self.device, ks) if isinstance(self.strategy, DeviceStaged) else None
+            staged = isinstance(self.strategy, DeviceStaged)
+            routes = self.strategy.device_routes(self.device, ks, self.shape.group_size) if staged else None
             self._segments = StepSegments(
                 self.model,
                 self.shape,

@@ -290,10 +290,11 @@ class DeviceStaged(ABC):
     """Capability: part of the strategy's search can run on the decode device (`DeviceStage`)."""
 
     @abstractmethod
-    def device_routes(self, device: torch.device, k_per_layer: list[int]) -> DeviceStage | None:
+    def device_routes(self, device: torch.device, k_per_layer: list[int], group: int = 1) -> DeviceStage | None:
         """The device stage for these layer budgets on `device`, or None where it does not apply there (the
         device, the options or the budgets rule it out).
 
         Args:
-            device: the decode device; k_per_layer: each layer's k (fixed in the captured step).
+            device: the decode device; k_per_layer: each layer's k (fixed in the captured step); group: query heads per
+            KV head (sizes the step's temporaries).
         """

@@ -60,6 +60,9 @@ from topk_decode.index.routed.pq import top_rows
 
 # Free device memory kept beside the tables for the step itself (its graphs' temporaries, the window).
 DEFAULT_RESERVE = 384 << 20
+# With key codes the step also holds (Hkv, G, N) float32 row scores: this many of them are kept free beside the reserve
+# (a layer's scores live into the next segment where the host scans its rows; the graphs' pool fragments around them).
+ROW_SCORE_BUFFERS = 4
 MIN_COARSE_M = 16  # key codes are coarsened (`_place_codes`) down to this many sub-vectors, no further
 # The tables' precisions, most exact first: what `values="auto"` tries in turn (see `DeviceRoutes`).
 TABLE_KINDS = ("keys", "fp8-values", "fp8")
@@ -158,7 +161,9 @@ class DeviceRoutes:
         device: the decode device.
         values: "auto" (the first of the ladder below that holds every layer), or one of it: "keys" (the
             keys' dtype), "fp8-values" (float8 mean values), "fp8" (float8 centroids and mean values).
-        reserve: device bytes to leave free (CUDA only).
+        reserve: device bytes to leave free (CUDA only); with `codes`, `ROW_SCORE_BUFFERS` of the step's (Hkv, group,
+            N) float32 row scores are added to it.
+        group: query heads per KV head.
         codes: per layer the residual codes (`device_codes`, on the CPU) for the keyed estimate (`estimate_by=keys`)
             and the per-key ranking, or None.
         rank_keys: rank every key by its approximate score (routed's rank=keys) and send the host the `row_budgets`
@@ -202,10 +207,11 @@ class DeviceRoutes:
         ks: list[int] | None = None,
         count_read=None,
         n_searchable: int = 0,
+        group: int = 1,
     ) -> None:
         self.device, self.scale, self.estimate = device, scale, estimate
         self.host_kv, self._count_read, self._n_searchable = host_kv, count_read, n_searchable
-        self._group = 1  # query heads per KV head, known at the first `attend`
+        self._group = group  # query heads per KV head
         self.estimate_read = estimate_read and estimate and rank_keys
         self._key_scales = key_scales
         self._codes, self.rank_keys = codes, rank_keys
@@ -218,6 +224,9 @@ class DeviceRoutes:
             raise ValueError("rank_keys needs the residual codes")
         self.n_layers = len(stats)
         hkv = sizes[0].shape[0]
+        if codes is not None:
+            reserve += ROW_SCORE_BUFFERS * hkv * group * n_tokens * 4
+        self.reserve = reserve  # device bytes left free beside the tables for the step
         self.tables: list[LayerTables | None] = [None] * self.n_layers
         self.code_halvings = 0  # how many times the key codes were halved to fit (`_place_codes`)
         kinds = list(TABLE_KINDS) if values == "auto" else [values]
@@ -514,7 +523,6 @@ class DeviceRoutes:
         q32, rows = self._attend_in[layer]
         self._attend_in[layer] = None
         hkv, g, _ = q32.shape
-        self._group = g
         pos = t.positions.gather(1, rows)  # (Hkv, W) int32
         host = self.host_kv
         s = read_scores(host.keys[layer], pos, q32 * self.scale)  # (Hkv, G, W) exact, scaled

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 
 import torch
 
@@ -46,6 +47,9 @@ class HostKV:
         self.keys, self.values = list(keys), list(values)
         self.value_scales = list(value_scales) if value_scales is not None else [None] * len(self.keys)
         self._registered: list[int] = []
+        # unregistered when this object goes, before the tensors it holds can be freed: a mapping freed while still
+        # registered would make the next registration of that address range fail (or map stale pages)
+        self._finalizer = weakref.finalize(self, _unregister, self._registered)
         if device.type == "cuda":
             cudart = torch.cuda.cudart()
             for t in (*self.keys, *self.values, *self.value_scales):
@@ -65,12 +69,17 @@ class HostKV:
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     def close(self) -> None:
-        """Unregister the host tensors (idempotent)."""
-        if self._registered:
-            cudart = torch.cuda.cudart()
-            for ptr in self._registered:
-                cudart.cudaHostUnregister(ptr)
-            self._registered = []
+        """Unregister the host tensors (idempotent; also done when the object is collected)."""
+        _unregister(self._registered)
+
+
+def _unregister(ptrs: list[int]) -> None:
+    """cudaHostUnregister each pointer in `ptrs`, emptying the list."""
+    if ptrs:
+        cudart = torch.cuda.cudart()
+        for ptr in ptrs:
+            cudart.cudaHostUnregister(ptr)
+        ptrs.clear()
 
 
 def read_scores(keys: torch.Tensor, pos: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -343,6 +343,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         # rank=keys in blocks pads the last block with an outside row: without one (no sinks, no tail) single rows
         self.key_block = o.key_block if all(p is not None for p in self._pad_rows) else 1
         self.huge_bytes = 0
+        self.device_read_off: str | None = None  # why `device_read` did not apply where it was on (`auto` or `true`)
         if self.kernel:
             if self.hugepages:
                 self.huge_bytes = to_huge_pages(self.layouts, self.ckv)
@@ -507,12 +508,13 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             ids=res.ids, scores=res.scores, no_empty_slots=res.filled == res.ids.numel(), rest=rest, filled=res.filled
         )
 
-    def device_routes(self, device: torch.device, k_per_layer: list[int]) -> DeviceRoutes | None:
+    def device_routes(self, device: torch.device, k_per_layer: list[int], group: int = 1) -> DeviceRoutes | None:
         """Routing and the estimate on the decode device for the layers whose tables fit (index/routed/device.py),
         or None where the option, the device or the compiled path rules it out.
 
         Args:
-            device: the decode device; k_per_layer: each layer's k (the budgets are fixed in the step).
+            device: the decode device; k_per_layer: each layer's k (the budgets are fixed in the step); group: query
+            heads per KV head.
         """
         wanted = self.device_route == "true" or (self.device_route == "auto" and device.type == "cuda")
         if not wanted or not self.kernel or any(k >= self.n_searchable for k in k_per_layer):
@@ -548,6 +550,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             pad_rows=[p - self._row_base for p in self._pad_rows] if self.rank_keys and self.key_block > 1 else None,
             key_scales=self.ckv.key_scales,
             estimate_read=self.estimate_read,
+            group=group,
             **self._device_read_args(device, k_per_layer),
         )
         self.routes = routes if routes.layers_on_device() else None
@@ -592,6 +595,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
                 self.host_kv = HostKV(self.ckv.keys, self.ckv.values, self.ckv.value_scales, device)
             except (RuntimeError, ValueError) as e:
                 why = f"the host's KV could not be mapped for the device ({e})"
+        self.device_read_off = why
         if why is not None:
             if asked == "true":
                 warnings.warn(f"routed: device_read is off: {why}", TopkWarning, stacklevel=3)
