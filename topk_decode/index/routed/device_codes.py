@@ -156,6 +156,7 @@ def _residual_hist_torch(packed: torch.Tensor, w: torch.Tensor, block: int) -> t
 
 
 RESIDUAL_CHUNK = 2048  # rows per program of the Triton histogram
+ROWS_BLOCK = 128  # rows per program of the Triton row scores
 
 
 def _residual_hist_triton(packed: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -335,7 +336,8 @@ def _pow2(g: int) -> int:
 
 
 def _rows_triton(codes: DeviceCodes, lut: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-    """`row_scores` by a Triton kernel (one program per cluster and KV head)."""
+    """`row_scores` by a Triton kernel (one program per `ROWS_BLOCK` rows and KV head; each row finds its cluster by a
+    binary search of the offsets: a program per cluster ran ~16 rows on 32 lanes)."""
     kernels = _kernels()
     hkv, g, m, _ = lut.shape
     gp = _pow2(g)
@@ -345,7 +347,7 @@ def _rows_triton(codes: DeviceCodes, lut: torch.Tensor, base: torch.Tensor) -> t
     n = codes.packed.shape[2]
     c = codes.offsets.shape[1] - 1
     out = torch.empty((hkv, gp, n), dtype=torch.float32, device=lut.device)
-    kernels["rows"][(c, hkv)](
+    kernels["rows"][(-(-n // ROWS_BLOCK), hkv)](
         codes.packed,
         lut.contiguous(),
         base.contiguous(),
@@ -355,9 +357,10 @@ def _rows_triton(codes: DeviceCodes, lut: torch.Tensor, base: torch.Tensor) -> t
         n,
         c,
         codes.searchable.shape[1],
+        STEPS=max(1, c.bit_length()),
         M2=m // 2,
         GP=gp,
-        BLOCK=32,
+        BLOCK=ROWS_BLOCK,
     )
     return out[:, :g]
 
@@ -381,27 +384,42 @@ def _kernels() -> dict:
 
     @triton.jit
     def rows_kernel(
-        packed, lut, base, offsets, bits, out, N, C, NB, M2: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr
+        packed,
+        lut,
+        base,
+        offsets,
+        bits,
+        out,
+        N,
+        C,
+        NB,
+        STEPS: tl.constexpr,
+        M2: tl.constexpr,
+        GP: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
-        c = tl.program_id(0)
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         h = tl.program_id(1)
-        start = tl.load(offsets + h * (C + 1) + c)
-        end = tl.load(offsets + h * (C + 1) + c + 1)
+        inside = rows < N
+        # each row's cluster: the last c with offsets[c] <= row (a binary search over the head's C + 1 offsets)
+        lo = tl.zeros([BLOCK], tl.int32)
+        hi = tl.zeros([BLOCK], tl.int32) + C
+        for _ in tl.static_range(STEPS):
+            mid = (lo + hi) // 2
+            go = tl.load(offsets + h * (C + 1) + mid) <= rows
+            lo = tl.where(go, mid, lo)
+            hi = tl.where(go, hi, mid)
         g = tl.arange(0, GP)
         g_lut = (h * GP + g) * (2 * M2 * 16)  # (GP,) each query's tables
-        b_c = tl.load(base + (h * GP + g) * C + c)  # (GP,) the cluster's term
-        for r0 in range(start, end, BLOCK):
-            rows = r0 + tl.arange(0, BLOCK)
-            inside = rows < end
-            byte = tl.load(bits + h * NB + rows // 8, mask=inside, other=0).to(tl.int32)
-            ok = inside & (((byte >> (rows % 8)) & 1) != 0)
-            acc = tl.zeros([BLOCK, GP], tl.float32) + b_c[None, :]
-            for j in tl.static_range(M2):
-                b = tl.load(packed + (h * M2 + j) * N + rows, mask=inside, other=0).to(tl.int32)
-                acc += tl.load(lut + g_lut[None, :] + (2 * j * 16) + (b & 15)[:, None])
-                acc += tl.load(lut + g_lut[None, :] + ((2 * j + 1) * 16) + (b >> 4)[:, None])
-            acc = tl.where(ok[:, None], acc, float("-inf"))
-            tl.store(out + (h * GP + g[None, :]) * N + rows[:, None], acc, mask=inside[:, None])
+        acc = tl.load(base + (h * GP + g[None, :]) * C + lo[:, None])  # (BLOCK, GP) each row's cluster term
+        byte = tl.load(bits + h * NB + rows // 8, mask=inside, other=0).to(tl.int32)
+        ok = inside & (((byte >> (rows % 8)) & 1) != 0)
+        for j in tl.static_range(M2):
+            b = tl.load(packed + (h * M2 + j) * N + rows, mask=inside, other=0).to(tl.int32)
+            acc += tl.load(lut + g_lut[None, :] + (2 * j * 16) + (b & 15)[:, None])
+            acc += tl.load(lut + g_lut[None, :] + ((2 * j + 1) * 16) + (b >> 4)[:, None])
+        acc = tl.where(ok[:, None], acc, float("-inf"))
+        tl.store(out + (h * GP + g[None, :]) * N + rows[:, None], acc, mask=inside[:, None])
 
     @triton.jit
     def lse_kernel(scores, s_h, s_g, offsets, out, G, N, C, GP: tl.constexpr, BLOCK: tl.constexpr):
