@@ -130,6 +130,18 @@ def _to_fp8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (v.float() / scale).to(_FP8), scale
 
 
+def _probe(device: torch.device, nbytes: int) -> None:
+    """Allocate `nbytes` on a CUDA device and give them back to the driver (OutOfMemoryError where they do not fit). The
+    cache is emptied either way: a probe's block left cached would be split for the next table placed, and the
+    remainders, free but too small for the step, count against the GPU budget (the 128K step's warm-up then ran out
+    with 0.6 GiB of such pieces under 16 GiB)."""
+    try:
+        probe = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        del probe
+    finally:
+        torch.cuda.empty_cache()
+
+
 def _cuda_bmm_to_fp32() -> bool:
     """Whether this torch multiplies bf16 batches into fp32 outputs on CUDA (`torch.bmm(out_dtype=)`)."""
     try:
@@ -364,10 +376,9 @@ class DeviceRoutes:
         if self.device.type != "cuda":
             return True
         try:
-            probe = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            _probe(self.device, nbytes)
         except torch.OutOfMemoryError:
             return False
-        del probe
         return True
 
     def _moved(self, tensors: Tensors, reserve: int) -> Tensors | None:
@@ -382,8 +393,7 @@ class DeviceRoutes:
     def _check_reserve(self, reserve: int) -> None:
         """Raise OutOfMemoryError unless `reserve` bytes are still free (CUDA only): the step's own memory."""
         if self.device.type == "cuda":
-            probe = torch.empty(reserve, dtype=torch.uint8, device=self.device)
-            del probe
+            _probe(self.device, reserve)
 
     def _layer(self, layer, st, sizes, bias, budget, n_tokens, kind) -> LayerTables:
         dev = self.device
