@@ -60,8 +60,8 @@ from topk_decode.index.routed.pq import top_rows
 
 # Free device memory kept beside the tables for the step itself (its graphs' temporaries, the window).
 DEFAULT_RESERVE = 384 << 20
-# With key codes the step also holds (Hkv, G, N) float32 row scores: this many of them are kept free beside the reserve
-# (a layer's scores live into the next segment where the host scans its rows; the graphs' pool fragments around them).
+# With key codes the step holds (Hkv, G, N) float32 row scores: the reserve is at least this many of them (a layer's
+# scores live into the next segment where the host scans its rows; at 1M tokens of Qwen2.5-7B each is 112 MiB).
 ROW_SCORE_BUFFERS = 4
 MIN_COARSE_M = 16  # key codes are coarsened (`_place_codes`) down to this many sub-vectors, no further
 # The tables' precisions, most exact first: what `values="auto"` tries in turn (see `DeviceRoutes`).
@@ -173,8 +173,8 @@ class DeviceRoutes:
         device: the decode device.
         values: "auto" (the first of the ladder below that holds every layer), or one of it: "keys" (the
             keys' dtype), "fp8-values" (float8 mean values), "fp8" (float8 centroids and mean values).
-        reserve: device bytes to leave free (CUDA only); with `codes`, `ROW_SCORE_BUFFERS` of the step's (Hkv, group,
-            N) float32 row scores are added to it.
+        reserve: device bytes to leave free (CUDA only); with `codes`, at least `ROW_SCORE_BUFFERS` of the step's (Hkv,
+            group, N) float32 row scores.
         group: query heads per KV head.
         codes: per layer the residual codes (`device_codes`, on the CPU) for the keyed estimate (`estimate_by=keys`)
             and the per-key ranking, or None.
@@ -237,7 +237,7 @@ class DeviceRoutes:
         self.n_layers = len(stats)
         hkv = sizes[0].shape[0]
         if codes is not None:
-            reserve += ROW_SCORE_BUFFERS * hkv * group * n_tokens * 4
+            reserve = max(reserve, ROW_SCORE_BUFFERS * hkv * group * n_tokens * 4)
         self.reserve = reserve  # device bytes left free beside the tables for the step
         self.tables: list[LayerTables | None] = [None] * self.n_layers
         self.code_halvings = 0  # how many times the key codes were halved to fit (`_place_codes`)
