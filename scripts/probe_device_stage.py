@@ -12,6 +12,7 @@ with pq_values) as a Triton histogram and as torch scatter-adds.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import torch
@@ -28,9 +29,9 @@ from topk_decode.index.routed.device_codes import (
 from topk_decode.index.routed.pq import top_rows
 
 
-def per_cluster_row_scores(codes: DeviceCodes, q32: torch.Tensor, scale: float, base: torch.Tensor) -> torch.Tensor:
-    """`row_scores` by the kernel it replaced (one program per cluster and KV head, 32 lanes for ~16 rows): the
-    baseline of the probe's comparison (Triton, CUDA)."""
+@functools.cache
+def per_cluster_kernel():
+    """The per-cluster row-score kernel, compiled once (Triton, CUDA)."""
     import triton
     import triton.language as tl
 
@@ -58,6 +59,12 @@ def per_cluster_row_scores(codes: DeviceCodes, q32: torch.Tensor, scale: float, 
             acc = tl.where(ok[:, None], acc, float("-inf"))
             tl.store(out + (h * GP + g[None, :]) * N + rows[:, None], acc, mask=inside[:, None])
 
+    return kernel
+
+
+def per_cluster_row_scores(codes: DeviceCodes, q32: torch.Tensor, scale: float, base: torch.Tensor) -> torch.Tensor:
+    """`row_scores` by the kernel it replaced (one program per cluster and KV head, 32 lanes for ~16 rows): the
+    baseline of the probe's comparison (Triton, CUDA)."""
     hkv, g, _ = q32.shape
     a = codes.fix_ids.shape[1]
     shift = torch.bmm(q32, codes.fix_delta.transpose(1, 2)).mul_(scale)
@@ -66,7 +73,7 @@ def per_cluster_row_scores(codes: DeviceCodes, q32: torch.Tensor, scale: float, 
     m = lut.shape[2]
     n, c = codes.packed.shape[2], codes.offsets.shape[1] - 1
     out = torch.empty((hkv, g, n), dtype=torch.float32, device=q32.device)
-    kernel[(c, hkv)](
+    per_cluster_kernel()[(c, hkv)](
         codes.packed,
         lut,
         base,
