@@ -475,7 +475,8 @@ class DeviceRoutes:
             scores = row_scores(t.codes, q32, self.scale, base)  # (Hkv, G, N)
             lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (Hkv, G, 1)
             share = scores.sub_(lse).amax(1)  # (Hkv, N); in place: one (Hkv, G, N) buffer per layer, not two
-            rows = top_rows(share, t.width, self.key_block, t.pad)  # (Hkv, W) in row order (blocks: runs)
+            # (Hkv, W) in row order (blocks: runs) where the host reads them; in any order where the device does
+            rows = top_rows(share, t.width, self.key_block, t.pad, ordered=t.positions is None)
             self.order_host[layer].copy_(rows, non_blocking=True)
             if self.estimate:
                 self._read[layer] = (q32, scores, rows, lse)
