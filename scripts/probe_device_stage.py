@@ -4,7 +4,8 @@ Random residual codes in the device's form (index/routed/device_codes.py) for on
 --group queries each, d = --dim, --tokens rows in clusters of 16 on average (random cuts, as k-means leaves them),
 times (median of --reps, CUDA events): row_scores at each --key-m beside the per-cluster kernel it replaced (checked
 against it), segment_lse, top_rows of 4 % of the rows, residual_sum at --value-m sub-vectors (rank=keys' estimate
-with pq_values) as a Triton histogram and as torch scatter-adds.
+with pq_values) as a Triton histogram and as torch scatter-adds, and as an experiment the histogram by tensor-core
+products with one-hot code tiles (`dot_residual_sum`, tf32 and ieee; checked against torch's).
 
     python scripts/probe_device_stage.py [--tokens 131072] [--out probe.json]
 """
@@ -90,6 +91,52 @@ def per_cluster_row_scores(codes: DeviceCodes, q32: torch.Tensor, scale: float, 
     return out
 
 
+@functools.cache
+def dot_hist_kernel():
+    """An experiment for `residual_sum`: the weighted histogram by tensor-core products of each block's weights with
+    one-hot code tiles, (16 × BLOCK)·(BLOCK × 16) per sub-vector, instead of a (G, BLOCK, 16) broadcast and sum
+    (Triton, CUDA)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(packed, w, hist, N, G, CHUNK, M2: tl.constexpr, PRECISION: tl.constexpr, BLOCK: tl.constexpr):
+        c = tl.program_id(0)
+        h = tl.program_id(1)
+        start = c * CHUNK
+        g = tl.arange(0, 16)  # tl.dot's smallest tile: the queries padded to 16
+        bins = tl.arange(0, 16)
+        for j in tl.static_range(M2):
+            lo = tl.zeros([16, 16], tl.float32)
+            hi = tl.zeros([16, 16], tl.float32)
+            for r0 in range(start, start + CHUNK, BLOCK):
+                rows = r0 + tl.arange(0, BLOCK)
+                ok = rows < N
+                b = tl.load(packed + (h * M2 + j) * N + rows, mask=ok, other=0).to(tl.int32)
+                wt = tl.load(
+                    w + (h * G + g[:, None]) * N + rows[None, :], mask=ok[None, :] & (g[:, None] < G), other=0.0
+                )
+                one_lo = ((b & 15)[:, None] == bins[None, :]).to(tl.float32)
+                one_hi = ((b >> 4)[:, None] == bins[None, :]).to(tl.float32)
+                lo += tl.dot(wt, one_lo, input_precision=PRECISION)
+                hi += tl.dot(wt, one_hi, input_precision=PRECISION)
+            at = hist + ((h * 16 + g[:, None]) * (2 * M2) + 2 * j) * 16 + bins[None, :]
+            tl.atomic_add(at, lo)
+            tl.atomic_add(at + 16, hi)
+
+    return kernel
+
+
+def dot_residual_sum(vc: DeviceValueCodes, w: torch.Tensor, precision: str = "tf32", chunk: int = 2048):
+    """`residual_sum` with the experimental tensor-core histogram (`dot_hist_kernel`)."""
+    hkv, g, n = w.shape
+    m2 = vc.packed.shape[1]
+    hist = torch.zeros((hkv, 16, 2 * m2 * 16), dtype=torch.float32, device=w.device)
+    dot_hist_kernel()[(-(-n // chunk), hkv)](vc.packed, w, hist, n, g, chunk, M2=m2, PRECISION=precision, BLOCK=64)
+    out = torch.einsum("hgjb,hjbd->hgjd", hist[:, :g].reshape(hkv, g, 2 * m2, 16), vc.books)
+    return out.reshape(hkv, g, -1)[:, :, : vc.means.shape[2]]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=131072)
@@ -149,6 +196,14 @@ def main() -> None:
     report["rows"][f"residual_sum_m{vm}_torch_ms"] = cuda_median_ms(lambda i: residual_sum(vc, w, triton=False), a.reps)
     fast, ref = residual_sum(vc, w), residual_sum(vc, w, triton=False)  # sums of ~10^5 weights: against their size
     report["rows"]["residual_sum_rel_err"] = float((fast - ref).abs().max() / ref.abs().max())
+    for precision in ("tf32", "ieee"):
+        key = f"dot_residual_sum_m{vm}_{precision}"
+        try:
+            alt = dot_residual_sum(vc, w, precision)
+            report["rows"][f"{key}_rel_err"] = float((alt - ref).abs().max() / ref.abs().max())
+            report["rows"][f"{key}_ms"] = cuda_median_ms(lambda i: dot_residual_sum(vc, w, precision), a.reps)
+        except Exception as e:  # noqa: BLE001 - an experiment: report, go on
+            report["rows"][f"{key}_error"] = f"{type(e).__name__}: {e}"[:300]
     print(json.dumps(report), flush=True)
     if a.out:
         with open(a.out, "w") as f:
