@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from topk_decode.bench.measure import parse_bytes, parse_tokens, set_gpu_budget
+from topk_decode.bench.measure import parse_bytes, parse_tokens, set_gpu_budget, sync
+from topk_decode.bench.run import device_routes_row
 from topk_decode.bench.shapes import build_model, make_config
 from topk_decode.bench.synthetic import synthetic_kv
 from topk_decode.cli.common import parse_options
@@ -35,12 +36,6 @@ def kernel_table(prof, steps: int, rows: int) -> list[dict]:
             out.append({"kernel": e.key[:110], "ms": t / 1e3 / steps, "calls": e.count / steps})
     out.sort(key=lambda r: -r["ms"])
     return out[:rows]
-
-
-def sync(dev: torch.device) -> None:
-    """Wait for the device (CUDA only)."""
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -80,17 +75,8 @@ def main() -> None:
     for _ in range(3):
         logits = decoder.forward([int(torch.argmax(logits))], conv)
     seg = decoder.segments
-    report["graphs"] = seg is not None and seg.graphs is not None
-    if seg is not None and seg.routes is not None:
-        r = seg.routes
-        report["routes"] = {
-            "layers": r.layers_on_device(),
-            "keyed": r.keyed_layers(),
-            "value_coded": r.value_coded_layers(),
-            "attended": sum(r.attends(layer) for layer in range(r.n_layers)),
-            "code_halvings": r.code_halvings,
-            "tables": r.values_kind,
-        }
+    report["captured"] = seg is not None and seg.graphs is not None  # else the "graphs" run below ran eagerly too
+    report.update(device_routes_row(decoder))
     graphs = seg.graphs if seg is not None else None
     for mode in ("graphs", "eager"):
         if mode == "eager" and seg is not None:

@@ -9,12 +9,7 @@ import time
 
 import torch
 
-from topk_decode.bench.measure import GIB, cpu_rss, free_gpu, peak_gpu, release
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from topk_decode.bench.measure import GIB, cpu_rss, free_gpu, peak_gpu, release, sync
 
 
 def weights_bytes(model) -> int:
@@ -78,17 +73,17 @@ def hf_decode(model, tokens: list[int], steps: int, warmup: int, offloading: boo
     release(device)
     cache = DynamicCache(config=model.config, offloading=offloading)
     ids = torch.tensor([tokens], device=device)
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     tok = out.logits[0, -1].argmax()
-    _sync(device)
+    sync(device)
     prefill_s = time.perf_counter() - t0
     del out, ids
     t_dec = time.perf_counter()
     for i in range(warmup + steps):
         if i == warmup:
-            _sync(device)
+            sync(device)
             t_dec = time.perf_counter()
         out = model(input_ids=tok.view(1, 1), past_key_values=cache, use_cache=True, logits_to_keep=1)
         tok = out.logits[0, -1].argmax()

@@ -86,6 +86,12 @@ def set_gpu_budget(device: torch.device, budget: int | None) -> None:
     torch.cuda.set_per_process_memory_fraction(1.0 if budget is None else min(1.0, budget / total), index)
 
 
+def sync(device: torch.device) -> None:
+    """Wait for the device's work (CUDA only)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def release(device: torch.device) -> None:
     """Free what Python no longer references, on the host and the device; reset the peak counter."""
     gc.collect()

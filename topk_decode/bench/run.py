@@ -287,7 +287,7 @@ def _topk_decode(model, ckv, cfg: BenchConfig, device: torch.device, strategy: s
             "first_step_s": round(first_step_s, 2),
             "fp32_rescans": decoder.strategy.stats.extra.get("fp32_rescans", 0),
             "host_embedding": decoder.host_embedding is not None,
-            **_device_routes_row(decoder),
+            **device_routes_row(decoder),
             "peak_gpu_gib": _gib(peak_gpu(device)),
             "cpu_rss_gib": _gib(rss),
             "cpu_peak_rss_gib": _gib(hwm),
@@ -297,7 +297,7 @@ def _topk_decode(model, ckv, cfg: BenchConfig, device: torch.device, strategy: s
         decoder.close()
 
 
-def _device_routes_row(decoder) -> dict:
+def device_routes_row(decoder) -> dict:
     """How the strategy's device part ran (routed: layers routed on the device, value format, GiB held)."""
     routes = decoder.segments.routes if decoder.segments is not None else None
     if routes is None:
