@@ -133,8 +133,8 @@ def _to_fp8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _probe(device: torch.device, nbytes: int) -> None:
     """Allocate `nbytes` on a CUDA device and give them back to the driver (OutOfMemoryError where they do not fit). The
     cache is emptied either way: a probe's block left cached would be split for the next table placed, and the
-    remainders, free but too small for the step, count against the GPU budget (the 128K step's warm-up then ran out
-    with 0.6 GiB of such pieces under 16 GiB)."""
+    remainders, free but too small for the step, count against the GPU budget (docs/BENCHMARKS.md "Capture under
+    16 GiB")."""
     try:
         probe = torch.empty(nbytes, dtype=torch.uint8, device=device)
         del probe

@@ -200,7 +200,7 @@ def top_rows(
         share: (Hkv, N) float32 each row's score (−inf for rows never to read); pad: (Hkv, 1) int64 a row outside
             the searchable range per head, read in place of the rows past the end of the last block.
         ordered: return the rows in row order (the host reads them so); False leaves single rows in topk's order
-            (the same set; on CUDA the sort of int64 indices was 8 radix passes a layer, ~1.7 ms a 128K step).
+            (the same set, without the sort: docs/BENCHMARKS.md "Every layer on the device" times it).
     """
     if block == 1:
         rows = share.topk(width, dim=-1, sorted=False).indices
