@@ -433,6 +433,46 @@ def test_row_residuals_decode_the_rows_codes():
         torch.testing.assert_close(row_residuals(vc, rows), want)
 
 
+def test_decoded_rows_are_the_rows_codes_decoded():
+    """`decoded_rows`: the key residuals the device's codes give the rows asked for, as `pq.decode` gives them."""
+    from topk_decode.index.routed.device_codes import decoded_rows, device_codes
+
+    gen = torch.Generator().manual_seed(64)
+    codes = pq.ResidualCodes.packing(
+        torch.randint(0, 16, (2, 500, 8), generator=gen, dtype=torch.uint8), torch.randn(2, 8, 16, 2, generator=gen)
+    )
+    dc = device_codes(
+        codes, torch.tensor([[0, 500]] * 2), torch.zeros(1000, dtype=torch.bool), *[torch.zeros(2, 1, 16)] * 2
+    )
+    rows = torch.randint(0, 500, (37,), generator=gen)
+    torch.testing.assert_close(decoded_rows(dc, rows, 16), pq.decode(codes)[:, rows])
+
+
+def test_the_device_measures_the_error_of_the_codes_it_holds(clustered_cache, opened, monkeypatch):
+    """`code_error`: each keyed layer's tables hold the error of its codes as placed: as built, the torch path's own;
+    coarsened to fit, a larger one (the estimate's `error_shift` grows with it)."""
+    from topk_decode.index.routed import device
+    from topk_decode.index.routed.estimate import error_shift
+
+    opts = {"cluster_size": 32, "probe_fraction": 0.05, "rank": "keys", "pq_m": 16, "kernel": "numba"}
+    dev = opened(clustered_cache, "routed", dict(opts, device_route="true"), lo=3, hi=2990)
+    fine = dev.device_routes(CPU, [40, 40])
+    for layer, t in enumerate(fine.tables):
+        torch.testing.assert_close(t.error.cov, dev.code_error(layer).cov, rtol=1e-4, atol=1e-5)
+    off = opened(clustered_cache, "routed", dict(opts, device_route="true", code_error=False), lo=3, hi=2990)
+    assert all(t.error is None for t in off.device_routes(CPU, [40, 40]).tables)
+    monkeypatch.setattr(DeviceRoutes, "_halvings", lambda self, codes, reserve: (2, True))
+    monkeypatch.setattr(device, "MIN_COARSE_M", 4)
+    with pytest.warns(TopkWarning, match="coarsened from 16 to 4"):
+        coarse = dev.device_routes(CPU, [40, 40])
+    q = _queries(seed=65)
+    for f, c in zip(fine.tables, coarse.tables):
+        assert float(c.error.cov.diagonal(dim1=1, dim2=2).sum()) > 1.5 * float(
+            f.error.cov.diagonal(dim1=1, dim2=2).sum()
+        )
+        assert bool((error_shift(c.error, q, dev.scale) > error_shift(f.error, q, dev.scale)).all())
+
+
 def _device_select(strat, routes, layer: int, q: torch.Tensor, k: int):
     """One layer's one-token step as the decoder runs it with device routing: the device ranks (`routes.route`), the
     host's compiled split scans what it sent and attends (`select_and_attend`); the Selection."""
@@ -724,7 +764,8 @@ def test_key_codes_are_coarsened_so_that_every_layers_fit(clustered_cache, opene
     assert fine.code_halvings == 0 and fine.keyed_layers() == 2
     need = sum(t.codes.nbytes() for t in fine.tables)
     packed = sum(t.codes.packed.numel() for t in fine.tables)
-    room = need - packed // 2 + fine.reserve  # every layer at half the codes, beside the reserve
+    errors = sum(t.error.nbytes() for t in fine.tables)  # each layer's code error (`code_error`), placed with them
+    room = need - packed // 2 + errors + fine.reserve  # every layer at half the codes, beside the reserve
     monkeypatch.setattr(DeviceRoutes, "fits", lambda self, nbytes: nbytes <= room)
     monkeypatch.setattr(device, "MIN_COARSE_M", 4)  # D = 16 here: halve 16 sub-vectors to 8
     with pytest.warns(TopkWarning, match="coarsened from 16 to 8 sub-vectors"):

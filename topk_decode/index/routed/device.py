@@ -39,6 +39,7 @@ left without them ranks and estimates by clusters on the device (routed's defaul
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -49,13 +50,21 @@ from topk_decode.index.routed.device_codes import (
     Tensors,
     cluster_lse,
     coarsened,
+    decoded_rows,
     residual_sum,
     row_residuals,
     row_scores,
     segment_lse,
 )
 from topk_decode.index.routed.device_read import HostKV, read_scores, weighted_values
-from topk_decode.index.routed.estimate import softmax_weights, unread_part
+from topk_decode.index.routed.estimate import (
+    CodeError,
+    code_error,
+    error_rows,
+    error_shift,
+    softmax_weights,
+    unread_part,
+)
 from topk_decode.index.routed.pq import top_rows
 
 # Free device memory kept beside the tables for the step itself (its graphs' temporaries, the window).
@@ -84,6 +93,7 @@ class LayerTables:
     budget: keys to read per head; width: clusters ranked per head (W), with rank_keys the rows read.
     codes: the residual codes (index/routed/device_codes.py) of the per-key ranking and estimate, or None;
     vcodes: the value residual codes and the means they are to (`pq_values`), or None.
+    error: the key codes' error as placed (routed's `code_error`: the estimate's `error_shift`), or None.
     pad: (Hkv, 1) int64 a row outside the searchable range per head (rank_keys in blocks: `pq.top_rows`), or None.
     kscale: (Hkv, 1, D) float32 an int8 cache's key scales (its tables are in the int8 keys' space: the query is
         scaled by them first, as the CPU's is), or None.
@@ -112,6 +122,7 @@ class LayerTables:
         self.vmeans, self.vscale = vmeans, vscale
         self.budget, self.width = budget, width
         self.codes, self.pad, self.vcodes = codes, pad, vcodes
+        self.error: CodeError | None = None
         self.positions: torch.Tensor | None = None
         self.k = 0
 
@@ -120,7 +131,7 @@ class LayerTables:
         ts = [self.cent, self.cscale, self.bias, self.log_n, self.sizes, self.vmeans, self.vscale, self.kscale]
         ts.append(self.positions)
         held = sum(t.numel() * t.element_size() for t in ts if t is not None)
-        return held + sum(c.nbytes() for c in (self.codes, self.vcodes) if c is not None)
+        return held + sum(c.nbytes() for c in (self.codes, self.vcodes, self.error) if c is not None)
 
 
 def _to_fp8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,6 +231,7 @@ class DeviceRoutes:
         count_read=None,
         n_searchable: int = 0,
         group: int = 1,
+        true_residuals: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.device, self.scale, self.estimate = device, scale, estimate
         self.host_kv, self._count_read, self._n_searchable = host_kv, count_read, n_searchable
@@ -229,6 +241,7 @@ class DeviceRoutes:
         self._codes, self.rank_keys = codes, rank_keys
         self._row_budgets = row_budgets if row_budgets is not None else budgets
         self._value_codes = value_codes
+        self._true_residuals = true_residuals  # the codes' error measured where given (`code_error`)
         self.key_block, self._pad_rows = key_block, pad_rows
         if key_block > 1 and pad_rows is None:
             raise ValueError("key blocks need a padding row per layer and head")
@@ -326,7 +339,7 @@ class DeviceRoutes:
         values by their clusters' means."""
         placed = [c for t, c in zip(self.tables, self._codes) if t is not None]
         self.code_halvings = self._halvings(placed, reserve)[0]
-        for t, codes, rows in zip(self.tables, self._codes, self._row_budgets):
+        for layer, (t, codes, rows) in enumerate(zip(self.tables, self._codes, self._row_budgets)):
             if t is None:
                 break
             for _ in range(self.code_halvings):
@@ -334,6 +347,10 @@ class DeviceRoutes:
             t.codes = self._moved(codes, reserve)
             if t.codes is None:
                 break
+            if self._true_residuals is not None and self.estimate:  # the error of the codes as placed
+                sample = error_rows(codes.packed.shape[2])
+                true = self._true_residuals(layer, sample)
+                t.error = self._moved(code_error(true, decoded_rows(codes, sample, true.shape[2])), reserve)
             if self.rank_keys:  # the host reads rows, not clusters
                 t.budget = rows
                 t.width = min(rows, n_tokens) // self.key_block * self.key_block
@@ -364,6 +381,9 @@ class DeviceRoutes:
         m = codes[0].books.shape[1]
         packed = sum(c.packed.numel() for c in codes)  # halved by each halving; the rest is not
         rest = sum(c.nbytes() for c in codes) - packed
+        if self._true_residuals is not None and self.estimate:  # each layer's `CodeError`, (Hkv, D + 1, D) float32
+            hkv, d = codes[0].books.shape[0], codes[0].fix_delta.shape[2]
+            rest += len(codes) * hkv * (d + 1) * d * 4
         r = 0
         while not (fit := self.fits(rest + (packed >> r) + reserve)):
             if not (m >> r >= 2 * MIN_COARSE_M and (m >> r) % 4 == 0):
@@ -511,11 +531,11 @@ class DeviceRoutes:
             unread = torch.zeros_like(t.sizes, dtype=torch.bool)
             if t.vcodes is None:
                 rest = unread_part(logit, unread, t.vmeans, bmm=self.vmeans_bmm(t))
-                return rest.out, rest.lse
+                return rest.out, self._corrected(t, rest.lse, q32)
             rest = unread_part(logit, unread, t.vcodes.means, bmm=self.bmm)  # the means the residuals are to
             safe = torch.where(torch.isfinite(rest.lse), rest.lse, 0.0)[..., None]
             w = scores.add_(take).sub_(safe).exp_()  # (Hkv, G, N) each unread key's share of the rest (0: read)
-            return rest.out + residual_sum(t.vcodes, w), rest.lse
+            return rest.out + residual_sum(t.vcodes, w), self._corrected(t, rest.lse, q32)
         taken = torch.arange(W, device=order.device) < take[:, None]  # (Hkv, W)
         read = torch.zeros(base.shape[0], base.shape[2], dtype=torch.bool, device=base.device)
         read.scatter_(1, order, taken)  # (Hkv, C)
@@ -523,7 +543,12 @@ class DeviceRoutes:
         # a cluster's log weight beside s·q·μ_c: log n_c, or the log-sum of its keys' residual-code weights
         size = t.log_n if t.codes is None else cluster_lse(t.codes, q32, self.scale)
         rest = unread_part(base + size, read, t.vmeans, bmm=self.vmeans_bmm(t))
-        return rest.out, rest.lse
+        return rest.out, self._corrected(t, rest.lse, q32)
+
+    def _corrected(self, t: LayerTables, lse: torch.Tensor, q32: torch.Tensor) -> torch.Tensor:
+        """The estimate's lse (Hkv, G) with every unread key's weight raised by its codes' error (`error_shift`; the
+        same for all of a query's unread keys), where the layer holds it."""
+        return lse if t.error is None else lse + error_shift(t.error, q32, self.scale)
 
     def attend(self, layer: int, o: torch.Tensor, mz: torch.Tensor) -> None:
         """Layer `layer`'s context part on the device, after `route`: the rows it ranked read from the host's RAM and

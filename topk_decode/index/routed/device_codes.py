@@ -212,6 +212,15 @@ def device_codes(
     return DeviceCodes(packed, books, offsets.to(torch.int32), bits, fix_ids, fix_delta)
 
 
+def decoded_rows(codes: DeviceCodes, rows: torch.Tensor, dim: int) -> torch.Tensor:
+    """(Hkv, S, dim) float32 the residuals r̂ the codes give layout rows `rows` (S,) int64 of every KV head."""
+    b = codes.packed.index_select(2, rows.to(codes.packed.device)).long()  # (Hkv, m/2, S)
+    idx = torch.stack([b & 0xF, b >> 4], 2).flatten(1, 2)  # (Hkv, m, S) sub-vector 2j, then 2j + 1
+    books = codes.books
+    parts = books.gather(2, idx[..., None].expand(*idx.shape, books.shape[3]))  # (Hkv, m, S, D/m)
+    return parts.permute(0, 2, 1, 3).flatten(2)[..., :dim]
+
+
 def coarsened(codes: DeviceCodes, iters: int = 20) -> DeviceCodes:
     """The same codes at half the sub-vectors (half the bytes per key), made from the codes alone.
 

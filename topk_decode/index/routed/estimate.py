@@ -11,6 +11,12 @@ leaves out still hold attention mass; their part of the softmax is estimated fro
   it contributes exp(s·q·k_j)·v̄_c with its cluster's mean value.
 
 Both form one `RestPart` (index/base.py), merged into the context part by log-sum-exp (decode/context.py).
+
+With residual codes (`rank=keys`, `estimate_by=keys`) an unread key weighs exp(s·q·k̂), k̂ = μ_c + r̂ its approximate
+key. k-means codes leave the error e = k − k̂ uncorrelated with k̂ (each codeword is the mean of its residuals), so
+Σ exp(s·q·k) ≈ Σ exp(s·q·k̂)·E[exp(s·q·e)]: without the factor the estimate weighs the unread keys too little, the
+more the coarser the codes. `error_shift` is its log for e Gaussian per KV head (`CodeError`, measured on a sample
+of rows by `code_error`), one number per query added to every unread key's logit (routed's `code_error` option).
 The statistics are over the *searchable* keys only: sinks and the context tail sit in clusters too, but
 the exact window attends to them, and counting them twice would break the merge's disjointness.
 """
@@ -23,6 +29,7 @@ import torch
 
 from topk_decode.index.base import RestPart
 from topk_decode.index.routed.cluster import LayerLayout
+from topk_decode.index.routed.device_codes import Tensors
 from topk_decode.index.routed.pq import ResidualCodes, code_blocks, decode
 
 
@@ -48,6 +55,45 @@ class SearchableStats:
             value_means=None if self.value_means is None else self.value_means.to(dtype),
             log_n=self.log_n,
         )
+
+
+ERROR_ROWS = 4096  # rows per KV head whose code error `code_error` measures (strided over the layout)
+
+
+@dataclass
+class CodeError(Tensors):
+    """One layer's residual-code error e = k − k̂ as a Gaussian per KV head: mean (Hkv, D) and cov (Hkv, D, D)
+    float32 (`code_error`)."""
+
+    mean: torch.Tensor
+    cov: torch.Tensor
+
+
+def error_rows(n: int) -> torch.Tensor:
+    """(S,) int64 the layout rows `code_error` measures: at most `ERROR_ROWS`, strided over all n."""
+    return torch.arange(0, n, max(1, n // ERROR_ROWS))[:ERROR_ROWS]
+
+
+def code_error(true: torch.Tensor, approx: torch.Tensor) -> CodeError:
+    """The error's mean and covariance per KV head from the true and the coded keys (or residuals) of a sample of
+    rows, both (Hkv, S, D) float32."""
+    e = true - approx
+    mean = e.mean(1)
+    c = e - mean[:, None, :]
+    return CodeError(mean, torch.bmm(c.transpose(1, 2), c).div_(max(1, e.shape[1])))
+
+
+def error_shift(err: CodeError, q: torch.Tensor, scale: float) -> torch.Tensor:
+    """(Hkv, Q) float32 log E[exp(s·q·e)] = s·q·μ_e + s²·qᵀΣ_e·q/2: what every unread key's approximate logit lacks
+    (the module docstring), for q (Hkv, Q, D) float32 in the codes' space.
+
+    >>> import torch
+    >>> err = CodeError(torch.zeros(1, 2), torch.eye(2)[None] * 0.5)
+    >>> error_shift(err, torch.tensor([[[2.0, 0.0]]]), 1.0)  # s²·qᵀΣq/2 = 4·0.5/2
+    tensor([[1.]])
+    """
+    half = torch.bmm(q, err.cov.to(q.dtype)).mul_(0.5 * scale)  # (Hkv, Q, D) s·Σq/2
+    return (q * half.add_(err.mean.to(q.dtype)[:, None, :])).sum(-1).mul_(scale)
 
 
 def searchable_stats(

@@ -53,9 +53,9 @@ from topk_decode.index.routed import compiled as routed_compiled
 from topk_decode.index.routed.device import TABLE_KINDS, DeviceRoutes
 from topk_decode.index.routed.device_codes import device_codes, device_value_codes
 from topk_decode.index.routed.device_read import HostKV
-from topk_decode.index.routed.estimate import searchable_stats
+from topk_decode.index.routed.estimate import CodeError, code_error, error_rows, searchable_stats
 from topk_decode.index.routed.layout import layer_layouts, load_layouts, on_disk, to_huge_pages, write_layouts
-from topk_decode.index.routed.pq import ResidualCodes, approximate_scores, default_m
+from topk_decode.index.routed.pq import ResidualCodes, approximate_scores, decode, default_m, row_centroids
 from topk_decode.index.routed.torch_path import TorchPath
 from topk_decode.index.threads import default_threads
 from topk_decode.store import huge_pages
@@ -179,6 +179,13 @@ class RoutedOptions(StrategyOptions):
         "Add the read keys outside the top-k to the estimate too (exact weights; their cluster's mean value, with "
         "pq_values plus their coded residual): on the torch path, and with rank=keys in the device's one-token steps "
         "(index/routed/device.py `read_part`); not in layers that rank clusters.",
+    )
+    code_error: bool = option(
+        True,
+        "With residual codes in the estimate (rank=keys, estimate_by=keys): raise every unread key's approximate weight "
+        "by log E[exp(s·q·e)] of the codes' error e = k − k̂, Gaussian per KV head as measured on a sample of rows "
+        "(index/routed/estimate.py `error_shift`; the device measures its own, coarsened, codes). The codes' error "
+        "otherwise makes the estimate weigh the unread keys too little, the more the coarser the codes (docs/EVAL.md).",
     )
     device_read: str = option(
         "auto",
@@ -342,6 +349,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             self._pad_rows.append((self._row_base[:, 0] + first).view(hkv, 1) if bool(has.all()) else None)
         # rank=keys in blocks pads the last block with an outside row: without one (no sinks, no tail) single rows
         self.key_block = o.key_block if all(p is not None for p in self._pad_rows) else 1
+        self._code_error: list[CodeError | None] = [None] * self.ckv.n_layers  # `code_error`, made on first use
         self.huge_bytes = 0
         self.device_read_off: str | None = None  # why `device_read` did not apply where it was on (`auto` or `true`)
         if self.kernel:
@@ -460,6 +468,25 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         n = self.ckv.n_tokens
         return self.ckv.keys[layer].reshape(-1, D), lay.pos.reshape(-1).index_select(0, rows) + rows // n * n
 
+    def true_residuals(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """(Hkv, S, D) float32 k − μ_c of layout rows `rows` (S,) int64 of every KV head: the stored keys (an int8
+        cache's in its keys' space, the codes' space) less their cluster's centroid (the codes' reference)."""
+        lay, D = self.layouts[layer], self.ckv.head_dim
+        hkv = lay.pos.shape[0]
+        stored, at = self.key_rows(layer, (rows[None, :] + self._row_base).view(-1))
+        keys = stored.index_select(0, at).float().view(hkv, -1, D)
+        return keys - row_centroids(lay.centroids.float(), self._labels[layer][:, rows])
+
+    def code_error(self, layer: int) -> CodeError:
+        """The error of a layer's residual codes as built (the torch path's `error_shift`), measured once on
+        `error_rows`."""
+        if self._code_error[layer] is None:
+            codes = self.layouts[layer].codes
+            rows = error_rows(codes.codes.shape[1])
+            coded = decode(ResidualCodes(codes.codes[:, rows], codes.codebooks))
+            self._code_error[layer] = code_error(self.true_residuals(layer, rows), coded)
+        return self._code_error[layer]
+
     def approx_scores(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """(Hkv, Q, N) float32 s·q·k̂ for every layout row, k̂ = μ_c + r̂ its approximate key (rank=keys,
         estimate_by=keys on the torch path), decoded from the codes block by block."""
@@ -551,6 +578,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             key_scales=self.ckv.key_scales,
             estimate_read=self.estimate_read,
             group=group,
+            true_residuals=self.true_residuals if self.estimate and self.options.code_error else None,
             **self._device_read_args(device, k_per_layer),
         )
         self.routes = routes if routes.layers_on_device() else None

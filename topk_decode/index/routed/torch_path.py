@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from topk_decode.index.base import RestPart, Selection
-from topk_decode.index.routed.estimate import combine, keyed_rest_part, read_rest_part, unread_part
+from topk_decode.index.routed.estimate import combine, error_shift, keyed_rest_part, read_rest_part, unread_part
 from topk_decode.index.routed.pq import top_rows
 
 
@@ -147,6 +147,8 @@ class TorchPath:
         if self.estimate or self.estimate_read:
             # unread keys: their approximate weights (estimate); read keys outside the top-k: exact (estimate_read)
             logit = approx if self.estimate else torch.full_like(approx, float("-inf"))
+            if self.estimate and self.options.code_error:  # what the codes' error leaves out of every unread key
+                logit.add_(error_shift(self.code_error(layer), q, self.scale)[:, :, None])
             read = scores.mul(self.scale) if self.estimate_read else torch.full_like(scores, float("-inf"))
             read.scatter_(-1, top.indices, float("-inf"))  # the top-k is accounted exactly
             logit.scatter_(-1, local[:, None, :].expand(hkv, Q, width), read)
@@ -184,6 +186,8 @@ class TorchPath:
         hkv = q.shape[0]
         n = self.layouts[layer].pos.shape[1]
         logit = self.approx_scores(layer, q)  # (Hkv, Q, N)
+        if self.options.code_error:
+            logit.add_(error_shift(self.code_error(layer), q, self.scale)[:, :, None])
         left_out = ~self._outside[layer].view(hkv, n)
         rows = route.rows - self._row_base  # (Hkv, Mmax) rows of each head read (padding: an outside or a read row)
         valid = torch.ones_like(rows) if route.valid is None else route.valid.long()
