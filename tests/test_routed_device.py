@@ -444,8 +444,9 @@ def test_decoded_rows_are_the_rows_codes_decoded():
     dc = device_codes(
         codes, torch.tensor([[0, 500]] * 2), torch.zeros(1000, dtype=torch.bool), *[torch.zeros(2, 1, 16)] * 2
     )
-    rows = torch.randint(0, 500, (37,), generator=gen)
-    torch.testing.assert_close(decoded_rows(dc, rows, 16), pq.decode(codes)[:, rows])
+    rows = torch.randint(0, 500, (2, 37), generator=gen)  # each head its own rows
+    want = pq.decode(codes).gather(1, rows[..., None].expand(2, 37, 16))
+    torch.testing.assert_close(decoded_rows(dc, rows, 16), want)
 
 
 def test_the_device_measures_the_error_of_the_codes_it_holds(clustered_cache, opened, monkeypatch):
@@ -455,11 +456,11 @@ def test_the_device_measures_the_error_of_the_codes_it_holds(clustered_cache, op
     from topk_decode.index.routed.estimate import error_shift
 
     opts = {"cluster_size": 32, "probe_fraction": 0.05, "rank": "keys", "pq_m": 16, "kernel": "numba"}
-    dev = opened(clustered_cache, "routed", dict(opts, device_route="true"), lo=3, hi=2990)
+    dev = opened(clustered_cache, "routed", dict(opts, device_route="true", code_error=True), lo=3, hi=2990)
     fine = dev.device_routes(CPU, [40, 40])
     for layer, t in enumerate(fine.tables):
         torch.testing.assert_close(t.error.cov, dev.code_error(layer).cov, rtol=1e-4, atol=1e-5)
-    off = opened(clustered_cache, "routed", dict(opts, device_route="true", code_error=False), lo=3, hi=2990)
+    off = opened(clustered_cache, "routed", dict(opts, device_route="true"), lo=3, hi=2990)  # the default: off
     assert all(t.error is None for t in off.device_routes(CPU, [40, 40]).tables)
     monkeypatch.setattr(DeviceRoutes, "_halvings", lambda self, codes, reserve: (2, True))
     monkeypatch.setattr(device, "MIN_COARSE_M", 4)
@@ -764,7 +765,7 @@ def test_key_codes_are_coarsened_so_that_every_layers_fit(clustered_cache, opene
     assert fine.code_halvings == 0 and fine.keyed_layers() == 2
     need = sum(t.codes.nbytes() for t in fine.tables)
     packed = sum(t.codes.packed.numel() for t in fine.tables)
-    errors = sum(t.error.nbytes() for t in fine.tables)  # each layer's code error (`code_error`), placed with them
+    errors = sum(t.error.nbytes() for t in fine.tables if t.error is not None)  # with `code_error`, placed with them
     room = need - packed // 2 + errors + fine.reserve  # every layer at half the codes, beside the reserve
     monkeypatch.setattr(DeviceRoutes, "fits", lambda self, nbytes: nbytes <= room)
     monkeypatch.setattr(device, "MIN_COARSE_M", 4)  # D = 16 here: halve 16 sub-vectors to 8

@@ -211,7 +211,7 @@ def test_estimate_by_keys_weighs_the_unread_clusters_closer_to_their_true_mass(g
 
 def test_the_codes_error_lifts_the_keyed_estimate_to_the_unread_keys_true_mass(grouped_cache):  # noqa: F811
     """Coarse codes (8 dimensions per 4-bit sub-vector) weigh the unread keys too little on average: k-means leaves
-    the error uncorrelated with k̂, so Σ exp(s·q·k̂) is below Σ exp(s·q·k). `code_error` (the default) adds
+    the error uncorrelated with k̂, so Σ exp(s·q·k̂) is below Σ exp(s·q·k). `code_error` (opt-in) adds
     log E[exp(s·q·e)] and lands closer to the truth, without changing what is selected."""
     lo, hi = 4, 2984
     q = 1.5 * torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(5))

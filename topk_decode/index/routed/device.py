@@ -60,7 +60,6 @@ from topk_decode.index.routed.device_read import HostKV, read_scores, weighted_v
 from topk_decode.index.routed.estimate import (
     CodeError,
     code_error,
-    error_rows,
     error_shift,
     softmax_weights,
     unread_part,
@@ -231,7 +230,7 @@ class DeviceRoutes:
         count_read=None,
         n_searchable: int = 0,
         group: int = 1,
-        true_residuals: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+        error_sample: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         self.device, self.scale, self.estimate = device, scale, estimate
         self.host_kv, self._count_read, self._n_searchable = host_kv, count_read, n_searchable
@@ -241,7 +240,7 @@ class DeviceRoutes:
         self._codes, self.rank_keys = codes, rank_keys
         self._row_budgets = row_budgets if row_budgets is not None else budgets
         self._value_codes = value_codes
-        self._true_residuals = true_residuals  # the codes' error measured where given (`code_error`)
+        self._error_sample = error_sample  # the codes' error measured where given (`code_error`)
         self.key_block, self._pad_rows = key_block, pad_rows
         if key_block > 1 and pad_rows is None:
             raise ValueError("key blocks need a padding row per layer and head")
@@ -347,9 +346,8 @@ class DeviceRoutes:
             t.codes = self._moved(codes, reserve)
             if t.codes is None:
                 break
-            if self._true_residuals is not None and self.estimate:  # the error of the codes as placed
-                sample = error_rows(codes.packed.shape[2])
-                true = self._true_residuals(layer, sample)
+            if self._error_sample is not None and self.estimate:  # the error of the codes as placed
+                sample, true = self._error_sample(layer)
                 t.error = self._moved(code_error(true, decoded_rows(codes, sample, true.shape[2])), reserve)
             if self.rank_keys:  # the host reads rows, not clusters
                 t.budget = rows
@@ -381,7 +379,7 @@ class DeviceRoutes:
         m = codes[0].books.shape[1]
         packed = sum(c.packed.numel() for c in codes)  # halved by each halving; the rest is not
         rest = sum(c.nbytes() for c in codes) - packed
-        if self._true_residuals is not None and self.estimate:  # each layer's `CodeError`, (Hkv, D + 1, D) float32
+        if self._error_sample is not None and self.estimate:  # each layer's `CodeError`, (Hkv, D + 1, D) float32
             hkv, d = codes[0].books.shape[0], codes[0].fix_delta.shape[2]
             rest += len(codes) * hkv * (d + 1) * d * 4
         r = 0

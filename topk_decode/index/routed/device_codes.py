@@ -213,8 +213,10 @@ def device_codes(
 
 
 def decoded_rows(codes: DeviceCodes, rows: torch.Tensor, dim: int) -> torch.Tensor:
-    """(Hkv, S, dim) float32 the residuals r̂ the codes give layout rows `rows` (S,) int64 of every KV head."""
-    b = codes.packed.index_select(2, rows.to(codes.packed.device)).long()  # (Hkv, m/2, S)
+    """(Hkv, S, dim) float32 the residuals r̂ the codes give layout rows `rows` (Hkv, S) int64, per KV head."""
+    hkv, m2, _ = codes.packed.shape
+    at = rows.to(codes.packed.device)[:, None, :].expand(hkv, m2, rows.shape[1])
+    b = codes.packed.gather(2, at).long()  # (Hkv, m/2, S)
     idx = torch.stack([b & 0xF, b >> 4], 2).flatten(1, 2)  # (Hkv, m, S) sub-vector 2j, then 2j + 1
     books = codes.books
     parts = books.gather(2, idx[..., None].expand(*idx.shape, books.shape[3]))  # (Hkv, m, S, D/m)

@@ -69,9 +69,14 @@ class CodeError(Tensors):
     cov: torch.Tensor
 
 
-def error_rows(n: int) -> torch.Tensor:
-    """(S,) int64 the layout rows `code_error` measures: at most `ERROR_ROWS`, strided over all n."""
-    return torch.arange(0, n, max(1, n // ERROR_ROWS))[:ERROR_ROWS]
+def error_rows(searchable: torch.Tensor) -> torch.Tensor:
+    """(Hkv, S) int64 the layout rows `code_error` measures per KV head: at most `ERROR_ROWS` of its searchable rows
+    (searchable: (Hkv, N) bool), strided over them. Sinks and tail rows are left out: the estimate never weighs
+    them, and a model's first tokens have keys far from the rest (layer 0's error would be theirs)."""
+    count = int(searchable.sum(1).min())
+    step = max(1, count // ERROR_ROWS)
+    take = min(ERROR_ROWS, -(-count // step))
+    return torch.stack([row.nonzero().squeeze(1)[::step][:take] for row in searchable])
 
 
 def code_error(true: torch.Tensor, approx: torch.Tensor) -> CodeError:

@@ -181,11 +181,12 @@ class RoutedOptions(StrategyOptions):
         "(index/routed/device.py `read_part`); not in layers that rank clusters.",
     )
     code_error: bool = option(
-        True,
+        False,
         "With residual codes in the estimate (rank=keys, estimate_by=keys): raise every unread key's approximate weight "
         "by log E[exp(s·q·e)] of the codes' error e = k − k̂, Gaussian per KV head as measured on a sample of rows "
-        "(index/routed/estimate.py `error_shift`; the device measures its own, coarsened, codes). The codes' error "
-        "otherwise makes the estimate weigh the unread keys too little, the more the coarser the codes (docs/EVAL.md).",
+        "(index/routed/estimate.py `error_shift`; the device measures its own, coarsened, codes). It calibrates the "
+        "unread keys' total weight (too low without it, the more the coarser the codes) but kept no more of dense's "
+        "answers on the suite (docs/EVAL.md 'What the 16 GiB fast path keeps'): off by default.",
     )
     device_read: str = option(
         "auto",
@@ -468,23 +469,25 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         n = self.ckv.n_tokens
         return self.ckv.keys[layer].reshape(-1, D), lay.pos.reshape(-1).index_select(0, rows) + rows // n * n
 
-    def true_residuals(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
-        """(Hkv, S, D) float32 k − μ_c of layout rows `rows` (S,) int64 of every KV head: the stored keys (an int8
-        cache's in its keys' space, the codes' space) less their cluster's centroid (the codes' reference)."""
+    def error_sample(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows `code_error` measures a layer's codes on, (Hkv, S) int64 (`error_rows`), and their true residuals
+        k − μ_c, (Hkv, S, D) float32: the stored keys (an int8 cache's in its keys' space, the codes' space) less their
+        cluster's centroid (the codes' reference)."""
         lay, D = self.layouts[layer], self.ckv.head_dim
-        hkv = lay.pos.shape[0]
-        stored, at = self.key_rows(layer, (rows[None, :] + self._row_base).view(-1))
+        hkv, n = lay.pos.shape
+        rows = error_rows(~self._outside[layer].view(hkv, n))
+        stored, at = self.key_rows(layer, (rows + self._row_base).view(-1))
         keys = stored.index_select(0, at).float().view(hkv, -1, D)
-        return keys - row_centroids(lay.centroids.float(), self._labels[layer][:, rows])
+        return rows, keys - row_centroids(lay.centroids.float(), self._labels[layer].gather(1, rows))
 
     def code_error(self, layer: int) -> CodeError:
         """The error of a layer's residual codes as built (the torch path's `error_shift`), measured once on
-        `error_rows`."""
+        `error_sample`."""
         if self._code_error[layer] is None:
             codes = self.layouts[layer].codes
-            rows = error_rows(codes.codes.shape[1])
-            coded = decode(ResidualCodes(codes.codes[:, rows], codes.codebooks))
-            self._code_error[layer] = code_error(self.true_residuals(layer, rows), coded)
+            rows, true = self.error_sample(layer)
+            picked = codes.codes.gather(1, rows[..., None].expand(-1, -1, codes.codes.shape[2]))
+            self._code_error[layer] = code_error(true, decode(ResidualCodes(picked, codes.codebooks)))
         return self._code_error[layer]
 
     def approx_scores(self, layer: int, q: torch.Tensor) -> torch.Tensor:
@@ -578,7 +581,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             key_scales=self.ckv.key_scales,
             estimate_read=self.estimate_read,
             group=group,
-            true_residuals=self.true_residuals if self.estimate and self.options.code_error else None,
+            error_sample=self.error_sample if self.estimate and self.options.code_error else None,
             **self._device_read_args(device, k_per_layer),
         )
         self.routes = routes if routes.layers_on_device() else None
