@@ -11,14 +11,15 @@ leaves out still hold attention mass; their part of the softmax is estimated fro
   it contributes exp(s·q·k_j)·v̄_c with its cluster's mean value.
 
 Both form one `RestPart` (index/base.py), merged into the context part by log-sum-exp (decode/context.py).
+The statistics are over the *searchable* keys only: sinks and the context tail sit in clusters too, but
+the exact window attends to them, and counting them twice would break the merge's disjointness.
 
 With residual codes (`rank=keys`, `estimate_by=keys`) an unread key weighs exp(s·q·k̂), k̂ = μ_c + r̂ its approximate
 key. k-means codes leave the error e = k − k̂ uncorrelated with k̂ (each codeword is the mean of its residuals), so
 Σ exp(s·q·k) ≈ Σ exp(s·q·k̂)·E[exp(s·q·e)]: without the factor the estimate weighs the unread keys too little, the
 more the coarser the codes. `error_shift` is its log for e Gaussian per KV head (`CodeError`, measured on a sample
-of rows by `code_error`), one number per query added to every unread key's logit (routed's `code_error` option).
-The statistics are over the *searchable* keys only: sinks and the context tail sit in clusters too, but
-the exact window attends to them, and counting them twice would break the merge's disjointness.
+of rows by `code_error`), one number per query added to every unread key's logit: routed's `code_error` option, off
+by default (it centres the unread mass but kept no more of dense's answers: docs/EVAL.md).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class SearchableStats:
         )
 
 
-ERROR_ROWS = 4096  # rows per KV head whose code error `code_error` measures (strided over the layout)
+ERROR_ROWS = 4096  # rows per KV head whose code error `code_error` measures (strided over its searchable rows)
 
 
 @dataclass
