@@ -433,9 +433,10 @@ def test_row_residuals_decode_the_rows_codes():
         torch.testing.assert_close(row_residuals(vc, rows), want)
 
 
-def test_decoded_rows_are_the_rows_codes_decoded():
-    """`decoded_rows`: the key residuals the device's codes give the rows asked for, as `pq.decode` gives them."""
-    from topk_decode.index.routed.device_codes import decoded_rows, device_codes
+def test_row_residuals_decode_key_codes_too():
+    """`row_residuals` of key codes: the key residuals the device's codes give the rows asked for, as `pq.decode` gives
+    them."""
+    from topk_decode.index.routed.device_codes import device_codes, row_residuals
 
     gen = torch.Generator().manual_seed(64)
     codes = pq.ResidualCodes.packing(
@@ -446,7 +447,7 @@ def test_decoded_rows_are_the_rows_codes_decoded():
     )
     rows = torch.randint(0, 500, (2, 37), generator=gen)  # each head its own rows
     want = pq.decode(codes).gather(1, rows[..., None].expand(2, 37, 16))
-    torch.testing.assert_close(decoded_rows(dc, rows, 16), want)
+    torch.testing.assert_close(row_residuals(dc, rows, 16), want)
 
 
 def test_the_device_measures_the_error_of_the_codes_it_holds(clustered_cache, opened, monkeypatch):

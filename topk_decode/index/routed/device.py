@@ -50,7 +50,6 @@ from topk_decode.index.routed.device_codes import (
     Tensors,
     cluster_lse,
     coarsened,
-    decoded_rows,
     residual_sum,
     row_residuals,
     row_scores,
@@ -348,7 +347,7 @@ class DeviceRoutes:
                 break
             if self._error_sample is not None and self.estimate:  # the error of the codes as placed
                 sample, true = self._error_sample(layer)
-                t.error = self._moved(code_error(true, decoded_rows(codes, sample, true.shape[2])), reserve)
+                t.error = self._moved(code_error(true, row_residuals(codes, sample, true.shape[2])), reserve)
             if self.rank_keys:  # the host reads rows, not clusters
                 t.budget = rows
                 t.width = min(rows, n_tokens) // self.key_block * self.key_block

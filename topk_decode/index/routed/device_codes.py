@@ -170,14 +170,15 @@ def _residual_hist_triton(packed: torch.Tensor, w: torch.Tensor) -> torch.Tensor
     return hist[:, :g]
 
 
-def row_residuals(vc: DeviceValueCodes, rows: torch.Tensor) -> torch.Tensor:
-    """(Hkv, W, D) float32 the decoded value residuals r̂ of the layout rows `rows` (Hkv, W) int64 of each head."""
+def row_residuals(codes: DeviceCodes | DeviceValueCodes, rows: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """(Hkv, W, dim) float32 the decoded residuals r̂ of the layout rows `rows` (Hkv, W) int64 of each head: value codes'
+    (dim: their means' D when not given) or key codes' (`code_error` measures the device's own)."""
     hkv, w = rows.shape
-    m2, dsub = vc.packed.shape[1], vc.books.shape[3]
-    p = vc.packed.gather(2, rows[:, None, :].expand(hkv, m2, w)).long()  # (Hkv, m/2, W)
-    codes = torch.stack([p & 0xF, p >> 4], 2).view(hkv, 2 * m2, w)  # sub-vector 2j: the low nibble of byte j
-    r = vc.books.gather(2, codes[..., None].expand(hkv, 2 * m2, w, dsub))  # (Hkv, m, W, D/m)
-    return r.permute(0, 2, 1, 3).reshape(hkv, w, 2 * m2 * dsub)[:, :, : vc.means.shape[2]]
+    m2, dsub = codes.packed.shape[1], codes.books.shape[3]
+    p = codes.packed.gather(2, rows[:, None, :].expand(hkv, m2, w)).long()  # (Hkv, m/2, W)
+    idx = torch.stack([p & 0xF, p >> 4], 2).view(hkv, 2 * m2, w)  # sub-vector 2j: the low nibble of byte j
+    r = codes.books.gather(2, idx[..., None].expand(hkv, 2 * m2, w, dsub))  # (Hkv, m, W, D/m)
+    return r.permute(0, 2, 1, 3).reshape(hkv, w, 2 * m2 * dsub)[:, :, : dim or codes.means.shape[2]]
 
 
 def device_codes(
@@ -210,17 +211,6 @@ def device_codes(
         fix_ids[h, : len(f)] = f
         fix_delta[h, : len(f)] = centroids[h, f].float() - routed_centroids[h, f].float()
     return DeviceCodes(packed, books, offsets.to(torch.int32), bits, fix_ids, fix_delta)
-
-
-def decoded_rows(codes: DeviceCodes, rows: torch.Tensor, dim: int) -> torch.Tensor:
-    """(Hkv, S, dim) float32 the residuals r̂ the codes give layout rows `rows` (Hkv, S) int64, per KV head."""
-    hkv, m2, _ = codes.packed.shape
-    at = rows.to(codes.packed.device)[:, None, :].expand(hkv, m2, rows.shape[1])
-    b = codes.packed.gather(2, at).long()  # (Hkv, m/2, S)
-    idx = torch.stack([b & 0xF, b >> 4], 2).flatten(1, 2)  # (Hkv, m, S) sub-vector 2j, then 2j + 1
-    books = codes.books
-    parts = books.gather(2, idx[..., None].expand(*idx.shape, books.shape[3]))  # (Hkv, m, S, D/m)
-    return parts.permute(0, 2, 1, 3).flatten(2)[..., :dim]
 
 
 def coarsened(codes: DeviceCodes, iters: int = 20) -> DeviceCodes:
