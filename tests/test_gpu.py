@@ -196,6 +196,7 @@ def test_failed_compilation_falls_back_to_the_uncompiled_step_with_a_warning(cud
         ("auto", {}),
         ("routed", {"rank": "keys", "pq_values": 8, "probe_fraction": 0.1, "device_read": "false"}),
         ("routed", {"rank": "keys", "pq_values": 8, "probe_fraction": 0.1}),  # device_read=auto: the GPU reads
+        ("routed", {"probe_fraction": 0.1}),  # clusters ranked on the GPU, which reads their rows itself
     ],
 )
 def test_cuda_int8_cache_decodes_close_to_its_bf16_cache(tmp_path, model_factory, docs_dir, strategy, options):
@@ -221,7 +222,7 @@ def test_cuda_int8_cache_decodes_close_to_its_bf16_cache(tmp_path, model_factory
     assert cos > 0.999, f"cosine {cos:.5f}"
     if strategy == "routed":
         routes = made["int8"].decoder.segments.routes
-        assert routes is not None and routes.rank_keys and routes.tables[0].kscale is not None
+        assert routes is not None and routes.rank_keys == ("rank" in options) and routes.tables[0].kscale is not None
         # device_read: the GPU read the int8 rows and their value scales from the host's RAM itself
         why = made["int8"].decoder.strategy.device_read_off
         assert routes.attends(0) == (options.get("device_read") != "false"), why

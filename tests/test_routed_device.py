@@ -228,7 +228,8 @@ def test_decoder_routes_on_the_device_in_one_token_steps_and_matches_cpu_routing
 @pytest.mark.parametrize(
     "per_key",
     [
-        {},
+        {},  # device_read=auto: the GPU reads the rows of the clusters it ranked itself
+        {"device_read": "false"},  # the host scans the clusters the GPU ranked
         {"estimate_by": "keys"},
         {"rank": "keys", "device_read": "false"},  # the host scans the rows the GPU ranked
         {"rank": "keys", "pq_values": 8, "estimate_read": True, "device_read": "false"},
@@ -242,9 +243,10 @@ def test_captured_cuda_step_routes_on_the_gpu_and_matches_cpu_routing(tmp_path, 
     )
     seg = stores["auto"].decoder.segments
     assert seg.graphs is not None and seg.routes is not None and seg.routes.layers_on_device() > 0
-    assert seg.routes.keyed_layers() == (seg.routes.layers_on_device() if per_key else 0)
+    keyed = "rank" in per_key or "estimate_by" in per_key
+    assert seg.routes.keyed_layers() == (seg.routes.layers_on_device() if keyed else 0)
     assert seg.routes.rank_keys == ("rank" in per_key)
-    reads = "rank" in per_key and per_key.get("device_read") != "false"
+    reads = per_key.get("device_read") != "false"
     why = stores["auto"].decoder.strategy.device_read_off
     assert seg.routes.attends(0) == reads, why  # the GPU read the host's rows inside the graph
     for a, b in zip(logits["auto"], logits["false"]):
@@ -802,14 +804,23 @@ def test_host_kv_unregisters_when_collected_without_close(monkeypatch):
     assert unregistered == [keys[0].data_ptr()]
 
 
-@pytest.mark.parametrize("estimate_read", [False, True])
-def test_device_read_attends_as_the_hosts_scan_of_the_same_rows(clustered_cache, opened, estimate_read):
-    """device_read: the device reads the rows it ranked from the host's KV, scores them exactly, takes each query's
-    top-k and sums their values (`attend`, index/routed/device_read.py). The host's compiled scan of the same rows gives
-    the same context part (o, m, z) and, with estimate_read, the same exact scores of the read rows outside the top-k."""
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {"rank": "keys", "pq_values": 8},
+        {"rank": "keys", "pq_values": 8, "estimate_read": True},
+        {},  # routed's default: clusters ranked, the device reads their rows (positions from the host's table)
+    ],
+)
+def test_device_read_attends_as_the_hosts_scan_of_the_same_rows(clustered_cache, opened, opts):
+    """device_read: the device reads the rows it ranked (or the rows of the clusters it ranked) from the host's KV,
+    scores them exactly, takes each query's top-k and sums their values (`attend`, index/routed/device_read.py). The
+    host's compiled scan of the same rows gives the same context part (o, m, z) and, with estimate_read, the same exact
+    scores of the read rows outside the top-k."""
     from topk_decode.decode.merge import context_part
 
-    opts = {"cluster_size": 32, "probe_fraction": 0.05, "rank": "keys", "pq_values": 8, "estimate_read": estimate_read}
+    estimate_read = opts.get("estimate_read", False)
+    opts = {"cluster_size": 32, "probe_fraction": 0.05, **opts}
     dev = opened(clustered_cache, "routed", dict(opts, kernel="numba", device_route="true", device_read="true"), lo=3)
     k = 40
     routes = dev.device_routes(CPU, [k, k], group=_queries().shape[1])
@@ -829,17 +840,21 @@ def test_device_read_attends_as_the_hosts_scan_of_the_same_rows(clustered_cache,
         torch.testing.assert_close(out_d, out_h, rtol=0, atol=2e-2)  # o rounded to bf16 on both sides
         if estimate_read:  # the host's scan wrote its scores over the device's: the same −inf and the same values
             torch.testing.assert_close(read_d, routes.read_host[layer], rtol=1e-5, atol=1e-4)
+    t = routes.tables[0]
+    read = t.width if "rank" in opts else t.budget  # rows ranked, or the clusters' budget
+    assert routes.sends_rows(0) == ("rank" in opts) and (t.reads > 0) == ("rank" not in opts)
     before = dev.stats.extra["keys_read"]
     assert routes.attended(0) == hkv * Q * k  # slots filled at most
-    assert dev.stats.extra["keys_read"] - before == hkv * routes.tables[0].width
+    assert dev.stats.extra["keys_read"] - before == hkv * read
 
 
-@pytest.mark.parametrize("kv_dtype", [None, "int8"])
-def test_decoder_with_device_read_gives_the_host_scans_logits(tmp_path, model_factory, docs_dir, kv_dtype):
+@pytest.mark.parametrize("kv_dtype,rank", [(None, "keys"), ("int8", "keys"), ("int8", "clusters")])
+def test_decoder_with_device_read_gives_the_host_scans_logits(tmp_path, model_factory, docs_dir, kv_dtype, rank):
     """device_read through the decoder's one-token segments (eagerly on the CPU): the host does nothing for the layers
     the device attends, and the logits are those of the host's scan of the same rows (an int8 cache: its keys scored
-    with the query scaled by the key scales, its values dequantised by their per-token scales)."""
-    opts = {"rank": "keys", "pq_values": 8, "kv_dtype": kv_dtype}
+    with the query scaled by the key scales, its values dequantised by their per-token scales), where the device ranks
+    keys and where it ranks clusters."""
+    opts = {"rank": rank, "kv_dtype": kv_dtype, **({"pq_values": 8} if rank == "keys" else {})}
     stores, logits = _routed_stores(tmp_path, model_factory, docs_dir, "cpu", ("true",), segments=True, **opts)
     (tmp_path / "read").mkdir()
     got, out = _routed_stores(

@@ -21,8 +21,9 @@ the same arithmetic is a few microseconds of a kernel. So, for the layers whose 
 - with `estimate_read` as well, the rows read but outside a query's top-k join too (`read_part`, a fourth disjoint
   part, merged once the host's part has come back): the host's scan writes their exact scaled scores (`read_host`,
   −inf at the top-k), each row's value is its cluster's mean plus its coded residual (`row_residuals`);
-- with `device_read` (`host_kv`), the device also reads those rows from the host's RAM itself, scores them exactly,
-  takes the top-k and sums their values (`attend`, index/routed/device_read.py): the host does nothing for the layer.
+- with `device_read` (`host_kv`), the device also reads those rows (or the ranked clusters' rows, where it ranks
+  clusters) from the host's RAM itself, scores them exactly, takes the top-k and sums their values (`attend`,
+  index/routed/device_read.py): the host does nothing for the layer.
 
 The tables: centroids and mean values, log cluster sizes, sizes (and with `rank=keys` or `estimate_by=keys` the
 residual codes, m/2 bytes per key: 64 at rank=keys' default m = D = 128). Where the tables of every layer do not fit
@@ -55,7 +56,7 @@ from topk_decode.index.routed.device_codes import (
     row_scores,
     segment_lse,
 )
-from topk_decode.index.routed.device_read import HostKV, read_scores, weighted_values
+from topk_decode.index.routed.device_read import HostKV, read_rows, read_scores, weighted_values
 from topk_decode.index.routed.estimate import (
     CodeError,
     code_error,
@@ -81,6 +82,11 @@ class _Positions(Tensors):
     positions: torch.Tensor  # (Hkv, N) int32
 
 
+@dataclass
+class _First(Tensors):
+    first: torch.Tensor  # (Hkv, C) int64
+
+
 class LayerTables:
     """One layer's routing tables on the device.
 
@@ -96,7 +102,10 @@ class LayerTables:
     kscale: (Hkv, 1, D) float32 an int8 cache's key scales (its tables are in the int8 keys' space: the query is
         scaled by them first, as the CPU's is), or None.
     positions: (Hkv, N) int32 each layout row's cache position (−1 outside the searchable range) where the device reads
-        the rows itself (`device_read`), else None; k: the layer's top-k there.
+        the rows it ranked itself (`device_read`), else None; k: the layer's top-k there.
+    reads: where the device reads the rows of the clusters it ranked itself (their positions from the host's table),
+        the rows it reads per head at most (the budget plus the largest cluster: the last cluster taken starts inside
+        the budget), else 0; first: then (Hkv, C) int64 each cluster's first layout row, else None.
     """
 
     def __init__(
@@ -122,12 +131,13 @@ class LayerTables:
         self.codes, self.pad, self.vcodes = codes, pad, vcodes
         self.error: CodeError | None = None
         self.positions: torch.Tensor | None = None
-        self.k = 0
+        self.k = self.reads = 0
+        self.first: torch.Tensor | None = None
 
     def nbytes(self) -> int:
         """Device bytes held."""
         ts = [self.cent, self.cscale, self.bias, self.log_n, self.sizes, self.vmeans, self.vscale, self.kscale]
-        ts.append(self.positions)
+        ts += [self.positions, self.first]
         held = sum(t.numel() * t.element_size() for t in ts if t is not None)
         return held + sum(c.nbytes() for c in (self.codes, self.vcodes, self.error) if c is not None)
 
@@ -158,6 +168,29 @@ def _cuda_bmm_to_fp32() -> bool:
         return torch.bmm(a, a.transpose(1, 2), out_dtype=torch.float32).dtype == torch.float32
     except (TypeError, RuntimeError):
         return False
+
+
+def cluster_rows(
+    first: torch.Tensor, order: torch.Tensor, sz: torch.Tensor, end: torch.Tensor, take: torch.Tensor, width: int
+) -> torch.Tensor:
+    """(Hkv, width) int32 the layout rows of the first `take[h]` clusters of `order[h]`, cluster after cluster in that
+    order, −1 past them.
+
+    Args:
+        first: (Hkv, C) int64 each cluster's first layout row (clusters are stored one after another in the layout);
+        order: (Hkv, W) int64 ranked cluster ids; sz: (Hkv, W) int64 their sizes, end: their cumulative sum (`route`
+            has both); take: (Hkv,) clusters taken of them; width: rows per head returned.
+
+    >>> sz = torch.tensor([[1, 2, 3]])  # the sizes of clusters 2, 0, 1 of sizes [2, 3, 1]
+    >>> cluster_rows(torch.tensor([[0, 2, 5]]), torch.tensor([[2, 0, 1]]), sz, sz.cumsum(1), torch.tensor([2]), 4)
+    tensor([[ 5,  0,  1, -1]], dtype=torch.int32)
+    """
+    j = torch.arange(width, device=order.device).expand(order.shape[0], width).contiguous()
+    slot = torch.searchsorted(end, j, right=True)  # (Hkv, width) the ranked cluster holding read row j
+    taken = slot < take[:, None]
+    slot = slot.clamp_(max=order.shape[1] - 1)
+    rows = first.gather(1, order.gather(1, slot)) + j - (end - sz).gather(1, slot)
+    return torch.where(taken, rows, -1).to(torch.int32)
 
 
 def ranked_width(budget: int, n_clusters: int, n_tokens: int) -> int:
@@ -359,14 +392,23 @@ class DeviceRoutes:
                 break
 
     def _place_positions(self, positions: list[torch.Tensor], ks: list[int], reserve: int) -> None:
-        """Add the rows' positions to the layers that rank rows, in layer order while they fit: those layers the device
-        attends itself (`attend`); the others send the host their rows."""
-        for t, pos, k in zip(self.tables, positions, ks):
-            if t is None or not self.ranks_rows(t):
+        """Make the layers the device attends itself (`attend`): those that rank rows get the rows' positions, in layer
+        order while they fit (the others send the host their rows); those that rank clusters look their rows' positions
+        up in the host's table (`HostKV.positions`), which takes no device memory."""
+        room = True
+        for layer, (t, pos, k) in enumerate(zip(self.tables, positions, ks)):
+            if t is None:
                 continue
-            moved = self._moved(_Positions(pos), reserve)
+            if not self.ranks_rows(t):
+                if self.host_kv.positions[layer] is not None:  # (a layer whose firsts do not fit: the host scans it)
+                    moved = self._moved(_First(t.sizes.cumsum(1) - t.sizes), reserve)
+                    if moved is not None:
+                        t.first, t.reads, t.k = moved.first, t.budget + int(t.sizes.max()), k
+                continue
+            moved = self._moved(_Positions(pos), reserve) if room else None
             if moved is None:
-                break
+                room = False
+                continue
             t.positions, t.k = moved.positions, k
 
     def _halvings(self, codes: list[DeviceCodes], reserve: int) -> tuple[int, bool]:
@@ -450,16 +492,18 @@ class DeviceRoutes:
     def attends(self, layer: int) -> bool:
         """Whether the device reads layer `layer`'s rows and computes its context part itself (`attend`)."""
         t = self.tables[layer]
-        return t is not None and t.positions is not None
+        return t is not None and (t.positions is not None or t.reads > 0)
 
     def attended(self, layer: int) -> int:
-        """Count a step of layer `layer` that the device attended (its rows read, through `count_read`); returns the
-        top-k slots it filled at most (the step's exact count would need a sync)."""
+        """Count a step of layer `layer` that the device attended (its rows read, through `count_read`: where it ranks
+        clusters, the budget, which the clusters read pass by less than one cluster); returns the top-k slots it
+        filled at most (the step's exact counts would need a sync)."""
         t = self.tables[layer]
-        hkv = t.positions.shape[0]
+        hkv = t.sizes.shape[0]
+        read = t.width if t.positions is not None else t.budget
         if self._count_read is not None:
-            self._count_read(hkv * t.width, hkv * self._n_searchable)
-        return hkv * self._group * min(t.k, t.width)
+            self._count_read(hkv * read, hkv * self._n_searchable)
+        return hkv * self._group * min(t.k, read)
 
     def layers_on_device(self) -> int:
         """How many layers route on the device."""
@@ -506,9 +550,13 @@ class DeviceRoutes:
         share = logit - torch.logsumexp(logit, dim=-1, keepdim=True)
         order = share.amax(1).topk(t.width, dim=-1, sorted=True).indices  # (Hkv, W) by priority
         sz = t.sizes.gather(1, order)
-        take = ((sz.cumsum(1) - sz) < t.budget).sum(1)  # (Hkv,) clusters to read
-        self.order_host[layer].copy_(order, non_blocking=True)
-        self.take_host[layer].copy_(take, non_blocking=True)
+        end = sz.cumsum(1)  # (Hkv, W) each ranked cluster's end among the rows read
+        take = ((end - sz) < t.budget).sum(1)  # (Hkv,) clusters to read
+        if t.reads:  # the device reads them itself (`attend`): the host needs no ranking
+            self._attend_in[layer] = (sz, end)
+        else:
+            self.order_host[layer].copy_(order, non_blocking=True)
+            self.take_host[layer].copy_(take, non_blocking=True)
         self._read[layer] = (q32, base, order, take)
 
     def estimate_part(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -552,13 +600,18 @@ class DeviceRoutes:
         scored exactly, each query's exact top-k, their values summed (index/routed/device_read.py); written as the
         host's part is, o (H, D) Σ exp(s − m)·v in o's dtype and mz (H, 2) float32 (m, z) (decode/merge.py
         `context_part`). With `estimate_read`, the read rows outside the top-k go to `read_part` too."""
-        t = self.tables[layer]
-        q32, rows = self._attend_in[layer]
-        self._attend_in[layer] = None
+        t, host = self.tables[layer], self.host_kv
+        if t.positions is not None:  # the rows it ranked
+            q32, rows = self._attend_in[layer]
+            self._attend_in[layer] = None
+            pos = t.positions.gather(1, rows)  # (Hkv, W) int32
+            s = read_scores(host.keys[layer], pos, q32 * self.scale)  # (Hkv, G, W) exact, scaled
+        else:  # the rows of the clusters it ranked and took (`route`), their positions from the host's table
+            q32, _, order, take = self._read[layer]
+            rows = cluster_rows(t.first, order, *self._attend_in[layer], take, t.reads)
+            self._attend_in[layer] = None
+            s, pos = read_rows(host.keys[layer], host.positions[layer], rows, q32 * self.scale)
         hkv, g, _ = q32.shape
-        pos = t.positions.gather(1, rows)  # (Hkv, W) int32
-        host = self.host_kv
-        s = read_scores(host.keys[layer], pos, q32 * self.scale)  # (Hkv, G, W) exact, scaled
         top = s.topk(min(t.k, s.shape[2]), dim=-1, sorted=False)
         m = top.values.amax(-1, keepdim=True)  # (Hkv, G, 1)
         m = torch.where(torch.isfinite(m), m, 0.0)
@@ -568,7 +621,7 @@ class DeviceRoutes:
         o.copy_(out.view_as(o))
         mz[:, 0].copy_(m.view(-1))
         mz[:, 1].copy_(w.sum(-1).view(-1))
-        if self.estimate_read:
+        if self.estimate_read and t.positions is not None:
             self._read_dev[layer].copy_(s.scatter_(-1, top.indices, float("-inf")))
 
     def _keep_rows(self, layer: int, rows: torch.Tensor, g: int) -> None:
@@ -621,5 +674,10 @@ class DeviceRoutes:
         return torch.bmm(a, b.float())
 
     def host_route(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s ranking as the CPU reads it, once the step's event says it arrived."""
+        """Layer `layer`'s ranking as the CPU reads it, once the step's event says it arrived (where the device reads a
+        cluster-ranked layer's rows itself the step sends none: copied here, after `route`, when asked)."""
+        if self.tables[layer].reads and self._read[layer] is not None:
+            _, _, order, take = self._read[layer]
+            self.order_host[layer].copy_(order)
+            self.take_host[layer].copy_(take)
         return self.order_host[layer], self.take_host[layer]

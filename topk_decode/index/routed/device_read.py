@@ -1,13 +1,16 @@
 """routed's exact part on the decode device: the GPU reads the rows it ranked straight from the host's RAM.
 
-With `rank=keys` the device already ranks every key and knows the rows to read (index/routed/device.py `route`).
+The device already ranks every key (`rank=keys`) or every cluster and knows the rows to read (index/routed/device.py
+`route`).
 Until now it sent them to the CPU, which scanned them exactly, took each query's top-k and summed their values: the
 step's critical path, and slower on fewer cores. A pinned host page is addressable from the GPU (unified addressing),
 and the GPU reads those rows faster than the CPU searches them (docs/BENCHMARKS.md "The GPU reading the host's rows",
 "The device reads the rows itself"). So with `device_read` the device does it all inside the captured step, per layer:
 
 1. the rows' cache positions, gathered from a device table per layer (−1 for rows outside the searchable range;
-   index/routed/device.py `attend`);
+   index/routed/device.py `attend`); where clusters are ranked, the ranked clusters' rows, their positions looked up
+   in the host's table by the next step's kernel (`read_rows`: 4 bytes beside each 128-byte key, and no device table
+   of N positions per layer, which at 1M tokens would not fit beside a 7B model under 16 GiB);
 2. `read_scores`: their keys read from the host's RAM and scored exactly against the queries (scaled as the host's);
 3. the exact top-k of each query among them (torch.topk), their softmax weights;
 4. `weighted_values`: the values of each query's top-k read from the host's RAM, summed with those weights.
@@ -39,22 +42,22 @@ VALUE_SLICES = 8  # programs per query of `weighted_values`
 
 class HostKV:
     """One layer-list of host tensors the device reads: keys and values (Hkv, N, D) in position order, an int8 cache's
-    value scales (Hkv, N) float32 or None. On CUDA each is registered with the driver (page-locked and mapped) until
-    `close`; they must be contiguous CPU tensors in RAM (not memory-mapped files).
+    value scales (Hkv, N) float32 or None, and the layout's positions (Hkv, N) int32 (each layout row's cache position,
+    −1 outside the searchable range; `read_rows`) or None. On CUDA each is registered with the driver (page-locked and
+    mapped) until `close`; they must be contiguous CPU tensors in RAM (not memory-mapped files).
     """
 
-    def __init__(self, keys, values, value_scales, device: torch.device) -> None:
+    def __init__(self, keys, values, value_scales, device: torch.device, positions=None) -> None:
         self.keys, self.values = list(keys), list(values)
         self.value_scales = list(value_scales) if value_scales is not None else [None] * len(self.keys)
+        self.positions = list(positions) if positions is not None else [None] * len(self.keys)
         self._registered: list[int] = []
         # unregistered when this object goes, before the tensors it holds can be freed: a mapping freed while still
         # registered would make the next registration of that address range fail (or map stale pages)
         self._finalizer = weakref.finalize(self, _unregister, self._registered)
         if device.type == "cuda":
             cudart = torch.cuda.cudart()
-            for t in (*self.keys, *self.values, *self.value_scales):
-                if t is None:
-                    continue
+            for t in self._held():
                 if not t.is_contiguous():
                     raise ValueError("device_read needs contiguous host tensors")
                 err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
@@ -63,10 +66,13 @@ class HostKV:
                     raise RuntimeError(f"cudaHostRegister failed ({int(err)})")
                 self._registered.append(t.data_ptr())
 
+    def _held(self) -> list[torch.Tensor]:
+        """Every host tensor held."""
+        return [t for t in (*self.keys, *self.values, *self.value_scales, *self.positions) if t is not None]
+
     def nbytes(self) -> int:
         """Host bytes the device reads from."""
-        ts = (*self.keys, *self.values, *self.value_scales)
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        return sum(t.numel() * t.element_size() for t in self._held())
 
     def close(self) -> None:
         """Unregister the host tensors (idempotent; also done when the object is collected)."""
@@ -94,6 +100,22 @@ def read_scores(keys: torch.Tensor, pos: torch.Tensor, q: torch.Tensor) -> torch
     k = keys.gather(1, pos.clamp(min=0).long()[..., None].expand(-1, -1, keys.shape[2])).float()  # (Hkv, W, D)
     s = torch.bmm(q, k.transpose(1, 2))
     return s.masked_fill_((pos < 0)[:, None, :], float("-inf"))
+
+
+def read_rows(
+    keys: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, q: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`read_scores` of the keys at layout rows `rows`, each row's cache position looked up in the host's `table`:
+    (Hkv, G, W) float32 scores (−inf where rows < 0 or the table holds −1) and (Hkv, W) int32 the positions read.
+
+    Args:
+        keys: (Hkv, N, D) host keys; table: (Hkv, N) int32 host positions of the layout's rows (`HostKV.positions`);
+        rows: (Hkv, W) int32 layout rows on the device (−1: none); q: as `read_scores`.
+    """
+    if q.is_cuda:
+        return _scores_triton(keys, rows, q, table)
+    pos = torch.where(rows >= 0, table.gather(1, rows.clamp(min=0).long()), -1).to(torch.int32)
+    return read_scores(keys, pos, q), pos
 
 
 def weighted_values(
@@ -132,13 +154,28 @@ def _pointer(t: torch.Tensor):
     return t if t.is_cuda else _Pointer(t)
 
 
-def _scores_triton(keys: torch.Tensor, pos: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+def _scores_triton(keys: torch.Tensor, pos: torch.Tensor, q: torch.Tensor, table: torch.Tensor | None = None):
+    """The scores (and, given the host's position `table`, `pos` being layout rows, the positions read)."""
     hkv, n, d = keys.shape
     g, w = q.shape[1], pos.shape[1]
     out = torch.empty((hkv, g, w), dtype=torch.float32, device=q.device)
+    read = pos if table is None else torch.empty_like(pos)  # (any pointer when there is no table: not written)
     grid = (-(-w // SCORE_BLOCK), hkv)
-    _kernels()["scores"][grid](_pointer(keys), pos, q, out, n, w, G=g, D=d, BLOCK=SCORE_BLOCK)
-    return out
+    _kernels()["scores"][grid](
+        _pointer(keys),
+        pos,
+        q,
+        out,
+        n,
+        w,
+        read if table is None else _pointer(table),
+        read,
+        G=g,
+        D=d,
+        BLOCK=SCORE_BLOCK,
+        LOOKUP=table is not None,
+    )
+    return out if table is None else (out, read)
 
 
 def _values_triton(
@@ -162,12 +199,28 @@ def _kernels() -> dict:
     import triton.language as tl
 
     @triton.jit
-    def scores_kernel(keys, pos, q, out, N, W, G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+    def scores_kernel(
+        keys,
+        pos,
+        q,
+        out,
+        N,
+        W,
+        table,
+        read,
+        G: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK: tl.constexpr,
+        LOOKUP: tl.constexpr,
+    ):
         b = tl.program_id(0)
         h = tl.program_id(1)
         i = b * BLOCK + tl.arange(0, BLOCK)
         inside = i < W
         p = tl.load(pos + h * W + i, mask=inside, other=-1)
+        if LOOKUP:  # p is a layout row: its cache position from the host's table (−1 outside the searchable range)
+            p = tl.load(table + h * N + tl.where(p >= 0, p, 0).to(tl.int64), mask=inside & (p >= 0), other=-1)
+            tl.store(read + h * W + i, p, mask=inside)
         ok = p >= 0
         d = tl.arange(0, D)
         row = (h * N + tl.where(ok, p, 0)).to(tl.int64)

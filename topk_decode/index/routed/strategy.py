@@ -190,10 +190,11 @@ class RoutedOptions(StrategyOptions):
     )
     device_read: str = option(
         "auto",
-        "With rank=keys, in the layers whose codes the device holds: the device reads the rows it ranked from the host's "
-        "RAM itself (registered with CUDA, unified addressing), scores them exactly, takes the top-k and sums their "
-        "values inside the captured step (index/routed/device_read.py), and the CPU leaves the step's critical path "
-        "(the same arithmetic; docs/BENCHMARKS.md 'The device reads the rows itself'). auto: on a CUDA device; true: "
+        "In the layers the device routes: the device reads the rows it ranked (rank=keys, where it holds the layer's "
+        "codes) or the rows of the clusters it ranked from the host's RAM itself (registered with CUDA, unified "
+        "addressing), scores them exactly, takes the top-k and sums their values inside the captured step "
+        "(index/routed/device_read.py), and the CPU leaves the step's critical path (the same arithmetic; "
+        "docs/BENCHMARKS.md 'The device reads the rows itself'). auto: on a CUDA device; true: "
         "also on a CPU decode device (the tests' way in); false: the host scans the rows. Needs the KV in RAM (huge "
         "pages or an in-RAM cache) and the cache's own keys and values (store_keys=false, store_values=false).",
         check=("auto", "true", "false"),
@@ -612,7 +613,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
         stages), the layers' positions, their k; none where the option is off or does not apply (a warning where it was asked
         for with `true`; `auto` falls back to the host's scan quietly)."""
         asked = self.options.device_read
-        if not self.rank_keys or asked == "false" or (asked == "auto" and device.type != "cuda"):
+        if asked == "false" or (asked == "auto" and device.type != "cuda"):
             return {}
         why = (
             "it reads the cache's own keys and values (store_keys=false, store_values=false)"
@@ -621,9 +622,10 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             if on_disk(self.ckv) and not self.huge_bytes
             else None
         )
+        positions = [torch.from_numpy(self._kernel_in[layer].pos) for layer in range(self.ckv.n_layers)]
         if why is None and self.host_kv is None:
             try:
-                self.host_kv = HostKV(self.ckv.keys, self.ckv.values, self.ckv.value_scales, device)
+                self.host_kv = HostKV(self.ckv.keys, self.ckv.values, self.ckv.value_scales, device, positions)
             except (RuntimeError, ValueError) as e:
                 why = f"the host's KV could not be mapped for the device ({e})"
         self.device_read_off = why
@@ -638,7 +640,7 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
 
         return dict(
             host_kv=self.host_kv,
-            positions=[torch.from_numpy(self._kernel_in[layer].pos) for layer in range(self.ckv.n_layers)],
+            positions=positions,
             ks=k_per_layer,
             count_read=count_read,
             n_searchable=self.n_searchable,
