@@ -9,7 +9,7 @@ and the GPU reads those rows faster than the CPU searches them (docs/BENCHMARKS.
 
 1. the rows' cache positions, gathered from a device table per layer (−1 for rows outside the searchable range;
    index/routed/device.py `attend`); where clusters are ranked, the ranked clusters' rows, their positions looked up
-   in the host's table by the next step's kernel (`read_rows`: 4 bytes beside each 128-byte key, and no device table
+   in the host's table by step 2's kernel itself (`read_rows`: 4 bytes beside each 128-byte key, and no device table
    of N positions per layer, which at 1M tokens would not fit beside a 7B model under 16 GiB);
 2. `read_scores`: their keys read from the host's RAM and scored exactly against the queries (scaled as the host's);
 3. the exact top-k of each query among them (torch.topk), their softmax weights;
