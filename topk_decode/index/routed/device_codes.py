@@ -166,7 +166,13 @@ def _residual_hist_triton(packed: torch.Tensor, w: torch.Tensor) -> torch.Tensor
     gp = _pow2(g)
     hist = torch.zeros((hkv, gp, 2 * m2 * _WORDS), dtype=torch.float32, device=w.device)
     grid = (-(-n // RESIDUAL_CHUNK), hkv)
-    _kernels()["hist"][grid](packed, w, hist, n, g, RESIDUAL_CHUNK, M2=m2, GP=gp, BLOCK=64)
+    # w is often a view of a (Hkv, GP, N) buffer (`row_scores` pads G to a power of two): its strides are passed,
+    # never assumed (read as contiguous, a head's weights came from the padding query's raw scores: −inf, NaN)
+    if w.stride(2) != 1:
+        w = w.contiguous()
+    _kernels()["hist"][grid](
+        packed.contiguous(), w, hist, n, g, w.stride(0), w.stride(1), RESIDUAL_CHUNK, M2=m2, GP=gp, BLOCK=64
+    )
     return hist[:, :g]
 
 
@@ -373,6 +379,8 @@ def _lse_triton(scores: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     c = offsets.shape[1] - 1
     gp = _pow2(g)
     out = torch.empty((hkv, gp, c), dtype=torch.float32, device=scores.device)
+    if scores.stride(2) != 1:  # the kernel takes the head and query strides, rows one apart
+        scores = scores.contiguous()
     kernels["lse"][(c, hkv)](scores, scores.stride(0), scores.stride(1), offsets, out, g, n, c, GP=gp, BLOCK=32)
     return out[:, :g]
 
@@ -443,7 +451,7 @@ def _kernels() -> dict:
         tl.store(out + (h * GP + g) * C + c, res)
 
     @triton.jit
-    def hist_kernel(packed, w, hist, N, G, CHUNK, M2: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr):
+    def hist_kernel(packed, w, hist, N, G, w_h, w_g, CHUNK, M2: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr):
         c = tl.program_id(0)
         h = tl.program_id(1)
         start = c * CHUNK
@@ -457,7 +465,7 @@ def _kernels() -> dict:
                 ok = rows < N
                 b = tl.load(packed + (h * M2 + j) * N + rows, mask=ok, other=0).to(tl.int32)
                 wt = tl.load(
-                    w + (h * G + g[:, None]) * N + rows[None, :], mask=ok[None, :] & (g[:, None] < G), other=0.0
+                    w + h * w_h + g[:, None] * w_g + rows[None, :], mask=ok[None, :] & (g[:, None] < G), other=0.0
                 )
                 lo += tl.sum(wt[:, :, None] * ((b & 15)[:, None] == bins[None, :]).to(tl.float32)[None, :, :], 1)
                 hi += tl.sum(wt[:, :, None] * ((b >> 4)[:, None] == bins[None, :]).to(tl.float32)[None, :, :], 1)

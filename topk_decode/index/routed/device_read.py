@@ -158,6 +158,7 @@ def _scores_triton(keys: torch.Tensor, pos: torch.Tensor, q: torch.Tensor, table
     """The scores (and, given the host's position `table`, `pos` being layout rows, the positions read)."""
     hkv, n, d = keys.shape
     g, w = q.shape[1], pos.shape[1]
+    q, pos = q.contiguous(), pos.contiguous()  # the kernel indexes both as dense (no-ops where they are)
     out = torch.empty((hkv, g, w), dtype=torch.float32, device=q.device)
     read = pos if table is None else torch.empty_like(pos)  # (any pointer when there is no table: not written)
     grid = (-(-w // SCORE_BLOCK), hkv)
@@ -183,6 +184,7 @@ def _values_triton(
 ) -> torch.Tensor:
     hkv, n, d = values.shape
     _, g, k = pos.shape
+    pos, w = pos.contiguous(), w.contiguous()  # the kernel indexes both as dense (no-ops where they are)
     part = torch.empty((hkv * g, VALUE_SLICES, d), dtype=torch.float32, device=w.device)
     chunk = -(-k // VALUE_SLICES)
     sc = _pointer(scales) if scales is not None else w  # (any pointer when there are no scales: not read)
