@@ -31,7 +31,7 @@ from topk_decode.decode.layer import finish_layer
 from topk_decode.decode.merge import chunk_window_attention
 from topk_decode.decode.sampling import Sampling
 from topk_decode.decode.window import Window
-from topk_decode.errors import StepCancelled, TopkError, TopkWarning
+from topk_decode.errors import NonFiniteLogits, StepCancelled, TopkError, TopkWarning
 from topk_decode.index import DeviceStaged, FusedAttention, Selection, auto, get_strategy
 from topk_decode.index.threads import default_threads, omp_threads
 from topk_decode.model.blocks import ModelShape, attention_inputs, final_logits, rope
@@ -54,6 +54,9 @@ class StepStats:
     Python; the per-layer query sync makes them serial, so they are reported together. `launch_ms`
     (CPU time of the segment launches, one-token path) and `wait_ms` (blocked on the GPU until the
     layer's query is on the host) are parts of `gpu_ms`, not additions to it.
+
+    recomputed: one-token steps whose logits were not finite and were computed again on the exact
+    multi-token path (`TopKDecoder._recompute`; a bug to report, never expected).
     """
 
     steps: int = 0
@@ -66,6 +69,7 @@ class StepStats:
     launch_s: float = 0.0
     wait_s: float = 0.0
     retrieved: int = 0
+    recomputed: int = 0
 
     @property
     def transfer_s(self) -> float:
@@ -88,6 +92,7 @@ class StepStats:
             "launch_ms": 1e3 * self.launch_s / n,
             "wait_ms": 1e3 * self.wait_s / n,
             "retrieved_per_step": self.retrieved / n,
+            "recomputed": self.recomputed,
         }
 
 
@@ -160,6 +165,7 @@ class TopKDecoder:
         self.last_logits = last_logits
         self.scale = self.shape.head_dim**-0.5
         self._warned_positions = False
+        self._warned_nonfinite = False
         self._cuda = self.device.type == "cuda"
         self.context = ContextAttention(ckv.values, self.scale, ckv.value_scales)
         self._use_segments = self._cuda if graphs is None else graphs
@@ -391,12 +397,17 @@ class TopKDecoder:
             if T == 1 and self._use_segments:
                 check_stop(conv)
                 logits = self._forward_one(ids[0], pos0, conv)
+                if not finite(logits):  # (on CUDA this waits for the step: the sync below would anyway)
+                    logits = self._recompute(ids[0], pos0, length0, conv, "one-token")
             else:
                 # Chunks (prompt_chunk_tokens): each one appends to the window and attends to everything
                 # before it, so the result is the one-step result and memory stays bounded.
                 step = self.prompt_chunk_tokens()
                 for s in range(0, T, step):
                     logits = self._forward_eager(ids[s : s + step], pos0 + s, conv)
+                if not finite(logits):  # the exact path itself: nothing to recompute on
+                    win.rewind(length0)
+                    raise self._nonfinite_error()
         except BaseException:
             # A failed or interrupted step leaves the conversation as it was before it.
             win.length, conv.pending = length0, pending
@@ -407,6 +418,48 @@ class TopKDecoder:
         conv.stats.tokens += T
         conv.stats.total_s += time.perf_counter() - t_start
         return logits
+
+    @torch.inference_mode()
+    def _recompute(self, token: int, pos0: int, length0: int, conv: Conversation, path: str) -> torch.Tensor:
+        """A one-token step whose logits were not finite, undone and computed again on the exact multi-token path
+        (`_forward_eager`: the modules launched one by one, the search on the host): (V,) logits.
+
+        The step is undone first: the window's length goes back to `length0` and the slot it wrote is zeroed
+        (`Window.rewind`; a window resident in the step's buffers stays there, `_forward_eager`'s `reserve`
+        keeps it), and the strategy's per-conversation state (a selection cache the step may have filled)
+        starts afresh. Counted in `stats.recomputed`, with a warning the first time per decoder.
+        NonFiniteLogits (a TopkError) when the exact path's logits are not finite either.
+
+        Args:
+            token, pos0: the step's token and position; length0: the window's length before the step.
+            conv: the conversation; path: which step gave them ("one-token", "batched"), for the warning.
+        """
+        conv.window.rewind(length0)
+        if conv.strategy_state is not None:
+            conv.strategy_state = self.strategy.new_state()
+        if not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            warnings.warn(
+                f"the {path} decode step's logits were not finite; the step was recomputed on the exact host "
+                f"path. This is a bug: please report it with the strategy ({self.config.strategy}) and its "
+                f"options ({self.config.strategy_options})",
+                TopkWarning,
+                stacklevel=2,
+            )
+        logits = self._forward_eager([token], pos0, conv)
+        if not finite(logits):
+            conv.window.rewind(length0)
+            raise self._nonfinite_error(recomputed=True)
+        conv.stats.recomputed += 1
+        return logits
+
+    def _nonfinite_error(self, recomputed: bool = False) -> NonFiniteLogits:
+        """The error for logits that are not finite on the exact path."""
+        where = "even on the exact path" if recomputed else "on the exact path"
+        return NonFiniteLogits(
+            f"the decode step's logits are not finite (strategy {self.config.strategy}, options "
+            f"{self.config.strategy_options}), {where}: the cache or the model is broken"
+        )
 
     def _check_room(self, win: Window, T: int) -> None:
         """TopkError when T more tokens pass max_window_tokens; a warning (once) past the model's positions."""
@@ -550,6 +603,11 @@ class TopKDecoder:
         return list(self.stream(conv, prompt_ids, max_new_tokens, eos_ids, sampling))
 
 
+def finite(logits: torch.Tensor) -> bool:
+    """Whether every logit is finite (a NaN or an infinity would be sampled as some token, silently)."""
+    return bool(torch.isfinite(logits).all())
+
+
 def check_stop(conv: Conversation) -> None:
     """Raise StepCancelled when the conversation's `should_stop` says so."""
     if conv.should_stop is not None and conv.should_stop():
@@ -576,7 +634,8 @@ def forward_batch(reqs: list[StepRequest]) -> None:
 
     The decoders must share one model and step lock (`TopKDecoder(lock=...)`); their caches may differ.
     A request whose conversation is cancelled (`should_stop`), full or closed gets its error alone; a
-    failing step fails every request in it and leaves each conversation as it was. One request left:
+    failing step fails every request in it and leaves each conversation as it was. A row whose logits are not
+    finite is undone and computed again alone on the exact path (`TopKDecoder._recompute`). One request left:
     the ordinary one-token step (CUDA graphs where they run).
     """
     lead = reqs[0].decoder
@@ -613,12 +672,27 @@ def forward_batch(reqs: list[StepRequest]) -> None:
                 r.error = e
             return
         dt = time.perf_counter() - t0
-        for b, r in enumerate(live):
-            r.logits = logits[b]
+        ok = torch.isfinite(logits).all(dim=-1).tolist()
+        for b, (r, (length, pending)) in enumerate(zip(live, saved)):
             st = r.conv.stats
+            t1 = time.perf_counter()
+            if ok[b]:
+                r.logits = logits[b]
+            else:  # this row alone, again on the exact path (the others' rows are theirs and finite)
+                win = r.conv.window
+                win.rewind(length)
+                try:
+                    with omp_threads(r.decoder.cpu_threads):
+                        r.logits = r.decoder._recompute(
+                            (pending + r.ids)[0], win.next_position, length, r.conv, "batched"
+                        )
+                except BaseException as e:  # noqa: BLE001 - handed to the request's own thread
+                    win.length, r.conv.pending = length, pending
+                    r.error = e
+                    continue
             st.steps += 1
             st.tokens += 1
-            st.total_s += dt
+            st.total_s += dt + time.perf_counter() - t1
 
 
 @torch.inference_mode()

@@ -116,6 +116,13 @@ class Window:
         """Commit a step's T tokens (after every layer has written them)."""
         self.length += T
 
+    def rewind(self, length: int) -> None:
+        """Undo the steps after `length`: the slots they wrote, [length, self.length), are zeroed (slots past
+        the length must hold finite values: the step's kernels read them masked) and the length goes back."""
+        for t in self.k + self.v:
+            t[:, length : self.length].zero_()
+        self.length = length
+
     def reset(self) -> None:
         """Forget the conversation; keep the sinks and the tail."""
         self.length = self.base_length

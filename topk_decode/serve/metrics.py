@@ -86,6 +86,12 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.recomputed_steps = Counter(
+            "topk_recomputed_steps",
+            "One-token steps whose logits were not finite, computed again on the exact path (a bug to report)",
+            ["model"],
+            registry=r,
+        )
 
     def watch(self, worker) -> None:
         """Read the queue gauges from `worker` at each scrape; every served model's series start at 0."""
@@ -102,6 +108,7 @@ class Metrics:
                 self.search_seconds,
                 self.search_ms,
                 self.keys_read,
+                self.recomputed_steps,
             ):
                 metric.labels(model)
 
@@ -116,7 +123,7 @@ class Metrics:
             completion_tokens: tokens it generated.
             ttft_s: seconds from its arrival to its first text (None: it produced none).
             decode_s: seconds from its first text to its end.
-            stats: its conversation's StepStats (steps, search seconds, keys retrieved).
+            stats: its conversation's StepStats (steps, search seconds, keys retrieved, steps recomputed).
         """
         self.prompt_tokens.labels(model).inc(prompt_tokens)
         self.completion_tokens.labels(model).inc(completion_tokens)
@@ -130,6 +137,7 @@ class Metrics:
         if stats.steps:
             self.search_ms.labels(model).observe(1e3 * stats.search_s / stats.steps)
         self.keys_read.labels(model).inc(stats.retrieved)
+        self.recomputed_steps.labels(model).inc(stats.recomputed)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from topk_decode.errors import StepCancelled, TopkError
+from topk_decode.errors import NonFiniteLogits, StepCancelled, TopkError
 from topk_decode.serve.schemas import APIError, GenerationRequest
 
 LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token the model gives (almost) no chance; JSON has no -inf
@@ -400,9 +400,12 @@ def token_logprob(tokenizer, token: int, logprob: float, alternatives: list[tupl
 
 
 def _api_error(e: Exception) -> APIError:
-    """What a request's failure is answered with: TopkError is the client's (400), anything else a 500."""
+    """What a request's failure is answered with: TopkError is the client's (400), anything else (non-finite
+    logits included: a broken cache or model) a 500."""
     if isinstance(e, APIError):
         return e
+    if isinstance(e, NonFiniteLogits):
+        return APIError(500, str(e), type="server_error")
     if isinstance(e, TopkError):
         return APIError(400, str(e), code="invalid_value")
     return APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
