@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from topk_decode.errors import TopkError
 from topk_decode.index.routed.device_codes import (
     DeviceCodes,
     DeviceValueCodes,
@@ -263,6 +264,8 @@ class DeviceRoutes:
         n_searchable: int = 0,
         group: int = 1,
         error_sample: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        code_m: int | None = None,
+        value_layers: int | None = None,
     ) -> None:
         self.device, self.scale, self.estimate = device, scale, estimate
         self.host_kv, self._count_read, self._n_searchable = host_kv, count_read, n_searchable
@@ -273,6 +276,9 @@ class DeviceRoutes:
         self._row_budgets = row_budgets if row_budgets is not None else budgets
         self._value_codes = value_codes
         self._error_sample = error_sample  # the codes' error measured where given (`code_error`)
+        # a placement asked for (routed's device_code_m, device_value_layers): at most these sub-vectors and value-coded
+        # layers, however much room there is
+        self._code_m, self._value_layers = code_m, value_layers
         self.key_block, self._pad_rows = key_block, pad_rows
         if key_block > 1 and pad_rows is None:
             raise ValueError("key blocks need a padding row per layer and head")
@@ -369,7 +375,7 @@ class DeviceRoutes:
         dense's answers than the value codes add: docs/EVAL.md), so a layer without them estimates its unread keys'
         values by their clusters' means."""
         placed = [c for t, c in zip(self.tables, self._codes) if t is not None]
-        self.code_halvings = self._halvings(placed, reserve)[0]
+        self.code_halvings = max(self._halvings(placed, reserve)[0], self._asked_halvings(placed))
         for layer, (t, codes, rows) in enumerate(zip(self.tables, self._codes, self._row_budgets)):
             if t is None:
                 break
@@ -384,8 +390,8 @@ class DeviceRoutes:
             if self.rank_keys:  # the host reads rows, not clusters
                 t.budget = rows
                 t.width = min(rows, n_tokens) // self.key_block * self.key_block
-        for t, vcodes in zip(self.tables, self._value_codes or []):
-            if t is None or t.codes is None:
+        for layer, (t, vcodes) in enumerate(zip(self.tables, self._value_codes or [])):
+            if t is None or t.codes is None or (self._value_layers is not None and layer >= self._value_layers):
                 break
             t.vcodes = self._moved(vcodes, reserve)
             if t.vcodes is None:
@@ -410,6 +416,20 @@ class DeviceRoutes:
                 room = False
                 continue
             t.positions, t.k = moved.positions, k
+
+    def _asked_halvings(self, codes: list[DeviceCodes]) -> int:
+        """The halvings that coarsen the codes to the `code_m` sub-vectors asked for (0 where none was asked)."""
+        if not codes or not self._code_m:
+            return 0
+        m = codes[0].books.shape[1]
+        r = 0
+        while m >> r > self._code_m:
+            if (m >> r) % 4:
+                raise TopkError(f"device_code_m={self._code_m}: {m} sub-vectors cannot be halved to it")
+            r += 1
+        if m >> r != self._code_m:
+            raise TopkError(f"device_code_m={self._code_m} is not {m} sub-vectors halved")
+        return r
 
     def _halvings(self, codes: list[DeviceCodes], reserve: int) -> tuple[int, bool]:
         """How many times every layer's key codes are halved: the fewest for all of them to fit beside `reserve` (0

@@ -222,6 +222,20 @@ class RoutedOptions(StrategyOptions):
         "(index/routed/device.py).",
         check=("auto", *TABLE_KINDS),
     )
+    device_code_m: int = option(
+        0,
+        "Sub-vectors of the key codes the device holds: 0 (default) the finest that fit every layer beside the model "
+        "(the codes as built where they fit, else coarsened by halves); a smaller power-of-two fraction of pq_m "
+        "coarsens them to that many (index/routed/device_codes.py `coarsened`). Set it to reproduce, on a larger "
+        "GPU or a smaller model, what a tighter GPU budget places (the fidelity suite's --as-budget).",
+        check=NON_NEGATIVE,
+    )
+    device_value_layers: int = option(
+        -1,
+        "With pq_values on the device: the value codes go to at most this many layers, first layers first (-1, the "
+        "default: every layer whose codes fit). Set it, as device_code_m, to reproduce a tighter GPU budget's "
+        "placement.",
+    )
     hugepages: bool = option(
         True,
         "The compiled path reads the layout from copies backed by transparent huge pages "
@@ -582,6 +596,8 @@ class RoutedStrategy(TorchPath, SelectionStrategy, FusedAttention, DeviceStaged)
             key_scales=self.ckv.key_scales,
             estimate_read=self.estimate_read,
             group=group,
+            code_m=self.options.device_code_m or None,
+            value_layers=None if self.options.device_value_layers < 0 else self.options.device_value_layers,
             error_sample=self.error_sample if self.estimate and self.options.code_error else None,
             **self._device_read_args(device, k_per_layer),
         )
