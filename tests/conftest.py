@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -135,3 +138,25 @@ def short_model(tmp_path_factory) -> Path:
     make_tokenizer(d)
     make_random_model(d, "llama", seed=0, tokenizer=AutoTokenizer.from_pretrained(d), max_position_embeddings=64)
     return d
+
+
+def serve_in_thread(server):
+    """Serve `server`'s app with uvicorn in a thread on a free port of 127.0.0.1: yields (base_url, server)
+    once it accepts requests, and stops it afterwards (the body of a module fixture)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    import uvicorn
+
+    from topk_decode.serve.app import create_app
+
+    uv = uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", server
+    uv.should_exit = True
+    thread.join(15)

@@ -14,7 +14,6 @@ import select
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +24,9 @@ import pytest
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from topk_decode.serve.app import Server, create_app  # noqa: E402
+from conftest import serve_in_thread  # noqa: E402
+
+from topk_decode.serve.app import Server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "demo-cache"
@@ -68,24 +69,6 @@ def live(store):
     """(base_url, Server): the app served by uvicorn in a thread on a free port of 127.0.0.1."""
     server = Server({MODEL: store}, max_tokens_limit=1024, default_max_tokens=64, max_body_mb=BODY_MB)
     yield from serve_in_thread(server)
-
-
-def serve_in_thread(server):
-    """Serve `server`'s app with uvicorn in a thread on a free port of 127.0.0.1: yields (base_url, server)
-    once it accepts requests, and stops it afterwards (the body of a module fixture)."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", server
-    uv.should_exit = True
-    thread.join(15)
 
 
 @pytest.fixture
@@ -723,6 +706,8 @@ def test_metrics_count_requests_tokens_time_to_first_token_search_and_keys(live,
     assert delta("topk_steps_total", **m) >= r.usage.completion_tokens
     assert delta("topk_search_ms_per_step_count", **m) == 1 and delta("topk_search_seconds_total", **m) > 0
     assert delta("topk_keys_read_total", **m) > 0
+    assert ("topk_recomputed_steps_total", (("model", MODEL),)) in after  # non-finite steps: none here
+    assert delta("topk_recomputed_steps_total", **m) == 0
     # the worker thread counts the job out of `running` just after its last event reached the client: under load a
     # scrape can come in between, so the gauges are waited for (they must settle, not lag forever)
     deadline = time.monotonic() + 10

@@ -1,0 +1,274 @@
+"""The fidelity suite on the product's path: caches prefilled and stores opened as users open them, answers from `ask()`.
+
+Every figure of this module comes from what a user runs: `KVStore.build` (the prefill), `KVStore.open(cache, ...)`
+with its defaults (compile, CUDA graphs, the device placement) and one fresh `ask()`-conversation per question
+(`store.session().ask`, which `ask()` is). Dense is the same path with `flat` at k = every context token (exact
+attention over the whole context). Each setting is compared with dense question by question: the same text, the same
+final answer (eval/paired.py `final_answer`), and whether the answer is right. A step whose logits were not finite
+is counted (`recomputed`: the decoder recomputes it on the host path, decode/engine.py).
+
+    python -m topk_decode.eval.product --model Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf --lengths 16384 \\
+        --seeds 0-3 --settings dense,auto,flat --out results/product
+
+`--as-budget llama-3-8b@128K:16GiB` adds the setting `auto@budget`: `auto` with the device's key codes and value
+codes placed as that model's 16 GiB placement places them (`BUDGET_PLACEMENTS`), applied to this model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from topk_decode.eval.paired import final_answer, wilson
+from topk_decode.eval.realtext import REAL_TASKS, make_suite
+from topk_decode.index.auto import FAST, FAST_OPTIONS
+
+# What the device placement holds for a larger model under a GPU budget, as measured by `topk bench` on the GPU host
+# (docs/BENCHMARKS.md; the warning `routed: the key codes are coarsened ...`): key codes' sub-vectors and the share of
+# layers with value codes. `--as-budget` applies them to the model under test.
+BUDGET_PLACEMENTS = {
+    "llama-3-8b@128K:16GiB": {"code_m": 16, "value_share": 1 / 32},
+}
+DENSE = "dense"
+
+
+@dataclass
+class Answer:
+    """One question's answer under one setting."""
+
+    task: str
+    question: str
+    truth: str
+    text: str
+    correct: bool
+    recomputed: int = 0
+    steps: int = 0
+
+
+@dataclass
+class Setting:
+    """A named way to open the store: KVStore.open's arguments (k None: the default, or dense's every token)."""
+
+    name: str
+    strategy: str = "auto"
+    k: int | None = None
+    options: dict = field(default_factory=dict)
+    open_kwargs: dict = field(default_factory=dict)
+
+
+def parse_settings(names: list[str], k: int | None, as_budget: str | None, n_layers: int) -> list[Setting]:
+    """The settings asked for by name: dense, auto, flat (at k), routed (the default routed), auto@budget."""
+    out = []
+    for name in names:
+        if name == DENSE:
+            out.append(Setting(DENSE, "flat"))
+        elif name in ("auto", "flat", "routed"):
+            out.append(Setting(name, name, k))
+        elif name.startswith("auto@"):
+            out.append(budget_setting(as_budget or name[5:], k, n_layers))
+        else:
+            raise SystemExit(f"error: unknown setting {name!r} (dense, auto, flat, routed, auto@BUDGET)")
+    return out
+
+
+def budget_setting(budget: str, k: int | None, n_layers: int) -> Setting:
+    """`auto` placed as under `budget` (a key of BUDGET_PLACEMENTS)."""
+    if budget not in BUDGET_PLACEMENTS:
+        raise SystemExit(f"error: unknown budget {budget!r}; known: {', '.join(BUDGET_PLACEMENTS)}")
+    p = BUDGET_PLACEMENTS[budget]
+    layers = max(1, round(p["value_share"] * n_layers))
+    opts = {**FAST_OPTIONS, "device_code_m": p["code_m"], "device_value_layers": layers}
+    return Setting(f"auto@{budget}", FAST, k, opts)  # auto's strategy beyond its threshold, named
+
+
+def ask_all(store, questions, setting: Setting) -> list[Answer]:
+    """Every question on a fresh conversation of `store`, as `store.ask` asks it."""
+    out = []
+    for q in questions:
+        chat = store.session()
+        text = chat.ask(q.question, max_new_tokens=q.max_new_tokens)
+        st = chat.conv.stats
+        out.append(Answer(q.task, q.question, q.answer, text, q.check(text), st.recomputed, st.steps))
+    return out
+
+
+def open_store(cache: Path, setting: Setting, n_tokens: int, device: str | None):
+    """`KVStore.open` as the setting says (dense: flat over every context token)."""
+    from topk_decode import KVStore
+
+    kwargs = dict(setting.open_kwargs)
+    if setting.k is not None or setting.name == DENSE:
+        kwargs["k"] = n_tokens if setting.name == DENSE else setting.k
+    return KVStore.open(cache, strategy=setting.strategy, strategy_options=setting.options, device=device, **kwargs)
+
+
+def compare(dense: list[Answer], other: list[Answer]) -> dict:
+    """Paired figures of `other` against `dense`, question by question."""
+    n = len(dense)
+    same_text = sum(a.text == b.text for a, b in zip(dense, other))
+    same_final = sum(final_answer(a.task, a.text) == final_answer(b.task, b.text) for a, b in zip(dense, other))
+    lo, hi = wilson(same_final, n)
+    return {
+        "n": n,
+        "same_text": same_text,
+        "same_final": same_final,
+        "same_final_pct": 100 * same_final / max(n, 1),
+        "same_final_ci95": [100 * lo, 100 * hi],
+        "correct": sum(b.correct for b in other),
+        "dense_correct": sum(a.correct for a in dense),
+        "recomputed_steps": sum(b.recomputed for b in other),
+    }
+
+
+def run(args) -> dict:
+    """Prefill one cache per (length, seed), open every setting on it, ask every question; write JSON + markdown."""
+    from topk_decode.model.loading import load_tokenizer, resolve_model_path
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work or tempfile.mkdtemp(prefix="topk-product-"))
+    model_dir = resolve_model_path(args.model)
+    tok = load_tokenizer(model_dir)
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    settings = parse_settings(args.settings.split(","), args.k, args.as_budget, cfg.num_hidden_layers)
+    if settings[0].name != DENSE:
+        raise SystemExit("error: the first setting must be dense (every other one is compared with it)")
+    results: dict = {"model": str(args.model), "runs": []}
+    for length in [int(x) for x in args.lengths.split(",")]:
+        for seed in seeds_of(args.seeds):
+            suite = make_suite(args.tasks.split(","), length, seed, tok, per_task=args.per_task)
+            docs, cache = work / "docs" / f"{length}_{seed}", work / "caches" / f"{length}_{seed}"
+            docs.mkdir(parents=True, exist_ok=True)
+            (docs / "context.txt").write_text(suite.context)
+            t0 = time.perf_counter()
+            _prefill(docs, cache, model_dir, args)
+            prefill_s = time.perf_counter() - t0
+            answers: dict[str, list[Answer]] = {}
+            placements: dict[str, dict] = {}
+            for s in settings:
+                store = open_store(cache, s, _n_tokens(cache), args.device)
+                try:
+                    t1 = time.perf_counter()
+                    answers[s.name] = ask_all(store, suite.questions, s)
+                    placements[s.name] = {"reason": store.strategy_reason, **_placement(store)}
+                    print(f"[{length} seed {seed}] {s.name}: {time.perf_counter() - t1:.1f} s; {placements[s.name]}")
+                finally:
+                    store.close()
+            results["runs"].append(
+                {
+                    "length": length,
+                    "seed": seed,
+                    "sha": suite.sha,
+                    "prefill_s": prefill_s,
+                    "placements": placements,
+                    "answers": {k: [asdict(a) for a in v] for k, v in answers.items()},
+                }
+            )
+            (out / "product.json").write_text(json.dumps(results, indent=1))
+            if not args.keep_caches:
+                _remove(cache)
+    results["table"] = table(results, [s.name for s in settings])
+    (out / "product.json").write_text(json.dumps(results, indent=1))
+    (out / "product.md").write_text(markdown(results["table"]))
+    print(markdown(results["table"]))
+    return results
+
+
+def _prefill(docs: Path, cache: Path, model_dir: Path, args) -> None:
+    from topk_decode.prefill.build import build_cache
+
+    build_cache(docs, cache, model_dir, overwrite=True, device=args.device, kv_dtype=args.kv_dtype)
+
+
+def _n_tokens(cache: Path) -> int:
+    from topk_decode.store.cache_dir import open_cache
+
+    return open_cache(cache, verify=False).n_tokens
+
+
+def _placement(store) -> dict:
+    """What the device placement held (layers keyed, value-coded, the key codes' halvings), where it placed any."""
+    strat = store.decoder.strategy
+    routes = getattr(strat, "routes", None)
+    if routes is None:
+        return {}
+    return {
+        "layers_on_device": routes.layers_on_device(),
+        "keyed_layers": routes.keyed_layers(),
+        "value_coded_layers": routes.value_coded_layers(),
+        "code_halvings": routes.code_halvings,
+        "tables": routes.values_kind,
+    }
+
+
+def _remove(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def seeds_of(spec: str) -> list[int]:
+    """ "0-3" → [0, 1, 2, 3]; "1,5" → [1, 5]."""
+    out: list[int] = []
+    for part in spec.split(","):
+        a, _, b = part.partition("-")
+        out += list(range(int(a), int(b or a) + 1))
+    return out
+
+
+def table(results: dict, names: list[str]) -> list[dict]:
+    """One row per (length, setting) against dense, every seed pooled."""
+    rows = []
+    for length in sorted({r["length"] for r in results["runs"]}):
+        runs = [r for r in results["runs"] if r["length"] == length]
+        dense = [Answer(**a) for r in runs for a in r["answers"][DENSE]]
+        for name in names[1:]:
+            other = [Answer(**a) for r in runs for a in r["answers"][name]]
+            rows.append({"length": length, "setting": name, **compare(dense, other)})
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    """The table as markdown."""
+    head = "| length | setting | n | same final answer as dense (95 % CI) | same text | right (dense) | recomputed |"
+    lines = [head, "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lo, hi = r["same_final_ci95"]
+        lines.append(
+            f"| {r['length']:,} | {r['setting']} | {r['n']} | {r['same_final']}/{r['n']} = {r['same_final_pct']:.1f} % "
+            f"({lo:.1f}–{hi:.1f}) | {r['same_text']} | {r['correct']} ({r['dense_correct']}) | {r['recomputed_steps']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="HF checkpoint directory or GGUF file")
+    p.add_argument("--lengths", default="16384", help="context lengths in tokens, comma-separated")
+    p.add_argument("--seeds", default="0", help="suite seeds: 0-3 or 1,5")
+    p.add_argument("--tasks", default=",".join(REAL_TASKS), help="real-text tasks (eval/realtext.py)")
+    p.add_argument("--per-task", type=int, default=6, help="questions per task and context")
+    p.add_argument("--settings", default="dense,auto,flat", help="dense first, then auto, flat, routed, auto@BUDGET")
+    p.add_argument("--k", type=int, default=None, help="k of every setting but dense (default: KVStore.open's)")
+    p.add_argument("--as-budget", default=None, help=f"add auto placed as under: {', '.join(BUDGET_PLACEMENTS)}")
+    p.add_argument("--kv-dtype", default=None, help="int8: prefill the KV in 8 bits")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: CUDA when available)")
+    p.add_argument("--work", default=None, help="where the documents and caches go (default: a temporary folder)")
+    p.add_argument("--keep-caches", action="store_true", help="keep the prefilled caches under WORK/caches")
+    p.add_argument("--out", required=True, help="results folder: product.json and product.md")
+    args = p.parse_args(argv)
+    if args.as_budget and not any(s.startswith("auto@") for s in args.settings.split(",")):
+        args.settings += f",auto@{args.as_budget}"
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
