@@ -47,6 +47,49 @@ def test_smoke_run_reports_the_step_breakdown_and_memory(smoke_results):
     assert sum(parts.values()) <= row["ms_per_step"] + 0.05, (parts, row["ms_per_step"])
 
 
+def test_smoke_run_of_a_named_random_shape_does_not_compare_tokens_with_dense(smoke_results):
+    data, _ = smoke_results
+    topk = [r for r in data["rows"] if r["system"] == "topk"]
+    assert topk and not any(k.startswith("tokens_equal_dense") or k == "tokens_compared" for r in topk for k in r)
+
+
+def test_bench_of_a_checkpoint_dir_counts_the_tokens_equal_to_hf_dense(tmp_path, model_factory):
+    """`topk bench --model DIR`: flat with k ≥ the context is dense-exact, so every greedy token matches HF dense's;
+    synthetic KV (not the context's) says why it has no count."""
+    from topk_decode.bench.run import BenchConfig, run_bench
+
+    cfg = BenchConfig(
+        model=str(model_factory("llama_gqa")),
+        contexts=[256, 384],
+        systems=["topk"],
+        k=100000,
+        steps=4,
+        warmup=2,
+        prefill_max=256,  # 384: synthetic KV
+        prefill_chunk=128,
+        offload_prefill=False,
+        device="cpu",
+        dtype="fp32",
+        out=str(tmp_path),
+    )
+    rows = {r["context"]: r for r in run_bench(cfg, log=lambda line: None)["rows"] if r["system"] == "topk"}
+    exact = rows[256]
+    assert exact["status"] == "ok" and exact["kv"] == "prefill" and exact["ran"] == "flat"
+    assert exact["tokens_equal_dense"] == exact["tokens_compared"] == 1 + cfg.warmup + cfg.steps
+    synthetic = rows[384]
+    assert synthetic["kv"] == "synthetic" and synthetic["tokens_equal_dense"] is None
+    assert "synthetic" in synthetic["tokens_equal_dense_reason"]
+
+
+def test_tokens_equal_dense_counts_up_to_the_first_divergence():
+    from topk_decode.bench.run import tokens_equal_dense
+
+    assert tokens_equal_dense([1, 2, 3, 4], [1, 2, 9, 4]) == {"tokens_equal_dense": 2, "tokens_compared": 4}
+    assert tokens_equal_dense([1, 2], [1, 2, 3]) == {"tokens_equal_dense": 2, "tokens_compared": 2}
+    assert tokens_equal_dense([1], None) == {}
+    assert tokens_equal_dense([1], "why")["tokens_equal_dense"] is None
+
+
 def test_smoke_run_marks_the_offloaded_cache_as_skipped_on_cpu_and_writes_a_plot(smoke_results):
     data, out = smoke_results
     off = [r for r in data["rows"] if r["system"] == "hf-offload"]

@@ -103,3 +103,35 @@ def hf_decode(model, tokens: list[int], steps: int, warmup: int, offloading: boo
     del cache
     release(device)
     return result
+
+
+@torch.inference_mode()
+def hf_greedy_tokens(model, tokens: list[int], first: int, n_new: int, device: torch.device) -> list[int]:
+    """HF dense greedy decoding (`DynamicCache`, KV on the device): the `n_new` tokens that follow `tokens`
+    and then `first`, the reference top-k decoding's tokens are compared with.
+
+    Args:
+        model: the HF causal LM on `device`.
+        tokens: the context token ids.
+        first: the first decoded input after the context (the top-k rows feed the same one).
+        n_new: tokens to generate.
+        device: the device.
+    """
+    from transformers import DynamicCache
+
+    release(device)
+    cache = DynamicCache(config=model.config)
+    out = model(
+        input_ids=torch.tensor([[*tokens, first]], device=device),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    generated = [int(out.logits[0, -1].argmax())]
+    while len(generated) < n_new:
+        ids = torch.tensor([[generated[-1]]], device=device)
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        generated.append(int(out.logits[0, -1].argmax()))
+    del out, cache
+    release(device)
+    return generated

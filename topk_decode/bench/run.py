@@ -6,7 +6,9 @@ Per context length N, in this order (so that the most important rows land first)
    with `kv_cache`, the KV of a cache directory (`kv: cache`: e.g. the real 1M prefill that
    `topk bench --prefill-only --keep-cache` kept), whose length is then the only context;
 2. top-k decoding (`strategy`: flat, exact, by default; or e.g. routed) under the GPU budget, with the
-   per-step breakdown and the share of the searchable keys the search read per step;
+   per-step breakdown and the share of the searchable keys the search read per step; with a real checkpoint
+   (a directory or GGUF file, not a named random shape) each row also counts how many of its greedy tokens
+   equal HF dense's on the same context and first input (`tokens_equal_dense` of `tokens_compared`);
 3. HF dense `DynamicCache` and HF `DynamicCache(offloading=True)`: prefill + decode, where they fit
    (estimated before trying; OOM caught) — they run without the budget, and each row says whether its
    peak would have fit it;
@@ -25,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from topk_decode.bench.hf import fits_hf, hf_decode, weights_bytes
+from topk_decode.bench.hf import fits_hf, hf_decode, hf_greedy_tokens, weights_bytes
 from topk_decode.bench.measure import GIB, anon_huge_pages, cpu_rss, is_oom, peak_gpu, release, set_gpu_budget
-from topk_decode.bench.shapes import build_model
+from topk_decode.bench.shapes import build_model, has_real_weights
 from topk_decode.bench.synthetic import kv_bytes, kv_in_memory, quantize_kv, synthetic_kv
 from topk_decode.config import DecodeConfig
 from topk_decode.cpus import usable_cpus
@@ -40,6 +42,7 @@ from topk_decode.store.format import check_kv_dtype
 from topk_decode.store.huge_pages import available_bytes
 
 SYSTEMS = ("topk", "hf-dense", "hf-offload")
+FIRST_TOKEN = 5  # the first decoded input after the context, of the top-k rows and of their dense reference
 
 
 @dataclass
@@ -218,9 +221,32 @@ def strategies(cfg: BenchConfig) -> list[str]:
     return [s.strip() for s in cfg.strategy.split(",") if s.strip()]
 
 
+def tokens_equal_dense(generated: list[int], reference: list[int] | str | None) -> dict:
+    """The row fields comparing a top-k row's greedy tokens with HF dense's (nothing for random weights).
+
+    Args:
+        generated: the row's greedy tokens, in order.
+        reference: HF dense's greedy tokens from the same context and first input; a string: why there are
+            none (the row says so); None: no comparison (a named shape's random weights).
+    Returns:
+        {"tokens_equal_dense": the matching prefix length (up to the first divergence), "tokens_compared": n},
+        or {"tokens_equal_dense": None, "tokens_equal_dense_reason": why}, or {}.
+    """
+    if reference is None:
+        return {}
+    if isinstance(reference, str):
+        return {"tokens_equal_dense": None, "tokens_equal_dense_reason": reference}
+    compared = min(len(generated), len(reference))
+    equal = next((i for i in range(compared) if generated[i] != reference[i]), compared)
+    return {"tokens_equal_dense": equal, "tokens_compared": compared}
+
+
 @torch.inference_mode()
-def _topk_decode(model, ckv, cfg: BenchConfig, device: torch.device, strategy: str = "flat") -> dict:
-    """Greedy top-k decoding over `ckv` with one strategy: tokens/s and the per-step breakdown."""
+def _topk_decode(
+    model, ckv, cfg: BenchConfig, device: torch.device, strategy: str = "flat", reference: list[int] | str | None = None
+) -> dict:
+    """Greedy top-k decoding over `ckv` with one strategy: tokens/s and the per-step breakdown (and, given a
+    dense `reference`, how many of its tokens equal it: `tokens_equal_dense`)."""
     options = {"backend": cfg.backend} if strategy == "flat" else dict(cfg.strategy_options)
     config = DecodeConfig(k=cfg.k, strategy=strategy, strategy_options=options, compile=cfg.compile)
     t_open = time.perf_counter()
@@ -229,10 +255,12 @@ def _topk_decode(model, ckv, cfg: BenchConfig, device: torch.device, strategy: s
     try:
         conv = decoder.new_conversation()
         t_first = time.perf_counter()
-        logits = decoder.forward([5], conv)  # the first one-token step captures (and compiles) the graphs
+        logits = decoder.forward([FIRST_TOKEN], conv)  # the first one-token step captures (and compiles) the graphs
         first_step_s = time.perf_counter() - t_first
+        generated = [int(torch.argmax(logits))]  # the greedy tokens, compared with HF dense's (real weights)
         for _ in range(cfg.warmup):
-            logits = decoder.forward([int(torch.argmax(logits))], conv)
+            logits = decoder.forward([generated[-1]], conv)
+            generated.append(int(torch.argmax(logits)))
         conv.stats = type(conv.stats)()
         extra = decoder.strategy.stats.extra
         read0, total0, kernel0 = extra.get("keys_read", 0), extra.get("keys_searchable", 0), extra.get("kernel_s")
@@ -242,7 +270,8 @@ def _topk_decode(model, ckv, cfg: BenchConfig, device: torch.device, strategy: s
         }
         t0 = time.perf_counter()
         for _ in range(cfg.steps):
-            logits = decoder.forward([int(torch.argmax(logits))], conv)
+            logits = decoder.forward([generated[-1]], conv)
+            generated.append(int(torch.argmax(logits)))
         wall = time.perf_counter() - t0
         read, total = extra.get("keys_read", 0) - read0, extra.get("keys_searchable", 0) - total0
         # flat reads every searchable key; strategies that read a share count what they read
@@ -281,6 +310,7 @@ def _topk_decode(model, ckv, cfg: BenchConfig, device: torch.device, strategy: s
             "ran": ran,
             "ran_options": dict(decoder.config.strategy_options),
             "keys_read_pct": keys_read_pct,
+            **tokens_equal_dense(generated, reference),
             "open_s": round(open_s, 1),
             "cuda_graphs": decoder.segments is not None and decoder.segments.graphs is not None,
             "compiled": decoder.segments is not None and decoder.segments.compiled,
@@ -356,12 +386,14 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
     budget = cfg.gpu_memory
     gen = torch.Generator().manual_seed(cfg.seed)
     cached = None if cfg.kv_cache is None else open_kv_cache(cfg.kv_cache, shape)
+    real = has_real_weights(cfg.model)  # a user's checkpoint: its top-k rows' tokens are checked against HF dense
     for n in [cached.n_tokens] if cached is not None else sorted(cfg.contexts):
         tokens = torch.randint(3, shape.vocab_size, (n,), generator=gen).tolist() if cached is None else cached.tokens
         kv = kv_bytes(shape.n_layers, shape.n_kv_heads, shape.head_dim, n, dtype)
         source = "prefill" if cfg.kv == "prefill" or (cfg.kv == "auto" and n <= cfg.prefill_max) else "synthetic"
         if "topk" in cfg.systems:
-            _run_topk(rec, model, shape, tokens, kv, cached or source, cfg, device, dtype, budget)
+            reference = _dense_reference(model, tokens, kv, cached or source, cfg, device) if real else None
+            _run_topk(rec, model, shape, tokens, kv, cached or source, cfg, device, dtype, budget, reference)
         for system in ("hf-dense", "hf-offload"):
             if system in cfg.systems:
                 _run_hf(rec, model, tokens, kv, system, cfg, device, budget)
@@ -392,8 +424,29 @@ def open_kv_cache(path: str, shape: ModelShape):
     return ckv
 
 
-def _run_topk(rec, model, shape, tokens, kv, source, cfg, device, dtype, budget) -> None:
-    """The top-k rows of one context; `source` is "prefill", "synthetic" or an opened cache (ContextKV)."""
+def _dense_reference(model, tokens, kv, source, cfg, device) -> list[int] | str:
+    """HF dense greedy tokens after `tokens` + FIRST_TOKEN, as many as a top-k row generates (computed once
+    per context, before the rows, without the budget), or why there are none."""
+    n = len(tokens)
+    if isinstance(source, str) and source == "synthetic":
+        return "synthetic KV is not the context's: its tokens cannot match"
+    fits, why = fits_hf(model, kv, n + 1, False, device)
+    if not fits:
+        return f"dense reference does not fit: {why}"
+    if n > cfg.hf_max:
+        return f"dense reference skipped: above --hf-max-context {cfg.hf_max}"
+    try:
+        return hf_greedy_tokens(model, tokens, FIRST_TOKEN, 1 + cfg.warmup + cfg.steps, device)
+    except Exception as e:  # noqa: BLE001 - a missing reference must not lose the timing rows
+        release(device)
+        if is_oom(e):
+            return "dense reference does not fit: out of memory"
+        return f"dense reference failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+def _run_topk(rec, model, shape, tokens, kv, source, cfg, device, dtype, budget, reference=None) -> None:
+    """The top-k rows of one context; `source` is "prefill", "synthetic" or an opened cache (ContextKV);
+    `reference`: HF dense's greedy tokens (or why there are none) for a real checkpoint, else None."""
     n = len(tokens)
     kind = source if isinstance(source, str) else "cache"
     avail = available_bytes()
@@ -450,7 +503,7 @@ def _run_topk(rec, model, shape, tokens, kv, source, cfg, device, dtype, budget)
             rec,
             "topk",
             n,
-            lambda: _topk_decode(model, ckv, cfg, device, name),
+            lambda: _topk_decode(model, ckv, cfg, device, name, reference),
             device,
             kv=kind,
             kv_gib=_gib(sum(t.numel() * t.element_size() for t in ckv.keys + ckv.values)),  # as stored (int8: half)

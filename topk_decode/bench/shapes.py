@@ -102,6 +102,18 @@ def make_config(name: str):
     return getattr(transformers, _CLASSES[shape.family][0])(**cfg)
 
 
+def has_real_weights(model: str) -> bool:
+    """Whether `model` names a checkpoint the user gave (a directory or a GGUF file, real weights whose tokens
+    mean something) rather than a named shape built with random weights.
+
+    Args:
+        model: a SHAPES name, a checkpoint directory or a GGUF file.
+    """
+    from topk_decode.model.gguf import is_gguf_file
+
+    return Path(model).is_dir() or is_gguf_file(model)
+
+
 def build_model(model: str, device: torch.device, dtype: torch.dtype, layers: int | None = None):
     """A model to benchmark: a named shape with random weights, or a local checkpoint.
 
@@ -116,9 +128,7 @@ def build_model(model: str, device: torch.device, dtype: torch.dtype, layers: in
     """
     from transformers import AutoModelForCausalLM
 
-    from topk_decode.model.gguf import is_gguf_file
-
-    if Path(model).is_dir() or is_gguf_file(model):
+    if has_real_weights(model):
         from topk_decode.model.loading import load_model
 
         return load_model(model, device, dtype)

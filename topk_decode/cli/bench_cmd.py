@@ -15,7 +15,8 @@ def bench_command(
         typer.Option(
             "--model",
             "-m",
-            help="Named shape with random weights (llama-3-8b, qwen2.5-7b, llama-3.2-1b, tiny) or a checkpoint directory / GGUF file.",
+            help="Named shape with random weights (llama-3-8b, qwen2.5-7b, llama-3.2-1b, tiny) or a checkpoint directory / "
+            "GGUF file (real weights: each top-k row also counts its greedy tokens equal to HF dense's).",
         ),
     ] = "llama-3-8b",
     context: Annotated[
@@ -208,17 +209,20 @@ def _prefill_scaling(model, context, gpus, layers, chunk, device, dtype, out, sm
 
 
 def _print_table(data: dict) -> None:
-    """One line per row: system, context, kv source, tokens/s, ms/step, peak GPU, RSS, status."""
+    """One line per row: system, context, kv source, tokens/s, ms/step, peak GPU, RSS, status; with a real
+    checkpoint, "= dense": how many of a top-k row's greedy tokens equal HF dense's (before the first divergence)."""
     from rich.table import Table
 
     from topk_decode.cli.common import console
 
     t = Table(title=f"topk bench — {data['model']['name']}")
+    checked = any("tokens_equal_dense" in r for r in data["rows"])  # a real checkpoint's top-k rows
     for col in (
         "system",
         "context",
         "kv",
         "tok/s",
+        *(["= dense"] if checked else []),
         "ms/step",
         "prefill tok/s",
         "keys read %",
@@ -235,6 +239,7 @@ def _print_table(data: dict) -> None:
             f"{r['context']:,}",
             r.get("kv") or "",
             fmt(r.get("tokens_per_s")) if decode else "",
+            *([_equal_dense(r)] if checked else []),
             fmt(r.get("ms_per_step"), "{:,.1f}"),
             fmt(r.get("tokens_per_s") if not decode else r.get("prefill_tokens_per_s"), "{:,.0f}"),
             fmt(r.get("keys_read_pct"), "{:,.1f}"),
@@ -243,3 +248,13 @@ def _print_table(data: dict) -> None:
             r["status"],
         )
     console().print(t)
+
+
+def _equal_dense(row: dict) -> str:
+    """A top-k row's "= dense" cell: equal/compared tokens, "n/a" where the reference is missing (the reason is
+    in the JSON and the log line), "" for other rows."""
+    if "tokens_equal_dense" not in row:
+        return ""
+    if row["tokens_equal_dense"] is None:
+        return "n/a"
+    return f"{row['tokens_equal_dense']}/{row['tokens_compared']}"
