@@ -64,13 +64,23 @@ def real(tmp_path_factory):
 
     model_dir = resolve_model_path(_model())
     suite = make_suite(TASKS, LENGTH, SEED, load_tokenizer(model_dir), per_task=PER_TASK)
-    root = tmp_path_factory.mktemp("real")
-    (root / "docs").mkdir()
+    # TOPK_REAL_WORK: a folder where the caches are kept and reused by the next run (the same suite, model and code)
+    work = os.environ.get("TOPK_REAL_WORK")
+    root = Path(work) / suite.sha if work else tmp_path_factory.mktemp("real")
+    (root / "docs").mkdir(parents=True, exist_ok=True)
     (root / "docs" / "context.txt").write_text(suite.context)
     caches = {}
     for kv in ("bf16", "int8"):
         caches[kv] = root / f"cache-{kv}"
-        build_cache(root / "docs", caches[kv], model_dir, device="cuda", kv_dtype="int8" if kv == "int8" else None)
+        if not (work and (caches[kv] / "manifest.json").is_file()):
+            build_cache(
+                root / "docs",
+                caches[kv],
+                model_dir,
+                device="cuda",
+                kv_dtype="int8" if kv == "int8" else None,
+                overwrite=True,
+            )
     dense = {kv: answers(open_store(caches[kv], "flat", {}, {}, dense=True), suite) for kv in caches}
     return model_dir, caches, suite, dense
 
