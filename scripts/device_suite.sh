@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The fidelity suite (docs/EVAL.md) sharded over the GPUs of one host: one scripts/measure_real.py per GPU, the
+# The fidelity suite (docs/history/eval-2026-11.md) sharded over the GPUs of one host: one scripts/measure_real.py per GPU, the
 # contexts (seeds) split among them, each process pinned to its share of the cores; then the paired table of all the
 # shards (scripts/pool_suite.py). Without a GPU it runs one shard on the CPU. Run from the repo root:
 #   bash scripts/device_suite.sh MODEL LENGTH FIRST_SEED SEEDS OUT_DIR [measure_real.py options ...]

@@ -15,7 +15,7 @@ strategy × k, and writes per length `real_<model>_<length>.json` plus one markd
   first (`--duo-steps`, 0 = skip duo).
 - `--budget-minutes`: lengths run shortest first; a length whose estimated time (the previous
   length's, scaled by the length ratio) exceeds what is left is skipped with a message.
-- `--suite`: the fidelity suite's settings (docs/EVAL.md, "The fidelity suite"): every real task,
+- `--suite`: the fidelity suite's settings (docs/history/eval-2026-11.md, "The fidelity suite"): every real task,
   6 questions per task in each of 4 contexts per length (120 paired questions), k = 1 %, 2 % and 4 %
   (4 % is the keys routed reads to select 1 %: every strategy at the same read), the seed strategies.
   Explicit options still override it. Besides the per-length JSON it writes `real_<model>_paired.md`:
@@ -165,7 +165,7 @@ def markdown(per_length: list[dict], model: str) -> str:
     return "\n".join(lines)
 
 
-# The fidelity suite (docs/EVAL.md): 12 contexts × 3 tasks × 3 questions = 108 paired questions per length, 9 facts
+# The fidelity suite (docs/history/eval-2026-11.md): 12 contexts × 3 tasks × 3 questions = 108 paired questions per length, 9 facts
 # per context (30 left the 0.5B model answering 26 % densely), first on held-out seeds; flat at k = 100 % is the
 # measurement's noise floor; 4 % is what routed reads to select 1 % (the others at the same read).
 SUITE = {

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The runs behind docs/EVAL.md: flat top-k vs dense on the shipped demo model, on the CPU.
+# The runs behind docs/history/eval-2026-11.md: flat top-k vs dense on the shipped demo model, on the CPU.
 # Usage: scripts/run_eval.sh [OUT_DIR]   (default: eval_results/)
 set -euo pipefail
 out="${1:-eval_results}"
@@ -12,7 +12,7 @@ topk eval --tasks single_needle,multi_key --lengths 16384 --depths 0.1,0.5,0.9 -
     --strategies flat --k "$ks" --device cpu --fidelity-steps 8 \
     --out "$out/eval_16k.json" --plot "$out/plots_16k" --markdown | tee "$out/eval_16k.txt"
 
-# Real models over real text (docs/EVAL.md, "Real models"): one prefill per length serves every question.
+# Real models over real text (docs/history/eval-2026-11.md, "Real models"): one prefill per length serves every question.
 # Usage: REAL_MODELS="/path/smollm2-135m /path/qwen2.5-coder-0.5b" scripts/run_eval.sh [OUT_DIR]
 for m in ${REAL_MODELS:-}; do
     python scripts/measure_real.py --model "$m" --lengths "${REAL_LENGTHS:-4096}" \

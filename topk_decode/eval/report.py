@@ -221,7 +221,7 @@ def print_tables(result, console=None) -> None:
 
 
 def markdown_tables(result) -> str:
-    """Both tables as GitHub markdown (for docs/EVAL.md)."""
+    """Both tables as GitHub markdown (for docs/history/eval-2026-11.md)."""
     summary = summarize(result)
     out = []
     for header, rows in (accuracy_table_rows(summary), fidelity_table_rows(summary)):

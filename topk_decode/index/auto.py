@@ -20,7 +20,7 @@ EXACT_MAX_TOKENS = 8_192  # at most this many context tokens: flat (exact top-k)
 FAST = "routed"
 # per-key ranking by 4-bit key codes of one dimension per sub-vector (rank=keys' default pq_m, 32 bytes per key at
 # D ≥ 64), and each unread key's value as its cluster's mean + a 4-bit code of its residual (16 bytes per key; at most
-# D/2 sub-vectors): together, the setting that kept dense's answer most often on the suite (docs/EVAL.md)
+# D/2 sub-vectors): together, the setting that kept dense's answer most often on the suite (docs/history/eval-2026-11.md)
 FAST_OPTIONS = {"rank": "keys", "pq_values": 32}
 EXACT = "flat"
 
@@ -37,7 +37,7 @@ class AutoChoice:
 def choose(n_tokens: int, gpu: bool = True) -> AutoChoice:
     """The strategy `auto` picks for a context of `n_tokens` tokens decoded on a GPU (`gpu`) or a CPU. The same for
     an int8 cache: flat and routed read it as stored, and routed on int8 gave dense's answer as often as on the float
-    KV (docs/EVAL.md "routed on int8")."""
+    KV (docs/history/eval-2026-11.md "routed on int8")."""
     if n_tokens <= EXACT_MAX_TOKENS:
         return AutoChoice(EXACT, f"auto: {n_tokens:,} context tokens ≤ {EXACT_MAX_TOKENS:,}, the exact scan is cheap")
     if not gpu:
@@ -50,7 +50,7 @@ def choose(n_tokens: int, gpu: bool = True) -> AutoChoice:
         FAST,
         f"auto: {n_tokens:,} context tokens > {EXACT_MAX_TOKENS:,}, routed rank=keys with value codes reads ~4 % of "
         "the keys per step (at most max_read_per_k·k per head where it ranks keys) and gives dense's answer more often "
-        "than exact top-k at the same k (docs/EVAL.md)",
+        "than exact top-k at the same k (docs/history/eval-2026-11.md)",
         dict(FAST_OPTIONS),
     )
 

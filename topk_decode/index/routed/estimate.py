@@ -19,7 +19,7 @@ key. k-means codes leave the error e = k − k̂ uncorrelated with k̂ (each cod
 Σ exp(s·q·k) ≈ Σ exp(s·q·k̂)·E[exp(s·q·e)]: without the factor the estimate weighs the unread keys too little, the
 more the coarser the codes. `error_shift` is its log for e Gaussian per KV head (`CodeError`, measured on a sample
 of rows by `code_error`), one number per query added to every unread key's logit: routed's `code_error` option, off
-by default (it centres the unread mass but kept no more of dense's answers: docs/EVAL.md).
+by default (it centres the unread mass but kept no more of dense's answers: docs/history/eval-2026-11.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ product-quantized to 4 bits per sub-vector (IVF-PQ, as RetroInfer and PQCache es
 
 Why: the exact top-k keys of a KV head's G query heads are scattered over a quarter of the clusters, so no
 ranking of whole clusters reaches them within a 4 % read; scoring every key by centroid + residual code does
-(docs/EVAL.md "Why routed loses what exact top-k keeps"). One key's approximate score is
+(docs/history/eval-2026-11.md "Why routed loses what exact top-k keeps"). One key's approximate score is
 
     q·k ≈ q·μ_c + Σ_j LUT_j[code_j],   LUT_j[b] = q_j·B_j[b]
 
@@ -36,7 +36,7 @@ import torch
 
 NBITS = 4  # bits per sub-vector code: 16 codewords, one LUT of 16 entries per sub-vector
 # sub-vectors per key by default: one dimension each up to 128 (64 bytes of codes at D = 128), which kept dense's
-# answer more often than two or four dimensions each on the suite (docs/EVAL.md "pq_m=64 on the GPU", "Key codes on a
+# answer more often than two or four dimensions each on the suite (docs/history/eval-2026-11.md "pq_m=64 on the GPU", "Key codes on a
 # d = 128 model at 16K and 32K")
 MAX_M = 128
 TRAIN_ROWS = 65_536  # residuals per (layer, KV head) the codebooks are trained on (all when fewer)

@@ -110,7 +110,7 @@ class RoutedOptions(StrategyOptions):
         0,
         "Sub-vectors of the 4-bit residual codes stored per key (index/routed/pq.py; 0: none). rank=keys builds "
         "them with one per dimension, at most 128, when not given: D/2 bytes per key; two or four dimensions per "
-        "sub-vector kept dense's answers less often (docs/EVAL.md 'pq_m=64 on the GPU', 'Key codes on a d = 128 "
+        "sub-vector kept dense's answers less often (docs/history/eval-2026-11.md 'pq_m=64 on the GPU', 'Key codes on a d = 128 "
         "model at 16K and 32K').",
         build=True,
         check=NON_NEGATIVE,
@@ -120,7 +120,7 @@ class RoutedOptions(StrategyOptions):
         "Sub-vectors of 4-bit codes of each value's residual to its cluster's mean value (0: none; 32 is 16 bytes per "
         "key; at most D/2): the per-key estimate (rank=keys, estimate_by=keys) then adds each unread key's own coded "
         "residual to its cluster's mean value. With rank=keys also on the device (index/routed/device_codes.py "
-        "`residual_sum`); with estimate_by=keys alone the torch path's. auto runs 32 (docs/EVAL.md).",
+        "`residual_sum`); with estimate_by=keys alone the torch path's. auto runs 32 (docs/history/eval-2026-11.md).",
         build=True,
         check=NON_NEGATIVE,
     )
@@ -129,7 +129,7 @@ class RoutedOptions(StrategyOptions):
         "What is ranked to choose the keys read: clusters (by centroid, reading whole clusters) or keys (every key "
         "by centroid + its residual code, reading the best keys; needs pq_m codes: in one-token steps on the device, "
         "which sends the host the rows to read, elsewhere on the torch path). keys also weighs the estimate of the "
-        "unread keys per key (docs/EVAL.md).",
+        "unread keys per key (docs/history/eval-2026-11.md).",
         check=("clusters", "keys"),
     )
     key_block: int = option(
@@ -186,7 +186,7 @@ class RoutedOptions(StrategyOptions):
         "by log E[exp(s·q·e)] of the codes' error e = k − k̂, Gaussian per KV head as measured on a sample of rows "
         "(index/routed/estimate.py `error_shift`; the device measures its own, coarsened, codes). It calibrates the "
         "unread keys' total weight (too low without it, the more the coarser the codes) but kept no more of dense's "
-        "answers on the suite (docs/EVAL.md 'What the 16 GiB fast path keeps'): off by default.",
+        "answers on the suite (docs/history/eval-2026-11.md 'What the 16 GiB fast path keeps'): off by default.",
     )
     device_read: str = option(
         "auto",
