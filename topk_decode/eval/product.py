@@ -62,17 +62,21 @@ class Setting:
 
 
 def parse_settings(names: list[str], k: int | None, as_budget: str | None, n_layers: int) -> list[Setting]:
-    """The settings asked for by name: dense, auto, flat (at k), routed (the default routed), auto@budget."""
+    """The settings asked for by name: dense, auto, any registered strategy at its defaults (at k), auto@BUDGET."""
+    from topk_decode.errors import TopkError
+    from topk_decode.index import check_requested_strategy
+
     out = []
     for name in names:
         if name == DENSE:
             out.append(Setting(DENSE, "flat"))
-        elif name in ("auto", "flat", "routed"):
-            out.append(Setting(name, name, k))
         elif name.startswith("auto@"):
             out.append(budget_setting(as_budget or name[5:], k, n_layers))
         else:
-            raise SystemExit(f"error: unknown setting {name!r} (dense, auto, flat, routed, auto@BUDGET)")
+            try:
+                out.append(Setting(name, check_requested_strategy(name), k))
+            except TopkError as e:
+                raise SystemExit(f"error: setting {name!r}: {e} (or dense, auto@BUDGET)") from None
     return out
 
 
@@ -255,7 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", default="0", help="suite seeds: 0-3 or 1,5")
     p.add_argument("--tasks", default=",".join(REAL_TASKS), help="real-text tasks (eval/realtext.py)")
     p.add_argument("--per-task", type=int, default=6, help="questions per task and context")
-    p.add_argument("--settings", default="dense,auto,flat", help="dense first, then auto, flat, routed, auto@BUDGET")
+    p.add_argument(
+        "--settings",
+        default="dense,auto,flat",
+        help="dense first, then auto, any strategy (flat, routed, quest, duo, ...), auto@BUDGET",
+    )
     p.add_argument("--k", type=int, default=None, help="k of every setting but dense (default: KVStore.open's)")
     p.add_argument("--as-budget", default=None, help=f"add auto placed as under: {', '.join(BUDGET_PLACEMENTS)}")
     p.add_argument("--kv-dtype", default=None, help="int8: prefill the KV in 8 bits")

@@ -1,0 +1,56 @@
+"""The product-path suite's bookkeeping (topk_decode/eval/product.py): settings, pairing with dense, the table."""
+
+from __future__ import annotations
+
+import pytest
+
+from topk_decode.eval.product import Answer, compare, markdown, parse_settings, seeds_of, table
+
+
+def test_settings_by_name_with_the_budget_placement_scaled_to_the_model():
+    dense, auto, quest, budget = parse_settings(["dense", "auto", "quest", "auto@llama-3-8b@128K:16GiB"], 40, None, 24)
+    assert (dense.strategy, dense.k) == ("flat", None)
+    assert (auto.strategy, auto.k, auto.options) == ("auto", 40, {})
+    assert quest.strategy == "quest"
+    assert budget.strategy == "routed"
+    assert budget.options == {"rank": "keys", "pq_values": 32, "device_code_m": 16, "device_value_layers": 1}
+    assert parse_settings(["auto@llama-3-8b@128K:16GiB"], None, None, 64)[0].options["device_value_layers"] == 2
+
+
+@pytest.mark.parametrize("names", [["nonsense"], ["auto@gpt-9@1M:1GiB"]])
+def test_unknown_settings_are_one_line_errors(names):
+    with pytest.raises(SystemExit, match="^error: "):
+        parse_settings(names, None, None, 24)
+
+
+def test_seeds_ranges_and_lists():
+    assert seeds_of("0-3") == [0, 1, 2, 3]
+    assert seeds_of("1,5,7-8") == [1, 5, 7, 8]
+
+
+def _answers(texts, task="real_needle", truth="4829104"):
+    return [Answer(task, "q", truth, t, truth in t) for t in texts]
+
+
+def test_compare_pairs_final_answers_and_counts_recomputed_steps():
+    dense = _answers(["4829104", "The number is 4829104.", "1234567", "I don't know"])
+    other = _answers(["4829104", "4829104", "7654321", "I don't know"])
+    other[1].recomputed = 2
+    r = compare(dense, other)
+    assert (r["n"], r["same_text"], r["same_final"], r["correct"], r["dense_correct"]) == (4, 2, 3, 2, 2)
+    assert r["recomputed_steps"] == 2
+    lo, hi = r["same_final_ci95"]
+    assert lo < r["same_final_pct"] == 75.0 < hi
+
+
+def test_table_pools_seeds_per_length_against_dense():
+    from dataclasses import asdict
+
+    def run(length, seed, dense, auto):
+        return {"length": length, "seed": seed, "answers": {"dense": dense, "auto": auto}}
+
+    a, b = [asdict(x) for x in _answers(["4829104"])], [asdict(x) for x in _answers(["1"])]
+    results = {"runs": [run(16384, 0, a, a), run(16384, 1, a, b), run(32000, 0, a, a)]}
+    rows = table(results, ["dense", "auto"])
+    assert [(r["length"], r["n"], r["same_final"]) for r in rows] == [(16384, 2, 1), (32000, 1, 1)]
+    assert "| 16,384 | auto | 2 | 1/2 = 50.0 %" in markdown(rows)
