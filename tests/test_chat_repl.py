@@ -205,22 +205,22 @@ def test_piped_chat_runs_a_block_and_commands_and_ends_at_end_of_input(cache):
     )
     assert result.exit_code == 0, result.output
     out = result.stdout
-    assert out.count("topk> ") == 1  # the two-line block was one question
+    assert result.stderr.count("topk> ") == 1  # the two-line block was one question (prompts: stderr)
     assert "(max_tokens = 2)" in out and "strategy   flat" in out and str(cache) in out
     assert "tokens_per_s" in out and "answer_tokens" in out and "(k = 256)" in out
-    assert "(new conversation)" in out and not result.stderr.strip()
+    assert "(new conversation)" in out and "error" not in result.stderr
 
 
 def test_an_answer_stopped_by_max_tokens_says_it_was_cut_off(cache):
     result = topk("chat", cache, "--max-new-tokens", 2, input="Why?\n/bye\n")
     assert result.exit_code == 0, result.output
-    assert "(answer cut off at max_tokens = 2;" in result.stdout
+    assert "(answer cut off at max_tokens = 2;" in result.stderr  # piped: a status line, on stderr
 
 
 def test_invalid_utf8_on_stdin_is_one_error_and_the_chat_goes_on(cache):
     result = topk("chat", cache, "--max-new-tokens", 2, input=b"\xff\xfe?\n/k 8\n")
     assert result.exit_code == 0, result.output
-    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    errors = [line for line in result.stderr.splitlines() if "error" in line]  # beside the prompts (stderr when piped)
     assert len(errors) == 1 and errors[0].startswith("error: input line 1 is not valid UTF-8"), result.stderr
     assert "(k = 8)" in result.stdout
 
@@ -359,7 +359,8 @@ def test_terminal_history_is_kept_in_a_file_across_chats(terminal, tmp_path):
 
 
 class _Chat:
-    """`topk chat` in a subprocess with piped stdin/stdout; its output gathered by a reader thread."""
+    """`topk chat` in a subprocess with piped stdin/stdout; its output (stderr, where the prompts go
+    when piped, merged in) gathered by a reader thread."""
 
     def __init__(self, cache: Path) -> None:
         import threading
@@ -370,7 +371,7 @@ class _Chat:
             [sys.executable, "-m", "topk_decode", "chat", str(cache), "--device", "cpu", "--max-new-tokens", "6"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             env=env,
         )
         self.out = bytearray()
@@ -428,7 +429,7 @@ def test_first_ctrl_c_during_a_long_question_abandons_it_at_once_and_keeps_the_c
     assert chat.wait_for("(question abandoned; the conversation is as it was before it)", timeout=30) < 30
     chat.send("And then?\n/bye\n")
     out = chat.finish()
-    assert chat.proc.returncode == 0, chat.proc.stderr.read().decode()
+    assert chat.proc.returncode == 0, out
     assert "conversation reset" not in out
 
     ref = _Chat(cache)

@@ -326,6 +326,7 @@ class KVStore:
                 retrieved attention mass, with "place" ("p. 12", "slide 3" ...) where the document table
                 records places (decode/sources.py); needs stream=False.
         """
+        _check_max_new_tokens(max_new_tokens)  # before a session is made
         if return_sources and stream:
             raise TopkError("return_sources needs stream=False (a streamed session has .sources once it ends)")
         chat = self.session(system=system, temperature=temperature, top_p=top_p, seed=seed, sources=return_sources)
@@ -377,6 +378,13 @@ class KVStore:
     def strategy_reason(self) -> str:
         """Why the running strategy runs: chosen by the user, or `auto`'s choice for this context."""
         return self.decoder.strategy_reason
+
+
+def _check_max_new_tokens(max_new_tokens) -> int:
+    """The answer length limit as given, if a positive integer; else TopkError (0 or -5 would answer '' in silence)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
+        raise TopkError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    return int(max_new_tokens)
 
 
 def _question_text(question) -> str:
@@ -513,6 +521,7 @@ class ChatSession:
             max_new_tokens: answer length limit in tokens.
             stream: return an iterator of text pieces as they are generated.
         """
+        max_new_tokens = _check_max_new_tokens(max_new_tokens)
         question = _question_text(question)
         before = (self.turns, list(self.conv.pending))
         ids = self._question_ids(question)
@@ -529,6 +538,7 @@ class ChatSession:
                 system prompt goes in `messages`.
             max_new_tokens: answer length limit in tokens.
         """
+        max_new_tokens = _check_max_new_tokens(max_new_tokens)
         if self.turns:
             raise TopkError("reply() starts a conversation: call it on a fresh session (or after reset())")
         text = conversation_text(messages, self.store.prompt_format, self.store.tokenizer)
@@ -543,6 +553,7 @@ class ChatSession:
             text: raw text, no template applied, or its token ids (already tokenized by the caller).
             max_new_tokens: continuation length limit in tokens.
         """
+        max_new_tokens = _check_max_new_tokens(max_new_tokens)
         if self.turns:
             raise TopkError("complete() needs a fresh session (or reset())")
         ids = list(text) if isinstance(text, list) else self.store.tokenizer(text, add_special_tokens=False).input_ids

@@ -18,7 +18,7 @@ import typer
 from typer.core import TyperGroup
 
 from topk_decode.cli import bench_cmd, chat_cmd, duo_cmd, eval_cmd, info_cmd, prefill_cmd, serve_cmd
-from topk_decode.cli.common import one_line, say_error, say_warning
+from topk_decode.cli.common import TopkCommand, one_line, plain_flags, say_error, say_warning
 from topk_decode.errors import TopkError, TopkWarning
 
 EXIT_INTERNAL, EXIT_USER, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 1, 2, 130, 141
@@ -102,6 +102,9 @@ class TopkGroup(TyperGroup):
     Living in the click group (not only in `main()`) means typer's CliRunner sees exactly what a
     user sees.
     """
+
+    def get_params(self, ctx: typer.Context) -> list:
+        return plain_flags(super().get_params(ctx))  # `--version`, `--help`: flags, no `<bool>` (common.py)
 
     def invoke(self, ctx: typer.Context) -> Any:
         with warnings.catch_warnings():
@@ -202,14 +205,14 @@ def _root(
         typer.echo(ctx.get_help())
 
 
-# ---- command registration: one line per command (other modules add theirs here) ---------------
-app.command("prefill")(prefill_cmd.prefill_command)
-app.command("chat")(chat_cmd.chat_command)
-app.command("info")(info_cmd.info_command)
-app.command("eval")(eval_cmd.eval_command)
-app.command("calibrate-duo")(duo_cmd.calibrate_duo_command)
-app.command("bench")(bench_cmd.bench_command)
-app.command("serve")(serve_cmd.serve_command)
+# ---- command registration: one line per command (other modules add theirs here), each a TopkCommand --
+app.command("prefill", cls=TopkCommand)(prefill_cmd.prefill_command)
+app.command("chat", cls=TopkCommand)(chat_cmd.chat_command)
+app.command("info", cls=TopkCommand)(info_cmd.info_command)
+app.command("eval", cls=TopkCommand)(eval_cmd.eval_command)
+app.command("calibrate-duo", cls=TopkCommand)(duo_cmd.calibrate_duo_command)
+app.command("bench", cls=TopkCommand)(bench_cmd.bench_command)
+app.command("serve", cls=TopkCommand)(serve_cmd.serve_command)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -9,7 +9,15 @@ from typing import Annotated
 import typer
 
 from topk_decode.cli.chat_commands import ChatState, run_command, say
-from topk_decode.cli.chat_repl import StopRequest, make_reader, read_turn, stdin_closed
+from topk_decode.cli.chat_repl import (
+    PlainReader,
+    StopRequest,
+    make_reader,
+    read_turn,
+    stderr_apart,
+    stdin_closed,
+    write_prompt,
+)
 from topk_decode.cli.common import (
     KOption,
     KScheduleOption,
@@ -134,6 +142,15 @@ def _answer(session, question: str, max_new_tokens: int) -> None:
     typer.echo()
 
 
+def _status(state: ChatState, text: str) -> None:
+    """One status line of the chat (the greeting, "(answer cut off ...)"): on stdout in a terminal, on
+    stderr when piped (stdout carries only the answers there)."""
+    if state.piped:
+        write_prompt(text + "\n")
+    else:
+        say(text)
+
+
 def _stream_answer(state: ChatState, question: str) -> None:
     """Stream one answer in the chat. Ctrl-C before the answer shows abandons the question at once and
     rewinds the conversation to before it; during the answer the first Ctrl-C stops it and keeps what was said.
@@ -151,7 +168,10 @@ def _stream_answer(state: ChatState, question: str) -> None:
         mark = session.mark()
         try:
             pieces = session.ask(question, max_new_tokens=state.max_tokens, stream=True)
-            typer.echo("topk> ", nl=False)
+            if state.piped:
+                write_prompt("topk> ")  # stdout: the answer only
+            else:
+                typer.echo("topk> ", nl=False)
             try:
                 for piece in pieces:
                     stop.answering = True  # from here the first Ctrl-C stops at a token boundary
@@ -171,21 +191,25 @@ def _stream_answer(state: ChatState, question: str) -> None:
                 pieces.close()
         except KeyboardInterrupt:
             typer.echo()
+            if state.piped and stderr_apart():
+                write_prompt("\n")  # ends the `topk> ` line there
             if not stop.answering:
                 session.rewind(mark)
-                say("(question abandoned; the conversation is as it was before it)")
+                _status(state, "(question abandoned; the conversation is as it was before it)")
                 return
             interrupted = True
     now = clock()
     state.record_answer(conv.stats.steps - steps0, now - t0, (first or now) - t0)
     if interrupted:
-        say("(answer interrupted; the conversation keeps it up to the last token fed back)")
+        _status(state, "(answer interrupted; the conversation keeps it up to the last token fed back)")
         return
     typer.echo()
+    if state.piped and stderr_apart():
+        write_prompt("\n")  # ends the `topk> ` line there (stdout's newline ends it where both are one)
     if stopped:
-        say("(answer stopped; the conversation keeps it)")
+        _status(state, "(answer stopped; the conversation keeps it)")
     elif conv.pending and conv.pending[0] not in state.store.eos_ids:
-        say(f"(answer cut off at max_tokens = {state.max_tokens}; /set max_tokens N allows longer answers)")
+        _status(state, f"(answer cut off at max_tokens = {state.max_tokens}; /set max_tokens N allows longer answers)")
 
 
 def _interactive(state: ChatState) -> None:
@@ -195,17 +219,19 @@ def _interactive(state: ChatState) -> None:
         say_note("stdin is closed: no questions to read (use --prompt QUESTION, or run in a terminal)")
         return
     read = make_reader()
+    state.piped = isinstance(read, PlainReader)  # prompts and status lines on stderr (chat_repl.write_prompt)
     n_docs = len(store.documents)
-    say(
+    _status(
+        state,
         f"{store.ckv.n_tokens:,} tokens in {n_docs} document{'s' * (n_docs != 1)} · "
-        f"strategy {store.config.strategy} · k={store.config.k}. Type /help for commands."
+        f"strategy {store.config.strategy} · k={store.config.k}. Type /help for commands.",
     )
     while True:
         try:
             try:
                 line = read_turn(read)
             except KeyboardInterrupt:  # Ctrl-C at a plain (non-prompt_toolkit) prompt: drop the line
-                typer.echo()
+                write_prompt("\n")  # where that prompt was written
                 continue
             if line is None:
                 break

@@ -2,7 +2,8 @@
 
 Reading: in a terminal, prompt_toolkit gives line editing, a history kept across runs and multi-line
 input (a paste stays one turn; Esc-Enter / Alt-Enter inserts a newline; Enter submits). Otherwise
-(piped or redirected stdin) plain lines are read, so scripts keep working. In both, a turn that starts
+(piped or redirected stdin or stdout) plain lines are read, so scripts keep working, and the prompts
+go to stderr: stdout carries only the answers (and what /commands print). In both, a turn that starts
 with `\"\"\"` goes on until a line that ends with `\"\"\"` (ollama's convention).
 
 The in-chat commands live in chat_commands.py.
@@ -59,35 +60,55 @@ def read_turn(read: Callable[[str], str | None]) -> str | None:
     return "\n".join(lines)  # end of input inside a block submits what it holds
 
 
+def write_prompt(text: str) -> None:
+    """A prompt (`you> `, `topk> `) or chat status line outside a terminal: on stderr, so that stdout
+    carries only the answers (`echo q | topk chat CACHE > answers.txt`), flushed at once."""
+    err = sys.stderr
+    if err is None:
+        return
+    err.write(text)
+    err.flush()
+
+
+def stderr_apart() -> bool:
+    """Whether stderr goes elsewhere than stdout (not both the same terminal, pipe or file): then a
+    `topk> ` written on stderr needs its own newline once the answer (on stdout) is done."""
+    try:
+        return not os.path.samestat(os.fstat(sys.stdout.fileno()), os.fstat(sys.stderr.fileno()))
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
+        return True
+
+
 class PlainReader:
     """Lines from a non-terminal stdin, read as bytes so that an invalid UTF-8 line is one error, not the end.
 
     Args:
         stream: a binary stream (sys.stdin.buffer) or a text stream.
-        echo_prompt: write the prompt to stdout (as `input()` would), so a transcript reads like a chat.
+        echo_prompt: write the prompt to stderr (`write_prompt`: stdout carries only the answers).
     """
 
     def __init__(self, stream, echo_prompt: bool = True) -> None:
         self.stream = stream
         self.echo_prompt = echo_prompt
         self.line_no = 0
+        try:
+            self.tty = stream.isatty()  # a terminal echoes the line read, its newline included
+        except (AttributeError, ValueError):
+            self.tty = False
 
     def __call__(self, prompt: str) -> str | None:
         if self.echo_prompt:
-            sys.stdout.write(prompt)
-            sys.stdout.flush()
+            write_prompt(prompt)
         raw = self.stream.readline()
+        if self.echo_prompt and (not raw or not self.tty):
+            write_prompt("\n")  # what follows on stderr (an `error:` line) starts a line of its own
         if not raw:
-            if self.echo_prompt:
-                sys.stdout.write("\n")
             return None
         self.line_no += 1
         if isinstance(raw, bytes):
             try:
                 raw = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                if self.echo_prompt:
-                    sys.stdout.write("\n")
                 raise TopkError(
                     f"input line {self.line_no} is not valid UTF-8 (byte 0x{raw[e.start]:02x} at "
                     f"offset {e.start}); line skipped"

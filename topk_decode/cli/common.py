@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from typer.core import TyperCommand
 
 from topk_decode.errors import TopkError
 
@@ -27,6 +28,24 @@ KScheduleOption = Annotated[str, typer.Option(help="uniform, or linear: k growin
 StrategyOptOption = Annotated[
     list[str] | None, typer.Option(help="Strategy option key=value, e.g. nprobe=32 (repeatable).")
 ]
+
+
+def plain_flags(params: list) -> list:
+    """Boolean flags shown in `--help` as flags: typer prints a type column (`<bool>`) for every option,
+    flags included, as if `--overwrite true` were the way to set one (it is an error). An empty metavar
+    leaves that column blank; parsing is unchanged. Returns `params`."""
+    for p in params:
+        # duck-typed: typer ≥ 0.29 vendors click, so its options are no `click.Option`
+        if getattr(p, "param_type_name", None) == "option" and getattr(p, "is_flag", False) and p.metavar is None:
+            p.metavar = ""
+    return params
+
+
+class TopkCommand(TyperCommand):
+    """Every `topk` subcommand (app.py registers them with it): its help shows flags as flags."""
+
+    def get_params(self, ctx: typer.Context) -> list:
+        return plain_flags(super().get_params(ctx))
 
 
 def one_line(text: object) -> str:
@@ -152,6 +171,19 @@ def use_threads(threads: int | None) -> int:
         if module not in sys.modules:
             os.environ.setdefault(var, str(n))
     return n
+
+
+def gpu_present() -> bool:
+    """Whether decoding here would run on a CUDA GPU (`pick_device`'s default), without importing torch
+    when nothing has yet (`topk info` stays under a second): then an NVIDIA (or ROCm) GPU the driver
+    lists and CUDA_VISIBLE_DEVICES does not hide stands in for torch.cuda.is_available()."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return bool(torch.cuda.is_available())
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "x").strip() in ("", "-1"):
+        return False
+    nvidia = Path("/proc/driver/nvidia/gpus")
+    return (nvidia.is_dir() and any(nvidia.iterdir())) or Path("/dev/kfd").exists()
 
 
 def human_bytes(n: float | None) -> str:

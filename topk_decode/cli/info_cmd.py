@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from topk_decode.cli.common import console, dir_size, human_bytes
+from topk_decode.cli.common import console, dir_size, gpu_present, human_bytes
 
 
 def cache_facts(path: Path, verify: bool = False) -> dict:
@@ -125,7 +125,10 @@ def _print(f: dict) -> None:
         f"{human_bytes(ram['flat_faiss_index_bytes_estimate'])} more (estimate: a copy of the keys)"
     )
     if ram["model_weights_bytes"] is not None:
-        say(f"            model weights {human_bytes(ram['model_weights_bytes'])} (on the GPU at decode time)")
+        where = (
+            "on the GPU at decode time" if gpu_present() else "in RAM at decode time: no GPU here, it runs on the CPU"
+        )
+        say(f"            model weights {human_bytes(ram['model_weights_bytes'])} ({where})")
     p = f["prefill"]
     if p:
         peak = "n/a on CPU" if p.get("peak_device_bytes") is None else human_bytes(p["peak_device_bytes"])

@@ -22,7 +22,7 @@ import stat
 from pathlib import Path
 
 from topk_decode.errors import TopkError
-from topk_decode.store.format import lock_path
+from topk_decode.store.format import MANIFEST, lock_path
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -33,6 +33,16 @@ def unwritable(path: Path, e: OSError) -> TopkError:
     why = e.strerror or str(e)
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return TopkError(f"no space left on the device to write {path} ({why})")
+    if (path / MANIFEST).is_file():
+        # An existing cache (`--append`, or `--overwrite` of it): a new `--out` is no answer to "change this one".
+        fix = (
+            "remount it read-write"
+            if e.errno == errno.EROFS
+            else f"give yourself write permission on it and on {path.parent} (e.g. chmod u+w)"
+        )
+        return TopkError(
+            f"the cache at {path} is read-only ({why}): {fix}, or work on a copy of it in a writable directory"
+        )
     return TopkError(f"cannot write the cache at {path}: {why} (choose an --out in a writable directory)")
 
 

@@ -76,6 +76,11 @@ def validate_manifest(manifest, where: Path) -> dict:
     if not isinstance(manifest, dict):
         raise bad("not a JSON object")
     version = manifest.get("format_version")
+    if manifest.get("format") != FORMAT_MARKER and version != 1:  # format 1 had no marker (is_topk_cache)
+        raise TopkError(
+            f"{where.parent} is not a topk cache: its {MANIFEST} has no topk format marker (another "
+            f"program's file?); point at a directory written by `topk prefill`"
+        )
     if version not in READABLE_VERSIONS:
         raise TopkError(
             f"{where.parent} has cache format {version!r}, this version reads "
