@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import os
 import select
 import socket
@@ -190,6 +191,23 @@ def test_models_and_health(live):
     assert health["queue"] == 0 and health["documents"] == 4 and health["model"] == MODEL
 
 
+def test_models_retrieve_gives_the_listed_model_and_an_unknown_id_is_a_404(live, client):
+    listed = client.models.list().data
+    got = client.models.retrieve(MODEL)
+    assert got.id == MODEL and got.object == "model" and got.owned_by == "topk-decode"
+    assert got.model_dump() == listed[0].model_dump()  # documents, context_tokens and strategy included
+    assert got.model_extra["context_tokens"] == live[1].stores[MODEL].ckv.n_tokens
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("nope")
+    assert e.value.status_code == 404 and e.value.code == "model_not_found"
+    # the same JSON a generation request naming an unknown model gets, for ids holding a slash too
+    for ident in ("nope", "org/nope"):
+        status, _, raw = call(live[0], f"/v1/models/{ident}")
+        assert status == 404, raw
+        chat = post(live[0], "/v1/chat/completions", json.dumps({"model": ident, "messages": [{"role": "user"}]}))
+        assert json.loads(raw) == chat[1] and chat[1]["error"]["code"] == "model_not_found"
+
+
 # ---- many clients ------------------------------------------------------------------------------------
 def test_concurrent_clients_get_the_answers_they_get_alone(client):
     serial = {k: ask(client, q).choices[0].message.content for k, (q, _) in QUESTIONS.items()}
@@ -367,6 +385,50 @@ def test_a_body_past_the_limit_is_a_413_without_reading_it(live):
     status, answer = raw_request(base, head + "Transfer-Encoding: chunked\r\n\r\n", chunks)
     assert status == 413 and answer["error"]["code"] == "request_too_large", answer
     assert get(base, "/health")["status"] == "ok"
+
+
+@pytest.fixture
+def server_logs(caplog):
+    """caplog, also fed by uvicorn's error logger (where an app's traceback goes; it does not reach the root)."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="topk_decode.serve")
+    uvicorn_errors = logging.getLogger("uvicorn.error")
+    uvicorn_errors.addHandler(caplog.handler)
+    yield caplog
+    uvicorn_errors.removeHandler(caplog.handler)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_client_gone_while_sending_its_body_is_one_log_line_not_a_server_error(live, client, server_logs, path):
+    base = live[0]
+    before = scrape(base)
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as sock:
+        head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+        sock.sendall(head.encode() + b'{"model": ')  # 10 of the 1,000 bytes promised, then gone
+    deadline = time.monotonic() + 10  # the line is written once the server has seen the socket close
+    while not [m for m in server_logs.messages if path in m]:
+        assert time.monotonic() < deadline, server_logs.messages
+        time.sleep(0.05)
+    lines = [m for m in server_logs.messages if path in m]
+    assert len(lines) == 1 and lines[0].startswith(f"- POST {path} 499 client disconnected while sending its request")
+    assert not [r for r in server_logs.records if r.exc_info or r.levelno >= logging.ERROR], server_logs.text
+    after = scrape(base)
+
+    def count(metrics: dict, status: str | None = None) -> float:
+        return sum(
+            v
+            for (name, labels), v in metrics.items()
+            if name == "topk_requests_total"
+            and (status is None or dict(labels)["status"] == status)
+            and (status is not None or dict(labels)["status"].startswith("5"))
+        )
+
+    assert count(after) == count(before)  # no 5xx
+    assert count(after, "499") == count(before, "499") + 1
+    assert get(base, "/health")["status"] == "ok"
+    assert "482" in ask(client, QUESTIONS["amber-fox"][0]).choices[0].message.content
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -699,7 +761,8 @@ def test_metrics_count_requests_tokens_time_to_first_token_search_and_keys(live,
     assert delta("topk_requests_total", route="/v1/chat/completions", status="400", model="") == 1
     m = {"model": MODEL}
     assert delta("topk_completion_tokens_total", **m) == r.usage.completion_tokens
-    assert delta("topk_prompt_tokens_total", **m) == r.usage.prompt_tokens - r.usage.prompt_tokens_details.cached_tokens
+    assert delta("topk_prompt_tokens_total", **m) == r.usage.prompt_tokens  # the same quantity (docs/SERVE.md)
+    assert delta("topk_cached_tokens_total", **m) == r.usage.prompt_tokens_details.cached_tokens
     assert delta("topk_time_to_first_token_seconds_count", **m) == 1
     assert delta("topk_time_to_first_token_seconds_sum", **m) > 0
     assert delta("topk_decode_tokens_per_second_count", **m) == 1 and delta("topk_decode_seconds_total", **m) > 0
@@ -717,9 +780,23 @@ def test_metrics_count_requests_tokens_time_to_first_token_search_and_keys(live,
     assert after[("topk_queue_depth", ())] == 0 and after[("topk_running", ())] == 0
 
 
-def test_one_log_line_per_request_with_id_model_tokens_seconds_and_status(live, client, caplog):
-    import logging
+def test_usage_prompt_tokens_are_what_the_counter_counts_for_streams_and_completions(live, client, store):
+    base, m = live[0], ("topk_prompt_tokens_total", (("model", MODEL),))
+    before = scrape(base)
+    chunks = list(ask(client, QUESTIONS["quiet-lynx"][0], stream=True, stream_options={"include_usage": True}))
+    middle = scrape(base)
+    done = client.completions.create(model=MODEL, prompt="The harbour of Kelorn", max_tokens=4)
+    after = scrape(base)
+    streamed = chunks[-1].usage
+    assert middle[m] - before[m] == streamed.prompt_tokens
+    assert after[m] - middle[m] == done.usage.prompt_tokens
+    # the documents and the request's own tokens: a completion's prompt as its tokenizer counts it
+    own = len(store.tokenizer("The harbour of Kelorn", add_special_tokens=False).input_ids)
+    assert done.usage.prompt_tokens == store.ckv.n_tokens + own
+    assert done.usage.prompt_tokens_details.cached_tokens == store.ckv.n_tokens
 
+
+def test_one_log_line_per_request_with_id_model_tokens_seconds_and_status(live, client, caplog):
     caplog.set_level(logging.INFO, logger="topk_decode.serve")
     r = ask(client, QUESTIONS["silver-owl"][0])
     post(live[0], "/v1/chat/completions", json.dumps({"model": MODEL, "messages": []}))
@@ -730,10 +807,11 @@ def test_one_log_line_per_request_with_id_model_tokens_seconds_and_status(live, 
         time.sleep(0.05)
     lines = [m for m in caplog.messages if "/v1/chat/completions" in m]
     ok = next(m for m in lines if m.startswith(r.id))
-    n_prompt = r.usage.prompt_tokens - r.usage.prompt_tokens_details.cached_tokens
+    u = r.usage
     assert (
-        f"{r.id} POST /v1/chat/completions 200 model={MODEL} prompt_tokens={n_prompt} "
-        f"completion_tokens={r.usage.completion_tokens} finish=stop seconds="
+        f"{r.id} POST /v1/chat/completions 200 model={MODEL} prompt_tokens={u.prompt_tokens} "
+        f"cached_tokens={u.prompt_tokens_details.cached_tokens} completion_tokens={u.completion_tokens} finish=stop "
+        "seconds="
     ) in ok
     assert float(ok.rpartition("seconds=")[2]) > 0
     assert any(m.startswith("- POST /v1/chat/completions 400 seconds=") for m in lines)

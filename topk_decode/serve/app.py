@@ -1,11 +1,13 @@
-"""The ASGI app: OpenAI's /v1/chat/completions, /v1/completions and /v1/models, plus /health and /metrics.
+"""The ASGI app: OpenAI's /v1/chat/completions, /v1/completions, /v1/models and /v1/models/{id}, plus /health and
+/metrics.
 
 Every served cache is a model id; a request's `model` picks its cache. Each request is a fresh
 conversation over that cache's documents (the client sends the whole history, as with OpenAI); see
 decode/messages.py for how it is laid out after them. `DecodeWorker` decodes up to `max_batch`
 requests at once, their one-token steps together; the event loop only reads (up to the body limit),
 parses, queues and streams. `Access` (outside the routes) checks the API key, counts each answer by status
-and logs one line per request; CORS, when enabled, sits outside it (a preflight carries no key).
+and logs one line per request; CORS, when enabled, sits outside it (a preflight carries no key). A client
+that leaves while sending its body is answered 499 (nobody reads it) and logged as such, not as a server error.
 """
 
 from __future__ import annotations
@@ -21,17 +23,28 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from topk_decode.serve.metrics import CONTENT_TYPE, LOG, Metrics
-from topk_decode.serve.schemas import MAX_BODY_MB, APIError, GenerationRequest, parse_json, parse_request, too_large
+from topk_decode.serve.schemas import (
+    MAX_BODY_MB,
+    APIError,
+    GenerationRequest,
+    model_not_found,
+    parse_json,
+    parse_request,
+    too_large,
+)
 from topk_decode.serve.worker import MAX_BATCH, DecodeWorker, Job
 
 OPEN_PATHS = ("/health",)  # answered without the API key: liveness probes carry no credentials
 QUIET_PATHS = ("/health", "/metrics")  # polled every few seconds: logged only when they fail
 ROUTES = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
+MODEL_ROUTE = "/v1/models/{model}"  # GET /v1/models/ID: counted under this route, whatever the id
+CLIENT_CLOSED = 499  # nginx's "client closed request": the status of a request whose client left before its answer
+SENDING_GONE = "client disconnected while sending its request"
 
 
 def _error(e: APIError) -> Response:
@@ -133,25 +146,32 @@ class Server:
         """GET /metrics: the Prometheus text format (metrics.py)."""
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
+    def model_card(self, name: str) -> dict:
+        """A served cache as an OpenAI model object, with its document count, tokens and strategy (fields
+        OpenAI's lacks)."""
+        s = self.stores[name]
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "topk-decode",
+            "documents": len(s.documents),
+            "context_tokens": s.ckv.n_tokens,
+            "strategy": s.config.strategy,
+        }
+
     async def models(self, request: Request) -> JSONResponse:
-        """GET /v1/models: every served cache, with its document count and tokens (fields OpenAI's lacks)."""
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": name,
-                        "object": "model",
-                        "created": self.created,
-                        "owned_by": "topk-decode",
-                        "documents": len(s.documents),
-                        "context_tokens": s.ckv.n_tokens,
-                        "strategy": s.config.strategy,
-                    }
-                    for name, s in self.stores.items()
-                ],
-            }
-        )
+        """GET /v1/models: every served cache."""
+        return JSONResponse({"object": "list", "data": [self.model_card(name) for name in self.model_ids]})
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{id} (the openai client's `models.retrieve`): the cache as /v1/models lists it, or the
+        404 `model_not_found` a generation request naming an unknown model gets."""
+        name = request.path_params["model"]
+        if name not in self.stores:
+            return _error(model_not_found(name, self.model_ids))
+        request.state.model = name  # the metrics' model label (only for a served id: the label set stays bounded)
+        return JSONResponse(self.model_card(name))
 
     # ---- generation ---------------------------------------------------------------------------------
     async def chat(self, request: Request):
@@ -165,6 +185,12 @@ class Server:
     async def _generate(self, request: Request, kind: str):
         try:
             raw = await read_body(request, self.max_body_bytes)
+        except ClientDisconnect:  # nobody to answer: Access logs it (one line) and counts it as a 499
+            request.state.gone = SENDING_GONE
+            return Response(status_code=CLIENT_CLOSED)
+        except APIError as e:
+            return _error(e)
+        try:
             req = parse_request(parse_json(raw), kind, self.model_ids, self.max_tokens_limit, self.default_max_tokens)
             job = Job(
                 req,
@@ -184,7 +210,7 @@ class Server:
         if kind_ == "error":
             return _error(value)
         if kind_ == "done":  # cancelled before it started: the client is gone, nobody reads this
-            return JSONResponse({}, status_code=499)
+            return JSONResponse({}, status_code=CLIENT_CLOSED)
         if req.stream:
             return _Stream(self._events(job, req, job.id), job)
         return await self._collect(request, job, req, job.id)
@@ -282,6 +308,8 @@ def _logprobs(req: GenerationRequest, entries: list[dict], offset: int) -> dict 
 
 
 def _usage(info: dict) -> dict:
+    """OpenAI's usage: prompt_tokens are the cached documents' tokens plus the request's own (its messages after
+    the chat template, or its prompt), cached_tokens the documents' (as OpenAI reports a prompt cache hit)."""
     return {
         "prompt_tokens": info["prompt_tokens"],
         "completion_tokens": info["completion_tokens"],
@@ -291,7 +319,8 @@ def _usage(info: dict) -> dict:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, or a 413 as soon as it is known to pass `limit` bytes (declared or received)."""
+    """The request body, or a 413 as soon as it is known to pass `limit` bytes (declared or received);
+    ClientDisconnect if the client leaves before it has sent it all."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
         raise too_large(limit)
@@ -324,7 +353,8 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
 
 class Access:
     """ASGI middleware: the API key check (401 in OpenAI's shape), the request counter by status, and one
-    log line per request (id, method, path, status, model, prompt and completion tokens, seconds, finish).
+    log line per request (id, method, path, status, model, prompt, cached and completion tokens, finish, seconds;
+    or why the client left).
 
     Args:
         app: the app inside.
@@ -356,15 +386,17 @@ class Access:
                 await self.app(scope, receive, send_)
         finally:
             job: Job | None = state.get("job")
-            model = job.request.model if job is not None else ""
-            self.server.metrics.requests.labels(path if path in ROUTES else "other", str(status), model).inc()
+            model = job.request.model if job is not None else state.get("model", "")
+            self.server.metrics.requests.labels(_route(path), str(status), model).inc()
             if not (path in QUIET_PATHS and status < 400):
                 line = f"{job.id if job is not None else '-'} {scope['method']} {path} {status}"
                 if job is not None:
                     line += (
-                        f" model={model} prompt_tokens={len(job.ids)} "
+                        f" model={model} prompt_tokens={job.prompt_tokens} cached_tokens={job.cached_tokens} "
                         f"completion_tokens={job.completion_tokens} finish={job.finish or '-'}"
                     )
+                if "gone" in state:
+                    line += f" {state['gone']}"
                 LOG.info("%s seconds=%.3f", line, time.perf_counter() - t0)
 
     def authorized(self, scope) -> bool:
@@ -372,6 +404,13 @@ class Access:
         header = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, token = header.partition(b" ")
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+
+
+def _route(path: str) -> str:
+    """The metrics' route label of a path: a route's own path, MODEL_ROUTE for /v1/models/ID, else "other"."""
+    if path in ROUTES:
+        return path
+    return MODEL_ROUTE if path.startswith("/v1/models/") else "other"
 
 
 def unauthorized(scope) -> APIError:
@@ -395,6 +434,7 @@ def create_app(server: Server) -> Starlette:
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.prometheus, methods=["GET"]),
         Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", server.model, methods=["GET"]),  # an id may hold a slash (org/name)
         Route("/v1/chat/completions", server.chat, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
     ]

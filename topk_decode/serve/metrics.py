@@ -41,7 +41,15 @@ class Metrics:
         )
         self.prompt_tokens = Counter(
             "topk_prompt_tokens",
-            "Prompt tokens run through the model after the cached documents",
+            "Prompt tokens as usage.prompt_tokens counts them: the cached documents' and the request's own "
+            "(its messages after the chat template, or its prompt)",
+            ["model"],
+            registry=r,
+        )
+        self.cached_tokens = Counter(
+            "topk_cached_tokens",
+            "Of topk_prompt_tokens, the cached documents' (usage.prompt_tokens_details.cached_tokens): "
+            "the difference is what ran through the model",
             ["model"],
             registry=r,
         )
@@ -101,6 +109,7 @@ class Metrics:
             for metric in (
                 self.ttft,
                 self.prompt_tokens,
+                self.cached_tokens,
                 self.completion_tokens,
                 self.decode_seconds,
                 self.tokens_per_second,
@@ -113,19 +122,28 @@ class Metrics:
                 metric.labels(model)
 
     def decoded(
-        self, model: str, prompt_tokens: int, completion_tokens: int, ttft_s: float | None, decode_s: float, stats
+        self,
+        model: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        ttft_s: float | None,
+        decode_s: float,
+        stats,
+        cached_tokens: int = 0,
     ) -> None:
         """Count one request's decoding.
 
         Args:
             model: the model id (cache) it asked.
-            prompt_tokens: its prompt's tokens (after the cached documents).
+            prompt_tokens: its usage.prompt_tokens: the cached documents' tokens and its own.
             completion_tokens: tokens it generated.
             ttft_s: seconds from its arrival to its first text (None: it produced none).
             decode_s: seconds from its first text to its end.
             stats: its conversation's StepStats (steps, search seconds, keys retrieved, steps recomputed).
+            cached_tokens: of prompt_tokens, the cached documents' (its usage's cached_tokens).
         """
         self.prompt_tokens.labels(model).inc(prompt_tokens)
+        self.cached_tokens.labels(model).inc(cached_tokens)
         self.completion_tokens.labels(model).inc(completion_tokens)
         if ttft_s is not None:
             self.ttft.labels(model).observe(ttft_s)

@@ -140,6 +140,19 @@ def _text(content: Any, param: str) -> str:
     raise APIError(400, "message content must be a string or a list of text parts", param=param, code="invalid_type")
 
 
+def model_not_found(model: str, model_ids: list[str]) -> APIError:
+    """The 404 for a model id this server does not serve (a request's `model`, GET /v1/models/ID).
+
+    Args:
+        model: the id asked for.
+        model_ids: the ids served.
+    """
+    listed = ", ".join(repr(m) for m in model_ids)
+    return APIError(
+        404, f"the model {model!r} does not exist; this server serves {listed}", param="model", code="model_not_found"
+    )
+
+
 def parse_request(
     body: dict, kind: str, model_ids: list[str], max_tokens_limit: int, default_max_tokens: int
 ) -> GenerationRequest:
@@ -164,12 +177,7 @@ def parse_request(
             code="missing_required_parameter",
         )
     if model not in model_ids:
-        raise APIError(
-            404,
-            f"the model {model!r} does not exist; this server serves {listed}",
-            param="model",
-            code="model_not_found",
-        )
+        raise model_not_found(model, model_ids)
     req = GenerationRequest(kind=kind, model=model)
     if kind == "chat":
         messages = body.get("messages")

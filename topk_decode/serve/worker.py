@@ -72,10 +72,17 @@ class Job:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     ids: list[int] = field(default_factory=list)  # the prompt's tokens, set by the preparing thread
+    cached_tokens: int = 0  # the cache's document tokens, set with `ids`
     id: str = "-"  # the response id, for the log line
     t0: float = field(default_factory=time.perf_counter)  # arrival, for the time to first token
     completion_tokens: int = 0  # generated so far (the log line of a request cut short)
     finish: str | None = None  # the finish reason once decoded
+
+    @property
+    def prompt_tokens(self) -> int:
+        """usage.prompt_tokens, the log's and the metrics': the cached documents' tokens and the request's own
+        (its messages after the chat template, or its prompt); 0 before it is prepared."""
+        return self.cached_tokens + len(self.ids) if self.ids else 0
 
     def emit(self, kind: str, value) -> None:
         """Hand an event to the request's coroutine (callable from any thread)."""
@@ -272,6 +279,7 @@ class DecodeWorker:
             return
         try:
             job.ids = self.prompt_ids(job.request)
+            job.cached_tokens = self.stores[job.request.model].ckv.n_tokens
         except Exception as e:  # noqa: BLE001 - a failing request must not take the thread down
             if self._leave_queue(job):
                 job.emit("error", _api_error(e))
@@ -351,11 +359,12 @@ class DecodeWorker:
             if self.metrics is not None:
                 self.metrics.decoded(
                     req.model,
-                    len(job.ids),
+                    job.prompt_tokens,
                     session.n_generated,
                     first_at and first_at - job.t0,
                     end - first_at if first_at else 0.0,
                     session.conv.stats,
+                    cached_tokens=job.cached_tokens,
                 )
         job.finish = finish or session.finish_reason or "length"
         if finish == "cancelled":
@@ -364,13 +373,12 @@ class DecodeWorker:
             if self.closing:  # the client is still there: tell it why the answer ends here
                 job.emit("error", _shutting_down())
                 return
-        n_context = store.ckv.n_tokens
         job.emit(
             "done",
             {
                 "finish_reason": job.finish,
-                "prompt_tokens": n_context + len(job.ids),
-                "cached_tokens": n_context,
+                "prompt_tokens": job.prompt_tokens,
+                "cached_tokens": job.cached_tokens,
                 "completion_tokens": session.n_generated,
                 "sources": session.sources,
             },
