@@ -17,7 +17,17 @@ def test_settings_by_name_with_the_budget_placement_scaled_to_the_model():
     assert parse_settings(["auto@llama-3-8b@128K:16GiB"], None, None, 64)[0].options["device_value_layers"] == 2
 
 
-@pytest.mark.parametrize("names", [["nonsense"], ["auto@gpt-9@1M:1GiB"]])
+def test_a_strategy_with_options_of_its_own_and_its_own_k():
+    (s,) = parse_settings(["routed:rank=keys:pq_values=32:k=512"], 40, None, 24)
+    assert (s.name, s.strategy, s.k, s.options) == (
+        "routed:rank=keys:pq_values=32:k=512",
+        "routed",
+        512,
+        {"rank": "keys", "pq_values": "32"},
+    )
+
+
+@pytest.mark.parametrize("names", [["nonsense"], ["auto@gpt-9@1M:1GiB"], ["routed:rank"], ["flat:k=lots"]])
 def test_unknown_settings_are_one_line_errors(names):
     with pytest.raises(SystemExit, match="^error: "):
         parse_settings(names, None, None, 24)

@@ -62,8 +62,10 @@ class Setting:
 
 
 def parse_settings(names: list[str], k: int | None, as_budget: str | None, n_layers: int) -> list[Setting]:
-    """The settings asked for by name: dense, auto, any registered strategy at its defaults (at k), auto@BUDGET."""
+    """The settings asked for by name: dense, auto, any registered strategy (at k; `name:key=value[:...]` with options
+    of its own, `k=` its own k), auto@BUDGET."""
     from topk_decode.errors import TopkError
+    from topk_decode.eval.runs import split_variant
     from topk_decode.index import check_requested_strategy
 
     out = []
@@ -72,10 +74,12 @@ def parse_settings(names: list[str], k: int | None, as_budget: str | None, n_lay
             out.append(Setting(DENSE, "flat"))
         elif name.startswith("auto@"):
             out.append(budget_setting(as_budget or name[5:], k, n_layers))
-        else:
+        else:  # a strategy, with options of its own where written name:key=value[:key=value] (k= its own k)
             try:
-                out.append(Setting(name, check_requested_strategy(name), k))
-            except TopkError as e:
+                strategy, own = split_variant(name)
+                own_k = own.pop("k", None)
+                out.append(Setting(name, check_requested_strategy(strategy), int(own_k) if own_k else k, own))
+            except (TopkError, ValueError) as e:
                 raise SystemExit(f"error: setting {name!r}: {e} (or dense, auto@BUDGET)") from None
     return out
 
@@ -262,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--settings",
         default="dense,auto,flat",
-        help="dense first, then auto, any strategy (flat, routed, quest, duo, ...), auto@BUDGET",
+        help="dense first, then auto, any strategy (flat, routed, quest, ...; name:key=value for its options), auto@BUDGET",
     )
     p.add_argument("--k", type=int, default=None, help="k of every setting but dense (default: KVStore.open's)")
     p.add_argument("--as-budget", default=None, help=f"add auto placed as under: {', '.join(BUDGET_PLACEMENTS)}")
