@@ -165,9 +165,9 @@ def markdown(per_length: list[dict], model: str) -> str:
     return "\n".join(lines)
 
 
-# The fidelity suite (docs/history/eval-2026-11.md): 12 contexts × 3 tasks × 3 questions = 108 paired questions per length, 9 facts
-# per context (30 left the 0.5B model answering 26 % densely), first on held-out seeds; flat at k = 100 % is the
-# measurement's noise floor; 4 % is what routed reads to select 1 % (the others at the same read).
+# The fidelity suite (docs/history/eval-2026-11.md): 12 contexts × 3 tasks × 3 questions = 108 paired questions per
+# length, 9 facts per context (30 left the 0.5B model answering 26 % densely), first on held-out seeds; flat at
+# k = 100 % is the measurement's noise floor; 4 % is what routed reads to select 1 % (the others at the same read).
 SUITE = {
     "strategies": "flat,flat:k=100%,routed,routed:rank=keys,routed:rank=keys:pq_values=32,quest,ivf,hnsw,tokenselect,duo",
     "k": "1%,2%,4%",

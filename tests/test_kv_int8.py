@@ -92,8 +92,8 @@ def test_int8_decode_equals_dense_over_the_dequantised_kv(caches, dequantised, k
 
 
 def test_int8_decode_stays_within_its_stated_error_of_full_precision(caches):
-    """The error on a real model is measured in docs/history/eval-2026-11.md "KV formats"; on this random model the next-token
-    distribution moves by a KL below 1e-3 and the greedy tokens stay full precision's."""
+    """The error on a real model is measured in docs/history/eval-2026-11.md "KV formats"; on this random model the
+    next-token distribution moves by a KL below 1e-3 and the greedy tokens stay full precision's."""
     full, small = last_logits(caches["float32"], 100_000), last_logits(caches["int8"], 100_000)
     p, q = full.log_softmax(-1), small.log_softmax(-1)
     assert float((p.exp() * (p - q)).sum()) < 1e-3

@@ -105,8 +105,8 @@ def test_rank_keys_with_its_estimate_is_closer_to_dense_than_without(grouped_cac
 
 def test_value_codes_bring_the_keyed_estimate_closer_to_the_unread_keys_values(grouped_cache):  # noqa: F811
     """pq_values: each unread key's value as its cluster's mean plus its own 4-bit coded residual, not the mean alone
-    (the lever docs/history/eval-2026-11.md's ablation found): against the same weights' exact Σ_i p_i·v_i the estimate's error
-    halves; built with the layout and read back."""
+    (the lever docs/history/eval-2026-11.md's ablation found): against the same weights' exact Σ_i p_i·v_i the
+    estimate's error halves; built with the layout and read back."""
     from topk_decode.index.routed.estimate import keyed_rest_part
 
     lo, hi = 4, 2984

@@ -240,7 +240,8 @@ def test_hist_kernel_gives_residual_sum_torch_reference(g, d):
 def host_kv(g: int, d: int, dtype: torch.dtype, seed: int):
     """A layer's host keys and values (Hkv, N, D) in `dtype` (int8: keys in a per-channel scale folded into the
     queries, values in per-token scales), their value scales (int8) or None, the layout's position table (Hkv, N)
-    int32 (−1 outside the searchable range), and the queries (Hkv, G, D) float32 already scaled, as `attend` has them."""
+    int32 (−1 outside the searchable range), and the queries (Hkv, G, D) float32 already scaled, as `attend` has
+    them."""
     gen = torch.Generator().manual_seed(seed)
     n = int(torch.randint(1000, 1500, (), generator=gen))
     keys = torch.randn(HKV, n, d, generator=gen) * dim_scales(d, gen)

@@ -1,4 +1,4 @@
-"""The fidelity suite on the product's path: caches prefilled and stores opened as users open them, answers from `ask()`.
+"""The fidelity suite on the product's path: caches prefilled, stores opened as users open them, answers from `ask()`.
 
 Every figure of this module comes from what a user runs: `KVStore.build` (the prefill), `KVStore.open(cache, ...)`
 with its defaults (compile, CUDA graphs, the device placement) and one fresh `ask()`-conversation per question
@@ -52,13 +52,12 @@ class Answer:
 
 @dataclass
 class Setting:
-    """A named way to open the store: KVStore.open's arguments (k None: the default, or dense's every token)."""
+    """A named way to open the store: KVStore.open's strategy, k (None: the default; dense: every token) and options."""
 
     name: str
     strategy: str = "auto"
     k: int | None = None
     options: dict = field(default_factory=dict)
-    open_kwargs: dict = field(default_factory=dict)
 
 
 def parse_settings(names: list[str], k: int | None, as_budget: str | None, n_layers: int) -> list[Setting]:
@@ -94,7 +93,7 @@ def budget_setting(budget: str, k: int | None, n_layers: int) -> Setting:
     return Setting(f"auto@{budget}", FAST, k, opts)  # auto's strategy beyond its threshold, named
 
 
-def ask_all(store, questions, setting: Setting) -> list[Answer]:
+def ask_all(store, questions) -> list[Answer]:
     """Every question on a fresh conversation of `store`, as `store.ask` asks it."""
     out = []
     for q in questions:
@@ -109,9 +108,8 @@ def open_store(cache: Path, setting: Setting, n_tokens: int, device: str | None)
     """`KVStore.open` as the setting says (dense: flat over every context token)."""
     from topk_decode import KVStore
 
-    kwargs = dict(setting.open_kwargs)
-    if setting.k is not None or setting.name == DENSE:
-        kwargs["k"] = n_tokens if setting.name == DENSE else setting.k
+    k = n_tokens if setting.name == DENSE else setting.k
+    kwargs = {} if k is None else {"k": k}  # None: KVStore.open's default k
     return KVStore.open(cache, strategy=setting.strategy, strategy_options=setting.options, device=device, **kwargs)
 
 
@@ -164,7 +162,7 @@ def run(args) -> dict:
                 store = open_store(cache, s, _n_tokens(cache), args.device)
                 try:
                     t1 = time.perf_counter()
-                    answers[s.name] = ask_all(store, suite.questions, s)
+                    answers[s.name] = ask_all(store, suite.questions)
                     placements[s.name] = {"reason": store.strategy_reason, **_placement(store)}
                     print(f"[{length} seed {seed}] {s.name}: {time.perf_counter() - t1:.1f} s; {placements[s.name]}")
                 finally:
@@ -251,7 +249,8 @@ def markdown(rows: list[dict]) -> str:
         lo, hi = r["same_final_ci95"]
         lines.append(
             f"| {r['length']:,} | {r['setting']} | {r['n']} | {r['same_final']}/{r['n']} = {r['same_final_pct']:.1f} % "
-            f"({lo:.1f}–{hi:.1f}) | {r['same_text']} | {r['correct']} ({r['dense_correct']}) | {r['recomputed_steps']} |"
+            f"({lo:.1f}–{hi:.1f}) | {r['same_text']} | {r['correct']} ({r['dense_correct']}) | "
+            f"{r['recomputed_steps']} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -266,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--settings",
         default="dense,auto,flat",
-        help="dense first, then auto, any strategy (flat, routed, quest, ...; name:key=value for its options), auto@BUDGET",
+        help="dense first, then auto, any strategy (flat, routed, quest, ...; name:key=value for its options), "
+        "auto@BUDGET",
     )
     p.add_argument("--k", type=int, default=None, help="k of every setting but dense (default: KVStore.open's)")
     p.add_argument("--as-budget", default=None, help=f"add auto placed as under: {', '.join(BUDGET_PLACEMENTS)}")

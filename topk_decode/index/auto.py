@@ -20,7 +20,8 @@ EXACT_MAX_TOKENS = 8_192  # at most this many context tokens: flat (exact top-k)
 FAST = "routed"
 # per-key ranking by 4-bit key codes of one dimension per sub-vector (rank=keys' default pq_m, 32 bytes per key at
 # D ≥ 64), and each unread key's value as its cluster's mean + a 4-bit code of its residual (16 bytes per key; at most
-# D/2 sub-vectors): together, the setting that kept dense's answer most often on the suite (docs/history/eval-2026-11.md)
+# D/2 sub-vectors): together, the setting that kept dense's answer most often on the suite
+# (docs/history/eval-2026-11.md)
 FAST_OPTIONS = {"rank": "keys", "pq_values": 32}
 EXACT = "flat"
 

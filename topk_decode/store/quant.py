@@ -1,8 +1,8 @@
 """The int8 KV format (`topk prefill --kv-dtype int8`): half of bf16's bytes, searched and attended as stored.
 
 Symmetric int8 with float32 scales, split as KIVI and KVQuant split them (keys have outlier channels, values
-outlier tokens), chosen by measurement (docs/history/eval-2026-11.md "KV formats": dense's answer on 108 of 108 questions, KL
-against dense 3× bf16's and 40× below fp8's with the same scales; int4 lost answers):
+outlier tokens), chosen by measurement (docs/history/eval-2026-11.md "KV formats": dense's answer on 108 of 108
+questions, KL against dense 3× bf16's and 40× below fp8's with the same scales; int4 lost answers):
 
     keys    k ≈ k8 ⊙ s_k      s_k (Hkv, D): per KV head and channel, max |k| over the layer's tokens / 127
     values  v ≈ v8 · s_v      s_v (Hkv, N): per KV head and token, max |v| over the row / 127

@@ -332,8 +332,8 @@ class DeviceRoutes:
         """Place every layer's tables in the first of `kinds` that holds them all (the last where none does); with key
         codes, in the kind that leaves room for the finest codes of every layer (`_halvings`: all layers keyed first,
         then the fewest halvings, then the most exact tables): a layer ranking clusters, or coarser codes, keep dense's
-        answer less often than float8 tables change it (docs/history/eval-2026-11.md "Key codes under a GPU budget", docs/STRATEGIES.md
-        "Routing on the device"). Returns the kind placed."""
+        answer less often than float8 tables change it (docs/history/eval-2026-11.md "Key codes under a GPU budget",
+        docs/STRATEGIES.md "Routing on the device"). Returns the kind placed."""
         best = None  # (score, kind) of the kinds whose tables all fit
         for i, kind in enumerate(kinds):
             self._place(stats, sizes, bias, budgets, n_tokens, kind, reserve)
@@ -370,10 +370,11 @@ class DeviceRoutes:
         codes do not fit ranks and estimates by clusters on the device. Where the codes of every placed layer do not
         fit but coarser ones would, every layer's are coarsened (`device_codes.coarsened`, half the bytes each time)
         the fewest times that make them fit, down to `MIN_COARSE_M` sub-vectors: a layer ranking keys by coarser codes
-        keeps dense's answer more often than one ranking clusters (docs/history/eval-2026-11.md "Key codes under a GPU budget").
+        keeps dense's answer more often than one ranking clusters (docs/history/eval-2026-11.md "Key codes under a GPU
+        budget").
         Then the value codes (`pq_values`) the same way, after every layer's key codes (per-key ranking keeps more of
-        dense's answers than the value codes add: docs/history/eval-2026-11.md), so a layer without them estimates its unread keys'
-        values by their clusters' means."""
+        dense's answers than the value codes add: docs/history/eval-2026-11.md), so a layer without them estimates its
+        unread keys' values by their clusters' means."""
         placed = [c for t, c in zip(self.tables, self._codes) if t is not None]
         self.code_halvings = max(self._halvings(placed, reserve)[0], self._asked_halvings(placed))
         for layer, (t, codes, rows) in enumerate(zip(self.tables, self._codes, self._row_budgets)):

@@ -1,9 +1,9 @@
 """routed's keyed estimate on the decode device: per cluster, the log-sum-exp of its keys' residual-code scores.
 
 The default estimate weighs an unread cluster c as n_c·exp(s·q·μ_c), the Jensen lower bound of Σ_k exp(s·q·k); on
-real models that bound lost most of routed's answers (docs/history/eval-2026-11.md, the ablation). `estimate_by=keys` weighs every
-unread key by its approximate score s·q·(μ_c + r̂_k) instead (index/routed/pq.py). After cluster routing the unread
-keys are whole clusters, so per cluster the estimate needs only
+real models that bound lost most of routed's answers (docs/history/eval-2026-11.md, the ablation). `estimate_by=keys`
+weighs every unread key by its approximate score s·q·(μ_c + r̂_k) instead (index/routed/pq.py). After cluster
+routing the unread keys are whole clusters, so per cluster the estimate needs only
 
     L_c(q) = log Σ_{k ∈ c, searchable} exp(s·q·r̂_k)        and then   logit_c = s·q·μ_c + L_c
 

@@ -36,8 +36,8 @@ import torch
 
 NBITS = 4  # bits per sub-vector code: 16 codewords, one LUT of 16 entries per sub-vector
 # sub-vectors per key by default: one dimension each up to 128 (64 bytes of codes at D = 128), which kept dense's
-# answer more often than two or four dimensions each on the suite (docs/history/eval-2026-11.md "pq_m=64 on the GPU", "Key codes on a
-# d = 128 model at 16K and 32K")
+# answer more often than two or four dimensions each on the suite (docs/history/eval-2026-11.md "pq_m=64 on the GPU",
+# "Key codes on a d = 128 model at 16K and 32K")
 MAX_M = 128
 TRAIN_ROWS = 65_536  # residuals per (layer, KV head) the codebooks are trained on (all when fewer)
 SCORE_ROWS = 16_384  # rows decoded at a time by `approximate_scores` (Hkv × 8 MiB of fp32 keys at D = 128)
