@@ -64,3 +64,35 @@ def test_table_pools_seeds_per_length_against_dense():
     rows = table(results, ["dense", "auto"])
     assert [(r["length"], r["n"], r["same_final"]) for r in rows] == [(16384, 2, 1), (32000, 1, 1)]
     assert "| 16,384 | auto | 2 | 1/2 = 50.0 %" in markdown(rows)
+
+
+def test_a_run_cut_short_is_tabled_where_dense_and_the_setting_were_both_asked():
+    from dataclasses import asdict
+
+    a = [asdict(x) for x in _answers(["4829104"])]
+    results = {
+        "runs": [
+            {"length": 16384, "seed": 0, "answers": {"dense": a, "auto": a, "flat": a}},
+            {"length": 16384, "seed": 1, "answers": {"dense": a, "auto": a}},
+        ]
+    }  # cut before flat
+    rows = {r["setting"]: r["n"] for r in table(results, ["dense", "auto", "flat"])}
+    assert rows == {"auto": 2, "flat": 1}
+
+
+def test_merge_tables_the_runs_of_several_files(tmp_path):
+    import json
+    from dataclasses import asdict
+
+    from topk_decode.eval.product import main
+
+    a, b = [asdict(x) for x in _answers(["4829104"])], [asdict(x) for x in _answers(["1"])]
+    for i, (length, other) in enumerate([(16384, a), (32000, b)]):
+        run = {"length": length, "seed": 0, "answers": {"dense": a, "auto": other}}
+        (tmp_path / f"{i}.json").write_text(json.dumps({"model": "m", "runs": [run]}))
+    assert main(["--merge", str(tmp_path / "0.json"), str(tmp_path / "1.json"), "--out", str(tmp_path / "all")]) == 0
+    md = (tmp_path / "all" / "product.md").read_text()
+    assert "| 16,384 | auto | 1 | 1/1 = 100.0 %" in md and "| 32,000 | auto | 1 | 0/1 = 0.0 %" in md
+    (tmp_path / "x.json").write_text(json.dumps({"model": "m", "runs": [{"length": 1, "seed": 0, "answers": {}}]}))
+    with pytest.raises(SystemExit, match="^error: no dense"):
+        main(["--merge", str(tmp_path / "x.json"), "--out", str(tmp_path / "y")])

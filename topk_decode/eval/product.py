@@ -9,6 +9,7 @@ is counted (`recomputed`: the decoder recomputes it on the host path, decode/eng
 
     python -m topk_decode.eval.product --model Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf --lengths 16384 \\
         --seeds 0-3 --settings dense,auto,flat --out results/product
+    python -m topk_decode.eval.product --merge a/product.json b/product.json --out results/all
 
 `--as-budget llama-3-8b@128K:16GiB` adds the setting `auto@budget`: `auto` with the device's key codes and value
 codes placed as that model's 16 GiB placement places them (`BUDGET_PLACEMENTS`), applied to this model.
@@ -156,28 +157,20 @@ def run(args) -> dict:
             t0 = time.perf_counter()
             _prefill(docs, cache, model_dir, args)
             prefill_s = time.perf_counter() - t0
-            answers: dict[str, list[Answer]] = {}
-            placements: dict[str, dict] = {}
-            for s in settings:
+            done = {"length": length, "seed": seed, "sha": suite.sha, "prefill_s": prefill_s, "placements": {}}
+            done["answers"] = {}
+            results["runs"].append(done)
+            for s in settings:  # saved after every setting: a run cut short keeps what it asked
                 store = open_store(cache, s, _n_tokens(cache), args.device)
                 try:
                     t1 = time.perf_counter()
-                    answers[s.name] = ask_all(store, suite.questions)
-                    placements[s.name] = {"reason": store.strategy_reason, **_placement(store)}
-                    print(f"[{length} seed {seed}] {s.name}: {time.perf_counter() - t1:.1f} s; {placements[s.name]}")
+                    done["answers"][s.name] = [asdict(a) for a in ask_all(store, suite.questions)]
+                    done["placements"][s.name] = {"reason": store.strategy_reason, **_placement(store)}
+                    took = time.perf_counter() - t1
+                    print(f"[{length} seed {seed}] {s.name}: {took:.1f} s; {done['placements'][s.name]}", flush=True)
                 finally:
                     store.close()
-            results["runs"].append(
-                {
-                    "length": length,
-                    "seed": seed,
-                    "sha": suite.sha,
-                    "prefill_s": prefill_s,
-                    "placements": placements,
-                    "answers": {k: [asdict(a) for a in v] for k, v in answers.items()},
-                }
-            )
-            (out / "product.json").write_text(json.dumps(results, indent=1))
+                (out / "product.json").write_text(json.dumps(results, indent=1))
             if not args.keep_caches:
                 _remove(cache)
     results["table"] = table(results, [s.name for s in settings])
@@ -190,7 +183,15 @@ def run(args) -> dict:
 def _prefill(docs: Path, cache: Path, model_dir: Path, args) -> None:
     from topk_decode.prefill.build import build_cache
 
-    build_cache(docs, cache, model_dir, overwrite=True, device=args.device, kv_dtype=args.kv_dtype)
+    build_cache(
+        docs,
+        cache,
+        model_dir,
+        overwrite=True,
+        device=args.device,
+        kv_dtype=args.kv_dtype,
+        rope_scaling=args.rope_scaling,
+    )
 
 
 def _n_tokens(cache: Path) -> int:
@@ -230,14 +231,17 @@ def seeds_of(spec: str) -> list[int]:
 
 
 def table(results: dict, names: list[str]) -> list[dict]:
-    """One row per (length, setting) against dense, every seed pooled."""
+    """One row per (length, setting) against dense, every seed pooled where both were asked (a run cut short has
+    some settings only)."""
     rows = []
     for length in sorted({r["length"] for r in results["runs"]}):
         runs = [r for r in results["runs"] if r["length"] == length]
-        dense = [Answer(**a) for r in runs for a in r["answers"][DENSE]]
         for name in names[1:]:
-            other = [Answer(**a) for r in runs for a in r["answers"][name]]
-            rows.append({"length": length, "setting": name, **compare(dense, other)})
+            both = [r for r in runs if DENSE in r["answers"] and name in r["answers"]]
+            if both:
+                dense = [Answer(**a) for r in both for a in r["answers"][DENSE]]
+                other = [Answer(**a) for r in both for a in r["answers"][name]]
+                rows.append({"length": length, "setting": name, **compare(dense, other)})
     return rows
 
 
@@ -255,9 +259,23 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def merged(paths: list[Path]) -> dict:
+    """The runs of several product.json files (suites run apart: other lengths, seeds or hosts) as one result."""
+    runs = [r for p in paths for r in json.loads(Path(p).read_text())["runs"]]
+    names = list(dict.fromkeys(name for r in runs for name in r["answers"]))
+    if DENSE not in names:
+        raise SystemExit("error: no dense answers in these files: nothing to compare with")
+    results = {"model": ", ".join(sorted({json.loads(Path(p).read_text())["model"] for p in paths})), "runs": runs}
+    results["table"] = table(results, [DENSE] + [n for n in names if n != DENSE])
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="HF checkpoint directory or GGUF file")
+    p.add_argument(
+        "--merge", nargs="+", default=None, metavar="JSON", help="table the runs of these product.json files"
+    )
+    p.add_argument("--model", help="HF checkpoint directory or GGUF file")
     p.add_argument("--lengths", default="16384", help="context lengths in tokens, comma-separated")
     p.add_argument("--seeds", default="0", help="suite seeds: 0-3 or 1,5")
     p.add_argument("--tasks", default=",".join(REAL_TASKS), help="real-text tasks (eval/realtext.py)")
@@ -271,11 +289,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=None, help="k of every setting but dense (default: KVStore.open's)")
     p.add_argument("--as-budget", default=None, help=f"add auto placed as under: {', '.join(BUDGET_PLACEMENTS)}")
     p.add_argument("--kv-dtype", default=None, help="int8: prefill the KV in 8 bits")
+    p.add_argument(
+        "--rope-scaling", default=None, help="TYPE:FACTOR (yarn:4): prefill as `topk prefill --rope-scaling`"
+    )
     p.add_argument("--device", default=None, help="cuda or cpu (default: CUDA when available)")
     p.add_argument("--work", default=None, help="where the documents and caches go (default: a temporary folder)")
     p.add_argument("--keep-caches", action="store_true", help="keep the prefilled caches under WORK/caches")
     p.add_argument("--out", required=True, help="results folder: product.json and product.md")
     args = p.parse_args(argv)
+    if args.merge:
+        results = merged([Path(x) for x in args.merge])
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "product.json").write_text(json.dumps(results, indent=1))
+        (out / "product.md").write_text(markdown(results["table"]))
+        print(markdown(results["table"]))
+        return 0
+    if not args.model:
+        p.error("--model is required (or --merge)")
     if args.as_budget and not any(s.startswith("auto@") for s in args.settings.split(",")):
         args.settings += f",auto@{args.as_budget}"
     run(args)
