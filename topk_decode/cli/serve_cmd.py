@@ -39,7 +39,8 @@ def serve_command(
         list[Path],
         typer.Argument(
             help="Cache directories written by `topk prefill`: each is a model "
-            "id (its folder name), picked by a request's `model`."
+            "id (its folder name), picked by a request's `model`. A cache grown by `topk prefill --append` "
+            "meanwhile is served to new requests within seconds, without a restart."
         ),
     ],
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
@@ -137,21 +138,21 @@ def serve_command(
 
     stores: dict[str, KVStore] = {}
     loaded: dict[str, KVStore] = {}  # model fingerprint → the first store that loaded it
+    # as asked (the store's config holds auto's resolved choice): a cache grown by --append is opened with them again
+    asked = dict(
+        k=k,
+        k_schedule=k_schedule,
+        strategy=strategy,
+        model=model,
+        device=device,
+        dtype=dtype,
+        n_sink=n_sink,
+        n_tail=n_tail,
+        strategy_options=options,
+        compile=compile,
+    )
     for name, path, fp in zip(names, cache, fingerprints):
-        stores[name] = KVStore.open(
-            path,
-            k=k,
-            k_schedule=k_schedule,
-            strategy=strategy,
-            model=model,
-            device=device,
-            dtype=dtype,
-            n_sink=n_sink,
-            n_tail=n_tail,
-            strategy_options=options,
-            compile=compile,
-            share_model=loaded.get(fp),
-        )
+        stores[name] = KVStore.open(path, **asked, share_model=loaded.get(fp))
         loaded.setdefault(fp, stores[name])
     server = Server(
         stores,
@@ -162,6 +163,7 @@ def serve_command(
         api_key=api_key,
         cors_origins=origins,
         max_batch=max_batch,
+        open_options={name: asked for name in names},
     )
     server.worker.warm_up()
     bound = sock.getsockname()[1]

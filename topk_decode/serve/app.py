@@ -37,7 +37,7 @@ from topk_decode.serve.schemas import (
     parse_request,
     too_large,
 )
-from topk_decode.serve.worker import MAX_BATCH, DecodeWorker, Job
+from topk_decode.serve.worker import MAX_BATCH, WATCH_S, DecodeWorker, Job
 
 OPEN_PATHS = ("/health",)  # answered without the API key: liveness probes carry no credentials
 QUIET_PATHS = ("/health", "/metrics")  # polled every few seconds: logged only when they fail
@@ -89,6 +89,8 @@ class Server:
         api_key: requests must carry `Authorization: Bearer API_KEY` (all but /health); None: no key.
         cors_origins: browser origins allowed to call the API (CORS); empty: none.
         max_batch: requests decoded at once, their one-token steps batched (1: one at a time).
+        open_options, watch_s: how a cache grown by `topk prefill --append` is opened and how often its path is
+            checked (`DecodeWorker`); `stores` then follows the versions served.
     """
 
     def __init__(
@@ -101,6 +103,8 @@ class Server:
         api_key: str | None = None,
         cors_origins: tuple[str, ...] = (),
         max_batch: int = MAX_BATCH,
+        open_options: dict[str, dict] | None = None,
+        watch_s: float | None = WATCH_S,
     ) -> None:
         if not stores:
             raise ValueError("a server needs at least one store")
@@ -112,7 +116,15 @@ class Server:
         self.api_key = api_key
         self.cors_origins = tuple(cors_origins)
         self.metrics = Metrics()
-        self.worker = DecodeWorker(self.stores, max_queue=max_queue, metrics=self.metrics, max_batch=max_batch)
+        self.worker = DecodeWorker(
+            self.stores,
+            max_queue=max_queue,
+            metrics=self.metrics,
+            max_batch=max_batch,
+            open_options=open_options,
+            watch_s=watch_s,
+        )
+        self.stores = self.worker.stores  # the versions served: the worker swaps in a cache grown by --append
         self.metrics.watch(self.worker)
         self.created = int(time.time())
 

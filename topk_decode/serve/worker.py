@@ -11,23 +11,33 @@ step. The preparing thread has its own copy of each tokenizer. A job whose clien
 cancelled: it is skipped if still queued, and if running it stops within a layer of its prompt or at
 its next token (the decoder polls `Job.cancelled` through the conversation's `should_stop`). Each
 `text` event carries the text and, when the request asked for logprobs, its tokens' OpenAI logprob entries.
+
+A cache grown by `topk prefill --append` (a new version swapped in at its path) is picked up without a restart:
+a watching thread looks at each served path every `watch_s` seconds (one stat; the manifest only when the
+directory changed), opens a new version with the options the cache was served with, sharing the loaded model,
+and swaps it in for requests prepared from then on. A job is bound to the store it was prepared on, so
+answers in flight finish on the version they started on; an old version is closed once no job uses it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from topk_decode.errors import NonFiniteLogits, StepCancelled, TopkError
+from topk_decode.serve.metrics import LOG
 from topk_decode.serve.schemas import APIError, GenerationRequest
 
 LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token the model gives (almost) no chance; JSON has no -inf
 SLICE_CHARS = 1 << 16  # a long prompt is first counted slice by slice, so a huge one is refused early
 MAX_BATCH = 8  # answers decoded at once by default (`topk serve --max-batch`)
+WATCH_S = 1.0  # how often each served cache's path is checked for a new version (`topk prefill --append`)
+RETRY_S = 60.0  # a version that failed to open is tried again after this long, or as soon as the path changes
 
 
 class StopText:
@@ -77,6 +87,9 @@ class Job:
     t0: float = field(default_factory=time.perf_counter)  # arrival, for the time to first token
     completion_tokens: int = 0  # generated so far (the log line of a request cut short)
     finish: str | None = None  # the finish reason once decoded
+    # the KVStore it is answered from, bound when prepared (a version swapped in later does not change it); None
+    # before and once the job is over
+    store: object = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -94,6 +107,38 @@ class Job:
     def cancel(self) -> None:
         """The client is gone: skip the job if queued, stop it within a layer if running."""
         self.cancelled.set()
+
+
+def room_of(store) -> int:
+    """Tokens a prompt and its answer may take after the store's documents: the window's limit, the model's
+    positions."""
+    decoder = store.decoder
+    return min(decoder.config.max_window_tokens, decoder.shape.max_positions - store.ckv.n_tokens)
+
+
+def reopen_options(store) -> dict:
+    """The `KVStore.open` keywords that open a new version of the store's cache as the store was opened: the
+    strategy and options asked for (auto may resolve differently at another length), not the ones resolved."""
+    c = store.config
+    return dict(
+        k=c.k,
+        k_per_layer=list(c.k_per_layer) if c.k_per_layer is not None else None,
+        k_schedule=c.k_schedule,
+        strategy=store.requested_strategy,
+        strategy_options=dict(store.requested_options),
+        n_sink=c.n_sink,
+        n_tail=c.n_tail,
+        compile=c.compile,
+        prompt_chunk=c.prompt_chunk,
+        prompt_scratch_mib=c.prompt_scratch_mib,
+        max_window_tokens=c.max_window_tokens,
+    )
+
+
+def _warm(store) -> None:
+    """Decode two tokens over the store (the first step's one-time work: torch.compile, CUDA graph capture)."""
+    ids = store.tokenizer("Hello", add_special_tokens=False).input_ids
+    store.generate_ids(ids, max_new_tokens=2)
 
 
 def tokenize_within(tokenizer, text: str, limit: int) -> list[int] | None:
@@ -123,36 +168,35 @@ class DecodeWorker:
         max_queue: jobs preparing, waiting or running beyond which new requests get a 429.
         metrics: the server's Metrics, told about each decoded request (None: nobody counts).
         max_batch: answers decoded at once, their one-token steps batched (1: one at a time, serially).
+        open_options: model id → the `KVStore.open` keywords its store was opened with (k, strategy as asked,
+            ...), to open a new version of its cache alike; an id not in it: `reopen_options(store)`.
+        watch_s: seconds between checks of the served paths for a new version of a cache (None: never).
     """
 
-    def __init__(self, stores: dict, max_queue: int = 64, metrics=None, max_batch: int = MAX_BATCH) -> None:
-        from topk_decode.decode.batch import StepBatcher
-
+    def __init__(
+        self,
+        stores: dict,
+        max_queue: int = 64,
+        metrics=None,
+        max_batch: int = MAX_BATCH,
+        open_options: dict[str, dict] | None = None,
+        watch_s: float | None = WATCH_S,
+    ) -> None:
         self.stores = dict(stores)
         self.max_queue = max_queue
         self.metrics = metrics
         self.max_batch = max_batch
         self.tokenizers: dict[str, object] = {}  # the preparing thread's own copies (decoding threads use the stores')
         self.rooms: dict[str, int] = {}
+        self.open_options = {name: (open_options or {}).get(name) or reopen_options(s) for name, s in stores.items()}
         copies: dict[int, object] = {}
         for name, store in self.stores.items():
             self.tokenizers[name] = copies.setdefault(id(store.tokenizer), copy.deepcopy(store.tokenizer))
-            decoder = store.decoder
-            # tokens a prompt and its answer may take after the documents: the window's limit, the model's positions
-            self.rooms[name] = min(decoder.config.max_window_tokens, decoder.shape.max_positions - store.ckv.n_tokens)
+            self.rooms[name] = room_of(store)
         self.batchers = []
-        if max_batch > 1:  # one batcher per loaded model: its caches' steps go through it together
-            models: dict[int, list] = {}
-            for store in self.stores.values():
-                # Only a strategy whose rows are independent (flat: one scan serves every conversation) gains from
-                # a batched step; routed's, eager and searching per conversation, lost to its serial graph-replayed
-                # steps on the GPU host (docs/SERVE.md "Batched decoding").
-                if store.decoder.strategy.rows_independent:
-                    models.setdefault(id(store.model), []).append(store.decoder)
-            for decoders in models.values():
-                batcher = StepBatcher(max_batch)
-                batcher.attach(decoders)
-                self.batchers.append(batcher)
+        self._batcher_of: dict[int, tuple] = {}  # id of a loaded model → (its caches' batcher, their step lock)
+        for store in self.stores.values():
+            self._batch(store)
         self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="topk-prepare")
         self._pool = ThreadPoolExecutor(max_workers=max_batch, thread_name_prefix="topk-decode")
         self._count = threading.Lock()
@@ -163,6 +207,34 @@ class DecodeWorker:
         self.current: set[Job] = set()
         self.pending: set[Job] = set()
         self.closing = False
+        # new versions of the caches (`refresh`): jobs bound to each store, and the stores swapped out but in use
+        self._users: dict[object, int] = {}
+        self._retired: set = set()
+        self._refreshing = threading.Lock()
+        self._seen: dict[str, tuple] = {}  # model id → the served path's (device, inode, ctime) last found served
+        self._failed: dict[str, tuple] = {}  # model id → (path's key, time, message) of the last version that failed
+        self._stop = threading.Event()
+        self.watch_s = watch_s
+        if watch_s:
+            threading.Thread(target=self._watch, name="topk-cache-watch", daemon=True).start()
+
+    def _batch(self, store) -> None:
+        """Put the store's one-token steps through its model's batcher (made on first use), when batching pays."""
+        # Only a strategy whose rows are independent (flat: one scan serves every conversation) gains from a
+        # batched step; routed's, eager and searching per conversation, lost to its serial graph-replayed steps
+        # on the GPU host (docs/SERVE.md "Batched decoding").
+        if self.max_batch <= 1 or not store.decoder.strategy.rows_independent:
+            return
+        from topk_decode.decode.batch import StepBatcher
+
+        batcher, lock = self._batcher_of.get(id(store.model), (None, store.decoder.lock))
+        if lock is not store.decoder.lock:
+            raise ValueError("batched decoders must share one model and one step lock")
+        if batcher is None:  # one batcher per loaded model: its caches' steps go through it together
+            batcher = StepBatcher(self.max_batch)
+            self._batcher_of[id(store.model)] = batcher, lock
+            self.batchers.append(batcher)
+        batcher.attach([store.decoder])
 
     def submit(self, job: Job) -> None:
         """Queue a job (429 when the queue is full, 503 once shutting down).
@@ -188,15 +260,12 @@ class DecodeWorker:
         """Decode two tokens over each store on a decoding thread, so that the one-time work of the first
         step (torch.compile, CUDA graph capture) happens before the first request."""
 
-        def run(store) -> None:
-            ids = store.tokenizer("Hello", add_special_tokens=False).input_ids
-            store.generate_ids(ids, max_new_tokens=2)
-
         for store in self.stores.values():
-            self._pool.submit(run, store).result()
+            self._pool.submit(_warm, store).result()
 
     def close(self) -> None:
         """Server shutdown: queued jobs get a 503, the running one stops within a layer."""
+        self._stop.set()
         with self._count:
             self.closing = True
             pending, self.pending = list(self.pending), set()
@@ -210,14 +279,148 @@ class DecodeWorker:
         for job in running:
             job.cancel()
 
-    def prompt_ids(self, req: GenerationRequest) -> list[int]:
+    # ---- a cache grown by `topk prefill --append` --------------------------------------------------------
+    def refresh(self, name: str) -> bool:
+        """Serve the version now at the cache's path to requests prepared from now on, if it is a new one: open it
+        with the cache's options and its store's model (`share_model`), warm it up, swap it in. True if swapped in.
+
+        Cheap when nothing changed (one stat). A version that does not open (not a cache, another model...) leaves
+        the one served in place, with one log line; it is tried again once the path changes, or after RETRY_S.
+
+        Args:
+            name: the model id.
+        """
+        with self._refreshing:  # one check at a time: the watcher's, or a caller's
+            store, key = self.stores[name], None
+            path = store.ckv.path
+            if self.closing:
+                return False
+            try:
+                st = os.stat(path)
+                key = (st.st_dev, st.st_ino, st.st_ctime_ns)  # a new version is a new directory (CacheWriter.swap)
+                if key == self._seen.get(name):
+                    return False
+                failed = self._failed.get(name)
+                if failed is not None and failed[0] == key and time.monotonic() - failed[1] < RETRY_S:
+                    return False
+                from topk_decode.store.cache_dir import check_cache
+
+                if check_cache(path)[1] == store.ckv.cache_id:  # the same manifest: the version served
+                    self._seen[name] = key
+                    self._failed.pop(name, None)
+                    return False
+                new = self._open_version(name, store)
+            except Exception as e:  # noqa: BLE001 - any failure keeps the served version
+                self._fail(name, key, e)
+                return False
+            if not self._swap(name, store, new):
+                return False
+            self._seen[name] = key  # (a newer version may have come meanwhile: the next check compares manifests)
+            self._failed.pop(name, None)
+        old_docs = [d["name"] for d in store.documents]
+        how = "appended" if [d["name"] for d in new.documents][: len(old_docs)] == old_docs else "replaced"
+        LOG.info(
+            "cache %s: now %s tokens, %d documents (%s; strategy %s); new requests use it",
+            name,
+            f"{new.ckv.n_tokens:,}",
+            len(new.documents),
+            how,
+            new.config.strategy,
+        )
+        return True
+
+    def _open_version(self, name: str, store):
+        """The cache at the store's path opened as the store was, over its model, and warmed up (here, not on a
+        decoding thread: those may all be busy, and the step's one-time work is not tied to a thread)."""
+        from topk_decode.api import KVStore
+
+        new = KVStore.open(store.ckv.path, **self.open_options[name], share_model=store)
+        try:
+            _warm(new)
+            self._batch(new)
+        except BaseException:
+            new.close()
+            raise
+        return new
+
+    def _swap(self, name: str, old, new) -> bool:
+        """Serve `new` for `name`; `old` is closed now if no job uses it, else by the last one's `_release`."""
+        with self._count:
+            served = not self.closing
+            if served:
+                self.stores[name], self.rooms[name] = new, room_of(new)
+                in_use = bool(self._users.get(old))
+                if in_use:
+                    self._retired.add(old)
+        if not served:
+            new.close()
+        elif not in_use:
+            self._close_store(old)
+        return served
+
+    def _release(self, job: Job) -> None:
+        """The job is over: its store loses a user, and is closed if it was the last one of a swapped-out store."""
+        with self._count:
+            store, job.store = job.store, None
+            if store is None:
+                return
+            self._users[store] -= 1
+            if self._users[store]:
+                return
+            del self._users[store]
+            if store not in self._retired:
+                return
+            self._retired.discard(store)
+        self._close_store(store)
+
+    def _close_store(self, store) -> None:
+        """Close a store no longer served (its search threads stop; its maps go with the last reference)."""
+        if any(s is store for s in self.stores.values()):  # also served under another id
+            return
+        if any(s.model is store.model for s in self.stores.values()):
+            # the served stores decode with its model: leave its input embedding where it is (engine.py `close`)
+            store.decoder.host_embedding = None
+        store.close()
+
+    def _fail(self, name: str, key: tuple | None, e: Exception) -> None:
+        """Record a version that failed to open; one log line, unless it is the failure logged last."""
+        if isinstance(e, OSError) and e.strerror:
+            message = f"cannot read {e.filename or self.stores[name].ckv.path}: {e.strerror}"
+        else:
+            message = " ".join(str(e).split())  # one line
+            message = message if isinstance(e, TopkError) else f"{type(e).__name__}: {message}"
+        last = self._failed.get(name)
+        self._failed[name] = key, time.monotonic(), message
+        if (last is None or last[2] != message) and not self.closing:
+            n = self.stores[name].ckv.n_tokens
+            LOG.warning(
+                "cache %s: a new version cannot be served (%s); still serving the one of %s tokens",
+                name,
+                message,
+                f"{n:,}",
+            )
+
+    def _watch(self) -> None:
+        """The watching thread: every `watch_s` seconds, each cache's path checked for a new version."""
+        while not self._stop.wait(self.watch_s):
+            for name in list(self.stores):
+                if self._stop.is_set():
+                    return
+                try:
+                    self.refresh(name)
+                except Exception as e:  # noqa: BLE001 - the watcher must go on (refresh logs its own failures)
+                    self._fail(name, None, e)
+
+    def prompt_ids(self, req: GenerationRequest, store=None, room: int | None = None) -> list[int]:
         """The request's prompt tokens, checked against the room after the documents (else a 400); an unset
         max_tokens is cut to the room left. Runs on the preparing thread (its own tokenizer).
 
         Args:
             req: the validated request (its max_tokens may be lowered).
+            store, room: the store the request is answered from and its room (default: the one served now).
         """
-        store, room = self.stores[req.model], self.rooms[req.model]
+        if store is None:
+            store, room = self.stores[req.model], self.rooms[req.model]
         vocab = store.decoder.shape.vocab_size
         if req.logit_bias and max(req.logit_bias) >= vocab:
             raise APIError(
@@ -277,41 +480,48 @@ class DecodeWorker:
                     self.cancelled += 1
                 job.emit("done", None)
             return
+        with self._count:  # the version of the cache served now answers the job, whatever is swapped in later
+            job.store, room = self.stores[job.request.model], self.rooms[job.request.model]
+            self._users[job.store] = self._users.get(job.store, 0) + 1
         try:
-            job.ids = self.prompt_ids(job.request)
-            job.cached_tokens = self.stores[job.request.model].ckv.n_tokens
+            job.ids = self.prompt_ids(job.request, job.store, room)
+            job.cached_tokens = job.store.ckv.n_tokens
         except Exception as e:  # noqa: BLE001 - a failing request must not take the thread down
+            self._release(job)
             if self._leave_queue(job):
                 job.emit("error", _api_error(e))
             return
         try:
             self._pool.submit(self._run, job)
         except RuntimeError:  # shut down meanwhile: close() has answered the job
-            pass
+            self._release(job)
 
     def _run(self, job: Job) -> None:
-        if not self._leave_queue(job):  # close() has answered it
-            return
-        with self._count:
-            self.running += 1
-            self.current.add(job)
         try:
-            if job.cancelled.is_set():
-                with self._count:
-                    self.cancelled += 1
-                job.emit("done", None)
+            if not self._leave_queue(job):  # close() has answered it
                 return
-            self._generate(job)
-        except Exception as e:  # noqa: BLE001 - a failing request must not take the worker down
-            job.emit("error", _api_error(e))
-        finally:
             with self._count:
-                self.current.discard(job)
-                self.running -= 1
-                self.served += 1
+                self.running += 1
+                self.current.add(job)
+            try:
+                if job.cancelled.is_set():
+                    with self._count:
+                        self.cancelled += 1
+                    job.emit("done", None)
+                    return
+                self._generate(job)
+            except Exception as e:  # noqa: BLE001 - a failing request must not take the worker down
+                job.emit("error", _api_error(e))
+            finally:
+                with self._count:
+                    self.current.discard(job)
+                    self.running -= 1
+                    self.served += 1
+        finally:
+            self._release(job)
 
     def _generate(self, job: Job) -> None:
-        req, store = job.request, self.stores[job.request.model]
+        req, store = job.request, job.store
         session = store.session(
             temperature=req.temperature,
             top_p=req.top_p,
