@@ -183,15 +183,7 @@ def run(args) -> dict:
 def _prefill(docs: Path, cache: Path, model_dir: Path, args) -> None:
     from topk_decode.prefill.build import build_cache
 
-    build_cache(
-        docs,
-        cache,
-        model_dir,
-        overwrite=True,
-        device=args.device,
-        kv_dtype=args.kv_dtype,
-        rope_scaling=args.rope_scaling,
-    )
+    build_cache(docs, cache, model_dir, overwrite=True, device=args.device, kv_dtype=args.kv_dtype)
 
 
 def _n_tokens(cache: Path) -> int:
@@ -289,9 +281,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=None, help="k of every setting but dense (default: KVStore.open's)")
     p.add_argument("--as-budget", default=None, help=f"add auto placed as under: {', '.join(BUDGET_PLACEMENTS)}")
     p.add_argument("--kv-dtype", default=None, help="int8: prefill the KV in 8 bits")
-    p.add_argument(
-        "--rope-scaling", default=None, help="TYPE:FACTOR (yarn:4): prefill as `topk prefill --rope-scaling`"
-    )
     p.add_argument("--device", default=None, help="cuda or cpu (default: CUDA when available)")
     p.add_argument("--work", default=None, help="where the documents and caches go (default: a temporary folder)")
     p.add_argument("--keep-caches", action="store_true", help="keep the prefilled caches under WORK/caches")
