@@ -96,3 +96,35 @@ def test_merge_tables_the_runs_of_several_files(tmp_path):
     (tmp_path / "x.json").write_text(json.dumps({"model": "m", "runs": [{"length": 1, "seed": 0, "answers": {}}]}))
     with pytest.raises(SystemExit, match="^error: no dense"):
         main(["--merge", str(tmp_path / "x.json"), "--out", str(tmp_path / "y")])
+
+
+def test_the_suite_runs_end_to_end_on_the_demo_model(tmp_path):
+    """Prefill, open per setting, ask, table: the whole path on the CPU (the demo model; its answers are not the
+    point, the bookkeeping is)."""
+    import json
+    from pathlib import Path
+
+    import topk_decode
+    from topk_decode.eval.product import main
+
+    demo = Path(topk_decode.__file__).parent / "demo_model"
+    out = tmp_path / "out"
+    argv = ["--model", str(demo), "--lengths", "1200", "--seeds", "0", "--per-task", "1", "--tasks", "real_needle"]
+    argv += [
+        "--settings",
+        "dense,flat",
+        "--k",
+        "64",
+        "--device",
+        "cpu",
+        "--work",
+        str(tmp_path / "w"),
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 0
+    results = json.loads((out / "product.json").read_text())
+    (run,) = results["runs"]
+    assert set(run["answers"]) == {"dense", "flat"} and len(run["answers"]["flat"]) == 1
+    assert [(r["setting"], r["n"]) for r in results["table"]] == [("flat", 1)]
+    assert "| 1,200 | flat | 1 |" in (out / "product.md").read_text()
