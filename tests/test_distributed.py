@@ -324,13 +324,15 @@ def test_prefill_scaling_refuses_a_checkpoint_directory_and_bad_counts(tmp_path)
 
 
 def test_sharded_decode_simulation_counts_the_bytes_each_layout_moves():
-    """scripts/sim_sharded_decode.py's message sizes and implied times (docs/SCALE.md quotes them)."""
+    """benchmarks/bench_sharded_decode.py's message sizes and implied times (docs/SCALE.md quotes them)."""
     import importlib.util
 
     from topk_decode.bench.shapes import make_config
     from topk_decode.model.blocks import ModelShape
 
-    spec = importlib.util.spec_from_file_location("sim_sharded_decode", REPO / "scripts" / "sim_sharded_decode.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_sharded_decode", REPO / "benchmarks" / "bench_sharded_decode.py"
+    )
     sim = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sim)
     shape = ModelShape.from_config(make_config("llama-3-8b"))

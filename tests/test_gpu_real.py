@@ -8,7 +8,7 @@ on every layer or a few, clusters ranked, device_read on and off, float8 tables,
 graphs off). Qwen's group of 7 query heads per KV head is what the tiny test models (groups of 1, 2, 4) never had.
 
 Needs a CUDA GPU and the model: TOPK_REAL_GGUF=path/to/Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf (or an HF directory;
-`python scripts/fetch_real_models.py --dir models --only qwen0.5b` fetches it). Run on the GPU host:
+`python tools/fetch_real_models.py --dir models --only qwen0.5b` fetches it). Run on the GPU host:
     TOPK_REAL_GGUF=... python -m pytest -m gpu tests/test_gpu_real.py
 """
 
@@ -51,7 +51,7 @@ CONFIGS = {
 def _model() -> Path:
     path = os.environ.get("TOPK_REAL_GGUF")
     if not path or not Path(path).exists():
-        pytest.skip("set TOPK_REAL_GGUF to Qwen2.5-Coder-0.5B-Instruct's GGUF file (scripts/fetch_real_models.py)")
+        pytest.skip("set TOPK_REAL_GGUF to Qwen2.5-Coder-0.5B-Instruct's GGUF file (tools/fetch_real_models.py)")
     return Path(path)
 
 

@@ -1,7 +1,7 @@
 """Seeded RULER-style long-context retrieval tasks, written in the demo model's filler language.
 
 One generator serves both the training of the shipped demo model
-(``scripts/train_demo_model.py``) and the evaluation harness, so the two always agree on the
+(``tools/train_demo_model.py``) and the evaluation harness, so the two always agree on the
 text format. A task instance is a *context* (the document that gets prefilled and cached), a
 *question* (the prompt appended after the context; it ends exactly where the answer starts) and
 the expected *answer*.

@@ -9,9 +9,9 @@ On one host, one JSON line per measurement:
               this recall is a floor, not the fidelity on a real model).
 
 Usage (Llama-3-8B shape at 128K, one layer):
-  python scripts/scan_bandwidth.py --n 131072 --kv-heads 8 --group 4 --k 1024 --out scan.jsonl
+  python benchmarks/bench_scan.py --n 131072 --kv-heads 8 --group 4 --k 1024 --out scan.jsonl
 flat's torch and numba backends only, one layer and then 32 layers (each layer's keys cold):
-  python scripts/scan_bandwidth.py --n 131072 --kv-heads 8 --group 4 --k 1024 --flat-backends torch numba \
+  python benchmarks/bench_scan.py --n 131072 --kv-heads 8 --group 4 --k 1024 --flat-backends torch numba \
       --skip routed routed_layers --layers 32 --out scan.jsonl
 Figures: docs/BENCHMARKS.md.
 """

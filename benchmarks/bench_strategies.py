@@ -7,9 +7,9 @@ and compare with the exact top-k over the searchable range:
     mass recall = Σ_{selected} softmax(q·k/√D)             (softmax over the searchable range)
 Search time: wall-clock of `select` per decode step (all layers), one query token, on this machine.
 
-    python scripts/measure_strategies.py recall --length 8192 --k 64 256 1024 --out recall.json
-    python scripts/measure_strategies.py speed --sizes 16384 65536 262144 --out speed.json
-    python scripts/measure_strategies.py offset --n 8192 --out offset.json
+    python benchmarks/bench_strategies.py recall --length 8192 --k 64 256 1024 --out recall.json
+    python benchmarks/bench_strategies.py speed --sizes 16384 65536 262144 --out speed.json
+    python benchmarks/bench_strategies.py offset --n 8192 --out offset.json
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ decode/context.py's `ContextAttention.attend`, exactly the decoder's `_context_p
 
 Usage (Llama-3-8B shape at 128K, 32 layers; synthetic random bf16 KV, so routed's recall here says
 nothing: docs/BENCHMARKS.md):
-  python scripts/step_cpu.py --n 131072 --layers 32 --configs flat routed:kernel=torch routed:kernel=numba
+  python benchmarks/bench_step_cpu.py --n 131072 --layers 32 --configs flat routed:kernel=torch routed:kernel=numba
 With routed:device_route=true the clusters (with rank=keys: the keys) are ranked on the GPU (the CPU where there is none), untimed,
 and the CPU side is what is left of a device-routed step (index/routed/device.py).
 Figures: docs/BENCHMARKS.md.

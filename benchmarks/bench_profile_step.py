@@ -6,7 +6,7 @@ profiles --steps one-token steps with the captured graphs and --steps more with 
 (kernels are the same; launches are not), and prints each run's wall time per step and its kernels ranked by device
 time per step. Writes the tables with --out.
 
-    python scripts/profile_step.py --model llama-3-8b --context 128K --kv-dtype int8 --strategy routed \
+    python benchmarks/bench_profile_step.py --model llama-3-8b --context 128K --kv-dtype int8 --strategy routed \
         --opt rank=keys --opt pq_values=32 --gpu-memory 16GiB [--out profile.json]
 """
 

@@ -1,6 +1,6 @@
 """Simulate one decode step of a KV cache sharded across hosts: processes on loopback, gloo, real messages.
 
-    python scripts/sim_sharded_decode.py --shape llama-3-8b --shards 2 --steps 200 --out sim.json
+    python benchmarks/bench_sharded_decode.py --shape llama-3-8b --shards 2 --steps 200 --out sim.json
 
 Rank 0 is the driver (the GPU host running the dense part of each layer); ranks 1..S hold the KV
 shards. Per decode step, for each layout of docs/SCALE.md:

@@ -1,20 +1,19 @@
 #!/usr/bin/env bash
 # The GPU-host benchmark behind docs/BENCHMARKS.md. Run from the repo root on the GPU machine:
-#   bash scripts/device_bench.sh 1    # Llama-3-8B 32K/128K: top-k vs HF dense vs HF offloaded, prefill vs HF, search floor
-#   bash scripts/device_bench.sh 2    # 512K / 1M: Llama-3-8B and Qwen2.5-7B on synthetic KV; Llama-3.2-1B 32K/128K
-#   bash scripts/device_bench.sh all  # 1 then 2
-#   bash scripts/device_bench.sh nographs  # Llama-3-8B top-k rows without CUDA graphs (the comparison)
-#   bash scripts/device_bench.sh scan      # DRAM floor vs flat / routed scan per layer (Llama-3-8B at 128K)
-#   bash scripts/device_bench.sh scan1m    # the same at Qwen2.5-7B's shape at 1M
-#   bash scripts/device_bench.sh routed    # flat and routed side by side: Llama-3-8B 128K (prefill KV)
-#   bash scripts/device_bench.sh routed1m  # routed at Qwen2.5-7B 1M (synthetic KV)
-#   bash scripts/device_bench.sh device    # routed with routing on the GPU (index/routed/device.py): its GPU tests, then
+#   bash benchmarks/bench_gpu_host.sh 1    # Llama-3-8B 32K/128K: top-k vs HF dense vs HF offloaded, prefill vs HF, search floor
+#   bash benchmarks/bench_gpu_host.sh 2    # 512K / 1M: Llama-3-8B and Qwen2.5-7B on synthetic KV; Llama-3.2-1B 32K/128K
+#   bash benchmarks/bench_gpu_host.sh all  # 1 then 2
+#   bash benchmarks/bench_gpu_host.sh nographs  # Llama-3-8B top-k rows without CUDA graphs (the comparison)
+#   bash benchmarks/bench_gpu_host.sh scan      # DRAM floor vs flat / routed scan per layer (Llama-3-8B at 128K)
+#   bash benchmarks/bench_gpu_host.sh scan1m    # the same at Qwen2.5-7B's shape at 1M
+#   bash benchmarks/bench_gpu_host.sh routed    # flat and routed side by side: Llama-3-8B 128K (prefill KV)
+#   bash benchmarks/bench_gpu_host.sh routed1m  # routed at Qwen2.5-7B 1M (synthetic KV)
+#   bash benchmarks/bench_gpu_host.sh device    # routed with routing on the GPU (index/routed/device.py): its GPU tests, then
 #                                          # flat and routed beside HF dense at 32K/128K
-#   bash scripts/device_bench.sh device_cpu  # the CPU side alone at 128K, CPU- vs device-routed (step_cpu.py)
-#   bash scripts/device_bench.sh route     # the device routing of one layer as a captured graph (route_gpu_speed.py),
-#                                          # Llama-3-8B at 128K and Qwen2.5-7B at 1M
-# The phases of the dated runs that decided a default (flat_ab, dots_*, fused, huge, team, threads, parts, scan32)
-# are in this script's history (docs/BENCHMARKS.md names each run's commit).
+#   bash benchmarks/bench_gpu_host.sh device_cpu  # the CPU side alone at 128K, CPU- vs device-routed (bench_step_cpu.py)
+# The phases of the dated runs that decided a default (flat_ab, dots_*, fused, huge, team, threads, parts, scan32,
+# route) are in this script's history, as scripts/device_bench.sh until 21fad64 (docs/BENCHMARKS.md names each run's
+# commit; docs/history/README.md lists the scripts removed).
 # Results (JSON, PNG, logs) go to $RES (default ./bench-results); with SNAP=file.tgz the folder is also
 # archived there after every step (a run cut short keeps what it measured). Needs faiss-cpu, typer, rich.
 set -o pipefail
@@ -43,11 +42,11 @@ if [ "$phase" = 2 ] || [ "$phase" = all ]; then
       --out "$OUT" 2>&1 | tee "$OUT/log_llama1b.txt"; snap
 fi
 if [ "$phase" = scan ]; then
-  $PY scripts/scan_bandwidth.py --n 131072 --kv-heads 8 --group 4 --k 1024 --probe-fraction 0.04 0.02 --profile --layers 32 \
+  $PY benchmarks/bench_scan.py --n 131072 --kv-heads 8 --group 4 --k 1024 --probe-fraction 0.04 0.02 --profile --layers 32 \
       --out "$OUT/scan_bandwidth.jsonl" 2>&1 | tee "$OUT/log_scan.txt"; snap
 fi
 if [ "$phase" = scan1m ]; then
-  $PY scripts/scan_bandwidth.py --n 1048576 --kv-heads 4 --group 7 --k 1024 --probe-fraction 0.02 --skip dram \
+  $PY benchmarks/bench_scan.py --n 1048576 --kv-heads 4 --group 7 --k 1024 --probe-fraction 0.02 --skip dram \
       --out "$OUT/scan_bandwidth.jsonl" 2>&1 | tee "$OUT/log_scan1m.txt"; snap
 fi
 # Through run_bench directly (no CLI): the same as `topk bench --strategy flat,routed --systems topk ...`.
@@ -71,13 +70,8 @@ if [ "$phase" = device ]; then
       | tee "$OUT/log_device.txt"; snap
 fi
 if [ "$phase" = device_cpu ]; then   # the CPU side alone at 128K, CPU- vs device-routed
-  $PY scripts/step_cpu.py --n 131072 --layers 32 --configs routed:kernel=numba routed:kernel=numba,device_route=true \
+  $PY benchmarks/bench_step_cpu.py --n 131072 --layers 32 --configs routed:kernel=numba routed:kernel=numba,device_route=true \
       --out "$OUT/step_cpu.jsonl" 2>&1 | tee "$OUT/log_step_cpu.txt"; snap
-fi
-if [ "$phase" = route ]; then
-  $PY scripts/route_gpu_speed.py --n 131072 --kv-heads 8 --group 4 2>&1 | tee "$OUT/route_gpu.jsonl"
-  $PY scripts/route_gpu_speed.py --n 1048576 --kv-heads 4 --group 7 --probe-fraction 0.02 --values fp8 2>&1 \
-      | tee -a "$OUT/route_gpu.jsonl"; snap
 fi
 if [ "$phase" = nographs ]; then
   $PY -m topk_decode bench --model llama-3-8b --context 32K,128K --systems topk --no-graphs --no-offload-prefill \

@@ -6,9 +6,9 @@ last. With batching (the default) a `StepBatcher` (decode/batch.py) joins their 
 steps; `--no-batch` is the old behaviour, steps interleaved one at a time under the step lock.
 
     # a real cache (the demo cache on the CPU)
-    python scripts/bench_streams.py --cache demo-cache --device cpu --dtype fp32 --streams 1,2,4
+    python benchmarks/bench_streams.py --cache demo-cache --device cpu --dtype fp32 --streams 1,2,4
     # a model shape with random weights over random context KV (the GPU host: Llama-3-8B shape, 128K)
-    python scripts/bench_streams.py --model llama-3-8b --context 128K --k 1024 --gpu-memory 16GiB --streams 1,2,4,8
+    python benchmarks/bench_streams.py --model llama-3-8b --context 128K --k 1024 --gpu-memory 16GiB --streams 1,2,4,8
 
 Prints one JSON line per row: streams, batching, aggregate and per-stream tokens/s, mean batch, the
 per-conversation step breakdown (ms), and the speed-up over one stream.
