@@ -1,4 +1,4 @@
-"""The on-disk cache directory: locked atomic writer, validating memory-mapped reader (README "Cache format")."""
+"""The on-disk cache directory: locked atomic writer, validating memory-mapped reader (docs/DESIGN.md "Cache format")."""
 
 from topk_decode.store.cache_dir import CacheWriter, ContextKV, check_cache, open_cache
 from topk_decode.store.format import FORMAT_VERSION, MANIFEST

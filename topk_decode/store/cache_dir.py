@@ -4,7 +4,7 @@ A cache is only a cache once `manifest.json` exists: the writer fills the hidden
 `.NAME.partial`, writes the manifest last, then swaps the directory into place in one atomic rename.
 An interrupted prefill leaves at most that partial directory, which never opens as a cache (and
 which `--resume` continues, see resume.py). Writers hold a lock; readers pin the directory they
-open (see locking.py): README "Cache format" states the guarantees.
+open (see locking.py): docs/DESIGN.md "Cache format" states the guarantees.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Names and dtypes of the cache directory format (see README "Cache format")."""
+"""Names and dtypes of the cache directory format (see docs/DESIGN.md "Cache format")."""
 
 from __future__ import annotations
 

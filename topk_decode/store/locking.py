@@ -1,4 +1,4 @@
-"""Concurrency of cache writers and readers (README "Cache format" says what is guaranteed).
+"""Concurrency of cache writers and readers (docs/DESIGN.md "Cache format" says what is guaranteed).
 
 - Writers: one prefill per `--out` at a time. A writer holds an exclusive `flock` on `.NAME.lock`
   beside the cache from before it creates its partial directory until after its commit; a second
