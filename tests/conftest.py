@@ -48,7 +48,7 @@ def hf_greedy(model_dir: Path, ids: list[int], max_new_tokens: int, device: str 
 
 # The user's cache, read at import: the session fixture below points XDG_CACHE_HOME elsewhere.
 USER_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-# The one place the tests keep files between runs (README "Tests"): the real-model tests' GGUF file and
+# The one place the tests keep files between runs (docs/USAGE.md "Use a real model"): the real-model tests' GGUF file and
 # its bf16 conversion (tests/test_real_model.py), ~360 MB, content-addressed: reruns reuse them, nothing piles up.
 TEST_MODELS = USER_CACHE / "topk-decode" / "test-models"
 

@@ -231,7 +231,7 @@ def relative_error(x: torch.Tensor, y: torch.Tensor) -> float:
 @pytest.mark.gpu
 def test_two_gpu_ranks_match_one_gpu(tmp_path, docs_dir, demo_model, monkeypatch):
     """bf16 on 2 GPUs (NCCL): byte-identical to one GPU taking the same (chunked) attention kernels, as a
-    resumed prefill is (README)."""
+    resumed prefill is (docs/USAGE.md "Commands")."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
     import topk_decode.prefill.layerwise as layerwise
