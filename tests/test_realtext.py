@@ -208,14 +208,14 @@ def test_cli_rejects_a_bad_percentage_in_one_line():
     assert "error:" in r.stderr and "abc" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_measure_real_help_prints_the_suite_preset():
+def test_bench_fidelity_help_prints_the_suite_preset():
     r = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "bench_fidelity.py"), "--help"], capture_output=True, text=True
     )
     assert r.returncode == 0 and "routed:rank=keys" in r.stdout and "Traceback" not in r.stderr
 
 
-def test_measure_real_writes_json_and_a_markdown_table_and_skips_unknown_strategies(model_factory, tmp_path, capsys):
+def test_bench_fidelity_writes_json_and_a_markdown_table_and_skips_unknown_strategies(model_factory, tmp_path, capsys):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_fidelity", REPO / "benchmarks" / "bench_fidelity.py")
