@@ -431,6 +431,40 @@ def test_a_client_gone_while_sending_its_body_is_one_log_line_not_a_server_error
     assert "482" in ask(client, QUESTIONS["amber-fox"][0]).choices[0].message.content
 
 
+def test_a_short_question_is_answered_while_a_long_prompt_is_still_going_through(live, client):
+    """Issue 53: the long prompt goes through in pieces that take turns with the short request's prompt and steps
+    (serve/turns.py), so the short answer is whole before the long prompt has its first token (order, not time:
+    the short answer takes at most max_tokens turns, the long prompt ~80 pieces of 256 tokens)."""
+    base, server = live
+    turns = server.worker.turns(server.stores[MODEL])
+    before = turns.turns
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT)
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps({"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 1, "stream": True}),
+        {"Content-Type": "application/json"},
+    )
+    try:
+        assert conn.getresponse().status == 200
+        deadline = time.monotonic() + TIMEOUT
+        while turns.turns == before:  # the long prompt's first piece has gone through
+            assert time.monotonic() < deadline, "the long prompt never started"
+            time.sleep(0.05)
+        long = next(j for j in server.worker.current if len(j.ids) > 10_000)
+        r = ask(client, QUESTIONS["amber-fox"][0], max_tokens=16)
+        assert r.usage.completion_tokens >= 1 and r.choices[0].message.content
+        assert long in server.worker.current and long.completion_tokens == 0  # still in its prompt
+    finally:
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+    deadline = time.monotonic() + TIMEOUT
+    while server.worker.running:
+        assert time.monotonic() < deadline, "the long prompt of a client that left went on"
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_leaves_during_a_long_prompt_frees_the_worker_within_seconds(live, client, stream):
     base, server = live

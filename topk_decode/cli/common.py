@@ -142,6 +142,17 @@ def check_positive(name: str, value: int | None) -> None:
         raise TopkError(f"{name} must be a positive integer, got {value}")
 
 
+# `--prompt-chunk-tokens`, declared once for `topk serve` and `topk bench --streams` (serve/turns.py).
+PromptChunkTokensOption = Annotated[
+    int,
+    typer.Option(
+        "--prompt-chunk-tokens",
+        help="Most prompt tokens run between two decode steps of the answers in progress: a long prompt goes "
+        "through the model in pieces of this many tokens, taking turns with them, so it holds up other requests "
+        "one piece at a time (smaller: shorter waits for the others, a slower long prompt).",
+    ),
+]
+
 # `--threads`, declared once for every command that decodes (chat, serve, bench, eval): see `use_threads`.
 ThreadsOption = Annotated[
     int | None,

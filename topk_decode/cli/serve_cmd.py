@@ -16,6 +16,7 @@ import typer
 from topk_decode.cli.common import (
     KOption,
     KScheduleOption,
+    PromptChunkTokensOption,
     StrategyOption,
     StrategyOptOption,
     ThreadsOption,
@@ -29,6 +30,7 @@ from topk_decode.cli.common import (
 from topk_decode.config import DecodeConfig
 from topk_decode.errors import TopkError
 from topk_decode.serve.schemas import MAX_BODY_MB
+from topk_decode.serve.turns import PROMPT_CHUNK_TOKENS
 from topk_decode.serve.worker import MAX_BATCH
 
 API_KEY_ENV = "TOPK_API_KEY"
@@ -62,6 +64,7 @@ def serve_command(
             help="Requests decoded at once, their one-token steps in one batched model step (1: one request at a time)."
         ),
     ] = MAX_BATCH,
+    prompt_chunk_tokens: PromptChunkTokensOption = PROMPT_CHUNK_TOKENS,
     max_body_mb: Annotated[float, typer.Option(help="Request bodies past this many MB get a 413.")] = MAX_BODY_MB,
     model: Annotated[Path | None, typer.Option(help="Checkpoint dir (default: the one the cache records).")] = None,
     device: Annotated[str | None, typer.Option(help="cuda or cpu (default: cuda when available).")] = None,
@@ -99,6 +102,7 @@ def serve_command(
     """Serve caches over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models; /health, /metrics)."""
     check_positive("k", k)
     check_positive("--max-batch", max_batch)
+    check_positive("--prompt-chunk-tokens", prompt_chunk_tokens)
     check_positive("--max-tokens", max_tokens)
     check_positive("--max-tokens-limit", max_tokens_limit)
     check_positive("--max-queue", max_queue)
@@ -164,6 +168,7 @@ def serve_command(
         cors_origins=origins,
         max_batch=max_batch,
         open_options={name: asked for name in names},
+        prompt_chunk_tokens=prompt_chunk_tokens,
     )
     server.worker.warm_up()
     bound = sock.getsockname()[1]
@@ -178,7 +183,8 @@ def serve_command(
         else ""
     )
     console().print(
-        f"serving {served} on http://{shown}:{bound}/v1 (k={k}{shared}; {batching(max_batch)}). Ctrl-C stops.",
+        f"serving {served} on http://{shown}:{bound}/v1 (k={k}{shared}; {batching(max_batch)}; prompts "
+        f"{prompt_chunk_tokens} tokens at a time between steps). Ctrl-C stops.",
         markup=False,
         soft_wrap=True,
     )

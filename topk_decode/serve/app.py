@@ -37,6 +37,7 @@ from topk_decode.serve.schemas import (
     parse_request,
     too_large,
 )
+from topk_decode.serve.turns import PROMPT_CHUNK_TOKENS
 from topk_decode.serve.worker import MAX_BATCH, WATCH_S, DecodeWorker, Job
 
 OPEN_PATHS = ("/health",)  # answered without the API key: liveness probes carry no credentials
@@ -91,6 +92,7 @@ class Server:
         max_batch: requests decoded at once, their one-token steps batched (1: one at a time).
         open_options, watch_s: how a cache grown by `topk prefill --append` is opened and how often its path is
             checked (`DecodeWorker`); `stores` then follows the versions served.
+        prompt_chunk_tokens: most prompt tokens run between two steps of the running answers (serve/turns.py).
     """
 
     def __init__(
@@ -105,6 +107,7 @@ class Server:
         max_batch: int = MAX_BATCH,
         open_options: dict[str, dict] | None = None,
         watch_s: float | None = WATCH_S,
+        prompt_chunk_tokens: int = PROMPT_CHUNK_TOKENS,
     ) -> None:
         if not stores:
             raise ValueError("a server needs at least one store")
@@ -123,6 +126,7 @@ class Server:
             max_batch=max_batch,
             open_options=open_options,
             watch_s=watch_s,
+            prompt_chunk_tokens=prompt_chunk_tokens,
         )
         self.stores = self.worker.stores  # the versions served: the worker swaps in a cache grown by --append
         self.metrics.watch(self.worker)
@@ -135,6 +139,7 @@ class Server:
         body = {
             "status": "ok",
             "batching": batching(w.max_batch),
+            "prompt_chunk_tokens": w.prompt_chunk_tokens,
             "queue": w.waiting,
             "running": w.running,
             "served": w.served,

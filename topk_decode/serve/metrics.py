@@ -70,7 +70,7 @@ class Metrics:
         )
         self.steps = Counter(
             "topk_steps",
-            "Decoder steps of each request (one generated token, or one prompt); "
+            "Decoder steps of each request (one generated token, or one piece of a prompt: --prompt-chunk-tokens); "
             "a batched step counts once for each request in it",
             ["model"],
             registry=r,

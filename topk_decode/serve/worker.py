@@ -7,7 +7,9 @@ is refused without ever reaching the decoder; then a decoding thread decodes it 
 the request's asyncio queue (`start`, then `text` pieces, then `done`, or one `error`). Each job has
 its own conversation, so concurrent clients never mix theirs; every step holds the model's step lock
 and the one-token steps of the running jobs over one model (whatever their cache) run as one batched
-step. The preparing thread has its own copy of each tokenizer. A job whose client went away is
+step. A prompt goes through the model in pieces of at most `prompt_chunk_tokens` tokens that take turns with the
+running answers' steps (serve/turns.py), so a long prompt delays the others by one piece at a time, not by its
+whole prefill. The preparing thread has its own copy of each tokenizer. A job whose client went away is
 cancelled: it is skipped if still queued, and if running it stops within a layer of its prompt or at
 its next token (the decoder polls `Job.cancelled` through the conversation's `should_stop`). Each
 `text` event carries the text and, when the request asked for logprobs, its tokens' OpenAI logprob entries.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 import os
 import threading
 import time
@@ -32,6 +35,7 @@ from dataclasses import dataclass, field
 from topk_decode.errors import NonFiniteLogits, StepCancelled, TopkError
 from topk_decode.serve.metrics import LOG
 from topk_decode.serve.schemas import APIError, GenerationRequest
+from topk_decode.serve.turns import PROMPT_CHUNK_TOKENS, PromptTurns, check_chunk_tokens
 
 LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token the model gives (almost) no chance; JSON has no -inf
 SLICE_CHARS = 1 << 16  # a long prompt is first counted slice by slice, so a huge one is refused early
@@ -171,6 +175,7 @@ class DecodeWorker:
         open_options: model id → the `KVStore.open` keywords its store was opened with (k, strategy as asked,
             ...), to open a new version of its cache alike; an id not in it: `reopen_options(store)`.
         watch_s: seconds between checks of the served paths for a new version of a cache (None: never).
+        prompt_chunk_tokens: most prompt tokens that run between two steps of the running answers (serve/turns.py).
     """
 
     def __init__(
@@ -181,7 +186,9 @@ class DecodeWorker:
         max_batch: int = MAX_BATCH,
         open_options: dict[str, dict] | None = None,
         watch_s: float | None = WATCH_S,
+        prompt_chunk_tokens: int = PROMPT_CHUNK_TOKENS,
     ) -> None:
+        self.prompt_chunk_tokens = check_chunk_tokens(prompt_chunk_tokens)
         self.stores = dict(stores)
         self.max_queue = max_queue
         self.metrics = metrics
@@ -195,6 +202,7 @@ class DecodeWorker:
             self.rooms[name] = room_of(store)
         self.batchers = []
         self._batcher_of: dict[int, tuple] = {}  # id of a loaded model → (its caches' batcher, their step lock)
+        self._turns_of: dict[int, tuple] = {}  # id of a step lock → (its prompt turns, the lock)
         for store in self.stores.values():
             self._batch(store)
         self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="topk-prepare")
@@ -235,6 +243,13 @@ class DecodeWorker:
             self._batcher_of[id(store.model)] = batcher, lock
             self.batchers.append(batcher)
         batcher.attach([store.decoder])
+
+    def turns(self, store) -> PromptTurns:
+        """The prompt turns of the store's model (made on first use; shared by the caches over that model)."""
+        lock = store.decoder.lock
+        with self._count:
+            turns, _ = self._turns_of.setdefault(id(lock), (PromptTurns(self.prompt_chunk_tokens), lock))
+        return turns
 
     def submit(self, job: Job) -> None:
         """Queue a job (429 when the queue is full, 503 once shutting down).
@@ -533,37 +548,47 @@ class DecodeWorker:
             logprobs=req.logprobs,
         )
         session.conv.should_stop = job.cancelled.is_set  # a client that leaves stops the prompt within a layer
-        pieces = session.complete(job.ids, req.max_tokens)
+        turns = self.turns(store)
         job.emit("start", None)
         stopper, finish = StopText(req.stop), None
         started = req.kind != "chat"  # a chat answer starts at its first non-space character
         first_at, logged = None, 0
+        pieces = None
         try:
-            for piece in pieces:
-                first_at = first_at or time.perf_counter()
-                job.completion_tokens = session.n_generated
-                if job.cancelled.is_set():
-                    finish = "cancelled"
-                    break
-                if not started:
-                    piece = piece.lstrip()
-                    started = bool(piece)
-                out, hit = stopper.feed(piece)
-                entries, logged = self._logprobs(store, session, logged)
-                if out or entries:
-                    job.emit("text", (out, entries))
-                if hit:
-                    finish = "stop"
-                    break
-            else:
-                tail = stopper.flush()
-                entries, logged = self._logprobs(store, session, logged)
-                if tail or entries:
-                    job.emit("text", (tail, entries))
+            # the prompt piece by piece, in turns with the running answers' steps (serve/turns.py); its last piece
+            # and the first token in one turn
+            last = turns.feed(store.decoder, session.conv, job.ids, job.cancelled.is_set)
+            pieces = session.complete(last, req.max_tokens)
+            with turns.turn(job.cancelled.is_set):
+                first = next(pieces, None)
+            with turns.running(session.conv):
+                for piece in itertools.chain([] if first is None else [first], pieces):
+                    first_at = first_at or time.perf_counter()
+                    job.completion_tokens = session.n_generated
+                    if job.cancelled.is_set():
+                        finish = "cancelled"
+                        break
+                    if not started:
+                        piece = piece.lstrip()
+                        started = bool(piece)
+                    out, hit = stopper.feed(piece)
+                    entries, logged = self._logprobs(store, session, logged)
+                    if out or entries:
+                        job.emit("text", (out, entries))
+                    if hit:
+                        finish = "stop"
+                        break
+                    turns.between_steps(job.cancelled.is_set)  # a prompt piece in progress goes first
+                else:
+                    tail = stopper.flush()
+                    entries, logged = self._logprobs(store, session, logged)
+                    if tail or entries:
+                        job.emit("text", (tail, entries))
         except StepCancelled:
             finish = "cancelled"
         finally:
-            pieces.close()  # stops decoding: the conversation is thrown away with the session
+            if pieces is not None:
+                pieces.close()  # stops decoding: the conversation is thrown away with the session
             end = time.perf_counter()
             job.completion_tokens = session.n_generated
             if self.metrics is not None:
