@@ -1,4 +1,5 @@
-"""`topk bench`: decode/prefill speed of top-k decoding beside HF transformers, as JSON + PNG."""
+"""`topk bench`: decode/prefill speed of top-k decoding beside HF transformers, as JSON + PNG; `--streams`:
+concurrent answers as the server runs them (bench/streams.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ from typing import Annotated
 
 import typer
 
-from topk_decode.cli.common import ThreadsOption, say_note, use_threads
+from topk_decode.cli.common import PromptChunkTokensOption, ThreadsOption, say_note, use_threads
+from topk_decode.errors import TopkError
+from topk_decode.serve.turns import PROMPT_CHUNK_TOKENS
 
 
 def bench_command(
@@ -20,8 +23,14 @@ def bench_command(
         ),
     ] = "llama-3-8b",
     context: Annotated[
-        str, typer.Option("--context", "-c", help="Comma-separated context lengths, e.g. 32K,128K,512K,1M.")
-    ] = "32K,128K",
+        str | None,
+        typer.Option(
+            "--context",
+            "-c",
+            help="Comma-separated context lengths, e.g. 32K,128K,512K,1M (default: 32K,128K; with --streams one "
+            "length, default 32K).",
+        ),
+    ] = None,
     systems: Annotated[
         str, typer.Option("--systems", help="Comma-separated: topk, hf-dense, hf-offload.")
     ] = "topk,hf-dense,hf-offload",
@@ -92,8 +101,15 @@ def bench_command(
         bool,
         typer.Option("--compile/--no-compile", help="Fuse each layer's small ops in those graphs with torch.compile."),
     ] = True,
-    device: Annotated[str, typer.Option("--device", help="cuda or cpu.")] = "cuda",
-    dtype: Annotated[str, typer.Option("--dtype", help="bf16, fp16 or fp32.")] = "bf16",
+    device: Annotated[
+        str | None, typer.Option("--device", help="cuda or cpu (default: cuda; with --streams, cuda when available).")
+    ] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--dtype", help="bf16, fp16 or fp32 (default: bf16; with --streams, bf16 on CUDA and fp32 on the CPU)."
+        ),
+    ] = None,
     out: Annotated[
         str, typer.Option("--out", "-o", help="Directory for bench_<model>.json and .png.")
     ] = "bench-results",
@@ -125,6 +141,35 @@ def bench_command(
             min=1,
         ),
     ] = None,
+    streams: Annotated[
+        str | None,
+        typer.Option(
+            "--streams",
+            help="Measure concurrent answers as `topk serve` runs them instead, one row per comma-separated stream "
+            "count (e.g. 1,2,4,8): aggregate tokens/s, each stream's time to first token and inter-token latency "
+            "(p50/p99), over --cache or a --model shape with random KV of one --context length (timing only). Uses "
+            "--steps (tokens per stream), --long-prompt, --prompt-chunk-tokens, --k, --strategy, --opt, --device, "
+            "--dtype, --gpu-memory, --out.",
+        ),
+    ] = None,
+    cache: Annotated[
+        str | None,
+        typer.Option(
+            "--cache",
+            help="With --streams: a cache directory, decoded with the model it was prefilled with (real weights), "
+            "e.g. the demo cache.",
+        ),
+    ] = None,
+    long_prompt: Annotated[
+        str | None,
+        typer.Option(
+            "--long-prompt",
+            help="With --streams: each stream count also runs with one more stream sending a prompt of this many "
+            "tokens (e.g. 20K) first; the short streams' time to first token and inter-token latency are measured "
+            "while it runs.",
+        ),
+    ] = None,
+    prompt_chunk_tokens: PromptChunkTokensOption = PROMPT_CHUNK_TOKENS,
     keep_cache: Annotated[
         str | None,
         typer.Option(
@@ -135,12 +180,21 @@ def bench_command(
     ] = None,
 ) -> None:
     """Measure decode tokens/s (with a per-step breakdown), peak GPU memory and CPU RSS of top-k decoding
-    beside HF transformers dense and offloaded decoding, at several context lengths."""
+    beside HF transformers dense and offloaded decoding, at several context lengths; with --streams, concurrent
+    answers as `topk serve` runs them (throughput, time to first token, inter-token latency)."""
     use_threads(threads)
     from topk_decode.bench.measure import parse_bytes, parse_tokens
     from topk_decode.bench.run import BenchConfig, run_bench, smoke_config
     from topk_decode.cli.common import parse_options
 
+    for option, given in (("--cache", cache), ("--long-prompt", long_prompt)):
+        if given is not None and streams is None:
+            raise TopkError(f"{option} goes with --streams")
+    if streams is not None:
+        _streams(streams, cache, long_prompt, prompt_chunk_tokens, model, context, k, strategy, opt, steps, device,
+                 dtype, gpu_memory, out)  # fmt: skip
+        return
+    device, dtype, context = device or "cuda", dtype or "bf16", context or "32K,128K"
     if prefill_only:
         _prefill_scaling(model, context, gpus, layers, prefill_chunk, device, dtype, out, smoke, keep_cache)
         return
@@ -179,11 +233,84 @@ def bench_command(
     )
 
 
+def _streams(
+    streams, cache, long_prompt, chunk, model, context, k, strategy, opt, steps, device, dtype, gpu_memory, out
+):
+    """`--streams`: concurrent answers as the server runs them (bench/streams.py), one table row per run."""
+    from topk_decode.bench.measure import parse_bytes, parse_tokens
+    from topk_decode.bench.streams import StreamsConfig, run_streams
+    from topk_decode.cli.common import parse_options
+
+    try:
+        counts = [int(n) for n in streams.split(",") if n.strip()]
+    except ValueError:
+        raise TopkError(f"--streams must list stream counts such as 1,2,4,8, got {streams!r}") from None
+    lengths = [c for c in (context or "32K").split(",") if c.strip()]
+    if cache is None and len(lengths) != 1:
+        raise TopkError(f"--streams runs over one --context length, got {context!r}")
+    cfg = StreamsConfig(
+        streams=counts,
+        steps=steps,
+        long_prompt=parse_tokens(long_prompt) if long_prompt is not None else 0,
+        prompt_chunk_tokens=chunk,
+        cache=cache,
+        model=model,
+        context=parse_tokens(lengths[0]) if cache is None else 0,
+        k=k,
+        strategy=strategy,
+        strategy_options=parse_options(opt),
+        device=device,
+        dtype=dtype,
+        gpu_memory=parse_bytes(gpu_memory) if gpu_memory else None,
+        out=out,
+    )
+    data = run_streams(cfg, log=lambda line: typer.echo(line, err=True))
+    _print_streams(data)
+    if data["timing_only"]:
+        say_note("random weights or random KV: the rows are timing only (their tokens mean nothing)")
+    say_note(f"results: {data['path']}")
+
+
+def _print_streams(data: dict) -> None:
+    """One line per row: streams, long prompt, tokens, tok/s, TTFT p50/max, ITL p50/p99, and during the long prompt
+    its prefill seconds, the short streams' ITL p99 then, and whether their first tokens came before its own."""
+    from rich.table import Table
+
+    from topk_decode.cli.common import console
+
+    t = Table(title=f"topk bench --streams — {data['what']}")
+    long = any(r["long_prompt_tokens"] for r in data["rows"])
+    cols = ["streams", "long prompt", "tokens", "tok/s", "TTFT p50 ms", "TTFT max ms", "ITL p50 ms", "ITL p99 ms"]
+    cols += ["long prefill s", "ITL p99 during ms", "firsts before long"] if long else []
+    for col in cols:
+        t.add_column(col)
+    fmt = lambda v, f="{:,.1f}": "" if v is None else f.format(v)  # noqa: E731
+    for r in data["rows"]:
+        cells = [
+            str(r["streams"]),
+            f"{r['long_prompt_tokens']:,}" if r["long_prompt_tokens"] else "",
+            str(r["tokens_generated"]),
+            fmt(r["tokens_per_s"], "{:,.2f}"),
+            fmt(r["ttft_ms_p50"]),
+            fmt(r["ttft_ms_max"]),
+            fmt(r["itl_ms_p50"]),
+            fmt(r["itl_ms_p99"]),
+        ]
+        if long:
+            on = bool(r["long_prompt_tokens"])
+            cells += [
+                fmt(r.get("long_prefill_s"), "{:,.2f}") if on else "",
+                fmt(r.get("itl_during_long_ms_p99")) if on else "",
+                ("yes" if r["short_first_tokens_before_long"] else "no") if on else "",
+            ]
+        t.add_row(*cells)
+    console().print(t)
+
+
 def _prefill_scaling(model, context, gpus, layers, chunk, device, dtype, out, smoke, keep_cache) -> None:
     """`--prefill-only`: the sequence-parallel prefill on each rank count (bench/scaling.py)."""
     from topk_decode.bench.measure import parse_tokens
     from topk_decode.bench.scaling import ScalingConfig, run_scaling, smoke_scaling_config
-    from topk_decode.errors import TopkError
 
     try:
         counts = [int(g) for g in gpus.split(",") if g.strip()]
