@@ -79,6 +79,20 @@ def test_short_streams_get_their_first_tokens_while_the_long_prompt_goes_through
         assert r["turns_waited_out"] == 0
 
 
+def test_with_pieces_as_long_as_the_prompt_the_short_streams_wait_for_all_of_it(demo_cache, tmp_path):
+    """--prompt-chunk-tokens ≥ the long prompt is the server before issue 53: the long prompt in one step, and the
+    short stream's first token only after the long prompt's."""
+    args = ["bench", "--streams", "1", "--cache", str(demo_cache), "--device", "cpu", "--k", "64"]
+    args += ["--steps", str(STEPS), "--long-prompt", str(LONG), "--prompt-chunk-tokens", str(LONG)]
+    args += ["--out", str(tmp_path)]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    rows = json.loads((tmp_path / "bench_streams_demo-cache.json").read_text())["rows"]
+    (row,) = [r for r in rows if r["long_prompt_tokens"]]
+    check_row(row, 1)
+    assert row["short_first_tokens_before_long"] is False and row["itl_during_long_count"] == 0
+
+
 def test_the_table_and_the_note_are_printed(demo_run):
     _, res = demo_run
     assert "topk bench --streams" in res.stdout and "TTFT p50 ms" in res.stdout and "firsts before long" in res.stdout

@@ -12,8 +12,9 @@ Per row (a stream count S), measured from the moment the streams start:
   gaps between its tokens), as p50/p99 over the row (`ttft_ms_*`, `itl_ms_*`) and per stream (`per_stream`).
 
 With `long_prompt` = T, each stream count gets a second row in which one more stream sends a T-token prompt first;
-the S short streams start once its first piece has gone through, so their TTFT and ITL are those of requests arriving
-during a long prompt. That row adds the long prompt's prefill time (`long_prefill_s`, to its first token), the short
+the S short streams start as its first piece begins (a whole piece ahead of them: the worst time to arrive), so their
+TTFT and ITL are those of requests arriving during a long prompt. `prompt_chunk_tokens` ≥ T is the server as it was
+before pieces (issue 53): the long prompt in one step, the short streams waiting for all of it. That row adds the long prompt's prefill time (`long_prefill_s`, to its first token), the short
 streams' ITL over the gaps that ended before it (`itl_during_long_ms_*`), and `short_first_tokens_before_long`:
 whether every short stream had its first token before the long prompt had its own.
 
@@ -183,7 +184,7 @@ class _Stream:
             last = self.turns.feed(d, conv, self.prompt)
             with self.turns.turn():
                 tok = int(torch.argmax(d.forward(last, conv)))
-            self.times.append(time.perf_counter())
+                self.times.append(time.perf_counter())
             with self.turns.running(conv):
                 for _ in range(self.steps - 1):
                     self.turns.between_steps()
@@ -218,9 +219,9 @@ def run_row(decoder, prompt, streams: int, steps: int, long_prompt: int, chunk: 
     try:
         for s in shorts + ([long] if long else []):
             s.thread.start()
-        if long is not None:  # the short streams arrive once the long prompt's prefill is under way
+        if long is not None:  # the short streams arrive as the long prompt's first piece begins: a whole piece ahead
             long.go.set()
-            while long.conv.stats.steps == 0 and long.thread.is_alive():
+            while not turns.busy and long.thread.is_alive():
                 time.sleep(0.001)
         for s in shorts:
             s.go.set()
