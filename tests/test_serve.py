@@ -434,7 +434,7 @@ def test_a_client_gone_while_sending_its_body_is_one_log_line_not_a_server_error
 def test_a_short_question_is_answered_while_a_long_prompt_is_still_going_through(live, client):
     """Issue 53: the long prompt goes through in pieces that take turns with the short request's prompt and steps
     (serve/turns.py), so the short answer is whole before the long prompt has its first token (order, not time:
-    the short answer takes at most max_tokens turns, the long prompt ~80 pieces of 256 tokens)."""
+    the short answer takes at most max_tokens turns, the long prompt ~310 pieces of 64 tokens)."""
     base, server = live
     turns = server.worker.turns(server.stores[MODEL])
     before = turns.turns

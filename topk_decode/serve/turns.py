@@ -34,7 +34,7 @@ from contextlib import contextmanager
 
 from topk_decode.errors import StepCancelled
 
-PROMPT_CHUNK_TOKENS = 256  # prompt tokens per turn by default (`topk serve --prompt-chunk-tokens`)
+PROMPT_CHUNK_TOKENS = 64  # prompt tokens per turn by default (`topk serve --prompt-chunk-tokens`)
 MAX_WAIT_S = 5.0  # longest wait for the running answers' steps before a piece goes anyway (a safety net)
 POLL_S = 0.002  # how often the next piece looks at the running answers' step counts
 CANCEL_POLL_S = 0.1  # how often a request waiting for a turn (or for a piece to end) looks at its cancel flag
