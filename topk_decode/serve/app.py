@@ -1,5 +1,5 @@
-"""The ASGI app: OpenAI's /v1/chat/completions, /v1/completions, /v1/models and /v1/models/{id}, plus /health and
-/metrics.
+"""The ASGI app: OpenAI's /v1/chat/completions, /v1/completions, /v1/models and /v1/models/{id}, plus /health,
+/metrics and /v1/passage (the text around an answer's source).
 
 Every served cache is a model id; a request's `model` picks its cache. Each request is a fresh
 conversation over that cache's documents (the client sends the whole history, as with OpenAI); see
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import hmac
 import json
 import time
@@ -28,6 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from topk_decode.serve.metrics import CONTENT_TYPE, LOG, Metrics
+from topk_decode.serve.passages import AROUND_TOKENS, MAX_AROUND, passage
 from topk_decode.serve.schemas import (
     MAX_BODY_MB,
     APIError,
@@ -35,13 +37,15 @@ from topk_decode.serve.schemas import (
     model_not_found,
     parse_json,
     parse_request,
+    served_model,
     too_large,
 )
 from topk_decode.serve.worker import MAX_BATCH, WATCH_S, DecodeWorker, Job
 
 OPEN_PATHS = ("/health",)  # answered without the API key: liveness probes carry no credentials
 QUIET_PATHS = ("/health", "/metrics")  # polled every few seconds: logged only when they fail
-ROUTES = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
+ROUTES = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/passage")
+PASSAGE_PARAMS = ("model", "document", "start", "end", "around")
 MODEL_ROUTE = "/v1/models/{model}"  # GET /v1/models/ID: counted under this route, whatever the id
 CLIENT_CLOSED = 499  # nginx's "client closed request": the status of a request whose client left before its answer
 SENDING_GONE = "client disconnected while sending its request"
@@ -115,6 +119,7 @@ class Server:
         self.default_max_tokens = min(default_max_tokens, max_tokens_limit)
         self.api_key = api_key
         self.cors_origins = tuple(cors_origins)
+        self._passage_tokenizers: dict = {}  # model id → a tokenizer copy of its own, for /v1/passage
         self.metrics = Metrics()
         self.worker = DecodeWorker(
             self.stores,
@@ -184,6 +189,42 @@ class Server:
             return _error(model_not_found(name, self.model_ids))
         request.state.model = name  # the metrics' model label (only for a served id: the label set stays bounded)
         return JSONResponse(self.model_card(name))
+
+    async def passage(self, request: Request) -> Response:
+        """GET /v1/passage?model=ID&document=NAME&start=T&end=T&around=N: the text of a cache's document around
+        context tokens [start, end) (a source's `span`), bounded (serve/passages.py); 4xx JSON on bad input."""
+        query = request.query_params
+        try:
+            unknown = sorted(set(query) - set(PASSAGE_PARAMS))
+            if unknown:
+                raise APIError(
+                    400,
+                    f"unknown parameter {unknown[0]!r}; GET /v1/passage takes {', '.join(PASSAGE_PARAMS)}",
+                    param=unknown[0],
+                    code="unknown_parameter",
+                )
+            name = served_model(query.get("model"), self.model_ids)
+            request.state.model = name
+            document = query.get("document")
+            if not document:
+                raise APIError(
+                    400,
+                    "document is required: a name from the answer's sources",
+                    param="document",
+                    code="missing_required_parameter",
+                )
+            start, end = _int_param(query, "start"), _int_param(query, "end")
+            around = _int_param(query, "around")
+            around = AROUND_TOKENS if around is None else around
+            if around > MAX_AROUND:
+                raise APIError(400, f"around must be in 0..{MAX_AROUND}, got {around}", param="around")
+            store = self.stores[name]
+            if name not in self._passage_tokenizers:  # the decoding threads use the store's own
+                self._passage_tokenizers[name] = copy.deepcopy(store.tokenizer)
+            body = passage(store, self._passage_tokenizers[name], document, start, end, around)
+        except APIError as e:
+            return _error(e)
+        return JSONResponse({**body, "model": name})
 
     # ---- generation ---------------------------------------------------------------------------------
     async def chat(self, request: Request):
@@ -298,6 +339,16 @@ class Server:
                     yield _sse({**base, "choices": [], "usage": _usage(value)})
                 break
         yield "data: [DONE]\n\n"
+
+
+def _int_param(query, name: str) -> int | None:
+    """A query parameter that must be a non-negative integer (None when absent; APIError otherwise)."""
+    value = query.get(name)
+    if value is None:
+        return None
+    if not (value.isascii() and value.isdigit() and len(value) <= 18):
+        raise APIError(400, f"{name} must be a non-negative integer, got {value[:40]!r}", param=name)
+    return int(value)
 
 
 def _logprobs(req: GenerationRequest, entries: list[dict], offset: int) -> dict | None:
@@ -449,6 +500,7 @@ def create_app(server: Server) -> Starlette:
         Route("/v1/models/{model:path}", server.model, methods=["GET"]),  # an id may hold a slash (org/name)
         Route("/v1/chat/completions", server.chat, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/passage", server.passage, methods=["GET"]),
     ]
 
     @contextlib.asynccontextmanager
