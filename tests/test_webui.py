@@ -357,12 +357,12 @@ def browser():
 
 @pytest.fixture
 def open_page(browser):
-    """open_page(server, bypass_csp=False) → a page of a fresh browser context (empty storage) on the server's
-    chat page. At the end every request the pages made must have gone to that server, and no page may have
+    """open_page(server, bypass_csp=False, goto=True) → a page of a fresh browser context (empty storage) on the
+    server's chat page (goto=False: not opened yet). At the end every request the pages made must have gone to that server, and no page may have
     logged an error (a script error, a blocked resource, a Content-Security-Policy violation)."""
     contexts, seen, problems = [], [], []
 
-    def open_(server: Served, bypass_csp: bool = False):
+    def open_(server: Served, bypass_csp: bool = False, goto: bool = True):
         context = browser.new_context(bypass_csp=bypass_csp, viewport={"width": 1100, "height": 720})
         context.set_default_timeout(TIMEOUT * 1000)
         contexts.append((context, server.base))
@@ -377,7 +377,8 @@ def open_page(browser):
                 and problems.append(f"console error: {m.text}")
             ),
         )
-        page.goto(server.base + "/")
+        if goto:
+            page.goto(server.base + "/")
         return page
 
     def elsewhere() -> list[str]:
@@ -433,6 +434,28 @@ def test_a_question_streams_its_answer_and_names_its_sources(served, open_page):
     sources = answer.get_by_role("listitem")
     expect(sources.first).to_contain_text("01_kelorn_harbour.txt")
     assert sources.count() >= 2 and all(re.search(r"\d+%$", t) for t in sources.all_inner_texts())
+
+
+@pytest.mark.browser
+def test_a_question_sent_before_the_caches_are_listed_waits_for_them(served, open_page):
+    from playwright.sync_api import expect
+
+    page = open_page(served, goto=False)
+    held = []
+    page.route(
+        "**/v1/models", lambda route: held.append(route)
+    )  # the list of caches held back until the question is sent
+    page.goto(served.base + "/")
+    question = QUESTIONS["amber-fox"][0]
+    page.get_by_label("Question").fill(question)
+    page.get_by_label("Question").press("Enter")
+    while not held:
+        page.wait_for_timeout(50)
+    assert answers(page).count() == 0 and page.get_by_label("Question").input_value() == question
+    held[0].continue_()
+    answer = finished(answers(page).first)
+    expect(answer.locator(".content")).to_have_text("The special magic number for amber-fox is 482.")
+    expect(page.get_by_label("Question")).to_have_value("")
 
 
 @pytest.mark.browser

@@ -148,15 +148,24 @@
   }
 
   // ---- models (the served caches) -------------------------------------------------------------------
-  async function loadModels() {
+  let modelsLoaded = Promise.resolve(); // the last loadModels(): a question sent before it ends waits for it
+
+  function loadModels() {
+    modelsLoaded = listModels();
+    return modelsLoaded;
+  }
+
+  async function listModels() {
     const picker = $("model");
     try {
       const response = await withKey(() => api("/v1/models"));
       state.models = (await response.json()).data || [];
     } catch (e) {
-      notice(errorText(e));
+      state.modelsError = errorText(e);
+      notice(state.modelsError);
       return;
     }
+    state.modelsError = "";
     picker.replaceChildren();
     for (const m of state.models) {
       const option = el("option", null, m.id);
@@ -667,12 +676,23 @@
   }
 
   function start() {
-    $("ask").addEventListener("submit", (event) => {
+    let submitting = false;
+    $("ask").addEventListener("submit", async (event) => {
       event.preventDefault();
-      const question = $("prompt").value;
-      if (!question.trim() || state.controller || !$("model").value) return;
-      $("prompt").value = "";
-      send(question);
+      if (submitting || state.controller || !$("prompt").value.trim()) return;
+      submitting = true;
+      try {
+        if (!$("model").value) await modelsLoaded; // sent before the caches were listed: once they are
+        if (!$("model").value) {
+          notice("There is no cache to ask. " + (state.modelsError || "The server lists none."));
+          return;
+        }
+        const question = $("prompt").value;
+        $("prompt").value = "";
+        send(question);
+      } finally {
+        submitting = false;
+      }
     });
     $("prompt").addEventListener("keydown", (event) => {
       if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
