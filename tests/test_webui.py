@@ -339,9 +339,10 @@ def no_browser(reason: str):
 @pytest.fixture(scope="module")
 def browser():
     try:
-        from playwright.sync_api import Error, sync_playwright
+        from playwright.sync_api import Error, expect, sync_playwright
     except ImportError:
         no_browser("the browser tests need Playwright: pip install playwright (the dev extra)")
+    expect.set_options(timeout=TIMEOUT * 1000)  # a slow shared CPU: every expectation waits as long as a request
     with sync_playwright() as p:
         path = chromium_path()
         try:
