@@ -25,7 +25,8 @@ def markdown_files() -> list[Path]:
     out = []
     for path in sorted(ROOT.rglob("*.md")):
         rel = path.relative_to(ROOT)
-        if any(part in SKIP_DIRS or part.endswith(".egg-info") for part in rel.parts):
+        # hidden folders (.git, a contributor's scratch copies) hold no page of the repository
+        if any(part in SKIP_DIRS or part.startswith(".") or part.endswith(".egg-info") for part in rel.parts[:-1]):
             continue
         out.append(path)
     return out

@@ -10,6 +10,10 @@ graphs off). Qwen's group of 7 query heads per KV head is what the tiny test mod
 Needs a CUDA GPU and the model: TOPK_REAL_GGUF=path/to/Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf (or an HF directory;
 `python tools/fetch_real_models.py --dir models --only qwen0.5b` fetches it). Run on the GPU host:
     TOPK_REAL_GGUF=... python -m pytest -m gpu tests/test_gpu_real.py
+
+A dry run of the tests' own code on a CPU (before a GPU session; nothing it prints is a figure):
+    TOPK_REAL_GGUF=topk_decode/demo_model TOPK_REAL_DEVICE=cpu TOPK_REAL_LENGTH=3000 python -m pytest -m gpu \
+        tests/test_gpu_real.py -k "cli or serve or one_token or 'auto]'"
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-LENGTH = 12_288  # context tokens: above auto's EXACT_MAX_TOKENS (8,192), so auto runs routed rank=keys
+# context tokens: above auto's EXACT_MAX_TOKENS (8,192), so auto runs routed rank=keys
+LENGTH = int(os.environ.get("TOPK_REAL_LENGTH", 12_288))
+DEVICE = os.environ.get("TOPK_REAL_DEVICE", "cuda")  # cpu: a dry run of the tests' code (above)
 SEED = 100  # held out: the suite's seeds are below it
 TASKS = ["real_needle", "real_multi_key", "real_vt", "real_qa"]
 PER_TASK = 3  # 12 questions
@@ -77,7 +83,7 @@ def real(tmp_path_factory):
                 root / "docs",
                 caches[kv],
                 model_dir,
-                device="cuda",
+                device=DEVICE,
                 kv_dtype="int8" if kv == "int8" else None,
                 overwrite=True,
             )
@@ -95,7 +101,7 @@ def open_store(cache: Path, strategy: str, options: dict, kwargs: dict, dense: b
         from topk_decode.store.cache_dir import open_cache
 
         kwargs["k"] = open_cache(cache, verify=False).n_tokens  # flat over every context token: dense attention
-    store = KVStore.open(cache, strategy=strategy, strategy_options=options, device="cuda", **kwargs)
+    store = KVStore.open(cache, strategy=strategy, strategy_options=options, device=DEVICE, **kwargs)
     if graphs is False:  # the same segments, run eagerly on the GPU (no capture)
         real_segments = engine.StepSegments
         engine.StepSegments = lambda *a, **kw: real_segments(*a, **{**kw, "capture": False})  # noqa: E731
@@ -174,7 +180,7 @@ def test_cli_chat_prompt_gives_dense_answer(real):
     for i in (0, 3):
         q = suite.questions[i]
         cmd = [sys.executable, "-m", "topk_decode.cli.app", "chat", str(caches["bf16"]), "--prompt", q.question]
-        cmd += ["--max-new-tokens", str(q.max_new_tokens)]
+        cmd += ["--max-new-tokens", str(q.max_new_tokens), "--device", DEVICE]
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, run.stderr[-2000:]
         assert dense["bf16"][i][0].strip() in run.stdout, (run.stdout[-500:], dense["bf16"][i][0])

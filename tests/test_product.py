@@ -128,3 +128,21 @@ def test_the_suite_runs_end_to_end_on_the_demo_model(tmp_path):
     assert set(run["answers"]) == {"dense", "flat"} and len(run["answers"]["flat"]) == 1
     assert [(r["setting"], r["n"]) for r in results["table"]] == [("flat", 1)]
     assert "| 1,200 | flat | 1 |" in (out / "product.md").read_text()
+
+
+def test_a_setting_that_cannot_open_is_reported_and_the_others_run(tmp_path):
+    import json
+    from pathlib import Path
+
+    import topk_decode
+    from topk_decode.eval.product import main
+
+    demo = Path(topk_decode.__file__).parent / "demo_model"
+    out = tmp_path / "out"
+    argv = ["--model", str(demo), "--lengths", "1200", "--seeds", "0", "--per-task", "1", "--tasks", "real_needle"]
+    argv += ["--settings", "dense,duo,flat", "--k", "64", "--device", "cpu", "--work", str(tmp_path / "w")]
+    assert main([*argv, "--out", str(out)]) == 0  # duo without its head pattern cannot open
+    (run,) = json.loads((out / "product.json").read_text())["runs"]
+    assert set(run["answers"]) == {"dense", "flat"}
+    assert "head pattern" in run["placements"]["duo"]["error"]
+    assert "not run: duo: duo needs a head pattern" in (out / "product.md").read_text()

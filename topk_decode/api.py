@@ -23,6 +23,22 @@ from topk_decode.prefill.layerwise import CHUNK_SIZE
 from topk_decode.store.cache_dir import ContextKV, open_cache
 
 
+def decode_config(config: DecodeConfig | None = None, **fields) -> DecodeConfig:
+    """`config` (default: DecodeConfig()) with the given fields replaced (None: left as it is), validated by name;
+    its strategy options copied, never shared with the caller's."""
+    from dataclasses import fields as dataclass_fields
+    from dataclasses import replace
+
+    known = {f.name for f in dataclass_fields(DecodeConfig) if f.name != "n_layers"}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise TopkError(f"unknown decoding option {unknown[0]!r}; DecodeConfig has: {', '.join(sorted(known))}")
+    given = {name: value for name, value in fields.items() if value is not None}
+    out = replace(config or DecodeConfig(), **given)
+    out.strategy_options = dict(out.strategy_options or {})
+    return out
+
+
 class KVStore:
     """A prefilled context on disk, opened for top-k decoding.
 
@@ -119,65 +135,45 @@ class KVStore:
     def open(
         cls,
         path: str | os.PathLike,
-        k: int = DecodeConfig.k,
-        strategy: str = DecodeConfig.strategy,
+        k: int | None = None,
+        strategy: str | None = None,
         *,
+        config: DecodeConfig | None = None,
         model: str | os.PathLike | None = None,
         device: str | None = None,
         dtype: str | None = None,
-        k_per_layer: list[int] | None = None,
-        k_schedule: str = DecodeConfig.k_schedule,
-        n_sink: int = DecodeConfig.n_sink,
-        n_tail: int = DecodeConfig.n_tail,
-        strategy_options: dict | None = None,
         verify: bool | None = None,
         progress: Callable[[int, int], None] | None = None,
-        compile: bool = DecodeConfig.compile,
-        prompt_chunk: int = DecodeConfig.prompt_chunk,
-        prompt_scratch_mib: int = DecodeConfig.prompt_scratch_mib,
-        max_window_tokens: int = DecodeConfig.max_window_tokens,
         share_model: KVStore | None = None,
+        **overrides,
     ) -> KVStore:
         """Open a cache for decoding: the model goes to the device, the context KV stays memory-mapped.
 
+        How it decodes is a `DecodeConfig` (topk_decode/config.py: k, strategy and its options, sinks and tail,
+        compile, prompt chunks, window limit ...): `config`, with any of its fields given by name overriding it
+        (`KVStore.open(cache, k=512, strategy="flat")`, `KVStore.open(cache, config=cfg, n_tail=128)`).
+        A RoPE scaling the prefill declared (recorded as model.rope_scaling) is declared in the model's config
+        again, so decode rotates queries as the prefill rotated the cached keys.
+
         Args:
             path: the cache directory.
-            k: context tokens retrieved per query head and layer.
-            strategy: selection strategy name: "auto" (default: exact "flat" on short contexts, "routed"
-                on long ones; `store.strategy_reason` says which and why), "flat", "routed", ...
+            k, strategy: DecodeConfig's k and strategy ("auto", the default, picks exact `flat` on short contexts
+                and `routed` on long ones; `store.strategy_reason` says which and why).
+            config: the DecodeConfig to start from (default: DecodeConfig()'s defaults).
             model: checkpoint directory or GGUF file (default: the one recorded in the cache); its
                 fingerprint must match.
             device: "cuda" / "cpu" (default: CUDA when available).
             dtype: compute dtype (default: bf16 on CUDA, fp32 on CPU).
-            k_per_layer: per-layer budgets instead of one k.
-            k_schedule: "uniform" or "linear" (k increasing over layers at the same total budget).
-            n_sink, n_tail: first/last context tokens kept in the exact GPU window.
-            strategy_options: options of the strategy.
             verify: hash every cache file (True), sizes only (False), or auto (None: caches ≤ 2 GiB).
             progress: callback(done, total) while the strategy builds its indices.
-            compile: on CUDA, compile the one-token step with torch.compile (DecodeConfig.compile).
-            prompt_chunk: a longer prompt runs through the model in chunks of this many tokens (bounded memory).
-            prompt_scratch_mib: over a long context, chunks shrink so that their search scratch stays
-                within this many MiB (DecodeConfig).
-            max_window_tokens: most tokens a conversation may add after the context; a longer prompt gets
-                a TopkError (DecodeConfig).
             share_model: an open store of a cache made with the same model: this store decodes with its
                 model, tokenizer and step lock (the weights once on the device; `model`, `device` and
                 `dtype` are then its). A cache of another model is a TopkError.
+            **overrides: DecodeConfig fields by name (k_per_layer, k_schedule, strategy_options, n_sink, n_tail,
+                compile, prompt_chunk, prompt_scratch_mib, max_window_tokens, host_embedding); another name is
+                a TopkError naming them.
         """
-        config = DecodeConfig(
-            k=k,
-            k_per_layer=k_per_layer,
-            k_schedule=k_schedule,
-            strategy=strategy,
-            strategy_options=dict(strategy_options or {}),
-            n_sink=n_sink,
-            n_tail=n_tail,
-            compile=compile,
-            prompt_chunk=prompt_chunk,
-            prompt_scratch_mib=prompt_scratch_mib,
-            max_window_tokens=max_window_tokens,
-        )
+        config = decode_config(config, k=k, strategy=strategy, **overrides)
         ckv = open_cache(path, verify=verify)
         config.validate(ckv.n_layers)
         recorded = ckv.manifest["model"]

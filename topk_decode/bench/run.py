@@ -30,7 +30,7 @@ import torch
 from topk_decode.bench.hf import fits_hf, hf_decode, hf_greedy_tokens, weights_bytes
 from topk_decode.bench.measure import GIB, anon_huge_pages, cpu_rss, is_oom, peak_gpu, release, set_gpu_budget
 from topk_decode.bench.shapes import build_model, has_real_weights
-from topk_decode.bench.synthetic import kv_bytes, kv_in_memory, quantize_kv, synthetic_kv
+from topk_decode.bench.synthetic import kv_bytes, kv_in_memory, synthetic_kv
 from topk_decode.config import DecodeConfig
 from topk_decode.cpus import usable_cpus
 from topk_decode.decode.engine import TopKDecoder
@@ -40,6 +40,7 @@ from topk_decode.model.blocks import ModelShape
 from topk_decode.prefill.layerwise import prefill_layers
 from topk_decode.store.format import check_kv_dtype
 from topk_decode.store.huge_pages import available_bytes
+from topk_decode.store.quant import quantize_context
 
 SYSTEMS = ("topk", "hf-dense", "hf-offload")
 FIRST_TOKEN = 5  # the first decoded input after the context, of the top-k rows and of their dense reference
@@ -495,7 +496,7 @@ def _run_topk(rec, model, shape, tokens, kv, source, cfg, device, dtype, budget,
         )
         rec.data.setdefault("synthetic_build_s", {})[str(n)] = round(time.perf_counter() - t, 1)
     if cfg.kv_dtype is not None and not ckv.quantized:  # a prefill's KV, stored as the cache would store it
-        ckv = quantize_kv(ckv)
+        ckv = quantize_context(ckv)
     release(device)
     set_gpu_budget(device, budget)
     for name in strategies(cfg):

@@ -141,26 +141,3 @@ def kv_in_memory(keys: list[torch.Tensor], values: list[torch.Tensor], tokens: l
     manifest = shape_manifest(L, hkv, d, n, keys[0].dtype, model_type)
     manifest["synthetic"] = False
     return ContextKV(path=Path("<memory>"), manifest=manifest, tokens=list(tokens), keys=keys, values=values)
-
-
-def quantize_kv(ckv: ContextKV) -> ContextKV:
-    """An in-RAM context's KV as `topk prefill --kv-dtype int8` stores it (store/quant.py), layer by layer (the
-    float tensors of a layer are dropped once its int8 ones exist)."""
-    key_scales, value_scales = [], []
-    for layer in range(ckv.n_layers):
-        (ckv.keys[layer], ks), (ckv.values[layer], vs) = (
-            quantize_keys(ckv.keys[layer]),
-            quantize_values(ckv.values[layer]),
-        )
-        key_scales.append(ks)
-        value_scales.append(vs)
-    manifest = dict(ckv.manifest, kv_dtype=QUANTIZED)
-    return ContextKV(
-        path=ckv.path,
-        manifest=manifest,
-        tokens=ckv.tokens,
-        keys=ckv.keys,
-        values=ckv.values,
-        key_scales=key_scales,
-        value_scales=value_scales,
-    )

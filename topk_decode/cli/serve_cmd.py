@@ -98,8 +98,17 @@ def serve_command(
         list[str] | None,
         typer.Option(help="A browser origin allowed to call the API, e.g. https://app.example.com, or * (repeatable)."),
     ] = None,
+    webui: Annotated[
+        bool,
+        typer.Option(
+            "--webui/--no-webui",
+            help="Serve the chat page at / (answers with their sources; the API key asked in the page). "
+            "--no-webui: / is a 404; the API is the same either way.",
+        ),
+    ] = True,
 ) -> None:
-    """Serve caches over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models; /health, /metrics)."""
+    """Serve caches over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models; /health, /metrics) and a
+    chat page at /."""
     check_positive("k", k)
     check_positive("--max-batch", max_batch)
     check_positive("--prompt-chunk-tokens", prompt_chunk_tokens)
@@ -169,6 +178,7 @@ def serve_command(
         max_batch=max_batch,
         open_options={name: asked for name in names},
         prompt_chunk_tokens=prompt_chunk_tokens,
+        webui=webui,
     )
     server.worker.warm_up()
     bound = sock.getsockname()[1]
@@ -188,6 +198,8 @@ def serve_command(
         markup=False,
         soft_wrap=True,
     )
+    if webui:
+        console().print(f"chat page: http://{shown}:{bound}/", markup=False, soft_wrap=True)
     if api_key is None and not loopback(host):
         say_note("the server has no API key (--allow-no-key): anyone who can reach this address can use it")
     log_requests()

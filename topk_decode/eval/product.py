@@ -147,6 +147,8 @@ def run(args) -> dict:
     settings = parse_settings(args.settings.split(","), args.k, args.as_budget, cfg.num_hidden_layers)
     if settings[0].name != DENSE:
         raise SystemExit("error: the first setting must be dense (every other one is compared with it)")
+    from topk_decode.errors import TopkError
+
     results: dict = {"model": str(args.model), "runs": []}
     for length in [int(x) for x in args.lengths.split(",")]:
         for seed in seeds_of(args.seeds):
@@ -161,7 +163,12 @@ def run(args) -> dict:
             done["answers"] = {}
             results["runs"].append(done)
             for s in settings:  # saved after every setting: a run cut short keeps what it asked
-                store = open_store(cache, s, _n_tokens(cache), args.device)
+                try:
+                    store = open_store(cache, s, _n_tokens(cache), args.device)
+                except TopkError as e:  # this setting cannot run here (a missing option, an int8 cache ...)
+                    done["placements"][s.name] = {"error": str(e)}
+                    print(f"[{length} seed {seed}] {s.name}: error: {e}", flush=True)
+                    continue
                 try:
                     t1 = time.perf_counter()
                     done["answers"][s.name] = [asdict(a) for a in ask_all(store, suite.questions)]
@@ -175,9 +182,16 @@ def run(args) -> dict:
                 _remove(cache)
     results["table"] = table(results, [s.name for s in settings])
     (out / "product.json").write_text(json.dumps(results, indent=1))
-    (out / "product.md").write_text(markdown(results["table"]))
-    print(markdown(results["table"]))
+    text = markdown(results["table"]) + not_run(results)
+    (out / "product.md").write_text(text)
+    print(text)
     return results
+
+
+def not_run(results: dict) -> str:
+    """A line per setting that could not be opened, with why (markdown)."""
+    errors = {n: p["error"] for r in results["runs"] for n, p in r.get("placements", {}).items() if "error" in p}
+    return "".join(f"\nnot run: {name}: {why}\n" for name, why in errors.items())
 
 
 def _prefill(docs: Path, cache: Path, model_dir: Path, args) -> None:
@@ -291,8 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "product.json").write_text(json.dumps(results, indent=1))
-        (out / "product.md").write_text(markdown(results["table"]))
-        print(markdown(results["table"]))
+        text = markdown(results["table"]) + not_run(results)
+        (out / "product.md").write_text(text)
+        print(text)
         return 0
     if not args.model:
         p.error("--model is required (or --merge)")

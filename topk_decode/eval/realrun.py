@@ -119,9 +119,11 @@ def kv_variant(spec: str) -> tuple[str, str | None]:
 
 def int8_copy(ckv: ContextKV) -> ContextKV:
     """An in-RAM copy of a context's KV as `topk prefill --kv-dtype int8` stores it (the cache itself untouched)."""
-    from topk_decode.bench.synthetic import quantize_kv
+    from topk_decode.store.quant import quantize_context
 
-    return quantize_kv(dataclasses.replace(ckv, path=Path("<memory>"), keys=list(ckv.keys), values=list(ckv.values)))
+    return quantize_context(
+        dataclasses.replace(ckv, path=Path("<memory>"), keys=list(ckv.keys), values=list(ckv.values))
+    )
 
 
 @contextlib.contextmanager

@@ -1,5 +1,5 @@
-"""The ASGI app: OpenAI's /v1/chat/completions, /v1/completions, /v1/models and /v1/models/{id}, plus /health and
-/metrics.
+"""The ASGI app: OpenAI's /v1/chat/completions, /v1/completions, /v1/models and /v1/models/{id}, plus /health,
+/metrics, /v1/passage (the text around an answer's source) and the chat page at / (`webui/`, unless turned off).
 
 Every served cache is a model id; a request's `model` picks its cache. Each request is a fresh
 conversation over that cache's documents (the client sends the whole history, as with OpenAI); see
@@ -8,16 +8,20 @@ requests at once, their one-token steps together; the event loop only reads (up 
 parses, queues and streams. `Access` (outside the routes) checks the API key, counts each answer by status
 and logs one line per request; CORS, when enabled, sits outside it (a preflight carries no key). A client
 that leaves while sending its body is answered 499 (nobody reads it) and logged as such, not as a server error.
+The chat page's own files are served without the key (they hold nothing from the documents: the page asks for
+the key and sends it with its API calls), with a Content-Security-Policy that lets the page reach this server only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import hmac
 import json
 import time
 import uuid
+from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -28,6 +32,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from topk_decode.serve.metrics import CONTENT_TYPE, LOG, Metrics
+from topk_decode.serve.passages import AROUND_TOKENS, MAX_AROUND, passage
 from topk_decode.serve.schemas import (
     MAX_BODY_MB,
     APIError,
@@ -35,6 +40,7 @@ from topk_decode.serve.schemas import (
     model_not_found,
     parse_json,
     parse_request,
+    served_model,
     too_large,
 )
 from topk_decode.serve.turns import PROMPT_CHUNK_TOKENS
@@ -42,7 +48,24 @@ from topk_decode.serve.worker import MAX_BATCH, WATCH_S, DecodeWorker, Job
 
 OPEN_PATHS = ("/health",)  # answered without the API key: liveness probes carry no credentials
 QUIET_PATHS = ("/health", "/metrics")  # polled every few seconds: logged only when they fail
-ROUTES = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
+ROUTES = ("/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/passage")
+WEBUI_DIR = Path(__file__).parent / "webui"  # the chat page's files (package data)
+# the page's files: path → (file, media type); served without the key when the web UI is on
+WEBUI_FILES = {
+    "/": ("index.html", "text/html; charset=utf-8"),
+    "/ui/app.js": ("app.js", "text/javascript; charset=utf-8"),
+    "/ui/app.css": ("app.css", "text/css; charset=utf-8"),
+}
+# the page may load its own files and call this server, nothing else (no other host, no inline script, no frames)
+WEBUI_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+    "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+PASSAGE_PARAMS = ("model", "document", "start", "end", "around")
 MODEL_ROUTE = "/v1/models/{model}"  # GET /v1/models/ID: counted under this route, whatever the id
 CLIENT_CLOSED = 499  # nginx's "client closed request": the status of a request whose client left before its answer
 SENDING_GONE = "client disconnected while sending its request"
@@ -87,12 +110,14 @@ class Server:
         default_max_tokens: max_tokens when a request gives none.
         max_queue: requests waiting or running beyond which new ones get a 429.
         max_body_mb: request bodies past this many MB get a 413, before they are read in full.
-        api_key: requests must carry `Authorization: Bearer API_KEY` (all but /health); None: no key.
+        api_key: requests must carry `Authorization: Bearer API_KEY` (all but /health and the chat page's files);
+            None: no key.
         cors_origins: browser origins allowed to call the API (CORS); empty: none.
         max_batch: requests decoded at once, their one-token steps batched (1: one at a time).
         open_options, watch_s: how a cache grown by `topk prefill --append` is opened and how often its path is
             checked (`DecodeWorker`); `stores` then follows the versions served.
         prompt_chunk_tokens: most prompt tokens run between two steps of the running answers (serve/turns.py).
+        webui: serve the chat page at / (False: / is a 404, as any unknown path; the API is the same).
     """
 
     def __init__(
@@ -108,6 +133,7 @@ class Server:
         open_options: dict[str, dict] | None = None,
         watch_s: float | None = WATCH_S,
         prompt_chunk_tokens: int = PROMPT_CHUNK_TOKENS,
+        webui: bool = True,
     ) -> None:
         if not stores:
             raise ValueError("a server needs at least one store")
@@ -118,6 +144,9 @@ class Server:
         self.default_max_tokens = min(default_max_tokens, max_tokens_limit)
         self.api_key = api_key
         self.cors_origins = tuple(cors_origins)
+        self.webui = webui
+        self.open_paths = OPEN_PATHS + (tuple(WEBUI_FILES) if webui else ())
+        self._passage_tokenizers: dict = {}  # model id → a tokenizer copy of its own, for /v1/passage
         self.metrics = Metrics()
         self.worker = DecodeWorker(
             self.stores,
@@ -189,6 +218,47 @@ class Server:
             return _error(model_not_found(name, self.model_ids))
         request.state.model = name  # the metrics' model label (only for a served id: the label set stays bounded)
         return JSONResponse(self.model_card(name))
+
+    async def passage(self, request: Request) -> Response:
+        """GET /v1/passage?model=ID&document=NAME&start=T&end=T&around=N: the text of a cache's document around
+        context tokens [start, end) (a source's `span`), bounded (serve/passages.py); 4xx JSON on bad input."""
+        query = request.query_params
+        try:
+            unknown = sorted(set(query) - set(PASSAGE_PARAMS))
+            if unknown:
+                raise APIError(
+                    400,
+                    f"unknown parameter {unknown[0]!r}; GET /v1/passage takes {', '.join(PASSAGE_PARAMS)}",
+                    param=unknown[0],
+                    code="unknown_parameter",
+                )
+            name = served_model(query.get("model"), self.model_ids)
+            request.state.model = name
+            document = query.get("document")
+            if not document:
+                raise APIError(
+                    400,
+                    "document is required: a name from the answer's sources",
+                    param="document",
+                    code="missing_required_parameter",
+                )
+            start, end = _int_param(query, "start"), _int_param(query, "end")
+            around = _int_param(query, "around")
+            around = AROUND_TOKENS if around is None else around
+            if around > MAX_AROUND:
+                raise APIError(400, f"around must be in 0..{MAX_AROUND}, got {around}", param="around")
+            store = self.stores[name]
+            if name not in self._passage_tokenizers:  # the decoding threads use the store's own
+                self._passage_tokenizers[name] = copy.deepcopy(store.tokenizer)
+            body = passage(store, self._passage_tokenizers[name], document, start, end, around)
+        except APIError as e:
+            return _error(e)
+        return JSONResponse({**body, "model": name})
+
+    async def page(self, request: Request) -> Response:
+        """GET / and the page's files (webui/): the chat page."""
+        name, media_type = WEBUI_FILES[request.url.path]
+        return Response((WEBUI_DIR / name).read_bytes(), media_type=media_type, headers=WEBUI_HEADERS)
 
     # ---- generation ---------------------------------------------------------------------------------
     async def chat(self, request: Request):
@@ -305,6 +375,16 @@ class Server:
         yield "data: [DONE]\n\n"
 
 
+def _int_param(query, name: str) -> int | None:
+    """A query parameter that must be a non-negative integer (None when absent; APIError otherwise)."""
+    value = query.get(name)
+    if value is None:
+        return None
+    if not (value.isascii() and value.isdigit() and len(value) <= 18):
+        raise APIError(400, f"{name} must be a non-negative integer, got {value[:40]!r}", param=name)
+    return int(value)
+
+
 def _logprobs(req: GenerationRequest, entries: list[dict], offset: int) -> dict | None:
     """A choice's logprobs in the request's shape: chat's {"content": [...]}, or completions' parallel lists
     (tokens, token_logprobs, top_logprobs, text_offset from `offset`); None when not asked for."""
@@ -395,7 +475,7 @@ class Access:
             await send(message)
 
         try:
-            if self.key is not None and path not in OPEN_PATHS and not self.authorized(scope):
+            if self.key is not None and path not in self.server.open_paths and not self.authorized(scope):
                 denied = _error(unauthorized(scope))
                 denied.headers["WWW-Authenticate"] = "Bearer"
                 await denied(scope, receive, send_)
@@ -405,7 +485,7 @@ class Access:
             job: Job | None = state.get("job")
             model = job.request.model if job is not None else state.get("model", "")
             self.server.metrics.requests.labels(_route(path), str(status), model).inc()
-            if not (path in QUIET_PATHS and status < 400):
+            if not ((path in QUIET_PATHS or path in self.server.open_paths) and status < 400):
                 line = f"{job.id if job is not None else '-'} {scope['method']} {path} {status}"
                 if job is not None:
                     line += (
@@ -424,9 +504,12 @@ class Access:
 
 
 def _route(path: str) -> str:
-    """The metrics' route label of a path: a route's own path, MODEL_ROUTE for /v1/models/ID, else "other"."""
+    """The metrics' route label of a path: a route's own path, MODEL_ROUTE for /v1/models/ID, /ui/ for the chat page's
+    files, else "other"."""
     if path in ROUTES:
         return path
+    if path.startswith("/ui/") and path in WEBUI_FILES:
+        return "/ui/"
     return MODEL_ROUTE if path.startswith("/v1/models/") else "other"
 
 
@@ -454,7 +537,10 @@ def create_app(server: Server) -> Starlette:
         Route("/v1/models/{model:path}", server.model, methods=["GET"]),  # an id may hold a slash (org/name)
         Route("/v1/chat/completions", server.chat, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/passage", server.passage, methods=["GET"]),
     ]
+    if server.webui:
+        routes += [Route(path, server.page, methods=["GET"]) for path in WEBUI_FILES]
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -153,6 +153,28 @@ def model_not_found(model: str, model_ids: list[str]) -> APIError:
     )
 
 
+def served_model(model, model_ids: list[str]) -> str:
+    """The served model a request names: `model`, or the only one when it names none (APIError otherwise).
+
+    Args:
+        model: the request's `model` (None when absent).
+        model_ids: the models (caches) this server serves.
+    """
+    if model is None and len(model_ids) == 1:
+        return model_ids[0]
+    if not isinstance(model, str) or not model:
+        listed = ", ".join(repr(m) for m in model_ids)
+        raise APIError(
+            400,
+            f"model is required: one of {listed} (GET /v1/models lists them)",
+            param="model",
+            code="missing_required_parameter",
+        )
+    if model not in model_ids:
+        raise model_not_found(model, model_ids)
+    return model
+
+
 def parse_request(
     body: dict, kind: str, model_ids: list[str], max_tokens_limit: int, default_max_tokens: int
 ) -> GenerationRequest:
@@ -165,20 +187,7 @@ def parse_request(
         max_tokens_limit: the largest max_tokens accepted.
         default_max_tokens: max_tokens when the request gives none.
     """
-    model = body.get("model")
-    listed = ", ".join(repr(m) for m in model_ids)
-    if model is None and len(model_ids) == 1:
-        model = model_ids[0]
-    if not isinstance(model, str) or not model:
-        raise APIError(
-            400,
-            f"model is required: one of {listed} (GET /v1/models lists them)",
-            param="model",
-            code="missing_required_parameter",
-        )
-    if model not in model_ids:
-        raise model_not_found(model, model_ids)
-    req = GenerationRequest(kind=kind, model=model)
+    req = GenerationRequest(kind=kind, model=served_model(body.get("model"), model_ids))
     if kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:

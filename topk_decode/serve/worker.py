@@ -541,12 +541,19 @@ class DecodeWorker:
             temperature=req.temperature,
             top_p=req.top_p,
             seed=req.seed,
-            sources=True,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             logit_bias=req.logit_bias or None,
             logprobs=req.logprobs,
         )
+        from topk_decode.serve.passages import PassageTracker  # torch: `topk serve`'s checks run before it loads
+
+        # the documents it drew on, each with the passage that drew the most (serve/passages.py)
+        shape = store.decoder.shape
+        session.tracker = PassageTracker(
+            store.documents, store.decoder.scale, shape.group_size, shape.n_layers, store.ckv.n_tokens
+        )
+        session.conv.observer = session.tracker
         session.conv.should_stop = job.cancelled.is_set  # a client that leaves stops the prompt within a layer
         turns = self.turns(store)
         job.emit("start", None)

@@ -46,6 +46,24 @@ def quantize_values(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _quantize(values, 2)
 
 
+def quantize_context(ckv):
+    """An in-RAM context's KV (a `ContextKV` of float layers) as `topk prefill --kv-dtype int8` stores it, layer by
+    layer (each layer's float tensors are dropped from `ckv` once its int8 ones exist); the returned ContextKV holds
+    the int8 layers and their scales."""
+    import dataclasses
+
+    from topk_decode.store.format import QUANTIZED
+
+    key_scales, value_scales = [], []
+    for layer in range(ckv.n_layers):
+        ckv.keys[layer], ks = quantize_keys(ckv.keys[layer])
+        ckv.values[layer], vs = quantize_values(ckv.values[layer])
+        key_scales.append(ks)
+        value_scales.append(vs)
+    manifest = dict(ckv.manifest, kv_dtype=QUANTIZED)
+    return dataclasses.replace(ckv, manifest=manifest, key_scales=key_scales, value_scales=value_scales)
+
+
 def dequantize_keys(k8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """int8 keys (Hkv, M, D) with their (Hkv, D) scales → float32 keys."""
     return k8.float() * scales[:, None, :]
