@@ -152,8 +152,6 @@ class KVStore:
         How it decodes is a `DecodeConfig` (topk_decode/config.py: k, strategy and its options, sinks and tail,
         compile, prompt chunks, window limit ...): `config`, with any of its fields given by name overriding it
         (`KVStore.open(cache, k=512, strategy="flat")`, `KVStore.open(cache, config=cfg, n_tail=128)`).
-        A RoPE scaling the prefill declared (recorded as model.rope_scaling) is declared in the model's config
-        again, so decode rotates queries as the prefill rotated the cached keys.
 
         Args:
             path: the cache directory.
