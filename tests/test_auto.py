@@ -30,7 +30,10 @@ def test_auto_is_the_default_strategy():
     import inspect
 
     assert DecodeConfig().strategy == auto.AUTO
-    assert inspect.signature(KVStore.open).parameters["strategy"].default == auto.AUTO
+    assert inspect.signature(KVStore.open).parameters["strategy"].default is None  # None: DecodeConfig's
+    from topk_decode.api import decode_config
+
+    assert decode_config(strategy=None).strategy == auto.AUTO
     from topk_decode.cli.chat_cmd import chat_command
     from topk_decode.cli.serve_cmd import serve_command
 

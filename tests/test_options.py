@@ -66,7 +66,17 @@ def test_decode_defaults_are_declared_once_in_decode_config():
     from topk_decode.eval.harness import EvalConfig
 
     want = DecodeConfig()
-    for fn in (KVStore.open, chat_command, serve_command, eval_command):
+    # KVStore.open takes DecodeConfig's own defaults: its k and strategy default to None (the config's), and it
+    # re-lists none of the other fields (they come as **overrides)
+    from dataclasses import fields
+
+    from topk_decode.api import decode_config
+
+    params = inspect.signature(KVStore.open).parameters
+    assert params["k"].default is None and params["strategy"].default is None
+    assert not {f.name for f in fields(DecodeConfig)} - {"k", "strategy"} & set(params)
+    assert decode_config(k=None, strategy=None) == want
+    for fn in (chat_command, serve_command, eval_command):
         params = inspect.signature(fn).parameters
         for name in ("k", "strategy", "k_schedule", "n_sink", "n_tail", "compile"):
             if name in params and fn is not eval_command:
