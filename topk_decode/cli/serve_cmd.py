@@ -151,7 +151,6 @@ def serve_command(
 
     stores: dict[str, KVStore] = {}
     loaded: dict[str, KVStore] = {}  # model fingerprint → the first store that loaded it
-    # as asked (the store's config holds auto's resolved choice): a cache grown by --append is opened with them again
     asked = dict(
         k=k,
         k_schedule=k_schedule,
@@ -176,7 +175,6 @@ def serve_command(
         api_key=api_key,
         cors_origins=origins,
         max_batch=max_batch,
-        open_options={name: asked for name in names},
         prompt_chunk_tokens=prompt_chunk_tokens,
         webui=webui,
     )

@@ -114,8 +114,8 @@ class Server:
             None: no key.
         cors_origins: browser origins allowed to call the API (CORS); empty: none.
         max_batch: requests decoded at once, their one-token steps batched (1: one at a time).
-        open_options, watch_s: how a cache grown by `topk prefill --append` is opened and how often its path is
-            checked (`DecodeWorker`); `stores` then follows the versions served.
+        watch_s: how often each cache's path is checked for a version grown by `topk prefill --append`
+            (`DecodeWorker`); `stores` then follows the versions served.
         prompt_chunk_tokens: most prompt tokens run between two steps of the running answers (serve/turns.py).
         webui: serve the chat page at / (False: / is a 404, as any unknown path; the API is the same).
     """
@@ -130,7 +130,6 @@ class Server:
         api_key: str | None = None,
         cors_origins: tuple[str, ...] = (),
         max_batch: int = MAX_BATCH,
-        open_options: dict[str, dict] | None = None,
         watch_s: float | None = WATCH_S,
         prompt_chunk_tokens: int = PROMPT_CHUNK_TOKENS,
         webui: bool = True,
@@ -153,7 +152,6 @@ class Server:
             max_queue=max_queue,
             metrics=self.metrics,
             max_batch=max_batch,
-            open_options=open_options,
             watch_s=watch_s,
             prompt_chunk_tokens=prompt_chunk_tokens,
         )

@@ -172,8 +172,6 @@ class DecodeWorker:
         max_queue: jobs preparing, waiting or running beyond which new requests get a 429.
         metrics: the server's Metrics, told about each decoded request (None: nobody counts).
         max_batch: answers decoded at once, their one-token steps batched (1: one at a time, serially).
-        open_options: model id → the `KVStore.open` keywords its store was opened with (k, strategy as asked,
-            ...), to open a new version of its cache alike; an id not in it: `reopen_options(store)`.
         watch_s: seconds between checks of the served paths for a new version of a cache (None: never).
         prompt_chunk_tokens: most prompt tokens that run between two steps of the running answers (serve/turns.py).
     """
@@ -184,7 +182,6 @@ class DecodeWorker:
         max_queue: int = 64,
         metrics=None,
         max_batch: int = MAX_BATCH,
-        open_options: dict[str, dict] | None = None,
         watch_s: float | None = WATCH_S,
         prompt_chunk_tokens: int = PROMPT_CHUNK_TOKENS,
     ) -> None:
@@ -195,7 +192,6 @@ class DecodeWorker:
         self.max_batch = max_batch
         self.tokenizers: dict[str, object] = {}  # the preparing thread's own copies (decoding threads use the stores')
         self.rooms: dict[str, int] = {}
-        self.open_options = {name: (open_options or {}).get(name) or reopen_options(s) for name, s in stores.items()}
         copies: dict[int, object] = {}
         for name, store in self.stores.items():
             self.tokenizers[name] = copies.setdefault(id(store.tokenizer), copy.deepcopy(store.tokenizer))
@@ -324,7 +320,7 @@ class DecodeWorker:
                     self._seen[name] = key
                     self._failed.pop(name, None)
                     return False
-                new = self._open_version(name, store)
+                new = self._open_version(store)
             except Exception as e:  # noqa: BLE001 - any failure keeps the served version
                 self._fail(name, key, e)
                 return False
@@ -344,12 +340,12 @@ class DecodeWorker:
         )
         return True
 
-    def _open_version(self, name: str, store):
+    def _open_version(self, store):
         """The cache at the store's path opened as the store was, over its model, and warmed up (here, not on a
         decoding thread: those may all be busy, and the step's one-time work is not tied to a thread)."""
         from topk_decode.api import KVStore
 
-        new = KVStore.open(store.ckv.path, **self.open_options[name], share_model=store)
+        new = KVStore.open(store.ckv.path, **reopen_options(store), share_model=store)
         try:
             _warm(new)
             self._batch(new)
