@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from topk_decode.errors import TopkError
@@ -155,13 +156,7 @@ def open_target(cfg: StreamsConfig) -> Target:
 
 def percentile(values: list[float], q: float) -> float | None:
     """The q-th percentile (0..100) of `values`, linearly interpolated between ranks; None when empty."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    return float(np.percentile(values, q)) if values else None
 
 
 class _Stream:
