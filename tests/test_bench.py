@@ -203,3 +203,28 @@ def test_one_token_segments_match_the_module_by_module_step(built_cache, k):
             logits.append(dec.forward([int(logits[-1].argmax())], conv))
         runs.append(torch.stack(logits))
     torch.testing.assert_close(runs[0], runs[1], rtol=1e-6, atol=1e-6)
+
+
+def test_a_checkpoints_context_is_real_text_and_a_named_shapes_random_ids():
+    """`context_tokens`: a checkpoint's bench context is CPython's documentation topics in its own tokenizer (so that
+    its rows' tokens against HF dense's mean something), the same for the same seed, repeated past the topics'
+    length; a named shape's is random ids."""
+    import torch
+
+    from topk_decode.bench.run import context_tokens
+    from topk_decode.model.loading import load_tokenizer
+
+    demo = "topk_decode/demo_model"
+    tokens = context_tokens(demo, 0, 600, torch.Generator().manual_seed(0))
+    assert len(tokens) == 600 and tokens == context_tokens(demo, 0, 600, torch.Generator().manual_seed(0))
+    assert tokens != context_tokens(demo, 0, 600, torch.Generator().manual_seed(1))  # another order of the topics
+    text = load_tokenizer(demo).decode(tokens)
+    from pydoc_data.topics import topics
+
+    assert any(topic[:200] in text for topic in topics.values())  # whole topics, as written
+    many = context_tokens(demo, 0, 700_000, torch.Generator().manual_seed(0))  # the topics: ~300K of its tokens
+    head = many[:200]
+    period = next(i for i in range(1, len(many) - 200) if many[i : i + 200] == head)  # where the topics start again
+    assert len(many) == 700_000 and 200_000 < period < 400_000 and many[period:] == many[: len(many) - period]
+    ids = context_tokens(None, 1000, 64, torch.Generator().manual_seed(0))
+    assert len(ids) == 64 and all(3 <= i < 1000 for i in ids)

@@ -1,7 +1,8 @@
 """`topk bench`: top-k decoding beside HF transformers (dense and offloaded cache), one process, one run.
 
 Per context length N, in this order (so that the most important rows land first):
-1. our layer-wise prefill of N random tokens (weights resident), whose KV the decode then uses
+1. our layer-wise prefill of N tokens (weights resident; random ids for a named shape, real text for a checkpoint:
+   `context_tokens`), whose KV the decode then uses
    (`kv: prefill`); above `prefill_max` the KV is synthetic instead (`kv: synthetic`, see synthetic.py);
    with `kv_cache`, the KV of a cache directory (`kv: cache`: e.g. the real 1M prefill that
    `topk bench --prefill-only --keep-cache` kept), whose length is then the only context;
@@ -389,7 +390,9 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict:
     cached = None if cfg.kv_cache is None else open_kv_cache(cfg.kv_cache, shape)
     real = has_real_weights(cfg.model)  # a user's checkpoint: its top-k rows' tokens are checked against HF dense
     for n in [cached.n_tokens] if cached is not None else sorted(cfg.contexts):
-        tokens = torch.randint(3, shape.vocab_size, (n,), generator=gen).tolist() if cached is None else cached.tokens
+        tokens = (
+            context_tokens(cfg.model if real else None, shape.vocab_size, n, gen) if cached is None else cached.tokens
+        )
         kv = kv_bytes(shape.n_layers, shape.n_kv_heads, shape.head_dim, n, dtype)
         source = "prefill" if cfg.kv == "prefill" or (cfg.kv == "auto" and n <= cfg.prefill_max) else "synthetic"
         if "topk" in cfg.systems:
@@ -554,6 +557,38 @@ def _run_hf(rec, model, tokens, kv, system, cfg, device, budget) -> None:
         }
 
     _try(rec, system, n, measure, device, kv_gib=_gib(kv))
+
+
+def context_tokens(checkpoint: str | None, vocab_size: int, n: int, gen: torch.Generator) -> list[int]:
+    """n context tokens: for a user's checkpoint real text, so that its rows' greedy tokens against HF dense's
+    (`tokens_equal_dense`) say something (on random ids a greedy continuation follows no text and parts from dense's
+    at the first close call); random ids for a named shape, whose weights are random too.
+
+    The text is CPython's documentation topics (`pydoc_data.topics`, English technical prose shipped with Python),
+    in an order shuffled by `gen`, tokenized by the checkpoint's tokenizer and repeated to n tokens.
+
+    Args:
+        checkpoint: a checkpoint directory or GGUF file (its tokenizer), or None for random ids.
+        vocab_size: the model's vocabulary (random ids are drawn from 3 up, past the usual special tokens).
+        n: tokens wanted; gen: the bench's seeded generator.
+    """
+    if checkpoint is None:
+        return torch.randint(3, vocab_size, (n,), generator=gen).tolist()
+    from pydoc_data.topics import topics
+
+    from topk_decode.model.loading import load_tokenizer
+
+    order = torch.randperm(len(topics), generator=gen).tolist()
+    names = sorted(topics)
+    tok = load_tokenizer(checkpoint)
+    ids: list[int] = []
+    for i in order:
+        ids += tok.encode(topics[names[i]] + "\n\n", add_special_tokens=False)
+        if len(ids) >= n:
+            break
+    while len(ids) < n:  # the topics hold ~110K tokens: longer contexts repeat them
+        ids += ids[: n - len(ids)]
+    return ids[:n]
 
 
 def _run_offload_prefill(rec, model, shape, cfg, device, budget, gen) -> None:
