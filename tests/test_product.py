@@ -146,3 +146,36 @@ def test_a_setting_that_cannot_open_is_reported_and_the_others_run(tmp_path):
     assert set(run["answers"]) == {"dense", "flat"}
     assert "head pattern" in run["placements"]["duo"]["error"]
     assert "not run: duo: duo needs a head pattern" in (out / "product.md").read_text()
+
+
+def test_the_one_command_gpu_run_script_runs_its_suite_on_a_cpu(tmp_path):
+    """benchmarks/bench_product_gpu.sh, dry on the CPU with the demo model (its suite job only: the GPU tests, the
+    bench row and the seed strategies' duo calibration want a GPU or more time): it records the commit and the model,
+    runs the suite with the budget's setting, and tables every setting against dense (a fault here cost a GPU run its
+    rows before: duo without a pattern, a setting that could not open, --merge pooling two k)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import topk_decode
+
+    root = Path(topk_decode.__file__).parent.parent
+    demo = root / "topk_decode" / "demo_model"
+    env = {**os.environ, "PY": sys.executable, "DEVICE": "cpu", "JOBS": "suite", "LENGTHS": "1200", "SEEDS": "0"}
+    env.update(PER_TASK="1", REV="dry", THREADS="1")
+    res = tmp_path / "res"
+    run = subprocess.run(
+        ["bash", str(root / "benchmarks" / "bench_product_gpu.sh"), str(demo), str(res)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "commit dry" in (res / "env.txt").read_text()
+    table = (res / "all" / "product.md").read_text()
+    for setting in ("auto", "flat", "auto@llama-3-8b@128K:16GiB"):
+        assert f"| 1,200 | {setting} |" in table, table
+    assert not (res / "work_p_1200").exists()  # each job removes its caches
