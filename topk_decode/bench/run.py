@@ -574,9 +574,10 @@ def context_tokens(checkpoint: str | None, vocab_size: int, n: int, gen: torch.G
     """
     if checkpoint is None:
         return torch.randint(3, vocab_size, (n,), generator=gen).tolist()
-    from pydoc_data.topics import topics
-
+    from topk_decode.eval.realtext import pydoc_topics
     from topk_decode.model.loading import load_tokenizer
+
+    topics = pydoc_topics()
 
     order = torch.randperm(len(topics), generator=gen).tolist()
     names = sorted(topics)
