@@ -573,26 +573,24 @@
       .map((c) => c.trim());
   }
 
+  function tableRow(line, tag) {
+    const tr = el("tr");
+    for (const c of cells(line)) {
+      const cell = el(tag);
+      inline(c, cell);
+      tr.append(cell);
+    }
+    return tr;
+  }
+
   function table(lines, i, out) {
     const node = el("table");
     const head = el("thead");
-    const row = el("tr");
-    for (const c of cells(lines[i])) {
-      const th = el("th");
-      inline(c, th);
-      row.append(th);
-    }
-    head.append(row);
+    head.append(tableRow(lines[i], "th"));
     node.append(head);
     const body = el("tbody");
     for (i += 2; i < lines.length && lines[i].includes("|") && lines[i].trim(); i++) {
-      const tr = el("tr");
-      for (const c of cells(lines[i])) {
-        const td = el("td");
-        inline(c, td);
-        tr.append(td);
-      }
-      body.append(tr);
+      body.append(tableRow(lines[i], "td"));
     }
     node.append(body);
     out.append(node);
