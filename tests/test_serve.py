@@ -227,19 +227,20 @@ def test_concurrent_clients_get_the_answers_they_get_alone(client):
     assert all(QUESTIONS[k][1] in got[k] for k in QUESTIONS)
 
 
+def post_raw(base: str, body: dict) -> http.client.HTTPConnection:
+    """A completion request sent over a connection of our own (the test then reads, or drops, it as a client would)."""
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    return conn
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_dropped_client_stops_its_generation_and_the_next_is_served(live, client, stream):
     base, server = live
     before = server.worker.cancelled
-    host, port = base.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT)
     # " the" makes the demo model write filler text without an end of turn: a long generation
-    conn.request(
-        "POST",
-        "/v1/completions",
-        json.dumps({"model": MODEL, "prompt": " the", "max_tokens": 1000, "stream": stream}),
-        {"Content-Type": "application/json"},
-    )
+    conn = post_raw(base, {"model": MODEL, "prompt": " the", "max_tokens": 1000, "stream": stream})
     if stream:
         resp = conn.getresponse()
         assert resp.status == 200
@@ -438,14 +439,7 @@ def test_a_short_question_is_answered_while_a_long_prompt_is_still_going_through
     base, server = live
     turns = server.worker.turns(server.stores[MODEL])
     before = turns.turns
-    host, port = base.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT)
-    conn.request(
-        "POST",
-        "/v1/completions",
-        json.dumps({"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 1, "stream": True}),
-        {"Content-Type": "application/json"},
-    )
+    conn = post_raw(base, {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 1, "stream": True})
     try:
         assert conn.getresponse().status == 200
         deadline = time.monotonic() + TIMEOUT
@@ -469,15 +463,8 @@ def test_a_short_question_is_answered_while_a_long_prompt_is_still_going_through
 def test_a_client_that_leaves_during_a_long_prompt_frees_the_worker_within_seconds(live, client, stream):
     base, server = live
     before = server.worker.cancelled
-    host, port = base.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT)
     # minutes of prompt on a 2-core CPU; a fast device may be in the answer (filler text, no end of turn) by then
-    conn.request(
-        "POST",
-        "/v1/completions",
-        json.dumps({"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 1000, "stream": stream}),
-        {"Content-Type": "application/json"},
-    )
+    conn = post_raw(base, {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 1000, "stream": stream})
     deadline = time.monotonic() + TIMEOUT
     while not server.worker.running:
         assert time.monotonic() < deadline, "the request never started"
