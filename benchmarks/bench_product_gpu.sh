@@ -11,8 +11,7 @@
 #   p_<length>    the suite (topk_decode.eval.product): dense, auto, flat at auto's k, auto as placed under Llama-3-8B's
 #                 16 GiB budget at 128K, ≥ 100 held-out questions per cell with the defaults below
 #   p_seeds_k     the seed strategies (quest, duo, tokenselect, ivf, hnsw) at k = 256 and at auto's read budget
-# Durations on an H100 host (16 cores) with 8 such jobs side by side, 0.5B at 16K: dense 229 s and auto 145 s per seed
-# (35 questions), dense 371 s per seed at 32K; the whole default run outlasts one 30-minute device session.
+# The whole default run outlasts one 30-minute device session (durations measured: docs/EVAL.md).
 # Results go to RES (default ./product-results), one log and one folder per job; SNAP=file.tgz archives RES after
 # every job (a run cut short keeps what it measured). `python -m topk_decode.eval.product --merge RES/p_*/product.json
 # --out RES/all` tables the suites together. Needs faiss-cpu (routed's codes) and, for a GGUF, gguf.
