@@ -116,7 +116,8 @@ def answers(store, suite) -> list[tuple[str, int]]:
         for q in suite.questions:
             chat = store.session()
             text = chat.ask(q.question, max_new_tokens=q.max_new_tokens)
-            out.append((text, chat.conv.stats.recomputed))
+            # getattr: a tree from before the non-finite guard (deacbdf) has no count; the check against it is the answers
+            out.append((text, getattr(chat.conv.stats, "recomputed", 0)))
     finally:
         restore = getattr(store, "_restore_segments", None)
         if restore is not None:
