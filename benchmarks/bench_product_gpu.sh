@@ -8,7 +8,8 @@
 #                 model/ (first, so that a short device session gets the gate's verdict before anything else)
 #   bench         alone: one `topk bench` row on the real checkpoint (its tokens checked against HF dense's)
 # then side by side, each in its own process (fidelity does not depend on what else runs; no timing of them is quoted):
-#   p_<length>    the suite (topk_decode.eval.product): dense, auto, flat at auto's k, auto as placed under Llama-3-8B's
+#   dense_<len>   dense's answers, once per length (the jobs below take them: `--dense-from`, not asked again)
+#   p_<length>    the suite (topk_decode.eval.product): auto, flat at auto's k, auto as placed under Llama-3-8B's
 #                 16 GiB budget at 128K, ≥ 100 held-out questions per cell with the defaults below
 #   p_seeds_k     the seed strategies (quest, duo, tokenselect, ivf, hnsw) at k = 256 and at auto's read budget
 # The whole default run outlasts one 30-minute device session (durations measured: docs/EVAL.md).
@@ -62,12 +63,20 @@ want suite && n_jobs=$((n_jobs + $(wc -w <<< "$lengths")))
 want seeds && n_jobs=$((n_jobs + 2))
 export TOPK_THREADS=${THREADS:-$(( $(nproc) / (n_jobs > 0 ? n_jobs : 1) > 0 ? $(nproc) / (n_jobs > 0 ? n_jobs : 1) : 1 ))}
 
-suite() {  # $1 job name, then the suite's own arguments
+suite() {  # $1 job name, then the suite's own arguments; dense's answers from the dense jobs where they hold them
   timeout "$TIMEOUT" $PY -m topk_decode.eval.product --model "$MODEL" --device "$DEVICE" --seeds "$SEEDS" \
-    --per-task "$PER_TASK" --work "$RES/work_$1" --out "$RES/$1" "${@:2}" > "$RES/$1.log" 2>&1
+    --per-task "$PER_TASK" --work "$RES/work_$1" --out "$RES/$1" "${@:2}" ${DENSE_FROM:+--dense-from $DENSE_FROM} \
+    > "$RES/$1.log" 2>&1
   rm -rf "$RES/work_$1"
   snap
 }
+if want suite || want seeds; then  # dense once per length, before the jobs that compare with it
+  want suite || lengths=${lengths%% *}  # (the seed strategies run at the first length only)
+  for n in $lengths; do suite "dense_$n" --lengths "$n" --settings dense & done
+  for n in ${LONG//,/ }; do suite "dense_$n" --lengths "$n" --rope-scaling "${ROPE:-yarn:4}" --settings dense & done
+  wait
+  DENSE_FROM=$(ls "$RES"/dense_*/product.json 2> /dev/null | tr '\n' ' ')
+fi
 if want suite; then
   for n in $lengths; do
     suite "p_$n" --lengths "$n" --settings dense,auto,flat --as-budget llama-3-8b@128K:16GiB &

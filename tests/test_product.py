@@ -153,6 +153,7 @@ def test_the_one_command_gpu_run_script_runs_its_suite_on_a_cpu(tmp_path):
     bench row and the seed strategies' duo calibration want a GPU or more time): it records the commit and the model,
     runs the suite with the budget's setting, and tables every setting against dense (a fault here cost a GPU run its
     rows before: duo without a pattern, a setting that could not open, --merge pooling two k)."""
+    import json
     import os
     import subprocess
     import sys
@@ -179,3 +180,33 @@ def test_the_one_command_gpu_run_script_runs_its_suite_on_a_cpu(tmp_path):
     for setting in ("auto", "flat", "auto@llama-3-8b@128K:16GiB"):
         assert f"| 1,200 | {setting} |" in table, table
     assert not (res / "work_p_1200").exists()  # each job removes its caches
+    (run,) = json.loads((res / "p_1200" / "product.json").read_text())["runs"]  # dense asked once, in its own job
+    assert run["placements"]["dense"] == {"reused_from": str(res / "dense_1200" / "product.json")}
+
+
+def test_dense_from_an_earlier_run_of_the_same_suite_is_not_asked_again(tmp_path, monkeypatch):
+    """Settings run apart share one dense run (`--dense-from`): where the earlier run holds the same suite, its dense
+    answers are taken as they are; another length's are asked."""
+    import json
+    from pathlib import Path
+
+    import topk_decode
+    from topk_decode.eval import product
+
+    demo = Path(topk_decode.__file__).parent / "demo_model"
+    base = ["--model", str(demo), "--seeds", "0", "--per-task", "1", "--tasks", "real_needle", "--k", "64"]
+    base += ["--device", "cpu", "--work", str(tmp_path / "w")]
+    assert product.main([*base, "--lengths", "1200", "--settings", "dense", "--out", str(tmp_path / "d")]) == 0
+    first = json.loads((tmp_path / "d" / "product.json").read_text())["runs"][0]
+    asked = []
+    real_ask_all = product.ask_all
+    monkeypatch.setattr(
+        product, "ask_all", lambda store, qs: asked.append(store.config.strategy) or real_ask_all(store, qs)
+    )
+    argv = [*base, "--lengths", "1200,1300", "--settings", "dense,flat", "--out", str(tmp_path / "o")]
+    assert product.main([*argv, "--dense-from", str(tmp_path / "d" / "product.json")]) == 0
+    runs = json.loads((tmp_path / "o" / "product.json").read_text())["runs"]
+    assert runs[0]["answers"]["dense"] == first["answers"]["dense"]
+    assert runs[0]["placements"]["dense"] == {"reused_from": str(tmp_path / "d" / "product.json")}
+    assert "reused_from" not in runs[1]["placements"]["dense"]  # 1,300 tokens: not in the earlier run
+    assert asked == ["flat", "flat", "flat"]  # dense asked once (the other length), flat at both

@@ -10,6 +10,10 @@ is counted (`recomputed`: the decoder recomputes it on the host path, decode/eng
     python -m topk_decode.eval.product --model Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf --lengths 16384 \\
         --seeds 0-3 --settings dense,auto,flat --out results/product
     python -m topk_decode.eval.product --merge a/product.json b/product.json --out results/all
+    python -m topk_decode.eval.product ... --settings dense,quest,flat --dense-from results/dense/product.json
+
+`--dense-from` takes dense's answers from earlier runs of the same suite (model, length, seed, context, questions, KV
+dtype and RoPE scaling all equal) instead of asking dense again: settings run apart share one dense run.
 
 `--as-budget llama-3-8b@128K:16GiB` adds the setting `auto@budget`: `auto` with the device's key codes and value
 codes placed as that model's 16 GiB placement places them (`BUDGET_PLACEMENTS`), applied to this model.
@@ -18,6 +22,7 @@ codes placed as that model's 16 GiB placement places them (`BUDGET_PLACEMENTS`),
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import tempfile
@@ -132,6 +137,32 @@ def compare(dense: list[Answer], other: list[Answer]) -> dict:
     }
 
 
+def model_id(model_dir: Path) -> str:
+    """A checkpoint's identity for reusing its answers: its config and its weight files' names and sizes, hashed (16
+    hex)."""
+    h = hashlib.blake2b((model_dir / "config.json").read_bytes(), digest_size=8)
+    for f in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()
+
+
+def run_key(model: str, length: int, seed: int, sha: str, kv_dtype: str | None, rope_scaling: str | None) -> tuple:
+    """What must be equal for two runs' dense answers to be the same run's (their questions are compared too)."""
+    return (model, length, seed, sha, kv_dtype, rope_scaling)
+
+
+def dense_runs(paths: list[Path]) -> dict[tuple, tuple[list[dict], str]]:
+    """Dense's answers in earlier product.json files by `run_key`, each with the file it came from."""
+    found = {}
+    for path in paths:
+        results = json.loads(Path(path).read_text())
+        for r in results["runs"]:
+            if DENSE in r["answers"] and "model_id" in r:
+                key = run_key(r["model_id"], r["length"], r["seed"], r["sha"], r.get("kv_dtype"), r.get("rope_scaling"))
+                found[key] = (r["answers"][DENSE], str(path))
+    return found
+
+
 def run(args) -> dict:
     """Prefill one cache per (length, seed), open every setting on it, ask every question; write JSON + markdown."""
     from topk_decode.model.loading import load_tokenizer, resolve_model_path
@@ -149,7 +180,9 @@ def run(args) -> dict:
         raise SystemExit("error: the first setting must be dense (every other one is compared with it)")
     from topk_decode.errors import TopkError
 
+    mid = model_id(model_dir)
     results: dict = {"model": str(args.model), "runs": []}
+    reusable = dense_runs(args.dense_from or [])
     for length in [int(x) for x in args.lengths.split(",")]:
         for seed in seeds_of(args.seeds):
             suite = make_suite(args.tasks.split(","), length, seed, tok, per_task=args.per_task)
@@ -160,9 +193,17 @@ def run(args) -> dict:
             _prefill(docs, cache, model_dir, args)
             prefill_s = time.perf_counter() - t0
             done = {"length": length, "seed": seed, "sha": suite.sha, "prefill_s": prefill_s, "placements": {}}
-            done["answers"] = {}
+            done.update(model_id=mid, kv_dtype=args.kv_dtype, rope_scaling=args.rope_scaling, answers={})
             results["runs"].append(done)
+            key = run_key(mid, length, seed, suite.sha, args.kv_dtype, args.rope_scaling)
+            earlier, source = reusable.get(key, (None, None))
+            if earlier is not None and [a["question"] for a in earlier] == [q.question for q in suite.questions]:
+                done["answers"][DENSE] = earlier  # dense asked in an earlier run of this very suite: not again
+                done["placements"][DENSE] = {"reused_from": source}
+                print(f"[{length} seed {seed}] dense: reused from {source}", flush=True)
             for s in settings:  # saved after every setting: a run cut short keeps what it asked
+                if s.name in done["answers"]:
+                    continue
                 try:
                     store = open_store(cache, s, _n_tokens(cache), args.device)
                 except TopkError as e:  # this setting cannot run here (a missing option, an int8 cache ...)
@@ -298,6 +339,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="cuda or cpu (default: CUDA when available)")
     p.add_argument("--work", default=None, help="where the documents and caches go (default: a temporary folder)")
     p.add_argument("--keep-caches", action="store_true", help="keep the prefilled caches under WORK/caches")
+    p.add_argument(
+        "--dense-from",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="dense's answers from these product.json files where they ran the same suite (model, length, seed, "
+        "questions, KV dtype, RoPE scaling): dense is not asked again there",
+    )
     p.add_argument("--out", required=True, help="results folder: product.json and product.md")
     args = p.parse_args(argv)
     if args.merge:
