@@ -73,7 +73,6 @@ suite() {  # $1 job name, then the suite's own arguments; dense's answers from t
 if want suite || want seeds; then  # dense once per length, before the jobs that compare with it
   want suite || lengths=${lengths%% *}  # (the seed strategies run at the first length only)
   for n in $lengths; do suite "dense_$n" --lengths "$n" --settings dense & done
-  for n in ${LONG//,/ }; do suite "dense_$n" --lengths "$n" --rope-scaling "${ROPE:-yarn:4}" --settings dense & done
   wait
   DENSE_FROM=$(ls "$RES"/dense_*/product.json 2> /dev/null | tr '\n' ' ')
 fi

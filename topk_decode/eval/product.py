@@ -193,9 +193,9 @@ def run(args) -> dict:
             _prefill(docs, cache, model_dir, args)
             prefill_s = time.perf_counter() - t0
             done = {"length": length, "seed": seed, "sha": suite.sha, "prefill_s": prefill_s, "placements": {}}
-            done.update(model_id=mid, kv_dtype=args.kv_dtype, rope_scaling=args.rope_scaling, answers={})
+            done.update(model_id=mid, kv_dtype=args.kv_dtype, rope_scaling=None, answers={})  # (none declared here)
             results["runs"].append(done)
-            key = run_key(mid, length, seed, suite.sha, args.kv_dtype, args.rope_scaling)
+            key = run_key(mid, length, seed, suite.sha, args.kv_dtype, done["rope_scaling"])
             earlier, source = reusable.get(key, (None, None))
             if earlier is not None and [a["question"] for a in earlier] == [q.question for q in suite.questions]:
                 done["answers"][DENSE] = earlier  # dense asked in an earlier run of this very suite: not again
