@@ -121,6 +121,7 @@ def test_a_random_weight_shape_says_its_rows_are_timing_only(tmp_path):
         (["--streams", "1", "--prompt-chunk-tokens", "0"], "--prompt-chunk-tokens must be positive"),
         (["--long-prompt", "20K"], "--long-prompt goes with --streams"),
         (["--cache", "x"], "--cache goes with --streams"),
+        (["--streams", "1", "--model", "tiny", "--kv-dtype", "int4"], "int4"),
     ],
 )
 def test_bad_stream_options_are_one_error_line(args, message):
@@ -144,3 +145,14 @@ def test_a_long_prompt_past_the_window_is_one_error_line(demo_cache, tmp_path):
 def test_percentile_interpolates_between_ranks(values, q, expected):
     got = percentile(values, q)
     assert got == pytest.approx(expected) if expected is not None else got is None
+
+
+def test_a_named_shape_streams_over_int8_kv_and_a_cache_refuses_a_kv_dtype(demo_cache, tmp_path):
+    args = ["bench", "--streams", "1", "--model", "tiny", "--context", "512", "--device", "cpu", "--k", "32"]
+    res = CliRunner().invoke(app, args + ["--steps", "2", "--kv-dtype", "int8", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert "int8" in json.loads((tmp_path / "bench_streams_tiny.json").read_text())["what"]
+    res = CliRunner().invoke(app, ["bench", "--streams", "1", "--cache", str(demo_cache), "--kv-dtype", "int8"])
+    assert res.exit_code != 0 and res.stderr.strip() == (
+        "error: --kv-dtype applies to a named shape's random KV; a cache keeps the KV dtype it was made with"
+    )

@@ -36,6 +36,7 @@ import torch
 
 from topk_decode.errors import TopkError
 from topk_decode.serve.turns import PROMPT_CHUNK_TOKENS, PromptTurns
+from topk_decode.store.format import check_kv_dtype
 
 SHORT_PROMPT = 24  # tokens of each short stream's prompt (a short question)
 FILLER = " the harbour and the ledger"  # the long prompt's text over a cache, repeated to T tokens
@@ -53,6 +54,8 @@ class StreamsConfig:
         cache: a cache directory, decoded with its own model and weights; None: `model` and `context`.
         model: a named shape (random weights) or a checkpoint, over `context` tokens of random KV (no `cache`).
         context: the random KV's length.
+        kv_dtype: "int8": the named shape's random KV stored in 8 bits, as `topk prefill --kv-dtype int8` stores a
+            cache's; None: the model's dtype (a cache keeps its own).
         k, strategy, strategy_options: the decoding's.
         device, dtype: None: the cache's defaults (CUDA when available; bf16 there, fp32 on the CPU).
         gpu_memory: a GPU budget in bytes for the named shape (None: whole GPU).
@@ -66,6 +69,7 @@ class StreamsConfig:
     cache: str | None = None
     model: str = "llama-3-8b"
     context: int = 32768
+    kv_dtype: str | None = None
     k: int = 1024
     strategy: str = "flat"
     strategy_options: dict = field(default_factory=dict)
@@ -86,6 +90,11 @@ class StreamsConfig:
             raise TopkError(f"--cache {self.cache}: no such cache directory")
         if self.cache is None and self.context < 128:
             raise TopkError("the context must be at least 128 tokens")
+        check_kv_dtype(self.kv_dtype)
+        if self.cache is not None and self.kv_dtype is not None:
+            raise TopkError(
+                "--kv-dtype applies to a named shape's random KV; a cache keeps the KV dtype it was made with"
+            )
         from topk_decode.index import check_requested_strategy
 
         check_requested_strategy(self.strategy)
@@ -139,7 +148,7 @@ def open_target(cfg: StreamsConfig) -> Target:
     dtype = parse_dtype(cfg.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     model = build_model(cfg.model, device, dtype)
     shape = ModelShape.from_config(model.config)
-    ckv = synthetic_kv(shape.n_layers, shape.n_kv_heads, shape.head_dim, cfg.context, dtype)
+    ckv = synthetic_kv(shape.n_layers, shape.n_kv_heads, shape.head_dim, cfg.context, dtype, kv_dtype=cfg.kv_dtype)
     if cfg.gpu_memory and device.type == "cuda":
         set_gpu_budget(device, cfg.gpu_memory)
     config = DecodeConfig(k=cfg.k, strategy=cfg.strategy, strategy_options=dict(cfg.strategy_options))
@@ -150,7 +159,8 @@ def open_target(cfg: StreamsConfig) -> Target:
         return [(7 + 13 * i + j) % vocab for j in range(n)]
 
     weights = "real weights" if has_real_weights(cfg.model) else "random weights"
-    what = f"{cfg.model} ({weights}), random KV of {cfg.context:,} tokens: timing only"
+    kv = f" stored in {cfg.kv_dtype}" if cfg.kv_dtype else ""
+    what = f"{cfg.model} ({weights}), random KV of {cfg.context:,} tokens{kv}: timing only"
     return Target(decoder, prompt, Path(cfg.model).name, what, True, decoder.close)
 
 

@@ -192,7 +192,7 @@ def bench_command(
             raise TopkError(f"{option} goes with --streams")
     if streams is not None:
         _streams(streams, cache, long_prompt, prompt_chunk_tokens, model, context, k, strategy, opt, steps, device,
-                 dtype, gpu_memory, out)  # fmt: skip
+                 dtype, gpu_memory, out, kv_dtype)  # fmt: skip
         return
     device, dtype, context = device or "cuda", dtype or "bf16", context or "32K,128K"
     if prefill_only:
@@ -234,7 +234,21 @@ def bench_command(
 
 
 def _streams(
-    streams, cache, long_prompt, chunk, model, context, k, strategy, opt, steps, device, dtype, gpu_memory, out
+    streams,
+    cache,
+    long_prompt,
+    chunk,
+    model,
+    context,
+    k,
+    strategy,
+    opt,
+    steps,
+    device,
+    dtype,
+    gpu_memory,
+    out,
+    kv_dtype,
 ):
     """`--streams`: concurrent answers as the server runs them (bench/streams.py), one table row per run."""
     from topk_decode.bench.measure import parse_bytes, parse_tokens
@@ -256,6 +270,7 @@ def _streams(
         cache=cache,
         model=model,
         context=parse_tokens(lengths[0]) if cache is None else 0,
+        kv_dtype=kv_dtype,
         k=k,
         strategy=strategy,
         strategy_options=parse_options(opt),
