@@ -22,7 +22,6 @@ codes placed as that model's 16 GiB placement places them (`BUDGET_PLACEMENTS`),
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 import tempfile
@@ -137,17 +136,9 @@ def compare(dense: list[Answer], other: list[Answer]) -> dict:
     }
 
 
-def model_id(model_dir: Path) -> str:
-    """A checkpoint's identity for reusing its answers: its config and its weight files' names and sizes, hashed (16
-    hex)."""
-    h = hashlib.blake2b((model_dir / "config.json").read_bytes(), digest_size=8)
-    for f in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
-    return h.hexdigest()
-
-
 def run_key(model: str, length: int, seed: int, sha: str, kv_dtype: str | None, rope_scaling: str | None) -> tuple:
-    """What must be equal for two runs' dense answers to be the same run's (their questions are compared too)."""
+    """What must be equal for two runs' dense answers to be the same run's (the checkpoint by `model_fingerprint`; their
+    questions are compared too)."""
     return (model, length, seed, sha, kv_dtype, rope_scaling)
 
 
@@ -157,15 +148,16 @@ def dense_runs(paths: list[Path]) -> dict[tuple, tuple[list[dict], str]]:
     for path in paths:
         results = json.loads(Path(path).read_text())
         for r in results["runs"]:
-            if DENSE in r["answers"] and "model_id" in r:
-                key = run_key(r["model_id"], r["length"], r["seed"], r["sha"], r.get("kv_dtype"), r.get("rope_scaling"))
+            if DENSE in r["answers"] and "model_fingerprint" in r:
+                fp = r["model_fingerprint"]
+                key = run_key(fp, r["length"], r["seed"], r["sha"], r.get("kv_dtype"), r.get("rope_scaling"))
                 found[key] = (r["answers"][DENSE], str(path))
     return found
 
 
 def run(args) -> dict:
     """Prefill one cache per (length, seed), open every setting on it, ask every question; write JSON + markdown."""
-    from topk_decode.model.loading import load_tokenizer, resolve_model_path
+    from topk_decode.model.loading import load_tokenizer, model_fingerprint, resolve_model_path
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -180,7 +172,7 @@ def run(args) -> dict:
         raise SystemExit("error: the first setting must be dense (every other one is compared with it)")
     from topk_decode.errors import TopkError
 
-    mid = model_id(model_dir)
+    fingerprint = model_fingerprint(model_dir)  # (a GGUF's converted directory: the GGUF's own)
     results: dict = {"model": str(args.model), "runs": []}
     reusable = dense_runs(args.dense_from or [])
     for length in [int(x) for x in args.lengths.split(",")]:
@@ -193,9 +185,10 @@ def run(args) -> dict:
             _prefill(docs, cache, model_dir, args)
             prefill_s = time.perf_counter() - t0
             done = {"length": length, "seed": seed, "sha": suite.sha, "prefill_s": prefill_s, "placements": {}}
-            done.update(model_id=mid, kv_dtype=args.kv_dtype, rope_scaling=None, answers={})  # (none declared here)
+            # (no RoPE scaling is declared on this path)
+            done.update(model_fingerprint=fingerprint, kv_dtype=args.kv_dtype, rope_scaling=None, answers={})
             results["runs"].append(done)
-            key = run_key(mid, length, seed, suite.sha, args.kv_dtype, done["rope_scaling"])
+            key = run_key(fingerprint, length, seed, suite.sha, args.kv_dtype, done["rope_scaling"])
             earlier, source = reusable.get(key, (None, None))
             if earlier is not None and [a["question"] for a in earlier] == [q.question for q in suite.questions]:
                 done["answers"][DENSE] = earlier  # dense asked in an earlier run of this very suite: not again
